@@ -1,0 +1,37 @@
+# lmforge: every target sets up .venv first (torch==2.13.0, then the package with its dev extras).
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+OUT ?= runs/speedrun
+
+.PHONY: setup speedrun test test-fast bench clean help
+
+help:
+	@echo "make speedrun   train tokenizer, prepare, pretrain and sample on the Python standard library ($(OUT))"
+	@echo "make test       run the test suite"
+	@echo "make bench      run the benchmarks in bench/ and append to bench/RESULTS.md"
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+speedrun: $(STAMP)
+	$(VENV)/bin/lmforge speedrun --config configs/stdlib-tiny.toml --out $(OUT) $(if $(wildcard $(OUT)),--resume,)
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow"
+
+bench: $(STAMP)
+	$(PY) bench/run_all.py
+
+clean:
+	rm -rf runs .pytest_cache

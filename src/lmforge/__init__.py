@@ -1,0 +1,10 @@
+"""lmforge: train small language models end to end, without the silent bugs.
+
+Stages: tokenizer -> prepare -> pretrain -> sft -> generate / eval -> export.
+See README.md and DESIGN.md for the pitfall table (P1-P7) this package rules out.
+"""
+
+from lmforge.errors import LmforgeError
+
+__version__ = "0.1.0"
+__all__ = ["LmforgeError", "__version__"]

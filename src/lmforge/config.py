@@ -1,0 +1,368 @@
+"""Typed configuration: dataclasses, TOML loading, dotted overrides, validation.
+
+One `Config` is the source of truth for a run. It is loaded from a TOML recipe
+(`configs/*.toml`), patched by repeatable `--set section.key=value` overrides,
+validated before any work, and written back as `config.toml` into every output
+folder. Reading is strict: an unknown section or key, or a value of the wrong
+type, is a `ConfigError` naming the key (with a close-match suggestion).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import tomli_w
+
+from lmforge.errors import ConfigError
+
+#: Model vocabularies are padded up to a multiple of this (P6): the extra rows
+#: are never targets and are sliced off the logits.
+VOCAB_MULTIPLE = 64
+
+
+@dataclass
+class TokenizerConfig:
+    vocab_size: int = 8192
+    """Tokenizer vocabulary size, special tokens included."""
+    dir: str = "runs/tokenizer"
+    """Folder of the trained tokenizer (tokenizer.json, tokenizer_config.json, contract.json)."""
+    max_train_bytes: int = 0
+    """Train the BPE on at most this many bytes of text (0 = all)."""
+
+
+@dataclass
+class DataConfig:
+    source: str = "stdlib"
+    """"stdlib" (the running interpreter's standard library), or a path to a folder
+    of .txt/.md/.py files, a JSONL file with a `text` field, or a Parquet file."""
+    dir: str = "runs/data"
+    """Folder of the prepared shards ({split}.bin, {split}.idx, contract.json)."""
+    seq_len: int = 256
+    """Tokens per training row."""
+    document_masking: bool = True
+    """Attend only within a document (block-diagonal causal mask) and reset positions."""
+    val_fraction: float = 0.02
+    """Fraction of documents (by module / file / record hash) held out for validation."""
+    include_tests: bool = False
+    """stdlib only: keep `test`/`tests` folders (excluded by default)."""
+    on_bad_utf8: str = "skip"
+    """A file that is not UTF-8: "skip" (counted and reported) or "error"."""
+
+
+@dataclass
+class ModelConfig:
+    dim: int = 256
+    n_layers: int = 4
+    n_heads: int = 8
+    n_kv_heads: int = 4
+    vocab_size: int = 0
+    """0 = derived from the tokenizer's contract (always, in practice). A value set by
+    hand must be at least the tokenizer's vocab size; it is rounded up to a multiple of 64."""
+    ffn_dim: int = 0
+    """0 = derived: 8/3 * dim rounded up to a multiple of 64 (Llama's SwiGLU rule)."""
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    max_seq_len: int = 2048
+    tie_embeddings: bool = False
+    attention: str = "auto"
+    """"auto" (flex on CUDA, sdpa elsewhere), "sdpa" or "flex"."""
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    def resolved_ffn_dim(self) -> int:
+        if self.ffn_dim:
+            return self.ffn_dim
+        return _round_up(int(8 * self.dim / 3), 64)
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 1000
+    micro_batch_size: int = 16
+    grad_accum_steps: int = 1
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.0
+    """The schedule decays to lr * min_lr_ratio."""
+    warmup_steps: int = 50
+    schedule: str = "cosine"
+    """"cosine" (warmup + cosine) or "wsd" (warmup-stable-decay)."""
+    decay_fraction: float = 0.2
+    """wsd only: the fraction of steps spent in the final linear decay."""
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    seed: int = 1337
+    precision: str = "auto"
+    """"auto" (bf16 autocast where the device has bf16 units, else fp32), "bf16" or "fp32"."""
+    data_parallel: str = "ddp"
+    """"ddp" or "fsdp" (used when launched through torchrun with several ranks)."""
+    compile: bool = False
+    checkpoint_every: int = 0
+    """Write a checkpoint every N steps (0 = only at the end)."""
+    keep_last: int = 2
+    """Keep the newest K checkpoints (0 = keep all)."""
+    eval_every: int = 0
+    """Validation loss every N steps (0 = only at the end)."""
+    eval_tokens: int = 65536
+    """Tokens of the validation split used by periodic validation (0 = all)."""
+    log_every: int = 10
+    time_limit_s: float = 0.0
+    """Stop (with a checkpoint) after this many seconds of training (0 = no limit)."""
+
+
+@dataclass
+class SFTConfig:
+    init: str = ""
+    """Checkpoint folder to start from (a pretraining run's step folder or run folder)."""
+    data: str = "stdlib"
+    """"stdlib" (functions of the standard library) or a JSONL/Parquet file of conversations."""
+    packing: bool = False
+    """Pack conversations with document masking instead of right-padding one per row."""
+
+
+@dataclass
+class GenerateConfig:
+    max_new_tokens: int = 128
+    temperature: float = 0.8
+    top_k: int = 50
+    top_p: float = 0.95
+    repetition_penalty: float = 1.0
+
+
+@dataclass
+class Config:
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    generate: GenerateConfig = field(default_factory=GenerateConfig)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return dataclasses.asdict(self)
+
+    def save(self, path: str | Path) -> None:
+        """Write the resolved config as TOML (atomically)."""
+        path = Path(path)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_bytes(tomli_w.dumps(self.to_dict()).encode())
+        tmp.replace(path)
+
+    def validate(self) -> "Config":
+        """Check shapes and choices before any work (P7). Returns self."""
+        validate(self)
+        return self
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return int(math.ceil(n / multiple) * multiple)
+
+
+def padded_vocab_size(vocab_size: int) -> int:
+    """The model's vocab: the tokenizer's, rounded up to a multiple of 64 (P6)."""
+    return _round_up(vocab_size, VOCAB_MULTIPLE)
+
+
+SECTIONS: dict[str, type] = {f.name: f.type for f in dataclasses.fields(Config)}
+_SECTION_TYPES = {
+    "tokenizer": TokenizerConfig,
+    "data": DataConfig,
+    "model": ModelConfig,
+    "train": TrainConfig,
+    "sft": SFTConfig,
+    "generate": GenerateConfig,
+}
+
+
+def _suggest(name: str, options: list[str]) -> str:
+    close = difflib.get_close_matches(name, options, n=1, cutoff=0.5)
+    if close:
+        return f" Did you mean {close[0]!r}?"
+    return f" Known: {', '.join(sorted(options))}."
+
+
+def _coerce(section: str, key: str, value: Any, typ: type, where: str) -> Any:
+    """Check `value` against the dataclass field type (int/float/bool/str)."""
+    name = f"{section}.{key}"
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+    elif typ is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif typ is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif typ is str:
+        if isinstance(value, str):
+            return value
+    raise ConfigError(
+        f"{where}: {name} = {value!r} has type {type(value).__name__}, expected {typ.__name__}. "
+        f"Fix the value (for example {name}={typ()!r})."
+    )
+
+
+def _field_types(cls: type) -> dict[str, type]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def from_dict(raw: dict[str, Any], where: str = "config") -> Config:
+    """Build a Config from nested dicts, strictly (unknown keys are errors)."""
+    cfg = Config()
+    for section, values in raw.items():
+        if section not in _SECTION_TYPES:
+            raise ConfigError(
+                f"{where}: unknown section [{section}].{_suggest(section, list(_SECTION_TYPES))}"
+            )
+        if not isinstance(values, dict):
+            raise ConfigError(f"{where}: [{section}] must be a table of keys, got {values!r}.")
+        obj = getattr(cfg, section)
+        types = _field_types(type(obj))
+        for key, value in values.items():
+            if key not in types:
+                raise ConfigError(
+                    f"{where}: unknown key {section}.{key}.{_suggest(key, list(types))}"
+                )
+            setattr(obj, key, _coerce(section, key, value, types[key], where))
+    return cfg
+
+
+def _parse_override_value(text: str) -> Any:
+    """`--set` values are TOML literals; a bare word is taken as a string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def apply_overrides(cfg: Config, overrides: list[str] | None) -> Config:
+    """Apply `section.key=value` strings (the repeatable `--set` flag)."""
+    raw = cfg.to_dict()
+    for item in overrides or []:
+        if "=" not in item or "." not in item.split("=", 1)[0]:
+            raise ConfigError(
+                f"--set {item!r}: expected section.key=value, for example --set train.steps=100."
+            )
+        dotted, text = item.split("=", 1)
+        section, key = dotted.strip().split(".", 1)
+        if section not in raw:
+            raise ConfigError(
+                f"--set {item!r}: unknown section {section!r}.{_suggest(section, list(raw))}"
+            )
+        if key not in raw[section]:
+            raise ConfigError(
+                f"--set {item!r}: unknown key {section}.{key}.{_suggest(key, list(raw[section]))}"
+            )
+        value = _parse_override_value(text.strip())
+        typ = _field_types(type(getattr(cfg, section)))[key]
+        if typ is str and not isinstance(value, str):
+            value = text.strip()  # e.g. --set sft.init=123 names a folder "123"
+        raw[section][key] = value
+    return from_dict(raw, where="--set")
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Load a TOML recipe (or the defaults when `path` is None), apply overrides, validate.
+
+    Raises:
+        ConfigError: missing file, TOML syntax error, unknown key, wrong type, bad shape.
+    """
+    if path is None:
+        cfg = Config()
+    else:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(
+                f"config file {path} does not exist. Pass an existing recipe, "
+                f"for example --config configs/stdlib-tiny.toml."
+            )
+        try:
+            raw = tomllib.loads(path.read_text(encoding="utf-8"))
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{path}: not valid TOML: {exc}. Fix the syntax.") from None
+        cfg = from_dict(raw, where=str(path))
+    cfg = apply_overrides(cfg, overrides)
+    return validate(cfg)
+
+
+def _choice(name: str, value: str, options: tuple[str, ...]) -> None:
+    if value not in options:
+        raise ConfigError(
+            f"{name} = {value!r} is not one of {', '.join(map(repr, options))}.{_suggest(value, list(options))}"
+        )
+
+
+def _positive(name: str, value: float, allow_zero: bool = False) -> None:
+    if value < 0 or (value == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ConfigError(f"{name} = {value!r}: expected a value {bound}.")
+
+
+def validate(cfg: Config) -> Config:
+    """Validate shapes and choices (P7): every error says what to change."""
+    m, d, t = cfg.model, cfg.data, cfg.train
+    for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "max_seq_len"):
+        _positive(f"model.{name}", getattr(m, name))
+    _positive("tokenizer.vocab_size", cfg.tokenizer.vocab_size)
+    if m.dim % m.n_heads:
+        raise ConfigError(
+            f"model.dim = {m.dim} is not divisible by model.n_heads = {m.n_heads}. "
+            f"Choose n_heads dividing dim (for example {_divisor_near(m.dim, m.n_heads)})."
+        )
+    if m.n_heads % m.n_kv_heads:
+        raise ConfigError(
+            f"model.n_heads = {m.n_heads} is not divisible by model.n_kv_heads = {m.n_kv_heads} "
+            f"(grouped-query attention shares each KV head among n_heads / n_kv_heads query heads). "
+            f"Choose n_kv_heads dividing n_heads (for example {_divisor_near(m.n_heads, m.n_kv_heads)})."
+        )
+    if m.head_dim % 2:
+        raise ConfigError(
+            f"model.dim / model.n_heads = {m.head_dim} is odd; rotary embeddings need an even head size."
+        )
+    _choice("model.attention", m.attention, ("auto", "sdpa", "flex"))
+    if d.seq_len < 1:
+        raise ConfigError(f"data.seq_len = {d.seq_len}: expected at least 1.")
+    if d.seq_len > m.max_seq_len:
+        raise ConfigError(
+            f"data.seq_len = {d.seq_len} exceeds model.max_seq_len = {m.max_seq_len}. "
+            f"Lower data.seq_len or raise model.max_seq_len."
+        )
+    if not 0.0 <= d.val_fraction < 1.0:
+        raise ConfigError(f"data.val_fraction = {d.val_fraction}: expected 0 <= value < 1.")
+    _choice("data.on_bad_utf8", d.on_bad_utf8, ("skip", "error"))
+    for name in ("steps", "micro_batch_size", "grad_accum_steps"):
+        _positive(f"train.{name}", getattr(t, name))
+    _positive("train.lr", t.lr)
+    for name in ("warmup_steps", "checkpoint_every", "keep_last", "eval_every", "eval_tokens",
+                 "weight_decay", "grad_clip", "time_limit_s", "min_lr_ratio"):
+        _positive(f"train.{name}", getattr(t, name), allow_zero=True)
+    if t.log_every < 1:
+        raise ConfigError(f"train.log_every = {t.log_every}: expected at least 1.")
+    _choice("train.schedule", t.schedule, ("cosine", "wsd"))
+    _choice("train.precision", t.precision, ("auto", "bf16", "fp32"))
+    _choice("train.data_parallel", t.data_parallel, ("ddp", "fsdp"))
+    if not 0.0 < t.decay_fraction <= 1.0:
+        raise ConfigError(f"train.decay_fraction = {t.decay_fraction}: expected 0 < value <= 1.")
+    g = cfg.generate
+    _positive("generate.max_new_tokens", g.max_new_tokens)
+    _positive("generate.temperature", g.temperature, allow_zero=True)
+    _positive("generate.top_k", g.top_k, allow_zero=True)
+    if not 0.0 < g.top_p <= 1.0:
+        raise ConfigError(f"generate.top_p = {g.top_p}: expected 0 < value <= 1.")
+    return cfg
+
+
+def _divisor_near(n: int, k: int) -> int:
+    divisors = [x for x in range(1, n + 1) if n % x == 0]
+    return min(divisors, key=lambda x: abs(x - k))

@@ -1,0 +1,175 @@
+"""The tokenizer / data / model / checkpoint contract (P1, P4, P6).
+
+`contract.json` is written once by the tokenizer stage and copied into every data
+folder and every checkpoint. It is the only place special-token ids live: every
+stage reads them from here, and every stage boundary compares the contracts it
+meets (`check_match`) and stops on any difference.
+
+    {"tokenizer_sha256": "...", "vocab_size": 8192, "model_vocab_size": 8192,
+     "special_tokens": {"pad": 0, "bos": 1, "eos": 2, "im_start": 3, "im_end": 4},
+     "chat_template": "...", "token_dtype": "uint16"}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from lmforge.config import padded_vocab_size
+from lmforge.errors import ContractError
+
+CONTRACT_FILE = "contract.json"
+
+
+@dataclass(frozen=True)
+class Contract:
+    tokenizer_sha256: str
+    vocab_size: int
+    """Tokenizer vocabulary size (special tokens included): valid ids are [0, vocab_size)."""
+    model_vocab_size: int
+    """vocab_size rounded up to a multiple of 64: the embedding's row count."""
+    special_tokens: dict[str, int]
+    chat_template: str
+    token_dtype: str
+    """numpy dtype of data shards: "uint16" when vocab_size <= 65536, else "uint32"."""
+
+    # -- special tokens by name: the only accessors stages use ------------------
+    @property
+    def pad_id(self) -> int:
+        return self.special_tokens["pad"]
+
+    @property
+    def bos_id(self) -> int:
+        return self.special_tokens["bos"]
+
+    @property
+    def eos_id(self) -> int:
+        return self.special_tokens["eos"]
+
+    @property
+    def im_start_id(self) -> int:
+        return self.special_tokens["im_start"]
+
+    @property
+    def im_end_id(self) -> int:
+        return self.special_tokens["im_end"]
+
+    @property
+    def dtype(self) -> np.dtype:
+        return np.dtype(self.token_dtype)
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True) + "\n"
+
+    def save(self, folder: str | Path) -> Path:
+        """Write `folder/contract.json` atomically."""
+        path = Path(folder) / CONTRACT_FILE
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(self.to_json(), encoding="utf-8")
+        tmp.replace(path)
+        return path
+
+    @classmethod
+    def load(cls, folder: str | Path, what: str = "folder") -> "Contract":
+        """Read `folder/contract.json`.
+
+        Raises:
+            ContractError: the file is missing or malformed.
+        """
+        path = Path(folder) / CONTRACT_FILE
+        if not path.is_file():
+            raise ContractError(
+                f"{what} {folder} has no {CONTRACT_FILE}. Every tokenizer, data and checkpoint "
+                f"folder written by lmforge holds one; point at such a folder, or re-create this one "
+                f"with the stage that writes it (train-tokenizer, prepare, pretrain)."
+            )
+        try:
+            raw = json.loads(path.read_text(encoding="utf-8"))
+            fields = {f.name for f in dataclasses.fields(cls)}
+            missing = fields - set(raw)
+            extra = set(raw) - fields
+            if missing or extra:
+                raise ValueError(f"missing fields {sorted(missing)}, unexpected fields {sorted(extra)}")
+            contract = cls(**raw)
+            contract.check_consistent(path)
+            return contract
+        except (ValueError, TypeError, KeyError) as exc:
+            raise ContractError(
+                f"{path} is not a valid contract ({exc}). Re-create it with `lmforge train-tokenizer` "
+                f"or copy it from the tokenizer folder."
+            ) from None
+
+    def check_consistent(self, where: str | Path) -> None:
+        """Internal consistency: distinct special ids in range, padded vocab, dtype (P4, P6)."""
+        required = ("pad", "bos", "eos", "im_start", "im_end")
+        for name in required:
+            if name not in self.special_tokens:
+                raise ContractError(f"{where}: special_tokens has no {name!r} (expected {required}).")
+        ids = list(self.special_tokens.values())
+        for name, i in self.special_tokens.items():
+            if not 0 <= i < self.vocab_size:
+                raise ContractError(
+                    f"{where}: special token {name!r} has id {i}, outside the vocab [0, {self.vocab_size})."
+                )
+        if len(set(ids)) != len(ids):
+            raise ContractError(
+                f"{where}: special tokens share ids {self.special_tokens}; PAD, BOS, EOS and the chat "
+                f"tokens must each be their own token (P4)."
+            )
+        if self.model_vocab_size != padded_vocab_size(self.vocab_size):
+            raise ContractError(
+                f"{where}: model_vocab_size = {self.model_vocab_size}, expected "
+                f"{padded_vocab_size(self.vocab_size)} (vocab_size {self.vocab_size} rounded up to 64)."
+            )
+        if self.token_dtype != token_dtype_for(self.vocab_size):
+            raise ContractError(
+                f"{where}: token_dtype = {self.token_dtype!r} cannot hold vocab_size {self.vocab_size}; "
+                f"expected {token_dtype_for(self.vocab_size)!r}."
+            )
+
+
+def token_dtype_for(vocab_size: int) -> str:
+    return "uint16" if vocab_size <= 2**16 else "uint32"
+
+
+def file_sha256(path: str | Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def check_match(a: Contract, a_path: str | Path, b: Contract, b_path: str | Path) -> None:
+    """Stop if two contracts differ in any field (a stage boundary check).
+
+    Raises:
+        ContractError: naming both files, the field, both values and the fix.
+    """
+    da, db = dataclasses.asdict(a), dataclasses.asdict(b)
+    for key in da:
+        if da[key] != db[key]:
+            va, vb = da[key], db[key]
+            if key == "chat_template":
+                va, vb = f"<{len(va)} chars>", f"<{len(vb)} chars>"
+            raise ContractError(
+                f"contract mismatch in {key!r}: {a_path} has {va!r} but {b_path} has {vb!r}. "
+                f"They were made with different tokenizers. Use the tokenizer these were made with, "
+                f"or re-run the earlier stage (prepare / pretrain) with this tokenizer."
+            )
+
+
+def check_tokenizer_hash(contract: Contract, contract_path: str | Path, tokenizer_json: str | Path) -> None:
+    """The contract's tokenizer_sha256 must be the sha256 of the tokenizer.json beside it."""
+    actual = file_sha256(tokenizer_json)
+    if actual != contract.tokenizer_sha256:
+        raise ContractError(
+            f"{contract_path}: tokenizer_sha256 = {contract.tokenizer_sha256[:16]}… but "
+            f"{tokenizer_json} hashes to {actual[:16]}…. The tokenizer or the contract was edited or "
+            f"swapped; restore the original files, or re-run `lmforge train-tokenizer`."
+        )

@@ -1,0 +1,1 @@
+"""Data: document sources, pretokenized shards, packed and padded rows."""

@@ -1,0 +1,257 @@
+"""Pretokenized shards: write them (`prepare`) and read them (`Shard`).
+
+A prepared data folder holds, per split ("train", "val"):
+
+- `{split}.bin`: every document's tokens back to back, `contract.token_dtype`
+  (uint16 when the vocab fits, else uint32). Each document is `[bos] text [eos]`.
+- `{split}.idx`: int64 offsets, n_documents + 1 of them: document i is
+  `bin[idx[i]:idx[i+1]]` (so idx[0] = 0 and idx[-1] = number of tokens).
+
+plus `contract.json` (copied from the tokenizer) and `meta.json` (documents, tokens,
+UTF-8 bytes and max id per split). Reading uses `numpy.memmap`: memory stays flat
+whatever the corpus size. The folder is written atomically (temporary folder, then
+rename), so a failed prepare leaves nothing half-written.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from lmforge.contract import CONTRACT_FILE, Contract, check_match
+from lmforge.data.sources import SPLITS, SourceStats, iter_documents
+from lmforge.errors import DataError
+from lmforge.tokenizer import Tokenizer
+
+META_FILE = "meta.json"
+BATCH_DOCS = 64
+
+
+def prepare(
+    source: str,
+    tokenizer: Tokenizer,
+    out_dir: str | Path,
+    val_fraction: float = 0.02,
+    include_tests: bool = False,
+    on_bad_utf8: str = "skip",
+    progress: bool = True,
+) -> dict:
+    """Tokenize every document of `source` into `out_dir`/{train,val}.{bin,idx}.
+
+    Returns the meta dict written to meta.json: per split `documents`, `tokens`,
+    `bytes` (UTF-8 bytes of the documents' text), `max_id`; and `skipped_bad_utf8`.
+    Raises:
+        DataError: missing/empty source, or a split left with no documents.
+    """
+    out = Path(out_dir)
+    tmp = out.with_name(out.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    contract = tokenizer.contract
+    dtype = contract.dtype
+    meta: dict = {"source": source, "val_fraction": val_fraction, "splits": {}}
+    stats = SourceStats()
+    t0 = time.perf_counter()
+    try:
+        files = {s: open(tmp / f"{s}.bin", "wb") for s in SPLITS}
+        offsets = {s: [0] for s in SPLITS}
+        split_meta = {s: {"documents": 0, "tokens": 0, "bytes": 0, "max_id": -1} for s in SPLITS}
+        hashes = {s: [] for s in SPLITS}
+        bar = tqdm(desc="prepare", unit="B", unit_scale=True, disable=not progress, mininterval=1.0)
+        batch: list = []
+
+        def flush() -> None:
+            encoded = tokenizer.encode_batch([d.text for d in batch])
+            for (doc, split), ids in zip(batch_splits, encoded):
+                arr = np.array([contract.bos_id, *ids, contract.eos_id], dtype=np.int64)
+                files[split].write(arr.astype(dtype).tobytes())
+                offsets[split].append(offsets[split][-1] + len(arr))
+                m = split_meta[split]
+                m["documents"] += 1
+                m["tokens"] += len(arr)
+                nbytes = len(doc.text.encode("utf-8"))
+                m["bytes"] += nbytes
+                m["max_id"] = max(m["max_id"], int(arr.max()))
+                hashes[split].append(hashlib.sha256(doc.text.encode("utf-8")).hexdigest()[:32])
+                bar.update(nbytes)
+
+        from lmforge.data.sources import split_of
+
+        batch_splits: list = []
+        seen: set[bytes] = set()
+        duplicates = 0
+        for doc in iter_documents(source, None, val_fraction, include_tests, on_bad_utf8, stats):
+            digest = hashlib.sha256(doc.text.encode("utf-8")).digest()
+            if digest in seen:  # exact duplicates are kept once, so no val text is trained on
+                duplicates += 1
+                continue
+            seen.add(digest)
+            batch.append(doc)
+            batch_splits.append((doc, split_of(doc.key, val_fraction)))
+            if len(batch) >= BATCH_DOCS:
+                flush()
+                batch, batch_splits = [], []
+        if batch:
+            flush()
+        bar.close()
+        for s in SPLITS:
+            files[s].close()
+            np.asarray(offsets[s], dtype=np.int64).tofile(tmp / f"{s}.idx")
+        total = sum(m["documents"] for m in split_meta.values())
+        if total == 0:
+            raise DataError(
+                f"data.source = {source!r} yielded no documents (all empty or skipped: "
+                f"{stats.bad_utf8} not UTF-8, {stats.empty} empty). Point data.source at real text."
+            )
+        for s in SPLITS:
+            if split_meta[s]["documents"] == 0:
+                raise DataError(
+                    f"data.source = {source!r}: the {s!r} split has no documents ({total} in all, "
+                    f"data.val_fraction = {val_fraction}). Add documents or change data.val_fraction."
+                )
+        meta["splits"] = split_meta
+        meta["skipped_bad_utf8"] = stats.bad_utf8
+        meta["skipped_empty"] = stats.empty
+        meta["skipped_duplicates"] = duplicates
+        meta["seconds"] = round(time.perf_counter() - t0, 2)
+        (tmp / "hashes.json").write_text(json.dumps(hashes), encoding="utf-8")
+        (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+        contract.save(tmp)
+    except BaseException:
+        for f in locals().get("files", {}).values():
+            f.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.rename(out)
+    return meta
+
+
+@dataclass
+class Shard:
+    """One split of a prepared data folder, memory-mapped.
+
+    `tokens`: (N,) uint16/uint32 memmap; `offsets`: (D + 1,) int64.
+    """
+
+    folder: Path
+    split: str
+    tokens: np.ndarray
+    offsets: np.ndarray
+    contract: Contract
+    meta: dict
+
+    @classmethod
+    def open(cls, folder: str | Path, split: str, contract: Contract | None = None,
+             contract_path: str | Path = "the tokenizer") -> "Shard":
+        """Open `folder`/{split}.bin/.idx; check its contract against `contract` if given.
+
+        Raises:
+            DataError: missing files or a malformed index.
+            ContractError: the data was prepared with another tokenizer.
+        """
+        folder = Path(folder)
+        bin_path, idx_path = folder / f"{split}.bin", folder / f"{split}.idx"
+        if not bin_path.is_file() or not idx_path.is_file():
+            raise DataError(
+                f"data folder {folder} has no {split}.bin/{split}.idx. Run `lmforge prepare --out {folder}` "
+                f"first (or set data.dir to a prepared folder)."
+            )
+        own = Contract.load(folder, what="data folder")
+        if contract is not None:
+            check_match(contract, contract_path, own, folder / CONTRACT_FILE)
+        meta_path = folder / META_FILE
+        meta = json.loads(meta_path.read_text(encoding="utf-8")) if meta_path.is_file() else {}
+        dtype = own.dtype
+        nbytes = bin_path.stat().st_size
+        if nbytes % dtype.itemsize:
+            raise DataError(f"{bin_path}: size {nbytes} is not a multiple of {dtype} ({dtype.itemsize} bytes).")
+        tokens = np.memmap(bin_path, dtype=dtype, mode="r") if nbytes else np.zeros(0, dtype)
+        offsets = np.fromfile(idx_path, dtype=np.int64)
+        n = nbytes // dtype.itemsize
+        if len(offsets) < 1 or offsets[0] != 0 or offsets[-1] != n or np.any(np.diff(offsets) <= 0):
+            raise DataError(
+                f"{idx_path}: offsets must start at 0, increase strictly and end at the token count {n}; "
+                f"found {len(offsets)} offsets ending at {offsets[-1] if len(offsets) else '-'}. "
+                f"Re-run `lmforge prepare`."
+            )
+        return cls(folder, split, tokens, offsets, own, meta)
+
+    @property
+    def n_documents(self) -> int:
+        return len(self.offsets) - 1
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.offsets[-1])
+
+    @property
+    def n_bytes(self) -> int:
+        """UTF-8 bytes of the split's text (from meta.json)."""
+        return int(self.meta.get("splits", {}).get(self.split, {}).get("bytes", 0))
+
+    def document(self, i: int) -> np.ndarray:
+        return self.tokens[self.offsets[i]: self.offsets[i + 1]]
+
+    def lengths(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+
+def preflight(folder: str | Path, contract: Contract, contract_path: str | Path = "the tokenizer") -> dict[str, dict]:
+    """Check a prepared data folder before training (P6): its contract equals `contract`,
+    the dtype holds the vocab, every id is < vocab_size, every document ends in eos_id, and
+    no validation document appears (by content hash) in the training split.
+
+    Returns per split: documents, tokens, max_id.
+    Raises:
+        ContractError / DataError naming the shard and the offending offset.
+    """
+    folder = Path(folder)
+    report = {}
+    for split in SPLITS:
+        shard = Shard.open(folder, split, contract, contract_path)
+        bin_path = folder / f"{split}.bin"
+        if shard.tokens.dtype != np.dtype(contract.token_dtype):
+            raise DataError(f"{bin_path}: dtype {shard.tokens.dtype}, the contract says {contract.token_dtype}.")
+        max_id = -1
+        chunk = 1 << 24
+        for start in range(0, shard.n_tokens, chunk):
+            part = shard.tokens[start: start + chunk]
+            m = int(part.max())
+            if m >= contract.vocab_size:
+                bad = start + int(np.argmax(part >= contract.vocab_size))
+                raise DataError(
+                    f"{bin_path}: token id {int(shard.tokens[bad])} at offset {bad} is >= the tokenizer's "
+                    f"vocab size {contract.vocab_size}. The shard was not made by this tokenizer or is damaged; "
+                    f"re-run `lmforge prepare`."
+                )
+            max_id = max(max_id, m)
+        ends = shard.tokens[shard.offsets[1:] - 1]
+        wrong = np.flatnonzero(ends != contract.eos_id)
+        if len(wrong):
+            i = int(wrong[0])
+            raise DataError(
+                f"{bin_path}: document {i} (ending at offset {int(shard.offsets[i + 1]) - 1}) ends in id "
+                f"{int(ends[i])}, not eos_id {contract.eos_id}. Re-run `lmforge prepare`."
+            )
+        report[split] = {"documents": shard.n_documents, "tokens": shard.n_tokens, "max_id": max_id}
+    hashes_path = folder / "hashes.json"
+    if hashes_path.is_file():
+        hashes = json.loads(hashes_path.read_text(encoding="utf-8"))
+        leaked = set(hashes.get("val", [])) & set(hashes.get("train", []))
+        if leaked:
+            i = hashes["val"].index(next(iter(leaked)))
+            raise DataError(
+                f"{folder}: validation document {i} also appears in the training split ({len(leaked)} "
+                f"such documents, by content hash). Deduplicate the corpus, then re-run `lmforge prepare`."
+            )
+    return report

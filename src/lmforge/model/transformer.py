@@ -1,0 +1,254 @@
+"""One Llama-style decoder-only Transformer.
+
+Architecture choices:
+- RMSNorm before attention and before the MLP, and once more before the output;
+- rotary position embeddings on q and k, in the half-split ("rotate_half") layout that
+  Hugging Face's Llama uses, with positions given per token (they reset per document);
+- grouped-query attention (n_kv_heads <= n_heads), backends in `attention.py`;
+- SwiGLU MLP (w2(silu(w1 x) * w3 x)), ffn_dim = 8/3 dim rounded up to 64 unless set;
+- no biases anywhere; optional tied input/output embeddings;
+- the vocabulary is the tokenizer's, padded to a multiple of 64 for the embedding (P6):
+  the padding rows are never inputs or targets, and the logits are exactly the
+  tokenizer's vocab wide (the output weight is sliced before the matmul).
+Names follow Meta's Llama reference (dim, n_layers, n_heads, n_kv_heads, vocab_size,
+ffn_dim, norm_eps, rope_theta, max_seq_len); Hugging Face names live in export.py only.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from lmforge.config import ModelConfig, padded_vocab_size
+from lmforge.contract import Contract
+from lmforge.errors import ConfigError, ContractError
+from lmforge.model.attention import BACKENDS
+
+
+def resolve_model_config(model: ModelConfig, contract: Contract, where: str = "model.vocab_size") -> ModelConfig:
+    """The model config with vocab_size taken from the contract (P6).
+
+    Raises:
+        ContractError: a hand-set vocab_size below the tokenizer's, or different from it.
+    """
+    v = model.vocab_size
+    if v and v < contract.vocab_size:
+        raise ContractError(
+            f"{where} = {v} is below the tokenizer's vocab size {contract.vocab_size}: token ids up to "
+            f"{contract.vocab_size - 1} would index past the embedding. Remove model.vocab_size "
+            f"(lmforge derives it from the tokenizer's contract)."
+        )
+    if v and v not in (contract.vocab_size, contract.model_vocab_size):
+        raise ContractError(
+            f"{where} = {v} differs from the tokenizer's vocab size {contract.vocab_size} "
+            f"(padded: {contract.model_vocab_size}). Remove model.vocab_size; it is derived."
+        )
+    return replace(model, vocab_size=contract.vocab_size)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+def rope_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin: (max_seq_len, head_dim) float32, half-split layout (RoFormer, Su et al. 2021)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), inv_freq)  # (S, hd/2)
+    angles = torch.cat([angles, angles], dim=-1)  # (S, hd)
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: (B, h, T, hd); cos, sin: (B, 1, T, hd)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+class KVCache:
+    """Per-layer key/value cache for generation.
+
+    k[l], v[l]: (B, n_kv_heads, max_len, head_dim). `length` slots are filled.
+    `key_mask` (B, max_len) bool marks real (non-padding) slots, for left-padded batches.
+    """
+
+    def __init__(self, n_layers: int, batch: int, n_kv_heads: int, max_len: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str, key_mask: torch.Tensor | None = None):
+        shape = (batch, n_kv_heads, max_len, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.length = 0
+        self.max_len = max_len
+        self.key_mask = key_mask
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        T = k.shape[2]
+        end = self.length + T
+        self.k[layer][:, :, self.length:end] = k
+        self.v[layer][:, :, self.length:end] = v
+        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=False)
+        self.backend = "sdpa"
+
+    def forward(self, x, cos, sin, document_ids=None, cache: KVCache | None = None):
+        B, T, _ = x.shape
+        q = self.wq(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, hd)
+        k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, KV, T, hd)
+        v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, KV, T, hd)
+        q, k = apply_rope(q, cos, sin).to(v.dtype), apply_rope(k, cos, sin).to(v.dtype)
+        if cache is None:
+            y = BACKENDS[self.backend](q, k, v, document_ids)
+        else:
+            offset = cache.length
+            k, v = cache.update(self.layer, k, v)  # (B, KV, offset + T, hd)
+            y = BACKENDS[self.backend](q, k, v, None, offset, cache.key_mask)
+        y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)  # (B, T, dim)
+        return self.wo(y)
+
+
+class FeedForward(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        hidden = cfg.resolved_ffn_dim()
+        self.w1 = nn.Linear(cfg.dim, hidden, bias=False)
+        self.w3 = nn.Linear(cfg.dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, cfg.dim, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention = Attention(cfg, layer)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.feed_forward = FeedForward(cfg)
+
+    def forward(self, x, cos, sin, document_ids=None, cache=None):
+        x = x + self.attention(self.attention_norm(x), cos, sin, document_ids, cache)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Transformer(nn.Module):
+    """The lmforge model. `config.vocab_size` must be the tokenizer's (see resolve_model_config)."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        if config.vocab_size <= 0:
+            raise ConfigError(
+                "model.vocab_size is 0: derive it from the tokenizer with "
+                "lmforge.model.resolve_model_config(config, contract) before building the model."
+            )
+        self.config = config
+        self.vocab_size = config.vocab_size
+        self.model_vocab_size = padded_vocab_size(config.vocab_size)
+        self.tok_embeddings = nn.Embedding(self.model_vocab_size, config.dim)
+        self.layers = nn.ModuleList(Block(config, i) for i in range(config.n_layers))
+        self.norm = RMSNorm(config.dim, config.norm_eps)
+        self.output = nn.Linear(config.dim, self.model_vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        cos, sin = rope_tables(config.head_dim, config.max_seq_len, config.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.set_attention("sdpa")
+        self.reset_parameters()
+
+    def set_attention(self, backend: str) -> None:
+        """Choose the attention backend ("sdpa" or "flex"; resolve "auto" first)."""
+        if backend not in BACKENDS:
+            raise ConfigError(f"attention backend {backend!r}: expected one of {sorted(BACKENDS)}.")
+        for block in self.layers:
+            block.attention.backend = backend
+
+    @torch.no_grad()
+    def reset_parameters(self, seed: int | None = None) -> None:
+        """Normal(0, 0.02) weights; residual projections (wo, w2) scaled by 1/sqrt(2 n_layers)
+        (GPT-2, Radford et al. 2019); RMSNorm weights 1."""
+        gen = torch.Generator().manual_seed(seed) if seed is not None else None
+        std = 0.02
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                s = std / math.sqrt(2 * self.config.n_layers) if name.endswith(("wo.weight", "w2.weight")) else std
+                p.copy_(torch.randn(p.shape, generator=gen) * s)
+
+    def num_parameters(self, non_embedding: bool = False) -> int:
+        n = sum(p.numel() for p in self.parameters())
+        if non_embedding:
+            n -= self.tok_embeddings.weight.numel()
+            if not self.config.tie_embeddings:
+                n -= self.output.weight.numel()
+        return n
+
+    def hidden(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
+               document_ids: torch.Tensor | None = None, cache: KVCache | None = None) -> torch.Tensor:
+        """Final-norm hidden states (B, T, dim); see `forward` for the arguments."""
+        B, T = tokens.shape
+        if positions is None:
+            start = cache.length if cache is not None else 0
+            positions = torch.arange(start, start + T, device=tokens.device).expand(B, T)
+        cos = self.rope_cos[positions][:, None]  # (B, 1, T, hd)
+        sin = self.rope_sin[positions][:, None]
+        x = self.tok_embeddings(tokens)  # (B, T, dim)
+        for block in self.layers:
+            x = block(x, cos, sin, document_ids, cache)
+        if cache is not None:
+            cache.length += T
+        return self.norm(x)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """(..., dim) -> (..., vocab_size): the padding rows of the output never take part."""
+        return F.linear(h, self.output.weight[: self.vocab_size])
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
+                document_ids: torch.Tensor | None = None, cache: KVCache | None = None) -> torch.Tensor:
+        """Next-token logits.
+
+        Args:
+            tokens: (B, T) int64, ids < vocab_size.
+            positions: (B, T) int64 rotary positions (default 0..T-1, or continuing the cache).
+            document_ids: (B, T) int segment ids; attention stays within a segment (default: one).
+            cache: a KVCache for generation (prefill, then T = 1 decode steps).
+        Returns:
+            logits: (B, T, vocab_size) in the compute dtype (float32, or bf16 under autocast).
+        """
+        return self.logits(self.hidden(tokens, positions, document_ids, cache))
+
+    def new_cache(self, batch: int, max_len: int, key_mask: torch.Tensor | None = None) -> KVCache:
+        p = self.output.weight
+        dtype = torch.get_autocast_dtype(p.device.type) if torch.is_autocast_enabled(p.device.type) else p.dtype
+        c = self.config
+        return KVCache(c.n_layers, batch, c.n_kv_heads, max_len, c.head_dim, dtype, p.device, key_mask)
+
+    @classmethod
+    def from_checkpoint(cls, folder: str | Path, device: str | torch.device = "cpu") -> "Transformer":
+        """Load a trained model from a checkpoint folder (a `step_NNNNNN/` or a run folder,
+        whose newest complete checkpoint is used). Strict: missing or unexpected keys fail."""
+        from lmforge.train.checkpoint import load_model
+
+        return load_model(folder, device)[0]

@@ -1,0 +1,156 @@
+"""`lmforge speedrun`: every stage in order in one output folder, then a summary.
+
+    OUT/tokenizer   train-tokenizer
+    OUT/data        prepare
+    OUT/pretrain    pretrain (checkpoints, metrics.jsonl)
+    OUT/loss.png    training and validation loss against tokens seen
+    OUT/summary.json, OUT/summary.md   the table printed at the end
+
+With `resume=True` finished stages are kept and pretraining continues from its newest
+checkpoint, so an interrupted speedrun picks up where it stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from lmforge.config import Config
+from lmforge.contract import CONTRACT_FILE
+from lmforge.data.shards import Shard
+from lmforge.errors import ConfigError
+from lmforge.evaluate import evaluate_shard, split_texts, xz_bits_per_byte
+from lmforge.generate import SamplingConfig
+from lmforge.stages import generate_text, log, prepare_stage, pretrain_stage, train_tokenizer_stage
+from lmforge.tokenizer import Tokenizer
+from lmforge.train.checkpoint import load_model
+from lmforge.train.trainer import METRICS_FILE, resolve_precision
+
+SAMPLE_PROMPTS = ("def ", "import os\n", "class ")
+
+
+def plot_loss(run_dir: Path, out: Path) -> Path | None:
+    """loss.png: training loss (and validation loss where measured) against tokens seen."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [json.loads(line) for line in (run_dir / METRICS_FILE).read_text().splitlines() if line.strip()]
+    if not rows:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
+    ax.plot([r["tokens"] for r in rows], [r["loss"] for r in rows], lw=1, label="train loss")
+    val = [(r["tokens"], r["val_loss"]) for r in rows if r.get("val_loss") is not None]
+    if val:
+        ax.plot(*zip(*val), "o-", ms=4, label="validation loss")
+    ax.set_xlabel("tokens seen")
+    ax.set_ylabel("loss (nats/token)")
+    ax.set_yscale("log")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend()
+    ax.set_title("lmforge speedrun")
+    fig.tight_layout()
+    fig.savefig(out)
+    plt.close(fig)
+    return out
+
+
+def speedrun(cfg: Config, out: str | Path, resume: bool = False, progress: bool = True) -> dict:
+    """Run tokenizer -> prepare -> pretrain -> eval -> samples in `out`; return the summary."""
+    out = Path(out)
+    if out.exists() and any(out.iterdir()) and not resume:
+        raise ConfigError(f"--out {out} is not empty. Pass --resume to continue that speedrun, or choose another --out.")
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = replace(cfg, tokenizer=replace(cfg.tokenizer, dir=str(out / "tokenizer")),
+                  data=replace(cfg.data, dir=str(out / "data")))
+    times: dict[str, float] = {}
+
+    t0 = time.perf_counter()
+    if resume and (out / "tokenizer" / CONTRACT_FILE).is_file():
+        log("speedrun: tokenizer already trained, kept")
+    else:
+        log("== 1/4 train-tokenizer")
+        train_tokenizer_stage(cfg, progress=progress)
+    times["tokenizer"] = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    if resume and (out / "data" / CONTRACT_FILE).is_file():
+        log("speedrun: data already prepared, kept")
+    else:
+        log("== 2/4 prepare")
+        prepare_stage(cfg, progress=progress)
+    times["prepare"] = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    log("== 3/4 pretrain")
+    run_dir = out / "pretrain"
+    last = pretrain_stage(cfg, run_dir, resume=resume, progress=progress)
+    times["pretrain"] = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    log("== 4/4 evaluate and sample")
+    model, _, contract, ckpt_path = load_model(run_dir)
+    tok = Tokenizer.load(ckpt_path)
+    val = Shard.open(cfg.data.dir, "val", contract, ckpt_path / CONTRACT_FILE)
+    dtype = resolve_precision(cfg.train.precision, torch.device("cpu"))
+    res = evaluate_shard(model, val, cfg.data.seq_len, cfg.train.micro_batch_size, "cpu", dtype,
+                         cfg.data.document_masking)
+    xz = xz_bits_per_byte(split_texts(val, tok))
+    g = cfg.generate
+    sampling = SamplingConfig(max_new_tokens=min(g.max_new_tokens, 96), temperature=g.temperature,
+                              top_k=g.top_k, top_p=g.top_p, repetition_penalty=g.repetition_penalty)
+    samples = [generate_text(model, tok, p, sampling, seed=cfg.train.seed + i) for i, p in enumerate(SAMPLE_PROMPTS)]
+    plot = plot_loss(run_dir, out / "loss.png")
+    times["eval"] = time.perf_counter() - t0
+
+    rows = [json.loads(line) for line in (run_dir / METRICS_FILE).read_text().splitlines() if line.strip()]
+    train_time = rows[-1]["elapsed_s"] if rows else 0.0
+    summary = {
+        "parameters": model.num_parameters(),
+        "non_embedding_parameters": model.num_parameters(non_embedding=True),
+        "tokens_trained": rows[-1]["tokens"] if rows else 0,
+        "tokens_per_s": (rows[-1]["tokens"] / train_time) if rows and train_time else 0.0,
+        "train_seconds": train_time,
+        "stage_seconds": {k: round(v, 1) for k, v in times.items()},
+        "val_loss": res["loss"],
+        "val_perplexity": res["perplexity"],
+        "val_bits_per_byte": res["bits_per_byte"],
+        "xz_bits_per_byte": xz,
+        "val_tokens": res["tokens"],
+        "val_bytes": res["bytes"],
+        "final_train_loss": last.get("loss"),
+        "checkpoint": str(ckpt_path),
+        "loss_plot": str(plot) if plot else None,
+        "samples": samples,
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+    table = format_summary(summary)
+    (out / "summary.md").write_text(table + "\n", encoding="utf-8")
+    print(table, flush=True)
+    return summary
+
+
+def format_summary(s: dict) -> str:
+    st = s["stage_seconds"]
+    rows = [
+        ("parameters", f"{s['parameters']:,} ({s['non_embedding_parameters']:,} non-embedding)"),
+        ("tokens trained", f"{s['tokens_trained']:,}"),
+        ("training throughput", f"{s['tokens_per_s']:,.0f} tokens/s"),
+        ("wall time per stage", ", ".join(f"{k} {v:.0f}s" for k, v in st.items())),
+        ("held-out loss", f"{s['val_loss']:.4f} nats/token (perplexity {s['val_perplexity']:.2f})"),
+        ("held-out bits per byte", f"{s['val_bits_per_byte']:.4f}"),
+        ("xz -9e bits per byte (same text)", f"{s['xz_bits_per_byte']:.4f}"),
+        ("loss curve", s["loss_plot"] or "-"),
+        ("checkpoint", s["checkpoint"]),
+    ]
+    w = max(len(k) for k, _ in rows)
+    lines = ["", "## lmforge speedrun", "", f"| {'what'.ljust(w)} | value |", f"|{'-' * (w + 2)}|-------|"]
+    lines += [f"| {k.ljust(w)} | {v} |" for k, v in rows]
+    for i, text in enumerate(s["samples"], 1):
+        lines += ["", f"### sample {i}", "```python", text.rstrip(), "```"]
+    return "\n".join(lines)

@@ -1,0 +1,1 @@
+"""Training: the one loop, the one loss, schedules, checkpoints, distributed set-up."""

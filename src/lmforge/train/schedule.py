@@ -1,0 +1,29 @@
+"""Learning-rate schedules: a pure function of the step, so resume needs only the step."""
+
+from __future__ import annotations
+
+import math
+
+from lmforge.config import TrainConfig
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Learning rate for optimizer step `step` (0-based) of `cfg.steps`.
+
+    cosine: linear warmup over warmup_steps, then cosine from lr to lr * min_lr_ratio
+    (Loshchilov & Hutter 2017). wsd: warmup, constant, then linear decay over the last
+    decay_fraction of the steps (warmup-stable-decay; Hu et al. 2024, MiniCPM).
+    """
+    peak, floor = cfg.lr, cfg.lr * cfg.min_lr_ratio
+    if step < cfg.warmup_steps:
+        return peak * (step + 1) / cfg.warmup_steps
+    if cfg.schedule == "cosine":
+        span = max(1, cfg.steps - cfg.warmup_steps)
+        progress = min(1.0, (step - cfg.warmup_steps) / span)
+        return floor + (peak - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+    decay_steps = max(1, int(round(cfg.decay_fraction * cfg.steps)))
+    decay_start = cfg.steps - decay_steps
+    if step < decay_start:
+        return peak
+    progress = min(1.0, (step - decay_start + 1) / decay_steps)
+    return peak + (floor - peak) * progress

@@ -1,0 +1,298 @@
+"""The one training loop. Pretraining and SFT differ only in their data (a RowStream)
+and their initial weights; both run `Trainer.fit`.
+
+One optimizer step:
+  1. draw `grad_accum_steps` micro-batches and count their supervised targets;
+     all-reduce that count over data-parallel ranks (count first, then backward);
+  2. for each micro-batch: loss = cross_entropy_sum / global_count (* world_size, since
+     DDP/FSDP average gradients over ranks), backward;
+  3. clip the gradient norm, AdamW step with the schedule's learning rate.
+The logged `loss` is the same per-token mean (nats), whatever the accumulation (P3).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import random
+import signal
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from lmforge.config import Config
+from lmforge.data.packing import Batch, RowStream
+from lmforge.errors import CheckpointError, ConfigError
+from lmforge.train import checkpoint as ckpt
+from lmforge.train.distributed import DistInfo, all_reduce_sum, barrier, wrap_model
+from lmforge.train.loss import cross_entropy_sum
+from lmforge.train.schedule import lr_at
+
+METRICS_FILE = "metrics.jsonl"
+
+
+def resolve_precision(precision: str, device: torch.device) -> torch.dtype | None:
+    """bf16 autocast dtype, or None for fp32. "auto" picks bf16 where the hardware has it."""
+    if precision == "fp32":
+        return None
+    if device.type == "cuda":
+        supported = torch.cuda.is_bf16_supported()
+    else:
+        supported = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    if precision == "bf16" or supported:
+        return torch.bfloat16
+    return None
+
+
+def autocast(device: torch.device, dtype: torch.dtype | None):
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=dtype)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def build_optimizer(model: torch.nn.Module, cfg: Config) -> torch.optim.Optimizer:
+    """AdamW (Loshchilov & Hutter 2019); weight decay on matrices only, not on norms."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    t = cfg.train
+    groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8, foreach=True)
+
+
+@torch.no_grad()
+def evaluate_batches(model: torch.nn.Module, batches: Iterable[Batch], device: torch.device,
+                     dtype: torch.dtype | None) -> tuple[float, int]:
+    """(sum of nats, supervised targets) over `batches`, with the training loss function."""
+    was_training = model.training
+    model.eval()
+    total, count = torch.zeros((), dtype=torch.float64), 0
+    for b in batches:
+        b = b.to(device)
+        with autocast(device, dtype):
+            logits = model(b.tokens, b.positions, b.document_ids)
+        total += cross_entropy_sum(logits, b.targets, b.loss_mask).double().cpu()
+        count += b.n_supervised
+    model.train(was_training)
+    return float(total), count
+
+
+@dataclass
+class Trainer:
+    """Runs `cfg.train.steps` optimizer steps of `model` over `stream` into `run_dir`.
+
+    `contract_dir` holds contract.json + tokenizer files copied into each checkpoint.
+    `val_batches()` returns the validation micro-batches (or None to skip validation).
+    """
+
+    cfg: Config
+    run_dir: Path
+    contract_dir: Path
+    model: torch.nn.Module
+    stream: RowStream
+    val_batches: Callable[[], Iterable[Batch]] | None = None
+    dist: DistInfo = field(default_factory=DistInfo)
+    progress: bool = True
+    log: Callable[[str], None] = print
+
+    def __post_init__(self):
+        self.run_dir = Path(self.run_dir)
+        self.device = self.dist.device
+        self.dtype = resolve_precision(self.cfg.train.precision, self.device)
+        self.raw_model = self.model.to(self.device)
+        self.model = wrap_model(self.raw_model, self.cfg.train.data_parallel, self.dist)
+        if self.cfg.train.compile:
+            self.model = torch.compile(self.model)
+        self.optimizer = build_optimizer(self.raw_model, self.cfg)
+        self.step = 0
+        self.tokens = 0
+        self.supervised = 0
+        self.elapsed = 0.0
+        self._stop_signal: int | None = None
+
+    # -- state ------------------------------------------------------------------
+    def training_state(self) -> dict:
+        return {"step": self.step, "tokens": self.tokens, "supervised": self.supervised,
+                "elapsed_s": round(self.elapsed, 3), "data": self.stream.state_dict()}
+
+    def save(self) -> Path:
+        path = None
+        if self.dist.is_main:
+            path = ckpt.save_checkpoint(self.run_dir, self.step, self.raw_model, self.cfg, self.contract_dir,
+                                        self.optimizer, self.training_state())
+            ckpt.prune_checkpoints(self.run_dir, self.cfg.train.keep_last)
+        barrier(self.dist)
+        return path or self.run_dir / ckpt.step_dir_name(self.step)
+
+    def resume(self) -> bool:
+        """Continue from the newest complete checkpoint in run_dir. False if there is none."""
+        latest = ckpt.latest_checkpoint(self.run_dir)
+        if latest is None:
+            return False
+        saved_cfg, _ = ckpt.read_checkpoint_meta(latest)
+        if saved_cfg.model != self.cfg.model:
+            raise CheckpointError(
+                f"--resume: {latest}/config.toml has a different [model] section than this run's config. "
+                f"Resume with the same model settings, or use another --out."
+            )
+        ckpt.load_weights(self.raw_model, latest / ckpt.MODEL_FILE)
+        state, opt_state, rng = ckpt.load_training_state(latest)
+        if opt_state is not None:
+            self.optimizer.load_state_dict(opt_state)
+        if "torch" in rng:
+            torch.set_rng_state(rng["torch"])
+        self.step, self.tokens = int(state["step"]), int(state["tokens"])
+        self.supervised, self.elapsed = int(state.get("supervised", 0)), float(state.get("elapsed_s", 0.0))
+        self.stream.load_state_dict(state["data"])
+        self._truncate_metrics(self.step)
+        self.log(f"resumed from {latest} at step {self.step}")
+        return True
+
+    def _truncate_metrics(self, step: int) -> None:
+        path = self.run_dir / METRICS_FILE
+        if not path.is_file() or not self.dist.is_main:
+            return
+        keep = [line for line in path.read_text(encoding="utf-8").splitlines()
+                if line.strip() and json.loads(line).get("step", 0) <= step]
+        path.write_text("".join(line + "\n" for line in keep), encoding="utf-8")
+
+    # -- the step -----------------------------------------------------------------
+    def train_step(self) -> dict:
+        """One optimizer step; returns its metrics."""
+        cfg = self.cfg.train
+        lr = lr_at(self.step, cfg)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        batches = [self.stream.next_batch() for _ in range(cfg.grad_accum_steps)]
+        local = torch.tensor(float(sum(b.n_supervised for b in batches)), dtype=torch.float64)
+        n_global = float(all_reduce_sum(local.to(self.device), self.dist).item())
+        scale = self.dist.world_size / max(n_global, 1.0)
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        self.model.train()
+        for i, b in enumerate(batches):
+            b = b.to(self.device)
+            sync = i == len(batches) - 1
+            ctx = self.model.no_sync() if (not sync and hasattr(self.model, "no_sync")) else contextlib.nullcontext()
+            with ctx:
+                with autocast(self.device, self.dtype):
+                    logits = self.model(b.tokens, b.positions, b.document_ids)
+                nats = cross_entropy_sum(logits, b.targets, b.loss_mask)
+                (nats * scale).backward()
+            loss_sum += nats.detach().double().cpu()
+        if cfg.grad_clip > 0:
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.raw_model.parameters(), cfg.grad_clip)
+        else:
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.raw_model.parameters(), float("inf"))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = float(all_reduce_sum(loss_sum.to(self.device), self.dist).item()) / max(n_global, 1.0)
+        self.step += 1
+        step_tokens = sum(b.tokens.numel() for b in batches) * self.dist.world_size
+        self.tokens += step_tokens
+        self.supervised += int(n_global)
+        return {"step": self.step, "loss": loss, "grad_norm": float(grad_norm), "lr": lr,
+                "tokens": self.tokens, "supervised": self.supervised, "step_tokens": step_tokens}
+
+    def validate(self) -> float | None:
+        if self.val_batches is None:
+            return None
+        nats, count = evaluate_batches(self.model, self.val_batches(), self.device, self.dtype)
+        totals = all_reduce_sum(torch.tensor([nats, float(count)], dtype=torch.float64), self.dist)
+        return float(totals[0] / max(totals[1], 1.0))
+
+    # -- the loop -------------------------------------------------------------------
+    def fit(self) -> dict:
+        """Train to cfg.train.steps (from wherever the run stands); return the last metrics."""
+        cfg = self.cfg.train
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        metrics_file = open(self.run_dir / METRICS_FILE, "a", encoding="utf-8") if self.dist.is_main else None
+        old_handlers = self._install_signal_handlers()
+        bar = tqdm(total=cfg.steps, initial=self.step, desc="train", unit="step",
+                   disable=not (self.progress and self.dist.is_main), mininterval=1.0, dynamic_ncols=True)
+        last: dict = {}
+        start_step = self.step
+        try:
+            while self.step < cfg.steps:
+                t0 = time.perf_counter()
+                m = self.train_step()
+                dt = time.perf_counter() - t0
+                self.elapsed += dt
+                m["tokens_per_s"] = m["step_tokens"] / dt
+                m["elapsed_s"] = round(self.elapsed, 3)
+                if not math.isfinite(m["loss"]):
+                    raise FloatingPointError(
+                        f"loss became {m['loss']} at step {self.step}. Lower train.lr or enable grad clipping; "
+                        f"resume from the last checkpoint with --resume."
+                    )
+                final = self.step == cfg.steps
+                out_of_time = cfg.time_limit_s > 0 and self.elapsed >= cfg.time_limit_s
+                if (cfg.eval_every and self.step % cfg.eval_every == 0) or final or out_of_time:
+                    m["val_loss"] = self.validate()
+                del m["step_tokens"]
+                last = m
+                if metrics_file:
+                    metrics_file.write(json.dumps(m) + "\n")
+                    metrics_file.flush()
+                bar.update(1)
+                if self.step % cfg.log_every == 0 or final:
+                    bar.set_postfix(loss=f"{m['loss']:.3f}", lr=f"{m['lr']:.2e}",
+                                    tok_s=f"{m['tokens_per_s']:.0f}", refresh=False)
+                stop = self._stop_signal is not None or out_of_time
+                if (cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0) or final or stop:
+                    self.save()
+                if stop:
+                    why = "time limit reached" if out_of_time else f"signal {self._stop_signal}"
+                    self.log(f"\nstopped at step {self.step} ({why}); checkpoint written to "
+                             f"{self.run_dir / ckpt.step_dir_name(self.step)}. Continue with --resume.")
+                    break
+        finally:
+            bar.close()
+            if metrics_file:
+                metrics_file.close()
+            self._restore_signal_handlers(old_handlers)
+        last["steps_run"] = self.step - start_step
+        return last
+
+    def _install_signal_handlers(self):
+        if threading_main() is False:
+            return None
+
+        def handler(signum, frame):
+            self._stop_signal = signum
+
+        return {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+
+    @staticmethod
+    def _restore_signal_handlers(old):
+        for s, h in (old or {}).items():
+            signal.signal(s, h)
+
+
+def threading_main() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
+
+
+def check_run_dir(run_dir: Path, resume: bool) -> None:
+    """A fresh run refuses a folder that already holds checkpoints (use --resume)."""
+    if not resume and ckpt.list_checkpoints(run_dir):
+        raise ConfigError(
+            f"--out {run_dir} already holds checkpoints ({ckpt.list_checkpoints(run_dir)[-1].name}). "
+            f"Pass --resume to continue that run, or choose another --out."
+        )
+
+
+__all__ = ["Trainer", "evaluate_batches", "resolve_precision", "seed_everything", "check_run_dir",
+           "build_optimizer", "autocast", "METRICS_FILE"]
