@@ -17,9 +17,12 @@ from lmforge.errors import LmforgeError
 EPILOG = """\
 stages, in order:
   lmforge train-tokenizer --out runs/tok          byte-level BPE on data.source
+  (or: lmforge import-tokenizer --from hf_tokenizer_dir --out runs/tok   bring your own)
   lmforge prepare --set tokenizer.dir=runs/tok --out runs/data
   lmforge pretrain --set tokenizer.dir=runs/tok --set data.dir=runs/data --out runs/pre
   lmforge generate --checkpoint runs/pre --prompt "def "
+  lmforge sft --set sft.init=runs/pre --out runs/sft   fine-tune on conversations (sft.data)
+  lmforge chat --checkpoint runs/sft                  talk to it; /exit quits
   lmforge eval --checkpoint runs/pre
   lmforge speedrun --out runs/speedrun             all of the above on the standard library
 """
@@ -45,6 +48,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train-tokenizer", help="train the byte-level BPE tokenizer on data.source")
     _common(p, "where to write the tokenizer (default: tokenizer.dir)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    p = sub.add_parser("import-tokenizer", help="bring your own Hugging Face tokenizer folder (derives the contract)")
+    _common(p, "where to write the lmforge tokenizer folder (default: tokenizer.dir)")
+    p.add_argument("--from", dest="src", required=True, metavar="DIR",
+                   help="a folder with tokenizer.json + tokenizer_config.json, as transformers saves it")
 
     p = sub.add_parser("prepare", help="pretokenize data.source into .bin/.idx shards")
     _common(p, "where to write the shards (default: data.dir)")
@@ -73,11 +81,33 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--truncate", action="store_true", help="keep the prompt's last tokens if it is too long")
 
+    p = sub.add_parser("chat", help="chat with a fine-tuned checkpoint (one line a turn; /exit or EOF quits)")
+    _common(p)
+    p.add_argument("--checkpoint", required=True, metavar="DIR", help="a run folder or a step_NNNNNN folder")
+    p.add_argument("--tokenizer", metavar="DIR", help="tokenizer folder (default: the checkpoint's own); must match")
+    p.add_argument("--system", default=None, help="a system message that opens the conversation")
+    p.add_argument("--max-new-tokens", type=int, help="default: generate.max_new_tokens")
+    p.add_argument("--temperature", type=float)
+    p.add_argument("--top-k", type=int)
+    p.add_argument("--top-p", type=float)
+    p.add_argument("--greedy", action="store_true", help="argmax decoding")
+    p.add_argument("--seed", type=int, default=None)
+
     p = sub.add_parser("eval", help="held-out loss, perplexity and bits per byte of a checkpoint")
     _common(p, "write the results as JSON to this file")
     p.add_argument("--checkpoint", required=True, metavar="DIR")
     p.add_argument("--data", metavar="DIR", help="prepared data folder (default: the checkpoint's data.dir)")
     p.add_argument("--split", default="val", choices=("train", "val"))
+
+    p = sub.add_parser("export", help="write a checkpoint as a Hugging Face Llama folder")
+    _common(p, "the Hugging Face folder to write (required)")
+    p.add_argument("--checkpoint", required=True, metavar="DIR", help="a run folder or a step_NNNNNN folder")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    p.add_argument("--verify", action="store_true", help="compare logits with transformers (needs lmforge[hf])")
+
+    p = sub.add_parser("import-hf", help="turn a Hugging Face Llama folder into an lmforge checkpoint")
+    _common(p, "the lmforge checkpoint folder to write (required)")
+    p.add_argument("folder", metavar="DIR", help="a folder written by transformers' save_pretrained")
 
     p = sub.add_parser("speedrun", help="every stage on the embedded corpus, then a summary table")
     _common(p, "output folder (default: runs/speedrun)")
@@ -104,6 +134,14 @@ def run(args: argparse.Namespace) -> int:
     cmd = args.command
     if cmd == "train-tokenizer":
         stages.train_tokenizer_stage(_config(args), args.out, progress=not args.no_progress)
+    elif cmd == "import-tokenizer":
+        from lmforge.tokenizer import import_tokenizer
+
+        out = args.out or _config(args).tokenizer.dir
+        tok = import_tokenizer(args.src, out, log=lambda m: print(f"import-tokenizer: {m}", file=sys.stderr))
+        print(f"import-tokenizer: {tok.vocab_size} tokens (model vocab {tok.contract.model_vocab_size}), special ids "
+              + ", ".join(f"{k}={v} {tok.spellings[k]!r}" for k, v in tok.contract.special_tokens.items())
+              + f" -> {out}", file=sys.stderr)
     elif cmd == "prepare":
         stages.prepare_stage(_config(args), args.out, progress=not args.no_progress)
     elif cmd == "pretrain":
@@ -139,11 +177,37 @@ def run(args: argparse.Namespace) -> int:
             greedy=args.greedy)
         sampling = replace(sampling)
         print(stages.generate_text(model, tok, args.prompt, sampling, seed=args.seed, truncate=args.truncate))
+    elif cmd == "chat":
+        from lmforge.generate import SamplingConfig
+        from lmforge.sft import chat_loop, stdin_reader
+
+        g = _config(args).generate
+        model, tok, _ = stages.load_for_inference(args.checkpoint, args.tokenizer)
+        sampling = SamplingConfig(
+            max_new_tokens=args.max_new_tokens or g.max_new_tokens,
+            temperature=g.temperature if args.temperature is None else args.temperature,
+            top_k=g.top_k if args.top_k is None else args.top_k,
+            top_p=g.top_p if args.top_p is None else args.top_p,
+            repetition_penalty=g.repetition_penalty, greedy=args.greedy)
+        chat_loop(model, tok, sampling, stdin_reader(), lambda reply: print(reply, flush=True),
+                  system=args.system, seed=args.seed)
     elif cmd == "eval":
         res = stages.eval_stage(args.checkpoint, args.data, args.split, args.out)
         print(f"loss {res['loss']:.4f} nats/token, perplexity {res['perplexity']:.2f}, "
               f"{res['bits_per_byte']:.4f} bits/byte over {res['tokens']:,} tokens ({res['bytes']:,} bytes)")
         print(json.dumps(res))
+    elif cmd == "export":
+        from lmforge.export import export_hf
+
+        if not args.out:
+            raise LmforgeError("export needs --out DIR (the Hugging Face folder to write).")
+        print(export_hf(args.checkpoint, args.out, dtype=args.dtype, verify=args.verify))
+    elif cmd == "import-hf":
+        from lmforge.export import import_hf
+
+        if not args.out:
+            raise LmforgeError("import-hf needs --out DIR (the lmforge checkpoint folder to write).")
+        print(import_hf(args.folder, args.out))
     elif cmd == "speedrun":
         from lmforge.speedrun import speedrun
 

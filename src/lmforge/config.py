@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import os
 import tomllib
 import typing
 from dataclasses import dataclass, field
@@ -106,6 +107,13 @@ class TrainConfig:
     """"auto" (bf16 autocast where the device has bf16 units, else fp32), "bf16" or "fp32"."""
     data_parallel: str = "ddp"
     """"ddp" or "fsdp" (used when launched through torchrun with several ranks)."""
+    context_parallel: int = 1
+    """Context-parallel degree: ranks that split one sequence. The world size (ranks torchrun
+    starts) = data-parallel degree x context_parallel. Only 1 is implemented yet."""
+    global_batch_size: int = 0
+    """Rows per optimizer step over all ranks (0 = derived: micro_batch_size x grad_accum_steps x
+    data-parallel degree). Set it to pin the global batch: a launch on another number of ranks
+    is then an error that says which grad_accum_steps keeps it."""
     compile: bool = False
     checkpoint_every: int = 0
     """Write a checkpoint every N steps (0 = only at the end)."""
@@ -128,6 +136,19 @@ class SFTConfig:
     """"stdlib" (functions of the standard library) or a JSONL/Parquet file of conversations."""
     packing: bool = False
     """Pack conversations with document masking instead of right-padding one per row."""
+    steps: int = 150
+    """SFT optimizer steps. SFT takes steps, micro_batch_size, grad_accum_steps, lr and
+    warmup_steps from [sft]; every other [train] key applies as it is."""
+    micro_batch_size: int = 8
+    grad_accum_steps: int = 1
+    lr: float = 1e-3
+    warmup_steps: int = 10
+    max_examples: int = 2000
+    """Train on at most this many conversations (0 = all), chosen by a stable hash."""
+    val_examples: int = 200
+    """Validate on at most this many held-out conversations (0 = all)."""
+    max_chars: int = 900
+    """stdlib only: leave out functions whose prompt + body exceed this many characters (0 = no limit)."""
 
 
 @dataclass
@@ -158,9 +179,10 @@ class Config:
         tmp.write_bytes(tomli_w.dumps(self.to_dict()).encode())
         tmp.replace(path)
 
-    def validate(self) -> "Config":
-        """Check shapes and choices before any work (P7). Returns self."""
-        validate(self)
+    def validate(self, world_size: int | None = None) -> "Config":
+        """Check shapes and choices before any work (P7); with `world_size`, the parallel
+        degrees too (see `validate_parallel`). Returns self."""
+        validate(self, world_size)
         return self
 
 
@@ -309,8 +331,12 @@ def _positive(name: str, value: float, allow_zero: bool = False) -> None:
         raise ConfigError(f"{name} = {value!r}: expected a value {bound}.")
 
 
-def validate(cfg: Config) -> Config:
-    """Validate shapes and choices (P7): every error says what to change."""
+def validate(cfg: Config, world_size: int | None = None) -> Config:
+    """Validate shapes and choices (P7): every error says what to change.
+
+    `world_size` (the number of ranks) adds the checks that depend on it
+    (`validate_parallel`); None leaves them to the training start-up, which knows it.
+    """
     m, d, t = cfg.model, cfg.data, cfg.train
     for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "max_seq_len"):
         _positive(f"model.{name}", getattr(m, name))
@@ -354,12 +380,89 @@ def validate(cfg: Config) -> Config:
     _choice("train.data_parallel", t.data_parallel, ("ddp", "fsdp"))
     if not 0.0 < t.decay_fraction <= 1.0:
         raise ConfigError(f"train.decay_fraction = {t.decay_fraction}: expected 0 < value <= 1.")
+    _positive("train.context_parallel", t.context_parallel)
+    _positive("train.global_batch_size", t.global_batch_size, allow_zero=True)
+    if t.context_parallel > 1 and d.seq_len % (2 * t.context_parallel):
+        unit = 2 * t.context_parallel
+        raise ConfigError(
+            f"data.seq_len = {d.seq_len} is not divisible by 2 x train.context_parallel = {unit}: each "
+            f"context-parallel rank takes two equal chunks of the sequence (load-balanced causal attention). "
+            f"Set data.seq_len to a multiple of {unit} (for example {max(unit, d.seq_len // unit * unit)}) "
+            f"or lower train.context_parallel."
+        )
+    if world_size is not None:
+        validate_parallel(cfg, world_size)
+    for name in ("steps", "micro_batch_size", "grad_accum_steps", "lr"):
+        _positive(f"sft.{name}", getattr(cfg.sft, name))
+    for name in ("warmup_steps", "max_examples", "val_examples", "max_chars"):
+        _positive(f"sft.{name}", getattr(cfg.sft, name), allow_zero=True)
     g = cfg.generate
     _positive("generate.max_new_tokens", g.max_new_tokens)
     _positive("generate.temperature", g.temperature, allow_zero=True)
     _positive("generate.top_k", g.top_k, allow_zero=True)
     if not 0.0 < g.top_p <= 1.0:
         raise ConfigError(f"generate.top_p = {g.top_p}: expected 0 < value <= 1.")
+    return cfg
+
+
+def world_size_from_env() -> int:
+    """The number of ranks torchrun started (env WORLD_SIZE; 1 without torchrun).
+
+    Raises:
+        ConfigError: WORLD_SIZE is set but not a positive integer.
+    """
+    raw = os.environ.get("WORLD_SIZE", "1")
+    try:
+        world = int(raw)
+    except ValueError:
+        world = 0
+    if world < 1:
+        raise ConfigError(f"environment variable WORLD_SIZE = {raw!r}: expected a positive integer "
+                          f"(torchrun sets it). Unset it to run one process.")
+    return world
+
+
+def validate_parallel(cfg: Config, world_size: int) -> Config:
+    """The checks that depend on the number of ranks, run at start-up before any work.
+
+    world size = data-parallel degree x train.context_parallel; when train.global_batch_size
+    is set it must be a multiple of micro_batch_size x data-parallel degree and equal
+    micro_batch_size x grad_accum_steps x data-parallel degree.
+
+    Raises:
+        ConfigError: naming the keys, the values seen and the values that would work.
+    """
+    t = cfg.train
+    cp = t.context_parallel
+    if world_size < 1:
+        raise ConfigError(f"world size = {world_size}: expected at least 1 rank.")
+    if world_size % cp:
+        fits = [x for x in range(1, world_size + 1) if world_size % x == 0]
+        raise ConfigError(
+            f"world size {world_size} (WORLD_SIZE, the ranks torchrun starts) is not divisible by "
+            f"train.context_parallel = {cp}: world size = data-parallel degree x context-parallel degree. "
+            f"Launch a multiple of {cp} ranks (torchrun --nproc-per-node {cp * max(1, world_size // cp)}) "
+            f"or set train.context_parallel to one of {fits}."
+        )
+    dp = world_size // cp
+    g = t.global_batch_size
+    if g:
+        unit = t.micro_batch_size * dp
+        if g % unit:
+            raise ConfigError(
+                f"train.global_batch_size = {g} is not divisible by train.micro_batch_size x data-parallel "
+                f"degree = {t.micro_batch_size} x {dp} = {unit} (world size {world_size} / "
+                f"train.context_parallel {cp}). Set train.global_batch_size to a multiple of {unit} "
+                f"(for example {max(unit, g // unit * unit)}), or change train.micro_batch_size or the "
+                f"number of ranks."
+            )
+        if g != unit * t.grad_accum_steps:
+            raise ConfigError(
+                f"train.global_batch_size = {g}, but train.micro_batch_size x train.grad_accum_steps x "
+                f"data-parallel degree = {t.micro_batch_size} x {t.grad_accum_steps} x {dp} = "
+                f"{unit * t.grad_accum_steps}. Set train.grad_accum_steps = {g // unit} to keep the global "
+                f"batch on {world_size} rank(s), or set train.global_batch_size = 0."
+            )
     return cfg
 
 

@@ -1,6 +1,7 @@
 """The tokenizer / data / model / checkpoint contract (P1, P4, P6).
 
-`contract.json` is written once by the tokenizer stage and copied into every data
+`contract.json` is written once by the tokenizer stage (`train_tokenizer`, or
+`import_tokenizer` for a tokenizer brought from elsewhere) and copied into every data
 folder and every checkpoint. It is the only place special-token ids live: every
 stage reads them from here, and every stage boundary compares the contracts it
 meets (`check_match`) and stops on any difference.
@@ -105,7 +106,13 @@ class Contract:
             ) from None
 
     def check_consistent(self, where: str | Path) -> None:
-        """Internal consistency: distinct special ids in range, padded vocab, dtype (P4, P6)."""
+        """Internal consistency: the five special tokens present, their ids distinct and in
+        [0, vocab_size), model_vocab_size = vocab_size rounded up to 64, a dtype that holds the vocab
+        (P4, P6).
+
+        Raises:
+            ContractError: naming `where`, the field, the value and what was expected.
+        """
         required = ("pad", "bos", "eos", "im_start", "im_end")
         for name in required:
             if name not in self.special_tokens:
@@ -134,10 +141,12 @@ class Contract:
 
 
 def token_dtype_for(vocab_size: int) -> str:
+    """The numpy dtype name of data shards for a vocabulary: "uint16" up to 65,536 ids, else "uint32"."""
     return "uint16" if vocab_size <= 2**16 else "uint32"
 
 
 def file_sha256(path: str | Path) -> str:
+    """Hex sha256 of a file's bytes (read in 1 MiB chunks)."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -146,30 +155,41 @@ def file_sha256(path: str | Path) -> str:
 
 
 def check_match(a: Contract, a_path: str | Path, b: Contract, b_path: str | Path) -> None:
-    """Stop if two contracts differ in any field (a stage boundary check).
+    """Stop if two contracts differ in any field (a stage boundary check: tokenizer vs data in
+    prepare/pretrain, tokenizer vs checkpoint in generate and --resume, checkpoint vs data in eval).
 
     Raises:
         ContractError: naming both files, the field, both values and the fix.
     """
     da, db = dataclasses.asdict(a), dataclasses.asdict(b)
-    for key in da:
+    # the telling fields first; the hash last (it differs whenever anything else does)
+    order = ["special_tokens", "vocab_size", "model_vocab_size", "token_dtype", "chat_template", "tokenizer_sha256"]
+    order += [k for k in da if k not in order]
+    details = []
+    for key in order:
         if da[key] != db[key]:
             va, vb = da[key], db[key]
             if key == "chat_template":
                 va, vb = f"<{len(va)} chars>", f"<{len(vb)} chars>"
-            raise ContractError(
-                f"contract mismatch in {key!r}: {a_path} has {va!r} but {b_path} has {vb!r}. "
-                f"They were made with different tokenizers. Use the tokenizer these were made with, "
-                f"or re-run the earlier stage (prepare / pretrain) with this tokenizer."
-            )
+            details.append(f"{key!r}: {a_path} has {va!r} but {b_path} has {vb!r}")
+    if details:
+        raise ContractError(
+            f"contract mismatch in {'; '.join(details)}. They were made with different tokenizers. Use the "
+            f"tokenizer these were made with, or re-run the earlier stage (prepare / pretrain) with this tokenizer."
+        )
 
 
 def check_tokenizer_hash(contract: Contract, contract_path: str | Path, tokenizer_json: str | Path) -> None:
-    """The contract's tokenizer_sha256 must be the sha256 of the tokenizer.json beside it."""
+    """The contract's tokenizer_sha256 must be the sha256 of the tokenizer.json beside it.
+
+    Raises:
+        ContractError: either file was edited or swapped (names both, with both hashes).
+    """
     actual = file_sha256(tokenizer_json)
     if actual != contract.tokenizer_sha256:
         raise ContractError(
             f"{contract_path}: tokenizer_sha256 = {contract.tokenizer_sha256[:16]}… but "
             f"{tokenizer_json} hashes to {actual[:16]}…. The tokenizer or the contract was edited or "
-            f"swapped; restore the original files, or re-run `lmforge train-tokenizer`."
+            f"swapped; restore the original files, or re-run `lmforge train-tokenizer` (or `lmforge "
+            f"import-tokenizer`) to make a new folder."
         )

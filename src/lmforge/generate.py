@@ -1,10 +1,15 @@
 """KV-cache generation and sampling.
 
-Prompts are left-padded into one batch with an explicit key mask (P5); the prompt is
-run once (prefill), then one token per step (T = 1 decode, P7). Sampling: temperature,
+Prompts are left-padded into one batch with an explicit key mask (P5) and per-row
+positions (0 at each prompt's first real token); the prompt is run once (prefill),
+then one token per step (T = 1 decode, P7) against the cache. Sampling: temperature,
 top-k, top-p (nucleus; Holtzman et al. 2020), repetition penalty (CTRL; Keskar et al.
 2019), or greedy. A sequence stops at any of `stop_ids` (from the contract: <|eos|>,
 and <|im_end|> in chat) or after `max_new_tokens`.
+
+The decode loop stays on tensors: new ids go into a preallocated (B, max_new_tokens)
+buffer, the repetition penalty keeps a (B, V) "seen" mask updated in place, and the
+only host synchronisation per step is the all-rows-stopped check.
 """
 
 from __future__ import annotations
@@ -23,23 +28,64 @@ class SamplingConfig:
     max_new_tokens: int = 128
     temperature: float = 0.8
     top_k: int = 50
+    """0 = no top-k filter."""
     top_p: float = 0.95
+    """1.0 = no nucleus filter."""
     repetition_penalty: float = 1.0
+    """1.0 = none; > 1 discourages tokens already in the prompt or the output."""
     greedy: bool = False
+    """argmax decoding (also when temperature == 0)."""
+
+    def validate(self) -> "SamplingConfig":
+        """Raises LmforgeError naming the field, the value and the valid range."""
+        checks = [
+            ("max_new_tokens", self.max_new_tokens >= 1, ">= 1"),
+            ("temperature", self.temperature >= 0, ">= 0"),
+            ("top_k", self.top_k >= 0, ">= 0 (0 = off)"),
+            ("top_p", 0 < self.top_p <= 1, "in (0, 1]"),
+            ("repetition_penalty", self.repetition_penalty > 0, "> 0"),
+        ]
+        for name, ok, want in checks:
+            if not ok:
+                raise LmforgeError(f"sampling {name} = {getattr(self, name)!r}: expected a value {want}.")
+        return self
+
+
+def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
+    """CTRL's penalty: logits of seen tokens are divided by `penalty` when positive, multiplied
+    when negative. logits: (B, V) float; seen: (B, V) bool."""
+    penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
+    return torch.where(seen, penalised, logits)
+
+
+def seen_mask(history: torch.Tensor, vocab: int) -> torch.Tensor:
+    """(B, S) ids (negative = none) -> (B, V) bool: which ids occur in each row."""
+    B = history.shape[0]
+    idx = torch.where(history >= 0, history, torch.full_like(history, vocab))
+    seen = torch.zeros(B, vocab + 1, dtype=torch.bool, device=history.device)
+    seen.scatter_(1, idx, True)
+    return seen[:, :vocab]
 
 
 def sample_next(logits: torch.Tensor, cfg: SamplingConfig, history: torch.Tensor | None = None,
-                generator: torch.Generator | None = None) -> torch.Tensor:
-    """logits: (B, V) float -> next ids (B,) int64. `history` (B, S) ids for the penalty
-    (negative ids are ignored)."""
+                generator: torch.Generator | None = None, seen: torch.Tensor | None = None) -> torch.Tensor:
+    """Choose the next ids.
+
+    Args:
+        logits: (B, V) float, the last position's logits.
+        cfg: the sampling settings.
+        history: (B, S) int64 ids the repetition penalty looks at (negative ids are ignored);
+            or give `seen` (B, V) bool directly.
+        generator: a torch.Generator for reproducible sampling.
+    Returns:
+        (B,) int64 ids.
+    """
     logits = logits.float()
-    if cfg.repetition_penalty != 1.0 and history is not None:
-        hist = history.clamp(min=0)
-        seen = torch.gather(logits, 1, hist)
-        seen = torch.where(seen > 0, seen / cfg.repetition_penalty, seen * cfg.repetition_penalty)
-        valid = history >= 0
-        logits = logits.scatter(1, torch.where(valid, hist, torch.zeros_like(hist)),
-                                torch.where(valid, seen, torch.gather(logits, 1, torch.zeros_like(hist))))
+    if cfg.repetition_penalty != 1.0:
+        if seen is None and history is not None:
+            seen = seen_mask(history, logits.shape[-1])
+        if seen is not None:
+            logits = apply_repetition_penalty(logits, seen, cfg.repetition_penalty)
     if cfg.greedy or cfg.temperature == 0:
         return logits.argmax(dim=-1)
     logits = logits / cfg.temperature
@@ -56,7 +102,67 @@ def sample_next(logits: torch.Tensor, cfg: SamplingConfig, history: torch.Tensor
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
-@torch.no_grad()
+def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, extra: int,
+             device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Left-pad prompts into one batch.
+
+    Returns:
+        tokens: (B, L) int64, `pad_id` in the padding;
+        positions: (B, L) int64, 0 at each prompt's first real token (0 in the padding too);
+        key_mask: (B, L + extra) bool, True at real slots (the `extra` generated slots included).
+    """
+    B, L = len(prompts), max(len(p) for p in prompts)
+    tokens = torch.full((B, L), pad_id, dtype=torch.long)
+    positions = torch.zeros((B, L), dtype=torch.long)
+    key_mask = torch.ones((B, L + extra), dtype=torch.bool)
+    for i, p in enumerate(prompts):
+        pad = L - len(p)
+        tokens[i, pad:] = torch.as_tensor(list(p), dtype=torch.long)
+        positions[i, pad:] = torch.arange(len(p))
+        key_mask[i, :pad] = False
+    return tokens.to(device), positions.to(device), key_mask.to(device)
+
+
+def check_prompts(prompts: Sequence[Sequence[int]], vocab_size: int, max_seq_len: int, max_new_tokens: int,
+                  truncate: bool) -> list[list[int]]:
+    """Validate (and with `truncate`, left-trim) prompts so prompt + max_new_tokens fits max_seq_len.
+
+    Raises:
+        LmforgeError: no prompts, an empty prompt, an id outside [0, vocab_size), a prompt too
+        long (without `truncate`), or max_new_tokens >= max_seq_len.
+    """
+    if not prompts:
+        raise LmforgeError("generate: no prompts given; pass at least one list of token ids.")
+    budget = max_seq_len - max_new_tokens
+    if budget < 1:
+        raise LmforgeError(
+            f"max_new_tokens = {max_new_tokens} leaves no room for a prompt in the model's max_seq_len = "
+            f"{max_seq_len}; lower max_new_tokens below {max_seq_len}."
+        )
+    rows = []
+    for i, p in enumerate(prompts):
+        p = [int(t) for t in p]
+        if not p:
+            raise LmforgeError(f"prompt {i} is empty: give at least one token (lmforge prompts start with <|bos|>).")
+        bad = [t for t in p if not 0 <= t < vocab_size]
+        if bad:
+            raise LmforgeError(
+                f"prompt {i} holds token id {bad[0]}, outside the model's vocab [0, {vocab_size}) (P6). "
+                f"Encode prompts with the tokenizer this model was trained with."
+            )
+        if len(p) > budget:
+            if not truncate:
+                raise LmforgeError(
+                    f"prompt {i} has {len(p)} tokens; with max_new_tokens = {max_new_tokens} it exceeds the "
+                    f"model's max_seq_len = {max_seq_len} (room for {budget} prompt tokens). Shorten it, lower "
+                    f"max_new_tokens, or pass --truncate to keep its last {budget} tokens."
+                )
+            p = p[-budget:]
+        rows.append(p)
+    return rows
+
+
+@torch.inference_mode()
 def generate(
     model: Transformer,
     prompts: Sequence[Sequence[int]],
@@ -66,64 +172,66 @@ def generate(
     truncate: bool = False,
     generator: torch.Generator | None = None,
 ) -> list[list[int]]:
-    """Continue each prompt; return the new ids of each (stop id included when reached).
+    """Continue each prompt; return the new ids of each (the stop id included when reached).
 
+    Args:
+        model: the Transformer (put in eval mode).
+        prompts: B lists of token ids, any lengths (left-padded together with `pad_id`).
+        stop_ids: ids that end a sequence (the contract's eos_id, and im_end_id in chat);
+            empty: always generate max_new_tokens.
+        cfg: sampling settings (validated).
+        pad_id: the contract's pad id (fills padding; never attended to).
+        truncate: keep the last tokens of a prompt too long for max_seq_len instead of failing.
+        generator: for reproducible sampling.
+    Returns:
+        B lists of new ids, each at most cfg.max_new_tokens long.
     Raises:
-        LmforgeError: an empty prompt, or a prompt + max_new_tokens longer than the model's
-        max_seq_len (unless `truncate`, which keeps the prompt's last tokens).
+        LmforgeError: see `check_prompts` and `SamplingConfig.validate`.
     """
+    cfg.validate()
     model.eval()
     device = model.output.weight.device
-    max_len = model.config.max_seq_len
-    budget = max_len - cfg.max_new_tokens
-    if budget < 1:
-        raise LmforgeError(
-            f"max_new_tokens = {cfg.max_new_tokens} leaves no room for a prompt in max_seq_len = {max_len}; "
-            f"lower max_new_tokens."
-        )
-    rows = []
-    for i, p in enumerate(prompts):
-        p = list(p)
-        if not p:
-            raise LmforgeError(f"prompt {i} is empty: give at least one token (lmforge prompts start with <|bos|>).")
-        if len(p) > budget:
-            if not truncate:
-                raise LmforgeError(
-                    f"prompt {i} has {len(p)} tokens; with max_new_tokens = {cfg.max_new_tokens} it exceeds "
-                    f"max_seq_len = {max_len}. Shorten it, lower max_new_tokens, or pass --truncate."
-                )
-            p = p[-budget:]
-        rows.append(p)
-    B = len(rows)
-    L = max(len(p) for p in rows)
-    tokens = torch.full((B, L), pad_id, dtype=torch.long)
-    key_mask = torch.zeros((B, L + cfg.max_new_tokens), dtype=torch.bool)
-    key_mask[:, L:] = True  # generated slots are real
-    positions = torch.zeros((B, L), dtype=torch.long)
-    for i, p in enumerate(rows):
-        pad = L - len(p)
-        tokens[i, pad:] = torch.tensor(p)
-        key_mask[i, pad:] = True
-        positions[i, pad:] = torch.arange(len(p))
-    tokens, key_mask, positions = tokens.to(device), key_mask.to(device), positions.to(device)
-    padded = bool((~key_mask[:, :L]).any())
-    cache = model.new_cache(B, L + cfg.max_new_tokens, key_mask if padded else None)
-    logits = model(tokens, positions, cache=cache)[:, -1]  # (B, V)
-    next_pos = positions[:, -1] + 1
-    history = torch.where(key_mask[:, :L], tokens, torch.full_like(tokens, -1))
-    stops = torch.tensor(list(stop_ids), device=device)
-    out = [[] for _ in range(B)]
+    rows = check_prompts(prompts, model.vocab_size, model.config.max_seq_len, cfg.max_new_tokens, truncate)
+    B, n_new = len(rows), cfg.max_new_tokens
+    tokens, positions, key_mask = left_pad(rows, pad_id, n_new, device)
+    L = tokens.shape[1]
+    padded = not bool(key_mask.all())
+    cache = model.new_cache(B, L + n_new, key_mask if padded else None)
+    logits = model.logits(model.hidden(tokens, positions, cache=cache)[:, -1])  # (B, V)
+    next_pos = positions[:, -1:] + 1  # (B, 1)
+
+    seen = None
+    if cfg.repetition_penalty != 1.0:
+        seen = seen_mask(torch.where(key_mask[:, :L], tokens, -1), model.vocab_size)
+    stops = torch.as_tensor(list(stop_ids), dtype=torch.long, device=device)
+    out = torch.full((B, n_new), pad_id, dtype=torch.long, device=device)
     done = torch.zeros(B, dtype=torch.bool, device=device)
-    for _ in range(cfg.max_new_tokens):
-        nxt = sample_next(logits, cfg, history, generator)
-        nxt = torch.where(done, torch.full_like(nxt, pad_id), nxt)
-        for i in range(B):
-            if not done[i]:
-                out[i].append(int(nxt[i]))
-        done |= torch.isin(nxt, stops)
-        if bool(done.all()):
+    steps = 0
+    for t in range(n_new):
+        nxt = sample_next(logits, cfg, None, generator, seen)  # (B,)
+        nxt = torch.where(done, pad_id, nxt)
+        out[:, t] = nxt
+        steps = t + 1
+        if stops.numel():
+            done |= torch.isin(nxt, stops)
+            if bool(done.all()):
+                break
+        if t == n_new - 1:
             break
-        history = torch.cat([history, torch.where(done, -1, nxt)[:, None]], dim=1)
-        logits = model(nxt[:, None], next_pos[:, None], cache=cache)[:, -1]
+        if seen is not None:
+            seen.scatter_(1, nxt[:, None], True)
+        h = model.hidden(nxt[:, None], next_pos, cache=cache)  # (B, 1, dim): a T = 1 decode step
+        logits = model.logits(h[:, -1])
         next_pos = next_pos + 1
-    return out
+
+    out = out[:, :steps].cpu()
+    if stops.numel():
+        hit = torch.isin(out, stops.cpu())
+        first = torch.where(hit.any(1), hit.int().argmax(1) + 1, torch.full((B,), steps))
+    else:
+        first = torch.full((B,), steps)
+    return [row[:n].tolist() for row, n in zip(out, first.tolist())]
+
+
+__all__ = ["SamplingConfig", "generate", "sample_next", "apply_repetition_penalty", "seen_mask",
+           "left_pad", "check_prompts"]

@@ -104,7 +104,7 @@ def pretrain_stage(cfg: Config, out: str | Path, resume: bool = False, dry_run: 
                    progress: bool = True) -> dict:
     """Pretrain from scratch (or `--resume`) on data.dir; returns the last step's metrics."""
     out = Path(out)
-    info = init_distributed()
+    info = init_distributed(cfg)  # validates the parallel degrees against WORLD_SIZE first
     try:
         tok = Tokenizer.load(cfg.tokenizer.dir)
         tok_contract_path = Path(cfg.tokenizer.dir) / CONTRACT_FILE
@@ -129,17 +129,26 @@ def pretrain_stage(cfg: Config, out: str | Path, resume: bool = False, dry_run: 
         dtype = resolve_precision(t.precision, info.device)
         if info.is_main:
             log(startup_report(model, tok, data, cfg, info.world_size, info.device, dtype))
-        if dry_run:
-            return dry_run_step(model, stream, info.device, dtype)
-        trainer = Trainer(cfg, out, Path(cfg.tokenizer.dir), model, stream, val_batches, info, progress, log)
-        if info.is_main:
-            copy_contract_files(Path(cfg.tokenizer.dir), out)
-            cfg.save(out / "config.toml")
-        if resume and not trainer.resume():
-            log(f"--resume: no checkpoint in {out} yet; starting from step 0")
-        return trainer.fit()
+        return run_training(cfg, out, Path(cfg.tokenizer.dir), model, stream, val_batches, info,
+                            resume=resume, dry_run=dry_run, progress=progress)
     finally:
         shutdown(info)
+
+
+def run_training(cfg: Config, out: Path, contract_dir: Path, model: Transformer, stream, val_batches, info,
+                 resume: bool = False, dry_run: bool = False, progress: bool = True) -> dict:
+    """The common tail of every training stage (pretrain, sft): one dry-run step, or the one
+    `Trainer.fit` into `out` (continuing its newest checkpoint with `resume`). `contract_dir`
+    holds the contract and tokenizer files copied into the run folder and its checkpoints."""
+    if dry_run:
+        return dry_run_step(model, stream, info.device, resolve_precision(cfg.train.precision, info.device))
+    trainer = Trainer(cfg, out, Path(contract_dir), model, stream, val_batches, info, progress, log)
+    if resume and not trainer.resume():  # before the copy: a mismatched --resume leaves the run folder as it was
+        log(f"--resume: no checkpoint in {out} yet; starting from step 0")
+    if info.is_main:
+        copy_contract_files(Path(contract_dir), out)
+        cfg.save(out / "config.toml")
+    return trainer.fit()
 
 
 def dry_run_step(model: Transformer, stream, device: torch.device, dtype) -> dict:
@@ -161,9 +170,10 @@ def dry_run_step(model: Transformer, stream, device: torch.device, dtype) -> dic
 # -- generate / eval -----------------------------------------------------------------
 def load_for_inference(checkpoint: str | Path, tokenizer_dir: str | Path | None = None):
     """(model, tokenizer, config) from a checkpoint, checking a separate tokenizer if given."""
-    from lmforge.train.checkpoint import load_model, resolve_checkpoint
+    from lmforge.train.checkpoint import load_model, read_checkpoint_meta, resolve_checkpoint
 
     path = resolve_checkpoint(checkpoint)
+    read_checkpoint_meta(path)  # a checkpoint without config/contract is named as a checkpoint
     tok_dir = Path(tokenizer_dir) if tokenizer_dir else path
     tok = Tokenizer.load(tok_dir)
     model, cfg, _, _ = load_model(path, "cpu", tok.contract, tok_dir / CONTRACT_FILE)
@@ -196,6 +206,7 @@ def eval_stage(checkpoint: str | Path, data_dir: str | Path | None = None, split
     path = resolve_checkpoint(checkpoint)
     model, cfg, contract, _ = load_model(path)
     data_dir = Path(data_dir or cfg.data.dir)
+    preflight(data_dir, contract, path / CONTRACT_FILE)  # contract, ids < vocab, eos ends: before any forward
     shard = Shard.open(data_dir, split, contract, path / CONTRACT_FILE)
     dtype = resolve_precision(cfg.train.precision, torch.device("cpu"))
     res = evaluate_shard(model, shard, cfg.data.seq_len, cfg.train.micro_batch_size, "cpu", dtype,

@@ -31,6 +31,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from lmforge.errors import DataError
+
 # (sample index, first pair, number of pairs)
 Piece = tuple[int, int, int]
 
@@ -155,10 +157,16 @@ def padding_fraction(rows: Sequence[Sequence[Piece]], seq_len: int) -> float:
 class RowStream:
     """An endless, resumable stream of micro-batches over samples, epoch after epoch.
 
-    Epoch e shuffles the samples with numpy's generator seeded by (seed, e), plans the
-    rows (packed or padded), and deals them out: rank r of W takes rows r, r + W, …
-    The position (epoch, row cursor) is all the state; `state_dict` / `load_state_dict`
-    resume exactly.
+    Epoch e shuffles the samples with numpy's generator seeded by (seed, e) and plans the
+    rows (packed or padded). The epochs' rows, one after another, form one global row
+    sequence, dealt out W at a time: the k-th row of this rank's stream is global row
+    k * W + rank (rank r of W takes rows r, r + W, …; across an epoch's end it goes on
+    into the next epoch, nothing is dropped). So an optimizer step of A micro-batches of
+    B rows on each of W ranks uses global rows [s * A * B * W, (s + 1) * A * B * W),
+    whatever the split into ranks and micro-batches: W ranks with accumulation A see the
+    rows that one process with accumulation A * W sees.
+    The position (epoch, global row cursor within the epoch) is all the state, the same on
+    every rank; `state_dict` / `load_state_dict` resume exactly.
     """
 
     def __init__(
@@ -202,17 +210,22 @@ class RowStream:
 
     def next_batch(self) -> Batch:
         rows = []
-        while len(rows) < self.micro_batch_size:
-            plan = self.plan(self.epoch)
-            stride = self.world_size
-            i = self.cursor * stride + self.rank
-            if i >= len(plan) or (self.cursor + 1) * stride > len(plan):
-                self.epoch, self.cursor = self.epoch + 1, 0
-                continue
-            rows.append(build_row(plan[i], self.get_tokens, self.get_learn, self.seq_len, self.pad_id,
-                                  self.document_masking))
-            self.cursor += 1
+        for _ in range(self.micro_batch_size):
+            epoch, i = self._ahead(self.rank)  # this rank's row among the next W global rows
+            rows.append(build_row(self.plan(epoch)[i], self.get_tokens, self.get_learn, self.seq_len,
+                                  self.pad_id, self.document_masking))
+            self.epoch, self.cursor = self._ahead(self.world_size)
         return collate(rows)
+
+    def _ahead(self, k: int) -> tuple[int, int]:
+        """(epoch, row) of the global row `k` rows past the current position."""
+        epoch, i = self.epoch, self.cursor + k
+        while i >= (n := len(self.plan(epoch))):
+            if n == 0:
+                raise DataError("the training data has no sample with a target (every sample is empty "
+                                "or unsupervised): there are no rows to train on. Check the data source.")
+            epoch, i = epoch + 1, i - n
+        return epoch, i
 
     def __iter__(self):
         while True:

@@ -26,6 +26,7 @@ import numpy as np
 from tqdm import tqdm
 
 from lmforge.contract import CONTRACT_FILE, Contract, check_match
+from lmforge.data.fast_encode import batch_encoder
 from lmforge.data.sources import SPLITS, SourceStats, iter_documents
 from lmforge.errors import DataError
 from lmforge.tokenizer import Tokenizer
@@ -67,9 +68,11 @@ def prepare(
         hashes = {s: [] for s in SPLITS}
         bar = tqdm(desc="prepare", unit="B", unit_scale=True, disable=not progress, mininterval=1.0)
         batch: list = []
+        # tiktoken from the same merges when installed (ids proven identical), else HF tokenizers
+        encode_batch = batch_encoder(tokenizer)
 
         def flush() -> None:
-            encoded = tokenizer.encode_batch([d.text for d in batch])
+            encoded = encode_batch([d.text for d in batch])
             for (doc, split), ids in zip(batch_splits, encoded):
                 arr = np.array([contract.bos_id, *ids, contract.eos_id], dtype=np.int64)
                 files[split].write(arr.astype(dtype).tobytes())

@@ -1,15 +1,23 @@
 """Distributed set-up through torch.distributed (torchrun): gloo on CPU, NCCL on CUDA.
 
+    torchrun --nproc-per-node N -m lmforge pretrain --set train.data_parallel=ddp|fsdp ...
+
 One process without torchrun's environment is world size 1 and needs no process group.
+Data parallel only: each rank reads its own rows (`RowStream`), DDP or FSDP2 (`fully_shard`)
+reduces the gradients. The parallel degrees are validated against the world size before
+the process group starts (`init_distributed(cfg)`).
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from lmforge.errors import ConfigError
 
 
 @dataclass
@@ -28,9 +36,36 @@ class DistInfo:
         return self.world_size > 1
 
 
-def init_distributed() -> DistInfo:
-    """Read torchrun's RANK / WORLD_SIZE / LOCAL_RANK; start the process group if > 1 rank."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+def check_parallel_supported(cfg) -> None:
+    """Refuse what validation accepts but lmforge does not run yet (context parallelism).
+
+    Raises:
+        ConfigError: train.context_parallel > 1.
+    """
+    cp = cfg.train.context_parallel
+    if cp > 1:
+        raise ConfigError(
+            f"train.context_parallel = {cp}: the configuration is valid, but context parallelism is not "
+            f"implemented yet (torch's context-parallel API needs CUDA). Set train.context_parallel = 1; "
+            f"every rank then does data parallelism (world size = data-parallel degree)."
+        )
+
+
+def init_distributed(cfg=None) -> DistInfo:
+    """Read torchrun's RANK / WORLD_SIZE / LOCAL_RANK; start the process group if > 1 rank.
+
+    With `cfg` (a `Config`), the parallel degrees are validated against the world size
+    first (`config.validate_parallel`), before any work or any process group.
+
+    Raises:
+        ConfigError: an invalid or unsupported parallel configuration for this world size.
+    """
+    from lmforge.config import validate_parallel, world_size_from_env
+
+    world = world_size_from_env()
+    if cfg is not None:
+        validate_parallel(cfg, world)
+        check_parallel_supported(cfg)
     rank = int(os.environ.get("RANK", "0"))
     local = int(os.environ.get("LOCAL_RANK", "0"))
     if torch.cuda.is_available():
@@ -44,15 +79,29 @@ def init_distributed() -> DistInfo:
 
 
 def all_reduce_sum(x: torch.Tensor, info: DistInfo) -> torch.Tensor:
-    """Sum over ranks (identity for one process). Returns a new tensor."""
+    """Sum over ranks (identity for one process). Returns a new tensor on x's device."""
     x = x.clone()
     if info.distributed:
         dist.all_reduce(x, op=dist.ReduceOp.SUM)
     return x
 
 
+def gather_to_main(obj: Any, info: DistInfo) -> list[Any] | None:
+    """[obj of rank 0, obj of rank 1, ...] on rank 0, None elsewhere (a collective; pickled objects)."""
+    if not info.distributed:
+        return [obj]
+    out = [None] * info.world_size if info.is_main else None
+    dist.gather_object(obj, out, dst=0)
+    return out
+
+
 def wrap_model(model: torch.nn.Module, mode: str, info: DistInfo) -> torch.nn.Module:
     """DDP or FSDP2 (`fully_shard`) around `model` when there are several ranks.
+
+    DDP returns a wrapper (the module itself stays `model`). FSDP2 shards each block and
+    then the root *in place*: the returned module is `model`, its parameters become
+    DTensors sharded over dim 0 (read full weights with
+    `checkpoint.gather_model_state`).
 
     Both average gradients over ranks; the trainer multiplies its loss by the world size so
     the division by the global supervised-token count happens exactly once (P3).
@@ -69,6 +118,13 @@ def wrap_model(model: torch.nn.Module, mode: str, info: DistInfo) -> torch.nn.Mo
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     return DDP(model, device_ids=[info.device.index] if info.device.type == "cuda" else None)
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    """True when `model`'s parameters are DTensors (FSDP2)."""
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in model.parameters())
 
 
 def barrier(info: DistInfo) -> None:

@@ -8,6 +8,15 @@ One optimizer step:
      DDP/FSDP average gradients over ranks), backward;
   3. clip the gradient norm, AdamW step with the schedule's learning rate.
 The logged `loss` is the same per-token mean (nats), whatever the accumulation (P3).
+
+Data parallel (torchrun): each rank draws its own rows (`RowStream`: W ranks x A
+micro-batches use the rows one process with W x A micro-batches uses), so N ranks give the
+loss and the gradients of one process with N times the accumulation. `raw_model` is the
+module itself (FSDP2 shards it in place; DDP wraps it), `model` what runs forward.
+
+A checkpoint (every `checkpoint_every` steps, at the end, and on SIGINT/SIGTERM after the
+current step) holds full weights, the optimizer state, the data position and every rank's
+RNG states; `resume()` continues the run bit for bit on CPU.
 """
 
 from __future__ import annotations
@@ -30,7 +39,8 @@ from lmforge.config import Config
 from lmforge.data.packing import Batch, RowStream
 from lmforge.errors import CheckpointError, ConfigError
 from lmforge.train import checkpoint as ckpt
-from lmforge.train.distributed import DistInfo, all_reduce_sum, barrier, wrap_model
+from lmforge.train.distributed import (DistInfo, all_reduce_sum, check_parallel_supported, gather_to_main,
+                                       is_sharded, wrap_model)
 from lmforge.train.loss import cross_entropy_sum
 from lmforge.train.schedule import lr_at
 
@@ -107,6 +117,10 @@ class Trainer:
     log: Callable[[str], None] = print
 
     def __post_init__(self):
+        from lmforge.config import validate_parallel
+
+        validate_parallel(self.cfg, self.dist.world_size)  # init_distributed(cfg) did it already
+        check_parallel_supported(self.cfg)
         self.run_dir = Path(self.run_dir)
         self.device = self.dist.device
         self.dtype = resolve_precision(self.cfg.train.precision, self.device)
@@ -120,6 +134,7 @@ class Trainer:
         self.supervised = 0
         self.elapsed = 0.0
         self._stop_signal: int | None = None
+        self._fsdp = self.dist.distributed and is_sharded(self.raw_model)
 
     # -- state ------------------------------------------------------------------
     def training_state(self) -> dict:
@@ -127,31 +142,51 @@ class Trainer:
                 "elapsed_s": round(self.elapsed, 3), "data": self.stream.state_dict()}
 
     def save(self) -> Path:
-        path = None
+        """Write step_NNNNNN (a collective: every rank calls it; rank 0 writes), prune old ones."""
+        weights = ckpt.gather_model_state(self.raw_model)
+        opt_state = ckpt.gather_optimizer_state(self.raw_model, self.optimizer)
+        rngs = gather_to_main(ckpt.rng_state(), self.dist)
+        path, error = self.run_dir / ckpt.step_dir_name(self.step), None
         if self.dist.is_main:
-            path = ckpt.save_checkpoint(self.run_dir, self.step, self.raw_model, self.cfg, self.contract_dir,
-                                        self.optimizer, self.training_state())
-            ckpt.prune_checkpoints(self.run_dir, self.cfg.train.keep_last)
-        barrier(self.dist)
-        return path or self.run_dir / ckpt.step_dir_name(self.step)
+            try:
+                path = ckpt.save_checkpoint(self.run_dir, self.step, self.raw_model, self.cfg, self.contract_dir,
+                                            state=self.training_state(), model_weights=weights,
+                                            optimizer_state=opt_state, rng_states=rngs)
+                ckpt.prune_checkpoints(self.run_dir, self.cfg.train.keep_last)
+            except BaseException as exc:  # tell the other ranks instead of leaving them in a collective
+                error = exc
+        failed = all_reduce_sum(torch.tensor([1.0 if error else 0.0], device=self.device), self.dist)
+        if error is not None:
+            raise error
+        if failed.item():
+            raise CheckpointError(f"rank 0 could not write the checkpoint {path} (see its error); stopping.")
+        return path
 
     def resume(self) -> bool:
         """Continue from the newest complete checkpoint in run_dir. False if there is none."""
         latest = ckpt.latest_checkpoint(self.run_dir)
         if latest is None:
             return False
-        saved_cfg, _ = ckpt.read_checkpoint_meta(latest)
+        saved_cfg, saved_contract = ckpt.read_checkpoint_meta(latest)
+        from lmforge.contract import CONTRACT_FILE, Contract, check_match
+
+        check_match(Contract.load(self.contract_dir, what="tokenizer folder"), self.contract_dir / CONTRACT_FILE,
+                    saved_contract, latest / CONTRACT_FILE)  # --resume with another tokenizer stops here
         if saved_cfg.model != self.cfg.model:
             raise CheckpointError(
                 f"--resume: {latest}/config.toml has a different [model] section than this run's config. "
                 f"Resume with the same model settings, or use another --out."
             )
-        ckpt.load_weights(self.raw_model, latest / ckpt.MODEL_FILE)
+        ckpt.load_weights(self.raw_model, latest / ckpt.MODEL_FILE)  # every rank: full weights -> its shard
         state, opt_state, rng = ckpt.load_training_state(latest)
         if opt_state is not None:
-            self.optimizer.load_state_dict(opt_state)
-        if "torch" in rng:
-            torch.set_rng_state(rng["torch"])
+            ckpt.load_optimizer_state(self.raw_model, self.optimizer, opt_state, latest / "optimizer.pt")
+        ranks = rng.get("ranks", [rng])
+        if len(ranks) == self.dist.world_size:
+            ckpt.set_rng_state(ranks[self.dist.rank])
+        else:
+            self.log(f"note: {latest} was written by {len(ranks)} rank(s), this run has {self.dist.world_size}: "
+                     f"weights, optimizer and data position continue, the RNG states start afresh.")
         self.step, self.tokens = int(state["step"]), int(state["tokens"])
         self.supervised, self.elapsed = int(state.get("supervised", 0)), float(state.get("elapsed_s", 0.0))
         self.stream.load_state_dict(state["data"])
@@ -183,17 +218,22 @@ class Trainer:
         for i, b in enumerate(batches):
             b = b.to(self.device)
             sync = i == len(batches) - 1
-            ctx = self.model.no_sync() if (not sync and hasattr(self.model, "no_sync")) else contextlib.nullcontext()
+            ctx = contextlib.nullcontext()
+            if self._fsdp:  # FSDP2: reduce-scatter once, after the last micro-batch
+                self.raw_model.set_requires_gradient_sync(sync)
+            elif not sync and hasattr(self.model, "no_sync"):  # DDP: all-reduce once, likewise
+                ctx = self.model.no_sync()
             with ctx:
                 with autocast(self.device, self.dtype):
                     logits = self.model(b.tokens, b.positions, b.document_ids)
                 nats = cross_entropy_sum(logits, b.targets, b.loss_mask)
                 (nats * scale).backward()
             loss_sum += nats.detach().double().cpu()
-        if cfg.grad_clip > 0:
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.raw_model.parameters(), cfg.grad_clip)
-        else:
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.raw_model.parameters(), float("inf"))
+        # the norm over all (for FSDP2: DTensor-sharded) gradients; the same on every rank
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.raw_model.parameters(),
+                                                   cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
+        if hasattr(grad_norm, "full_tensor"):
+            grad_norm = grad_norm.full_tensor()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         loss = float(all_reduce_sum(loss_sum.to(self.device), self.dist).item()) / max(n_global, 1.0)
@@ -236,7 +276,7 @@ class Trainer:
                         f"resume from the last checkpoint with --resume."
                     )
                 final = self.step == cfg.steps
-                out_of_time = cfg.time_limit_s > 0 and self.elapsed >= cfg.time_limit_s
+                out_of_time, signalled = self._agree_to_stop(cfg.time_limit_s > 0 and self.elapsed >= cfg.time_limit_s)
                 if (cfg.eval_every and self.step % cfg.eval_every == 0) or final or out_of_time:
                     m["val_loss"] = self.validate()
                 del m["step_tokens"]
@@ -248,13 +288,16 @@ class Trainer:
                 if self.step % cfg.log_every == 0 or final:
                     bar.set_postfix(loss=f"{m['loss']:.3f}", lr=f"{m['lr']:.2e}",
                                     tok_s=f"{m['tokens_per_s']:.0f}", refresh=False)
-                stop = self._stop_signal is not None or out_of_time
+                stop = (signalled or out_of_time) and not final
                 if (cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0) or final or stop:
                     self.save()
                 if stop:
-                    why = "time limit reached" if out_of_time else f"signal {self._stop_signal}"
-                    self.log(f"\nstopped at step {self.step} ({why}); checkpoint written to "
-                             f"{self.run_dir / ckpt.step_dir_name(self.step)}. Continue with --resume.")
+                    why = "time limit reached" if out_of_time else (
+                        f"{signal.Signals(self._stop_signal).name}" if self._stop_signal else "another rank was signalled")
+                    if self.dist.is_main:
+                        self.log(f"\nstopped at step {self.step} of {cfg.steps} ({why}); checkpoint written to "
+                                 f"{self.run_dir / ckpt.step_dir_name(self.step)}. To continue, run the same "
+                                 f"command again with --resume (same --out {self.run_dir}).")
                     break
         finally:
             bar.close()
@@ -264,12 +307,21 @@ class Trainer:
         last["steps_run"] = self.step - start_step
         return last
 
+    def _agree_to_stop(self, out_of_time: bool) -> tuple[bool, bool]:
+        """(out of time, signalled) as every rank sees it: a signal or a clock on one rank
+        stops all of them after the same step (the checkpoint is a collective)."""
+        flags = torch.tensor([float(out_of_time), float(self._stop_signal is not None)], device=self.device)
+        flags = all_reduce_sum(flags, self.dist)
+        return bool(flags[0].item()), bool(flags[1].item())
+
     def _install_signal_handlers(self):
         if threading_main() is False:
             return None
 
         def handler(signum, frame):
-            self._stop_signal = signum
+            if self._stop_signal is not None and signum == signal.SIGINT:
+                raise KeyboardInterrupt  # a second Ctrl-C: stop now, without a checkpoint
+            self._stop_signal = signum  # no I/O here: the loop reports after the checkpoint
 
         return {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
 

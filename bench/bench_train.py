@@ -1,0 +1,314 @@
+"""Training throughput: lmforge's training step vs `transformers`' LlamaForCausalLM + AdamW.
+
+Both sides get the same shapes, the same initial weights (lmforge's, copied through the
+Llama name mapping), the same batches (two RowStreams over the same random tokens, one
+full-length document per row, so attention is plain causal on both sides), the same
+precision (fp32, or bf16 autocast around the forward), the same AdamW hyper-parameters
+and gradient clipping at 1.0. They run interleaved in one process.
+
+- lmforge: `Trainer.train_step` (draw the micro-batch, forward, `cross_entropy_sum`,
+  backward, clip, AdamW from `build_optimizer`) — exactly what `lmforge pretrain` runs.
+- transformers: `model(input_ids, labels=..., shift_labels=targets).loss.backward()`,
+  `clip_grad_norm_`, `torch.optim.AdamW` with torch's default implementation choice.
+
+Model FLOPs per token = 6 x non-embedding parameters + 12 x n_layers x dim x seq_len
+(the output head is left out, as the formula says; the `MFU +head` column adds
+6 x dim x vocab for it). MFU = achieved model FLOP/s over the matmul rate measured in the
+same run for that precision (2048^3 `torch.mm`, best of the repeats).
+
+Run: `python bench/bench_train.py [--configs speedrun,larger] [--warmup 3] [--repeat 5]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import common  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+CONFIGS = {
+    # the speedrun model (configs/stdlib-tiny.toml) at batch 8 x 256
+    "speedrun": dict(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, vocab=8192, seq_len=256, batch=8),
+    # the larger config: dim 512, 8 layers, seq 512, micro-batch 4 (8 x 512 fits too; 4 keeps it short)
+    "larger": dict(dim=512, n_layers=8, n_heads=8, n_kv_heads=4, vocab=8192, seq_len=512, batch=4),
+}
+PRECISIONS = ("fp32", "bf16")
+RATIO_GOAL = 1.5
+MFU_GOAL = 0.5  # of the bf16 matmul peak, at the larger config
+
+# lmforge parameter name -> Hugging Face Llama name
+_HF_NAMES = [
+    (r"^tok_embeddings\.", "model.embed_tokens."),
+    (r"^norm\.", "model.norm."),
+    (r"^output\.", "lm_head."),
+    (r"^layers\.(\d+)\.attention\.wq\.", r"model.layers.\1.self_attn.q_proj."),
+    (r"^layers\.(\d+)\.attention\.wk\.", r"model.layers.\1.self_attn.k_proj."),
+    (r"^layers\.(\d+)\.attention\.wv\.", r"model.layers.\1.self_attn.v_proj."),
+    (r"^layers\.(\d+)\.attention\.wo\.", r"model.layers.\1.self_attn.o_proj."),
+    (r"^layers\.(\d+)\.feed_forward\.w1\.", r"model.layers.\1.mlp.gate_proj."),
+    (r"^layers\.(\d+)\.feed_forward\.w3\.", r"model.layers.\1.mlp.up_proj."),
+    (r"^layers\.(\d+)\.feed_forward\.w2\.", r"model.layers.\1.mlp.down_proj."),
+    (r"^layers\.(\d+)\.attention_norm\.", r"model.layers.\1.input_layernorm."),
+    (r"^layers\.(\d+)\.ffn_norm\.", r"model.layers.\1.post_attention_layernorm."),
+]
+
+
+def hf_name(name: str) -> str:
+    for pat, rep in _HF_NAMES:
+        new, n = re.subn(pat, rep, name)
+        if n:
+            return new
+    raise KeyError(f"no Hugging Face name for lmforge parameter {name!r}")
+
+
+# -- matmul peak ---------------------------------------------------------------------------
+def matmul_rate(dtype: torch.dtype, n: int = 2048, warmup: int = 2, repeat: int = 6) -> common.Stats:
+    """GFLOP/s of an n x n x n torch.mm in `dtype` (2 n^3 FLOPs per call)."""
+    a = torch.randn(n, n).to(dtype)
+    b = torch.randn(n, n).to(dtype)
+    stats = common.interleaved({"mm": lambda: torch.mm(a, b)}, warmup, repeat)["mm"]
+    return stats.rate(2 * n**3 / 1e9)
+
+
+# -- the two sides -----------------------------------------------------------------------------
+def random_stream(spec: dict, seed: int = 0, n_samples: int = 64):
+    """A RowStream over random tokens: n_samples documents of seq_len + 1 tokens, one per row."""
+    from lmforge.data.packing import RowStream
+
+    T = spec["seq_len"]
+    data = np.random.default_rng(seed).integers(0, spec["vocab"], size=(n_samples, T + 1), dtype=np.int64)
+
+    def get_tokens(s: int, start: int, stop: int) -> np.ndarray:
+        return data[s, start:stop]
+
+    return RowStream(np.full(n_samples, T), get_tokens, None, T, spec["batch"], pad_id=0, seed=seed)
+
+
+def lmforge_config(spec: dict, precision: str, compile: bool = False):
+    from lmforge.config import Config, ModelConfig
+
+    cfg = Config()
+    cfg.model = ModelConfig(dim=spec["dim"], n_layers=spec["n_layers"], n_heads=spec["n_heads"],
+                            n_kv_heads=spec["n_kv_heads"], vocab_size=spec["vocab"],
+                            max_seq_len=spec["seq_len"], attention="sdpa")
+    cfg.data.seq_len = spec["seq_len"]
+    t = cfg.train
+    t.micro_batch_size, t.grad_accum_steps, t.precision = spec["batch"], 1, precision
+    t.lr, t.warmup_steps, t.steps, t.compile = 1e-3, 2, 1_000_000, compile
+    return cfg.validate()
+
+
+def build_lmforge(spec: dict, precision: str, workdir: Path, compile: bool = False):
+    from lmforge.model import Transformer
+    from lmforge.train.trainer import Trainer
+
+    cfg = lmforge_config(spec, precision, compile)
+    torch.manual_seed(0)
+    model = Transformer(cfg.model)
+    model.reset_parameters(seed=0)
+    trainer = Trainer(cfg, workdir / "run", workdir, model, random_stream(spec), progress=False)
+    return trainer
+
+
+def build_hf(spec: dict, precision: str, lm_model: torch.nn.Module, lr: float, compile: bool = False):
+    """LlamaForCausalLM of the same shape with lmforge's initial weights, and a step function."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from lmforge.train.trainer import autocast
+
+    c = lm_model.config
+    hf_cfg = LlamaConfig(
+        vocab_size=spec["vocab"], hidden_size=c.dim, intermediate_size=c.resolved_ffn_dim(),
+        num_hidden_layers=c.n_layers, num_attention_heads=c.n_heads, num_key_value_heads=c.n_kv_heads,
+        max_position_embeddings=c.max_seq_len, rms_norm_eps=c.norm_eps, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta},
+        attention_bias=False, mlp_bias=False, use_cache=False,
+    )
+    hf_cfg._attn_implementation = "sdpa"
+    model = LlamaForCausalLM(hf_cfg)
+    state = {hf_name(k): v.detach().clone() for k, v in lm_model.state_dict().items()}
+    model.load_state_dict(state, strict=True)
+    model.train()
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                            lr=lr, betas=(0.9, 0.95), eps=1e-8)
+    dtype = torch.bfloat16 if precision == "bf16" else None
+    device = torch.device("cpu")
+    stream = random_stream(spec)
+    fwd = torch.compile(model) if compile else model
+
+    def step() -> float:
+        b = stream.next_batch()
+        with autocast(device, dtype):
+            out = fwd(input_ids=b.tokens, labels=b.targets, shift_labels=b.targets)
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return float(out.loss.detach())
+
+    return model, step
+
+
+# -- profile ----------------------------------------------------------------------------------
+_BUCKETS = [
+    ("matmul", r"aten::(mm|addmm|bmm|matmul|linear|_mkldnn|mkldnn_)|onednn"),
+    ("attention", r"scaled_dot_product|flash_attention|_efficient_attention|_sdpa"),
+    ("loss", r"log_softmax|nll_loss|cross_entropy"),
+    ("optimizer", r"_foreach_|adamw|_fused_adam|lerp|addcdiv|addcmul"),
+    ("copy / cast", r"aten::(copy_|_to_copy|to|clone|contiguous|cat|_local_scalar_dense)$"),
+    ("norm", r"rms_norm|_fused_rms"),
+]
+
+
+def profile_step(step, top: int = 12) -> tuple[str, dict]:
+    """One step under torch.profiler: the top ops by self CPU time, and self time per group."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+    events = [e for e in prof.key_averages() if e.self_cpu_time_total > 0]
+    events.sort(key=lambda e: e.self_cpu_time_total, reverse=True)
+    total = sum(e.self_cpu_time_total for e in events) or 1.0
+    rows = [(e.key[:48], f"{e.self_cpu_time_total / 1e3:,.1f}", f"{100 * e.self_cpu_time_total / total:.1f}%",
+             e.count) for e in events[:top]]
+    groups: dict[str, float] = {}
+    for e in events:
+        name = next((g for g, pat in _BUCKETS if re.search(pat, e.key)), "other")
+        groups[name] = groups.get(name, 0.0) + e.self_cpu_time_total
+    text = common.table(["op", "self CPU ms", "share", "calls"], rows)
+    text += "\n\nself CPU time by group: " + ", ".join(
+        f"{g} {100 * t / total:.0f}%" for g, t in sorted(groups.items(), key=lambda kv: -kv[1]))
+    return text, {"top": [dict(zip(("op", "self_ms", "share", "calls"), r)) for r in rows],
+                  "groups_ms": {g: t / 1e3 for g, t in groups.items()}, "total_ms": total / 1e3}
+
+
+# -- main ---------------------------------------------------------------------------------------
+def flops_per_token(model, spec: dict) -> tuple[float, float]:
+    """(6 N_non-embedding + 12 L d T, the same + 6 d V for the output head)."""
+    n = model.num_parameters(non_embedding=True)
+    base = 6 * n + 12 * spec["n_layers"] * spec["dim"] * spec["seq_len"]
+    return float(base), float(base + 6 * spec["dim"] * spec["vocab"])
+
+
+def run_config(name: str, spec: dict, precision: str, peaks: dict, warmup: int, repeat: int,
+               compile: bool, profile: bool, log) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        trainer = build_lmforge(spec, precision, Path(tmp), compile)
+        hf_model, hf_step = build_hf(spec, precision, trainer.raw_model, trainer.cfg.train.lr, compile)
+        first = {"lmforge": trainer.train_step()["loss"], "transformers": hf_step()}
+        rss = common.PeakRSS()
+        times = common.interleaved({"lmforge": trainer.train_step, "transformers": hf_step},
+                                   max(0, warmup - 1), repeat, rss.before, rss.after)
+        prof = profile_step(trainer.train_step) if profile else None
+        f, f_head = flops_per_token(trainer.raw_model, spec)
+        tokens = spec["batch"] * spec["seq_len"]
+        peak = peaks[precision]
+        row = {"config": name, "precision": precision, "tokens_per_step": tokens,
+               "flops_per_token": f, "flops_per_token_with_head": f_head,
+               "non_embedding_params": trainer.raw_model.num_parameters(non_embedding=True),
+               "params": trainer.raw_model.num_parameters(), "matmul_peak_gflops": peak,
+               "first_loss": first, "profile": prof[1] if prof else None}
+        for side in ("lmforge", "transformers"):
+            tps = times[side].rate(tokens)
+            row[side] = {"tokens_per_s": tps.as_dict(), "step_s": times[side].as_dict(),
+                         "mfu": tps.median * f / (peak * 1e9), "mfu_with_head": tps.median * f_head / (peak * 1e9),
+                         "peak_rss_mb": rss.peak.get(side)}
+        row["ratio"] = row["lmforge"]["tokens_per_s"]["median"] / row["transformers"]["tokens_per_s"]["median"]
+        del hf_model, trainer
+    log(f"  {name} {precision}: lmforge {row['lmforge']['tokens_per_s']['median']:,.0f} tok/s, transformers "
+        f"{row['transformers']['tokens_per_s']['median']:,.0f} tok/s ({row['ratio']:.2f}x)")
+    if prof:
+        row["profile_text"] = prof[0]
+    return row
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--configs", default="speedrun,larger", help="comma-separated: " + ", ".join(CONFIGS))
+    ap.add_argument("--precisions", default=",".join(PRECISIONS))
+    ap.add_argument("--warmup", type=int, default=3, help="untimed steps per side (the first checks the loss)")
+    ap.add_argument("--repeat", type=int, default=5, help="timed steps per side")
+    ap.add_argument("--compile", action="store_true", help="torch.compile both models (slow to start on CPU)")
+    ap.add_argument("--no-profile", action="store_true")
+    args = ap.parse_args([] if argv is None else argv)
+
+    def log(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    t_start = time.perf_counter()
+    torch.manual_seed(0)
+    mm = {"fp32": matmul_rate(torch.float32), "bf16": matmul_rate(torch.bfloat16)}
+    peaks = {p: s.max for p, s in mm.items()}
+    log(f"  matmul 2048^3: fp32 {peaks['fp32']:.0f} GFLOP/s, bf16 {peaks['bf16']:.0f} GFLOP/s")
+    rows = []
+    for name in args.configs.split(","):
+        for precision in args.precisions.split(","):
+            profile = (not args.no_profile) and name == "larger" and precision == "bf16"
+            rows.append(run_config(name, CONFIGS[name], precision, peaks, args.warmup, args.repeat,
+                                   args.compile, profile, log))
+
+    mm_table = common.table(
+        ["matmul 2048^3", "GFLOP/s best", "median", "min-max"],
+        [(p, f"{s.max:,.0f}", f"{s.median:,.0f}", s.spread()) for p, s in mm.items()],
+        title="Matmul rate (the MFU denominator)")
+    body = []
+    for r in rows:
+        lm, hf = r["lmforge"], r["transformers"]
+        goal_mfu = MFU_GOAL if (r["config"] == "larger" and r["precision"] == "bf16") else None
+        rss = f"{lm['peak_rss_mb']:,.0f} / {hf['peak_rss_mb']:,.0f}" if lm["peak_rss_mb"] else "-"
+        body.append((
+            r["config"], r["precision"],
+            f"{lm['tokens_per_s']['median']:,.0f} ({common.Stats([lm['tokens_per_s']['min'], lm['tokens_per_s']['max']]).spread()})",
+            f"{hf['tokens_per_s']['median']:,.0f} ({common.Stats([hf['tokens_per_s']['min'], hf['tokens_per_s']['max']]).spread()})",
+            common.fmt_ratio(r["ratio"], RATIO_GOAL),
+            common.fmt_pct(lm["mfu"], goal_mfu) + f" / {100 * lm['mfu_with_head']:.1f}%",
+            f"{100 * hf['mfu']:.1f}% / {100 * hf['mfu_with_head']:.1f}%",
+            rss,
+        ))
+    shapes = "; ".join(
+        f"{n}: dim {s['dim']}, {s['n_layers']} layers, {s['n_heads']}/{s['n_kv_heads']} heads, vocab {s['vocab']}, "
+        f"batch {s['batch']} x {s['seq_len']}" for n, s in CONFIGS.items() if n in args.configs.split(","))
+    main_table = common.table(
+        ["config", "precision", "lmforge tok/s (min-max)", "transformers tok/s (min-max)",
+         f"ratio (goal {RATIO_GOAL}x)", "lmforge MFU / +head", "transformers MFU / +head", "peak RSS MB lm / hf"],
+        body, title="Training step: lmforge vs transformers LlamaForCausalLM + AdamW")
+    notes = [
+        f"shapes: {shapes}.",
+        f"medians over {args.repeat} interleaved steps after {args.warmup} warm-up steps per side"
+        + (", torch.compile on both" if args.compile else "") + ".",
+        "MFU = tokens/s x model FLOPs per token / the matmul rate of the row's precision (best of the run); "
+        "model FLOPs per token = 6 x non-embedding params + 12 x n_layers x dim x seq_len; "
+        "'+head' adds 6 x dim x vocab for the output layer.",
+        "peak RSS: the process's peak during that side's timed steps (both models and optimizers resident).",
+    ]
+    for r in rows:
+        d = abs(r["first_loss"]["lmforge"] - r["first_loss"]["transformers"])
+        notes.append(f"{r['config']} {r['precision']}: {r['non_embedding_params']:,} non-embedding params, "
+                     f"{r['flops_per_token'] / 1e6:.1f} MFLOP/token; first-step loss lmforge "
+                     f"{r['first_loss']['lmforge']:.4f} vs transformers {r['first_loss']['transformers']:.4f} "
+                     f"(|diff| {d:.1e}).")
+    text = mm_table + "\n\n" + main_table + "\n\n" + "\n".join(f"- {n}" for n in notes)
+    for r in rows:
+        if r.get("profile_text"):
+            text += (f"\n\n### Where the time goes: lmforge {r['precision']} step at the {r['config']} config "
+                     f"(torch.profiler, top ops by self CPU time)\n\n" + r["profile_text"])
+    print(text, flush=True)
+    for r in rows:
+        r.pop("profile_text", None)
+    return {"benchmark": "train", "matmul_gflops": {p: s.as_dict() for p, s in mm.items()},
+            "rows": rows, "warmup": args.warmup, "repeat": args.repeat, "configs": CONFIGS,
+            "seconds": round(time.perf_counter() - t_start, 1)}
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,552 @@
+"""Hugging Face format out (`lmforge export`) and in (`lmforge import-hf`).
+
+An exported folder is what `transformers` writes for a `LlamaForCausalLM`:
+
+    config.json              LlamaForCausalLM; vocab_size = the tokenizer's (P6)
+    model.safetensors        HF names; the embedding's padding rows sliced off
+    tokenizer.json           the lmforge tokenizer, byte for byte
+    tokenizer_config.json    with the ChatML chat template and the special tokens
+    generation_config.json   eos_token_id = every stop id (<|eos|>, <|im_end|>), pad_token_id
+
+lmforge's rotary embeddings use the half-split ("rotate_half") layout that HF's Llama
+uses, so q/k weights map without a permutation (tests/test_export.py proves it by
+logit parity with `LlamaForCausalLM`). Hugging Face names appear in this module only,
+and every lmforge <-> HF weight name goes through one function, `map_name`, both ways.
+
+Import reads a Llama-architecture folder saved by `transformers` (config.json,
+model.safetensors or its shards, tokenizer.json) and writes a plain lmforge checkpoint
+folder (config.toml, model.safetensors, contract.json, tokenizer files) that
+`Transformer.from_checkpoint`, `lmforge generate/eval` and `sft.init` accept. It
+refuses anything lmforge's model cannot represent exactly (another architecture,
+biases, rope scaling, another activation) rather than load it approximately.
+
+Neither direction needs `transformers`; only `export_hf(..., verify=True)` (the
+`--verify` flag) imports it, lazily, to compare logits (`pip install "lmforge[hf]"`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from lmforge.config import Config, ModelConfig, from_dict, padded_vocab_size, validate
+from lmforge.contract import CONTRACT_FILE, Contract, file_sha256, token_dtype_for
+from lmforge.errors import CheckpointError, ConfigError, ContractError, LmforgeError
+from lmforge.tokenizer import CHAT_TEMPLATE, SPECIAL_TOKENS, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE
+
+HF_CONFIG_FILE = "config.json"
+GENERATION_CONFIG_FILE = "generation_config.json"
+WEIGHTS_FILE = "model.safetensors"
+WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
+EXPORT_FILES = (HF_CONFIG_FILE, WEIGHTS_FILE, TOKENIZER_FILE, TOKENIZER_CONFIG_FILE, GENERATION_CONFIG_FILE)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ExportError(LmforgeError):
+    """A folder cannot be exported to, or imported from, the Hugging Face format."""
+
+
+# -- names: the one place lmforge and Hugging Face names meet --------------------------
+#: (lmforge name, HF name) with "{i}" for the layer index.
+_NAME_PAIRS = (
+    ("tok_embeddings.weight", "model.embed_tokens.weight"),
+    ("layers.{i}.attention_norm.weight", "model.layers.{i}.input_layernorm.weight"),
+    ("layers.{i}.attention.wq.weight", "model.layers.{i}.self_attn.q_proj.weight"),
+    ("layers.{i}.attention.wk.weight", "model.layers.{i}.self_attn.k_proj.weight"),
+    ("layers.{i}.attention.wv.weight", "model.layers.{i}.self_attn.v_proj.weight"),
+    ("layers.{i}.attention.wo.weight", "model.layers.{i}.self_attn.o_proj.weight"),
+    ("layers.{i}.ffn_norm.weight", "model.layers.{i}.post_attention_layernorm.weight"),
+    ("layers.{i}.feed_forward.w1.weight", "model.layers.{i}.mlp.gate_proj.weight"),
+    ("layers.{i}.feed_forward.w3.weight", "model.layers.{i}.mlp.up_proj.weight"),
+    ("layers.{i}.feed_forward.w2.weight", "model.layers.{i}.mlp.down_proj.weight"),
+    ("norm.weight", "model.norm.weight"),
+    ("output.weight", "lm_head.weight"),
+)
+
+
+def _pattern(template: str) -> re.Pattern:
+    return re.compile("^" + re.escape(template).replace(re.escape("{i}"), r"(\d+)") + "$")
+
+
+_TO_HF = [(_pattern(a), b) for a, b in _NAME_PAIRS]
+_TO_LMFORGE = [(_pattern(b), a) for a, b in _NAME_PAIRS]
+
+
+def map_name(name: str, to_hf: bool = True) -> str:
+    """Map one weight name: lmforge -> Hugging Face Llama (`to_hf`), or back.
+
+    "layers.3.attention.wq.weight" <-> "model.layers.3.self_attn.q_proj.weight".
+    Shapes are the same on both sides (no permutation: both use half-split RoPE).
+
+    Raises:
+        ExportError: a name with no counterpart (for example a bias, which lmforge lacks).
+    """
+    for pattern, target in _TO_HF if to_hf else _TO_LMFORGE:
+        m = pattern.match(name)
+        if m:
+            return target.replace("{i}", m.group(1)) if m.groups() else target
+    side = "lmforge" if to_hf else "Hugging Face Llama"
+    raise ExportError(
+        f"weight {name!r} is not a {side} weight lmforge knows how to map (known: "
+        f"{', '.join(p[0 if to_hf else 1] for p in _NAME_PAIRS)}). lmforge's model has no biases "
+        f"and no other parameters; this folder holds a model lmforge cannot represent."
+    )
+
+
+def to_hf_state(state: dict[str, torch.Tensor], vocab_size: int, tie_embeddings: bool,
+                dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """lmforge state dict -> HF Llama state dict.
+
+    Args:
+        state: lmforge weights (`train.checkpoint.model_state`: a tied output weight is absent);
+            embedding/output rows = the padded model vocab.
+        vocab_size: the tokenizer's vocab size; rows past it (padding, P6) are sliced off.
+        tie_embeddings: when True, "lm_head.weight" is left out (HF ties it on load).
+        dtype: cast floating tensors to this dtype (default: keep).
+    Returns:
+        {HF name: contiguous tensor}.
+    """
+    out = {}
+    for name, t in state.items():
+        if name == "output.weight" and tie_embeddings:
+            continue
+        if name in ("tok_embeddings.weight", "output.weight"):
+            t = t[:vocab_size]
+        if dtype is not None and t.is_floating_point():
+            t = t.to(dtype)
+        out[map_name(name, to_hf=True)] = t.detach().contiguous().cpu()
+    return out
+
+
+def from_hf_state(state: dict[str, torch.Tensor], vocab_size: int, tie_embeddings: bool,
+                  where: str = "the weights") -> dict[str, torch.Tensor]:
+    """HF Llama state dict -> lmforge state dict (float32), as `model_state` stores it.
+
+    Embedding/output rows are cut to `vocab_size` (the tokenizer's; rows past it are
+    unreachable by the tokenizer) and zero-padded to the multiple of 64 (P6). With
+    `tie_embeddings`, "lm_head.weight" must be absent or equal to the embedding.
+    Rotary `inv_freq` buffers that old checkpoints carry are dropped.
+
+    Raises:
+        ExportError: unknown names (biases, ...), fewer embedding rows than the tokenizer's
+        vocab, or an untied lm_head in a model that says it is tied.
+    """
+    padded = padded_vocab_size(vocab_size)
+    out = {}
+    for name, t in state.items():
+        if name.endswith("rotary_emb.inv_freq"):
+            continue
+        if name == "lm_head.weight" and tie_embeddings:
+            emb = state.get("model.embed_tokens.weight")
+            if emb is not None and not torch.equal(emb, t):
+                raise ExportError(
+                    f"{where}: config.json says tie_word_embeddings = true but lm_head.weight differs from "
+                    f"model.embed_tokens.weight. Fix tie_word_embeddings in config.json."
+                )
+            continue
+        ours = map_name(name, to_hf=False)
+        t = t.detach().to(torch.float32)
+        if ours in ("tok_embeddings.weight", "output.weight"):
+            if t.shape[0] < vocab_size:
+                raise ExportError(
+                    f"{where}: {name} has {t.shape[0]} rows but the tokenizer has {vocab_size} tokens; ids "
+                    f"past row {t.shape[0] - 1} would index past the embedding (P6). Use the tokenizer "
+                    f"this model was trained with."
+                )
+            t = torch.cat([t[:vocab_size], t.new_zeros(padded - vocab_size, t.shape[1])])
+        out[ours] = t.contiguous()
+    if "tok_embeddings.weight" not in out:
+        raise ExportError(f"{where}: no model.embed_tokens.weight; this is not a Llama causal LM's weights.")
+    if not tie_embeddings and "output.weight" not in out:
+        raise ExportError(
+            f"{where}: no lm_head.weight and config.json says tie_word_embeddings = false. "
+            f"Set tie_word_embeddings to true if the output layer shares the embedding."
+        )
+    return out
+
+
+# -- config ------------------------------------------------------------------------------
+def hf_config(model: ModelConfig, contract: Contract, dtype: torch.dtype = torch.float32) -> dict:
+    """The `config.json` of a `LlamaForCausalLM` equal to `model` (vocab = the tokenizer's)."""
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": model.dim,
+        "num_hidden_layers": model.n_layers,
+        "num_attention_heads": model.n_heads,
+        "num_key_value_heads": model.n_kv_heads,
+        "head_dim": model.head_dim,
+        "intermediate_size": model.resolved_ffn_dim(),
+        "hidden_act": "silu",
+        "rms_norm_eps": model.norm_eps,
+        "rope_theta": model.rope_theta,
+        "rope_scaling": None,
+        "max_position_embeddings": model.max_seq_len,
+        "vocab_size": contract.vocab_size,
+        "tie_word_embeddings": model.tie_embeddings,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "mlp_bias": False,
+        "pretraining_tp": 1,
+        "initializer_range": 0.02,
+        "use_cache": True,
+        "bos_token_id": contract.bos_id,
+        "eos_token_id": contract.eos_id,
+        "pad_token_id": contract.pad_id,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+    }
+
+
+def model_config_from_hf(cfg: dict, where: str) -> ModelConfig:
+    """lmforge ModelConfig from a Llama `config.json` dict.
+
+    Raises:
+        ExportError: another architecture, biases, rope scaling, another activation, a head
+        size lmforge does not derive, or a missing field.
+    """
+    archs = cfg.get("architectures") or []
+    if cfg.get("model_type") != "llama" or archs not in (["LlamaForCausalLM"], []):
+        raise ExportError(
+            f"{where}: model_type = {cfg.get('model_type')!r}, architectures = {archs}; lmforge imports "
+            f"only model_type \"llama\" with architectures [\"LlamaForCausalLM\"]. Other architectures "
+            f"differ in ways lmforge's model does not represent."
+        )
+    refusals = [
+        ("attention_bias", False, "lmforge's attention has no biases"),
+        ("mlp_bias", False, "lmforge's MLP has no biases"),
+        ("hidden_act", "silu", "lmforge's MLP is SwiGLU (silu)"),
+        ("rope_scaling", None, "lmforge implements plain RoPE only (no llama3/yarn/linear scaling)"),
+    ]
+    for key, want, why in refusals:
+        if key in cfg and cfg[key] != want:
+            raise ExportError(f"{where}: {key} = {cfg[key]!r}, expected {want!r}: {why}; this model cannot be imported.")
+    rope = cfg.get("rope_parameters") or {}
+    if rope.get("rope_type", "default") != "default" or rope.get("type", "default") != "default":
+        raise ExportError(
+            f"{where}: rope_parameters = {rope}, expected rope_type \"default\": lmforge implements plain "
+            f"RoPE only; this model cannot be imported."
+        )
+    for key in ("partial_rotary_factor",):
+        value = cfg.get(key, rope.get(key))
+        if value not in (None, 1, 1.0):
+            raise ExportError(f"{where}: {key} = {value!r}, expected 1.0: lmforge rotates the whole head.")
+    if cfg.get("sliding_window") not in (None, 0):
+        raise ExportError(f"{where}: sliding_window = {cfg['sliding_window']!r}: lmforge has full attention only.")
+    try:
+        dim, n_heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+        model = ModelConfig(
+            dim=dim,
+            n_layers=int(cfg["num_hidden_layers"]),
+            n_heads=n_heads,
+            n_kv_heads=int(cfg.get("num_key_value_heads") or n_heads),
+            ffn_dim=int(cfg["intermediate_size"]),
+            norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
+            max_seq_len=int(cfg.get("max_position_embeddings", 2048)),
+            tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        )
+    except KeyError as exc:
+        raise ExportError(f"{where}: missing field {exc.args[0]!r}; a Llama config.json has it.") from None
+    head_dim = cfg.get("head_dim")
+    if head_dim is not None and int(head_dim) * n_heads != dim:
+        raise ExportError(
+            f"{where}: head_dim = {head_dim} but hidden_size / num_attention_heads = {dim // n_heads}; lmforge "
+            f"derives head_dim = dim / n_heads, so this model cannot be imported."
+        )
+    return model
+
+
+# -- export ------------------------------------------------------------------------------
+def _prepare_out(out: Path, known: tuple[str, ...], what: str) -> Path:
+    """A temporary sibling folder to write into; `out` may be absent, empty, or an earlier
+    result of this command (only `known` files); anything else is refused."""
+    if out.exists():
+        if not out.is_dir():
+            raise ExportError(f"--out {out} is a file; give a folder path.")
+        foreign = sorted(p.name for p in out.iterdir() if p.name not in known)
+        if foreign:
+            raise ExportError(
+                f"--out {out} already holds files that {what} did not write ({', '.join(foreign[:5])}); "
+                f"choose an empty or new folder."
+            )
+    tmp = out.with_name(f".tmp-{out.name}")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def _finish(tmp: Path, out: Path) -> None:
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.rename(out)
+
+
+def export_hf(checkpoint: str | Path, out: str | Path, dtype: str = "float32", verify: bool = False) -> Path:
+    """Write a checkpoint as a Hugging Face `LlamaForCausalLM` folder (atomically).
+
+    Args:
+        checkpoint: a checkpoint folder, or a run folder (its newest checkpoint is used).
+        out: the folder to write (absent, empty, or an earlier export, which is replaced).
+        dtype: "float32" (default), "bfloat16" or "float16" for the weights.
+        verify: load the result with `transformers` and compare logits with lmforge's
+            (max abs difference below 1e-4 in float32; needs `pip install "lmforge[hf]"`).
+    Returns:
+        `out`.
+    Raises:
+        CheckpointError / ContractError: the checkpoint is incomplete or inconsistent.
+        ExportError: `out` holds other files, an unknown dtype, or verification failed.
+    """
+    from lmforge.train.checkpoint import load_model, model_state
+
+    if dtype not in DTYPES:
+        raise ExportError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}.")
+    model, cfg, contract, path = load_model(checkpoint)
+    out = Path(out)
+    tmp = _prepare_out(out, EXPORT_FILES, "lmforge export")
+    try:
+        torch_dtype = DTYPES[dtype]
+        hf = to_hf_state(model_state(model), contract.vocab_size, cfg.model.tie_embeddings, torch_dtype)
+        save_file(hf, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        config = hf_config(model.config, contract, torch_dtype)
+        _write_json(tmp / HF_CONFIG_FILE, config)
+        shutil.copy2(path / TOKENIZER_FILE, tmp / TOKENIZER_FILE)
+        _write_json(tmp / TOKENIZER_CONFIG_FILE, _tokenizer_config(path, cfg.model.max_seq_len))
+        g = cfg.generate
+        _write_json(tmp / GENERATION_CONFIG_FILE, {
+            "bos_token_id": contract.bos_id,
+            "eos_token_id": [contract.eos_id, contract.im_end_id],
+            "pad_token_id": contract.pad_id,
+            "do_sample": True,
+            "temperature": g.temperature,
+            "top_k": g.top_k,
+            "top_p": g.top_p,
+            "repetition_penalty": g.repetition_penalty,
+            "max_new_tokens": g.max_new_tokens,
+        })
+        if verify:
+            verify_export(model, tmp, tol=1e-4 if dtype == "float32" else 5e-2)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _finish(tmp, out)
+    return out
+
+
+def _tokenizer_config(folder: Path, max_seq_len: int) -> dict:
+    """lmforge's tokenizer_config.json with the chat template and special tokens made sure of."""
+    path = folder / TOKENIZER_CONFIG_FILE
+    cfg = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    cfg.update({
+        "tokenizer_class": cfg.get("tokenizer_class", "PreTrainedTokenizerFast"),
+        "bos_token": SPECIAL_TOKENS["bos"],
+        "eos_token": SPECIAL_TOKENS["eos"],
+        "pad_token": SPECIAL_TOKENS["pad"],
+        "additional_special_tokens": [SPECIAL_TOKENS["im_start"], SPECIAL_TOKENS["im_end"]],
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "chat_template": CHAT_TEMPLATE,
+        "model_max_length": max_seq_len,
+    })
+    return cfg
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    path.write_text(json.dumps(obj, indent=2) + "\n", encoding="utf-8")
+
+
+def require_transformers():
+    """Import `transformers`, or explain how to install it.
+
+    Raises:
+        LmforgeError: transformers is not installed.
+    """
+    try:
+        import transformers
+    except ImportError:
+        raise LmforgeError(
+            "this needs the `transformers` package, which is not installed. Install the extra: "
+            "pip install \"lmforge[hf]\"."
+        ) from None
+    return transformers
+
+
+def verify_export(model: torch.nn.Module, folder: str | Path, tol: float = 1e-4, seq_len: int = 64) -> float:
+    """Load `folder` with `transformers`' LlamaForCausalLM and compare its logits with
+    `model`'s on a fixed random batch (2, min(seq_len, max_seq_len)), in float32.
+
+    Returns:
+        the max abs logit difference.
+    Raises:
+        LmforgeError: transformers missing. ExportError: the difference exceeds `tol`.
+    """
+    transformers = require_transformers()
+    hf = transformers.LlamaForCausalLM.from_pretrained(str(folder)).float().eval()
+    T = min(seq_len, model.config.max_seq_len)
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, model.vocab_size, (2, T), generator=gen)
+    with torch.inference_mode():
+        ours = model.float()(tokens)
+        theirs = hf(tokens).logits
+    if theirs.shape != ours.shape:
+        raise ExportError(f"{folder}: transformers gives logits {tuple(theirs.shape)}, lmforge {tuple(ours.shape)}.")
+    diff = float((ours - theirs).abs().max())
+    if not diff <= tol:
+        raise ExportError(
+            f"{folder}: transformers' logits differ from lmforge's by {diff:.3g} (max abs; allowed {tol:g}). "
+            f"The export is wrong; please report it with the checkpoint's config.toml."
+        )
+    return diff
+
+
+# -- import ------------------------------------------------------------------------------
+IMPORT_FILES = (WEIGHTS_FILE, "config.toml", CONTRACT_FILE, TOKENIZER_FILE, TOKENIZER_CONFIG_FILE, "state.json")
+
+
+def read_hf_weights(folder: Path) -> dict[str, torch.Tensor]:
+    """All tensors of a HF folder: model.safetensors, its shards (index.json), or
+    pytorch_model.bin (loaded with weights_only=True).
+
+    Raises:
+        ExportError: no weights file, or a damaged one.
+    """
+    try:
+        if (folder / WEIGHTS_FILE).is_file():
+            return load_file(str(folder / WEIGHTS_FILE))
+        if (folder / WEIGHTS_INDEX_FILE).is_file():
+            index = json.loads((folder / WEIGHTS_INDEX_FILE).read_text(encoding="utf-8"))
+            state = {}
+            for shard in sorted(set(index["weight_map"].values())):
+                state.update(load_file(str(folder / shard)))
+            return state
+        if (folder / "pytorch_model.bin").is_file():
+            return torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True)
+    except (SafetensorError, OSError, KeyError, ValueError, RuntimeError) as exc:
+        raise ExportError(f"{folder}: cannot read the weights ({exc}). The files are damaged or incomplete.") from None
+    raise ExportError(
+        f"{folder} has no {WEIGHTS_FILE}, {WEIGHTS_INDEX_FILE} or pytorch_model.bin; point at a folder "
+        f"written by transformers' save_pretrained (or by `lmforge export`)."
+    )
+
+
+def derive_contract(folder: Path, dest: Path) -> Contract:
+    """Copy a HF folder's tokenizer.json into `dest` (byte for byte) and write lmforge's
+    tokenizer_config.json and contract.json for it.
+
+    The tokenizer must define lmforge's special tokens (<|pad|>, <|bos|>, <|eos|>,
+    <|im_start|>, <|im_end|>), as every folder written by `lmforge export` does.
+
+    Raises:
+        ContractError: no tokenizer.json, or a special token missing.
+    """
+    from tokenizers import Tokenizer as HFTokenizer
+
+    src = folder / TOKENIZER_FILE
+    if not src.is_file():
+        raise ContractError(
+            f"{folder} has no {TOKENIZER_FILE} (a fast tokenizer). lmforge needs the HF `tokenizers` file; "
+            f"save one with AutoTokenizer.from_pretrained(...).save_pretrained(folder)."
+        )
+    try:
+        hf = HFTokenizer.from_file(str(src))
+    except Exception as exc:  # tokenizers raises a bare Exception on malformed files
+        raise ContractError(f"{src}: not a valid tokenizer.json ({exc}).") from None
+    ids, missing = {}, []
+    for name, text in SPECIAL_TOKENS.items():
+        i = hf.token_to_id(text)
+        if i is None:
+            missing.append(text)
+        ids[name] = i
+    if missing:
+        raise ContractError(
+            f"{src}: the tokenizer has no {', '.join(missing)} token(s); lmforge's contract needs "
+            f"{', '.join(SPECIAL_TOKENS.values())} (pad, bos, eos, and the ChatML turn markers). "
+            f"lmforge imports folders whose tokenizer defines them, as `lmforge export` writes; add them "
+            f"to the tokenizer (and resize the embedding) before importing."
+        )
+    shutil.copy2(src, dest / TOKENIZER_FILE)
+    vocab = hf.get_vocab_size(with_added_tokens=True)
+    contract = Contract(
+        tokenizer_sha256=file_sha256(dest / TOKENIZER_FILE),
+        vocab_size=vocab,
+        model_vocab_size=padded_vocab_size(vocab),
+        special_tokens=ids,
+        chat_template=CHAT_TEMPLATE,
+        token_dtype=token_dtype_for(vocab),
+    )
+    contract.check_consistent(src)
+    cfg = _tokenizer_config(folder, 1_000_000)
+    _write_json(dest / TOKENIZER_CONFIG_FILE, cfg)
+    contract.save(dest)
+    return contract
+
+
+def import_hf(folder: str | Path, out: str | Path) -> Path:
+    """Turn a Llama-architecture HF folder into an lmforge checkpoint folder (atomically).
+
+    The result holds config.toml, model.safetensors (float32, embedding padded to a
+    multiple of 64 with zero rows), contract.json, tokenizer.json, tokenizer_config.json
+    and state.json (step 0); it loads with `Transformer.from_checkpoint(out)` and serves as
+    `sft.init` and as a `tokenizer.dir`.
+
+    Raises:
+        ExportError: not a Llama folder, a feature lmforge lacks, unreadable weights, or
+        `out` holding other files.
+        ContractError: no tokenizer.json, or one without lmforge's special tokens.
+    """
+    from lmforge.model import Transformer, resolve_model_config
+    from lmforge.train.checkpoint import load_weights
+
+    folder, out = Path(folder), Path(out)
+    cfg_path = folder / HF_CONFIG_FILE
+    if not cfg_path.is_file():
+        raise ExportError(f"{folder} has no {HF_CONFIG_FILE}; point at a folder written by save_pretrained.")
+    try:
+        raw = json.loads(cfg_path.read_text(encoding="utf-8"))
+    except ValueError as exc:
+        raise ExportError(f"{cfg_path}: not valid JSON ({exc}).") from None
+    model_cfg = model_config_from_hf(raw, str(cfg_path))
+    tmp = _prepare_out(out, IMPORT_FILES, "lmforge import-hf")
+    try:
+        contract = derive_contract(folder, tmp)
+        hf_vocab = raw.get("vocab_size")
+        if hf_vocab is not None and int(hf_vocab) < contract.vocab_size:
+            raise ExportError(
+                f"{cfg_path}: vocab_size = {hf_vocab} is below the tokenizer's {contract.vocab_size} "
+                f"({folder / TOKENIZER_FILE}); ids past {int(hf_vocab) - 1} would index past the embedding (P6)."
+            )
+        config = Config(model=model_cfg)
+        config.tokenizer.vocab_size = contract.vocab_size
+        config.tokenizer.dir = str(out)
+        config.data.seq_len = min(config.data.seq_len, model_cfg.max_seq_len)
+        config.generate.max_new_tokens = min(config.generate.max_new_tokens, max(1, model_cfg.max_seq_len // 2))
+        try:
+            validate(from_dict(config.to_dict(), where=str(cfg_path)))
+        except ConfigError as exc:
+            raise ExportError(f"{cfg_path} maps to an lmforge config lmforge rejects: {exc}") from None
+        state = from_hf_state(read_hf_weights(folder), contract.vocab_size, model_cfg.tie_embeddings, str(folder))
+        save_file(state, str(tmp / WEIGHTS_FILE))
+        model = Transformer(resolve_model_config(model_cfg, contract))
+        try:
+            load_weights(model, tmp / WEIGHTS_FILE)  # strict: names and shapes
+        except CheckpointError as exc:
+            raise ExportError(f"{folder}: the weights do not fit the model its config.json describes: {exc}") from None
+        config.save(tmp / "config.toml")
+        _write_json(tmp / "state.json", {"step": 0, "imported_from": str(folder.resolve())})
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _finish(tmp, out)
+    return out
+
+
+__all__ = [
+    "ExportError", "map_name", "to_hf_state", "from_hf_state", "hf_config", "model_config_from_hf",
+    "export_hf", "import_hf", "verify_export", "derive_contract", "read_hf_weights", "require_transformers",
+]

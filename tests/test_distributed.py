@@ -1,0 +1,184 @@
+"""Data parallel on this CPU: two gloo ranks (DDP and FSDP2) against one process.
+
+- N ranks x accumulation A equal one process with accumulation N x A (P3 across ranks):
+  the same rows per step, one division by the global supervised-token count, no second
+  averaging by DDP/FSDP.
+- Resume is exact with two ranks: 20 steps straight == 10 steps, a SIGTERM on one rank,
+  --resume, 10 more steps.
+- An FSDP2 checkpoint holds full tensors and loads in one process; `torchrun` drives the
+  command line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from lmforge.model import Transformer
+from lmforge.train import checkpoint as ckpt
+
+pytestmark = pytest.mark.slow
+
+STEPS = 20
+STOP_AT = 10
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def read_metrics(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def final_weights(run: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(ckpt.latest_checkpoint(run) / ckpt.MODEL_FILE))
+
+
+def max_weight_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def _rank_main(rank: int, world: int, jobs: list[dict]) -> None:
+    """One rank: run `jobs` (pretrain_stage calls) one after another, as torchrun would."""
+    torch.set_num_threads(1)
+    from lmforge.stages import pretrain_stage
+    from lmforge.train.trainer import Trainer
+
+    step = Trainer.train_step
+
+    def train_step(self):  # a SIGTERM to this rank only, right after step `stop_at`
+        m = step(self)
+        if self.step == self._test_stop_at and rank == world - 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return m
+
+    Trainer.train_step = train_step
+    for job in jobs:
+        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(job["port"]))
+        Trainer._test_stop_at = job.get("stop_at", -1)
+        last = pretrain_stage(job["cfg"], job["out"], resume=job.get("resume", False), progress=False)
+        Path(job["out"], f"last_rank{rank}.json").write_text(json.dumps(last))
+
+
+def run_ranks(world: int, jobs: list[dict]) -> None:
+    import torch.multiprocessing as mp
+
+    for job in jobs:
+        job["port"] = free_port()
+    mp.start_processes(_rank_main, args=(world, jobs), nprocs=world, join=True, start_method="spawn")
+
+
+def _cfg(cfg, mode: str, steps: int, accum: int, checkpoint_every: int = 0):
+    return replace(cfg, train=replace(cfg.train, steps=steps, grad_accum_steps=accum, data_parallel=mode,
+                                      checkpoint_every=checkpoint_every, keep_last=0))
+
+
+@pytest.fixture(scope="module")
+def all_runs(tiny_run, tmp_path_factory) -> dict[str, dict[str, Path]]:
+    """For DDP and FSDP2 (one spawn of two ranks for all, to pay torch's start-up once):
+    2 ranks x accumulation 2 (4 steps), 2 ranks 20 steps straight, 2 ranks 10 steps +
+    SIGTERM + resume; and the 1-process reference with accumulation 4."""
+    cfg, _ = tiny_run
+    tmp = tmp_path_factory.mktemp("dist")
+    runs, jobs = {}, []
+    for mode in ("ddp", "fsdp"):
+        runs[mode] = {name: tmp / mode / name for name in ("parity", "straight", "resumed", "reference")}
+        jobs += [
+            {"cfg": _cfg(cfg, mode, 4, 2), "out": runs[mode]["parity"]},
+            {"cfg": _cfg(cfg, mode, STEPS, 1), "out": runs[mode]["straight"]},
+            {"cfg": _cfg(cfg, mode, STEPS, 1), "out": runs[mode]["resumed"], "stop_at": STOP_AT},
+            {"cfg": _cfg(cfg, mode, STEPS, 1), "out": runs[mode]["resumed"], "resume": True},
+        ]
+    run_ranks(2, jobs)
+    from lmforge.stages import pretrain_stage
+
+    for mode in ("ddp", "fsdp"):
+        pretrain_stage(_cfg(cfg, mode, 4, 4), runs[mode]["reference"], progress=False)
+    return runs
+
+
+@pytest.fixture(params=["ddp", "fsdp"])
+def two_rank_runs(request, all_runs):
+    return request.param, all_runs[request.param]
+
+
+def test_two_ranks_equal_one_process_with_twice_the_accumulation(two_rank_runs):
+    mode, runs = two_rank_runs
+    got, ref = read_metrics(runs["parity"]), read_metrics(runs["reference"])
+    assert [m["step"] for m in got] == [m["step"] for m in ref] == [1, 2, 3, 4]
+    for key in ("tokens", "supervised"):
+        assert [m[key] for m in got] == [m[key] for m in ref]  # the same rows, counted once each
+    loss_diff = max(abs(a["loss"] - b["loss"]) for a, b in zip(got, ref))
+    norm_diff = max(abs(a["grad_norm"] - b["grad_norm"]) for a, b in zip(got, ref))
+    w_diff = max_weight_diff(final_weights(runs["parity"]), final_weights(runs["reference"]))
+    print(f"\n{mode}: 2 ranks x accum 2 vs 1 process x accum 4, 4 steps: max |loss diff| {loss_diff:.3g}, "
+          f"max |grad_norm diff| {norm_diff:.3g}, max |weight diff| {w_diff:.3g}")
+    assert loss_diff <= 1e-5 and norm_diff <= 1e-5 and w_diff <= 1e-5
+    assert abs(got[-1]["val_loss"] - ref[-1]["val_loss"]) <= 1e-5
+    # not trivially equal: training moved the weights
+    init = final_weights(runs["reference"])
+    assert ref[-1]["loss"] < ref[0]["loss"]
+    assert any(v.std() > 0 for v in init.values())
+
+
+def test_two_rank_resume_is_exact(two_rank_runs):
+    mode, runs = two_rank_runs
+    straight, resumed = read_metrics(runs["straight"]), read_metrics(runs["resumed"])
+    assert [m["step"] for m in resumed] == list(range(1, STEPS + 1))  # truncated and continued, no duplicates
+    # the SIGTERM reached rank 1 only; both ranks stopped after step 10 and wrote one checkpoint
+    assert (runs["resumed"] / ckpt.step_dir_name(STOP_AT)).is_dir()
+    assert not (runs["straight"] / ckpt.step_dir_name(STOP_AT)).exists()
+    loss_diff = max(abs(a["loss"] - b["loss"]) for a, b in zip(straight, resumed))
+    w_diff = max_weight_diff(final_weights(runs["straight"]), final_weights(runs["resumed"]))
+    print(f"\n{mode}: 2 ranks, 20 steps vs 10 + SIGTERM + resume + 10: max |loss diff| {loss_diff:.3g}, "
+          f"max |weight diff| {w_diff:.3g}")
+    assert loss_diff <= 1e-6 and w_diff <= 1e-6
+    for rank in (0, 1):
+        assert json.loads((runs["resumed"] / f"last_rank{rank}.json").read_text())["steps_run"] == STEPS - STOP_AT
+    # the checkpoint holds every rank's RNG states and the data position
+    rng = torch.load(runs["resumed"] / ckpt.step_dir_name(STOP_AT) / "rng.pt", weights_only=True)
+    assert rng["world_size"] == 2 and len(rng["ranks"]) == 2
+    state = json.loads((runs["resumed"] / ckpt.step_dir_name(STOP_AT) / "state.json").read_text())
+    assert state["step"] == STOP_AT and set(state["data"]) == {"epoch", "cursor"}
+
+
+def test_fsdp_checkpoint_through_torchrun_loads_in_one_process(tiny_run, tmp_path):
+    """`torchrun -m lmforge pretrain` with FSDP2: full (unsharded) weights on disk."""
+    cfg, tok = tiny_run
+    cfg = replace(cfg, train=replace(cfg.train, steps=2, data_parallel="fsdp", global_batch_size=8))
+    cfg.save(tmp_path / "cfg.toml")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+           "-m", "lmforge", "pretrain", "--config", str(tmp_path / "cfg.toml"), "--out", str(tmp_path / "run"),
+           "--no-progress"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert [m["step"] for m in read_metrics(tmp_path / "run")] == [1, 2]
+    weights = final_weights(tmp_path / "run")
+    model = Transformer.from_checkpoint(tmp_path / "run")
+    for name, p in model.state_dict().items():
+        assert tuple(weights[name].shape) == tuple(p.shape)  # full shapes, not shards
+    assert "2 ranks" in res.stderr  # the start-up report counts the ranks
+
+    # the same launch with a global batch the world size cannot give: stops before any work
+    res = subprocess.run(cmd[:-3] + ["--out", str(tmp_path / "bad"), "--set", "train.global_batch_size=12"],
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert res.returncode != 0
+    assert "train.global_batch_size = 12 is not divisible by train.micro_batch_size x data-parallel degree = " \
+           "4 x 2 = 8" in res.stderr
+    assert not (tmp_path / "bad").exists()
