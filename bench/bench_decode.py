@@ -7,7 +7,7 @@ tokens (stopping disabled) from the same prompts, batch 1 and batch 8. Reported:
 median new tokens per second over a few repeats (prefill included), the ratio, and
 whether both produced the same ids.
 
-    python bench/bench_decode.py [--new-tokens 64] [--repeats 3]
+    python bench/bench_decode.py [--new-tokens 64] [--repeats 3] [--threads 1]
 """
 
 from __future__ import annotations
@@ -66,43 +66,75 @@ def run_hf(model, prompts, n_new: int) -> list[list[int]]:
     return out[:, L:].tolist()
 
 
-def timed(fn, repeats: int) -> tuple[float, list]:
-    fn()  # warm-up
-    times, result = [], None
+def timed_pair(fa, fb, repeats: int) -> tuple[dict, dict, list, list]:
+    """Run `fa` and `fb` alternately (one warm-up each, then `repeats` times) so load changes on a
+    shared machine hit both alike. Returns per function {"wall": median s, "cpu": median
+    process CPU s} and the last results."""
+    fa(), fb()  # warm-up
+    times: dict = {"a": {"wall": [], "cpu": []}, "b": {"wall": [], "cpu": []}}
+    ra = rb = None
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        result = fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times), result
+        for key, fn in (("a", fa), ("b", fb)):
+            w, c = time.perf_counter(), time.process_time()
+            r = fn()
+            times[key]["wall"].append(time.perf_counter() - w)
+            times[key]["cpu"].append(time.process_time() - c)
+            if key == "a":
+                ra = r
+            else:
+                rb = r
+    med = {k: {m: statistics.median(v) for m, v in t.items()} for k, t in times.items()}
+    return med["a"], med["b"], ra, rb
 
 
 def main(argv: list[str] | None = None) -> dict:
-    """Run the benchmark, print the table, return {"batch_1": {...}, "batch_8": {...}, "threads": n}."""
+    """Run the benchmark, print the table, return {"batch_1": {...}, "batch_8": {...}, ...}.
+
+    Each batch entry: lmforge_tok_s, transformers_tok_s (wall clock), ratio (wall),
+    cpu_ratio (process CPU time: steadier on a shared machine), same_ids.
+    """
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch intra-op threads for both (default 1: several threads on a busy 2-core "
+                         "machine spend most of their time waiting for each other)")
     args = ap.parse_args(argv)
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(args.threads)
+    try:
+        return _run(args)
+    finally:
+        torch.set_num_threads(threads_before)  # run_all.py runs other benchmarks in this process
+
+
+def _run(args) -> dict:
     torch.manual_seed(0)
+    t0 = time.perf_counter()
     ours, theirs = build_models()
-    results: dict = {"threads": torch.get_num_threads(), "new_tokens": args.new_tokens}
-    rows = []
+    results: dict = {"threads": torch.get_num_threads(), "new_tokens": args.new_tokens, "repeats": args.repeats}
     for batch in args.batches:
         prompts = prompts_for(batch, seed=batch)
-        t_ours, ids_ours = timed(lambda: run_lmforge(ours, prompts, args.new_tokens), args.repeats)
-        t_hf, ids_hf = timed(lambda: run_hf(theirs, prompts, args.new_tokens), args.repeats)
+        a, b, ids_ours, ids_hf = timed_pair(lambda: run_lmforge(ours, prompts, args.new_tokens),
+                                            lambda: run_hf(theirs, prompts, args.new_tokens), args.repeats)
         n = batch * args.new_tokens
-        r = {"lmforge_tok_s": n / t_ours, "transformers_tok_s": n / t_hf, "ratio": t_hf / t_ours,
-             "same_ids": ids_ours == ids_hf}
-        results[f"batch_{batch}"] = r
-        rows.append((batch, r))
-    print(f"decode, greedy, {args.new_tokens} new tokens, prompts 16-32 tokens, {results['threads']} threads, "
-          f"median of {args.repeats} (new tokens/s, prefill included)")
-    print(f"{'batch':>5} | {'lmforge tok/s':>13} | {'transformers tok/s':>18} | {'ratio':>6} | same ids")
-    print("-" * 62)
-    for batch, r in rows:
+        results[f"batch_{batch}"] = {
+            "lmforge_tok_s": n / a["wall"], "transformers_tok_s": n / b["wall"], "ratio": b["wall"] / a["wall"],
+            "cpu_ratio": b["cpu"] / a["cpu"], "same_ids": ids_ours == ids_hf,
+        }
+    results["seconds"] = time.perf_counter() - t0
+    print(f"decode: greedy, {args.new_tokens} new tokens (no stopping), prompts of 16-32 tokens left-padded, "
+          f"dim 256 / 4 layers / 8+4 heads / vocab 8192, fp32, {results['threads']} thread(s), "
+          f"median of {args.repeats}; tokens/s = new tokens / wall time, prefill included")
+    print(f"{'batch':>5} | {'lmforge tok/s':>13} | {'transformers tok/s':>18} | {'ratio':>6} | "
+          f"{'CPU-time ratio':>14} | same ids")
+    print("-" * 81)
+    for batch in args.batches:
+        r = results[f"batch_{batch}"]
         print(f"{batch:>5} | {r['lmforge_tok_s']:>13.1f} | {r['transformers_tok_s']:>18.1f} | "
-              f"{r['ratio']:>5.2f}x | {r['same_ids']}")
+              f"{r['ratio']:>5.2f}x | {r['cpu_ratio']:>13.2f}x | {r['same_ids']}")
+    print(f"({results['seconds']:.0f} s in all)")
     return results
 
 

@@ -167,6 +167,8 @@ _BUCKETS = [
     ("optimizer", r"_foreach_|adamw|_fused_adam|lerp|addcdiv|addcmul"),
     ("copy / cast", r"aten::(copy_|_to_copy|to|clone|contiguous|cat|_local_scalar_dense)$"),
     ("norm", r"rms_norm|_fused_rms"),
+    ("elementwise", r"aten::(mul|add|sub|div|neg|pow|rsqrt|sqrt|silu|sigmoid|exp|mean|sum|fill_|zero_|zeros|"
+                    r"ones|where|clamp|masked_fill|embedding|index|gather|scatter)"),
 ]
 
 
@@ -179,7 +181,7 @@ def profile_step(step, top: int = 12) -> tuple[str, dict]:
     events = [e for e in prof.key_averages() if e.self_cpu_time_total > 0]
     events.sort(key=lambda e: e.self_cpu_time_total, reverse=True)
     total = sum(e.self_cpu_time_total for e in events) or 1.0
-    rows = [(e.key[:48], f"{e.self_cpu_time_total / 1e3:,.1f}", f"{100 * e.self_cpu_time_total / total:.1f}%",
+    rows = [(e.key[:64], f"{e.self_cpu_time_total / 1e3:,.1f}", f"{100 * e.self_cpu_time_total / total:.1f}%",
              e.count) for e in events[:top]]
     groups: dict[str, float] = {}
     for e in events:
@@ -200,12 +202,26 @@ def flops_per_token(model, spec: dict) -> tuple[float, float]:
     return float(base), float(base + 6 * spec["dim"] * spec["vocab"])
 
 
+def fit_budget(first_s: float, warmup: int, repeat: int, budget_s: float, min_repeat: int = 3) -> tuple[int, int]:
+    """(warm-up, repeat) cut down so that the remaining steps of both sides, at `first_s`
+    seconds per lmforge + transformers pair, fit in `budget_s` (0 = no budget). Never fewer
+    than `min_repeat` timed steps nor less than one warm-up step in all."""
+    if budget_s <= 0 or first_s <= 0:
+        return warmup, repeat
+    pairs = int(budget_s / first_s)
+    repeat = max(min(repeat, pairs - (warmup - 1)), min(min_repeat, repeat))
+    warmup = max(1, min(warmup, pairs - repeat + 1))
+    return warmup, repeat
+
+
 def run_config(name: str, spec: dict, precision: str, peaks: dict, warmup: int, repeat: int,
-               compile: bool, profile: bool, log) -> dict:
+               compile: bool, profile: bool, log, budget_s: float = 0.0) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         trainer = build_lmforge(spec, precision, Path(tmp), compile)
         hf_model, hf_step = build_hf(spec, precision, trainer.raw_model, trainer.cfg.train.lr, compile)
+        t0 = time.perf_counter()
         first = {"lmforge": trainer.train_step()["loss"], "transformers": hf_step()}
+        warmup, repeat = fit_budget(time.perf_counter() - t0, warmup, repeat, budget_s)
         rss = common.PeakRSS()
         times = common.interleaved({"lmforge": trainer.train_step, "transformers": hf_step},
                                    max(0, warmup - 1), repeat, rss.before, rss.after)
@@ -213,7 +229,7 @@ def run_config(name: str, spec: dict, precision: str, peaks: dict, warmup: int, 
         f, f_head = flops_per_token(trainer.raw_model, spec)
         tokens = spec["batch"] * spec["seq_len"]
         peak = peaks[precision]
-        row = {"config": name, "precision": precision, "tokens_per_step": tokens,
+        row = {"config": name, "precision": precision, "tokens_per_step": tokens, "warmup": warmup, "repeat": repeat,
                "flops_per_token": f, "flops_per_token_with_head": f_head,
                "non_embedding_params": trainer.raw_model.num_parameters(non_embedding=True),
                "params": trainer.raw_model.num_parameters(), "matmul_peak_gflops": peak,
@@ -238,6 +254,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--precisions", default=",".join(PRECISIONS))
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps per side (the first checks the loss)")
     ap.add_argument("--repeat", type=int, default=5, help="timed steps per side")
+    ap.add_argument("--budget", type=float, default=300.0,
+                    help="seconds for all configs' steps; fewer steps (>= 3 timed) when the first is slow; 0 = none")
     ap.add_argument("--compile", action="store_true", help="torch.compile both models (slow to start on CPU)")
     ap.add_argument("--no-profile", action="store_true")
     args = ap.parse_args([] if argv is None else argv)
@@ -251,11 +269,15 @@ def main(argv: list[str] | None = None) -> dict:
     peaks = {p: s.max for p, s in mm.items()}
     log(f"  matmul 2048^3: fp32 {peaks['fp32']:.0f} GFLOP/s, bf16 {peaks['bf16']:.0f} GFLOP/s")
     rows = []
-    for name in args.configs.split(","):
-        for precision in args.precisions.split(","):
-            profile = (not args.no_profile) and name == "larger" and precision == "bf16"
-            rows.append(run_config(name, CONFIGS[name], precision, peaks, args.warmup, args.repeat,
-                                   args.compile, profile, log))
+    runs = [(n, p) for n in args.configs.split(",") for p in args.precisions.split(",")]
+    # each run's share of the budget, weighted by its tokens x FLOPs (the larger config costs ~15x)
+    weight = {r: CONFIGS[r[0]]["batch"] * CONFIGS[r[0]]["seq_len"] * CONFIGS[r[0]]["dim"] ** 2
+              * CONFIGS[r[0]]["n_layers"] * (2 if r[1] == "fp32" else 1) for r in runs}
+    for name, precision in runs:
+        profile = (not args.no_profile) and name == "larger" and precision == "bf16"
+        budget = args.budget * weight[(name, precision)] / sum(weight.values())
+        rows.append(run_config(name, CONFIGS[name], precision, peaks, args.warmup, args.repeat,
+                               args.compile, profile, log, budget))
 
     mm_table = common.table(
         ["matmul 2048^3", "GFLOP/s best", "median", "min-max"],
@@ -284,8 +306,9 @@ def main(argv: list[str] | None = None) -> dict:
         body, title="Training step: lmforge vs transformers LlamaForCausalLM + AdamW")
     notes = [
         f"shapes: {shapes}.",
-        f"medians over {args.repeat} interleaved steps after {args.warmup} warm-up steps per side"
-        + (", torch.compile on both" if args.compile else "") + ".",
+        "medians over " + ", ".join(f"{r['repeat']} ({r['config']} {r['precision']})" for r in rows)
+        + f" interleaved steps per side after {args.warmup} warm-up steps (fewer where a step was slow: "
+        f"--budget {args.budget:g}s)" + (", torch.compile on both" if args.compile else "") + ".",
         "MFU = tokens/s x model FLOPs per token / the matmul rate of the row's precision (best of the run); "
         "model FLOPs per token = 6 x non-embedding params + 12 x n_layers x dim x seq_len; "
         "'+head' adds 6 x dim x vocab for the output layer.",

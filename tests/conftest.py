@@ -81,6 +81,11 @@ def tiny_run(tmp_path_factory, tiny_corpus, tiny_tokenizer):
     return cfg, tiny_tokenizer
 
 
+# Tiny models are dominated by per-op overhead: one thread is several times faster than two
+# threads contending, and keeps numbers deterministic.
+torch.set_num_threads(1)
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

@@ -35,6 +35,12 @@ def code_point_sweep(step: int) -> list[str]:
     return out
 
 
+def code_point_runs() -> list[str]:
+    """Every code point once, in runs of 2048 (surrogates left out)."""
+    cps = [c for c in range(0x110000) if not 0xD800 <= c < 0xE000]
+    return [" x" + "".join(map(chr, cps[i:i + 2048])) + " 1" for i in range(0, len(cps), 2048)]
+
+
 def stdlib_texts(max_bytes: int | None = None, skip_bytes: int = 0) -> list[str]:
     """Standard-library documents in corpus order, after `skip_bytes`, up to `max_bytes`."""
     texts, seen, used = [], 0, 0
@@ -177,4 +183,4 @@ def test_ids_equal_hf_on_whole_stdlib(tmp_path):
     tok = train_tokenizer(stdlib_texts(1_500_000), 4096, tmp_path / "tok", show_progress=False)
     texts = stdlib_texts()
     assert sum(len(t.encode("utf-8")) for t in texts) > 5_000_000
-    assert_same_ids(tok, texts + TRICKY + code_point_sweep(1))
+    assert_same_ids(tok, texts + TRICKY + code_point_runs() + code_point_sweep(13))

@@ -362,6 +362,9 @@ def test_function_examples_extracts_signature_docstring_and_body():
         assert conv.messages[0]["content"] == STDLIB_PROMPT + e.signature + "\n" + e.docstring
         assert conv.messages[1] == {"role": "assistant", "content": e.body}
         assert conv.key == "geometry"
+    # a form feed is no line break for ast (the standard library has some)
+    ff = function_examples('x = 1\n\x0c\ndef f(a):\n    """Doc."""\n    return a\n', "m")
+    assert [(e.signature, e.docstring, e.body) for e in ff] == [("def f(a):", '    """Doc."""', "    return a")]
 
 
 def test_stdlib_split_follows_pretraining_and_nothing_leaks():

@@ -207,7 +207,7 @@ def run(args: argparse.Namespace) -> int:
 
         if not args.out:
             raise LmforgeError("import-hf needs --out DIR (the lmforge checkpoint folder to write).")
-        print(import_hf(args.folder, args.out))
+        print(import_hf(args.folder, args.out, log=lambda msg: print(f"import-hf: {msg}", file=sys.stderr)))
     elif cmd == "speedrun":
         from lmforge.speedrun import speedrun
 

@@ -35,8 +35,17 @@ def shard_batches(shard: Shard, seq_len: int, batch_size: int, max_tokens: int =
 def evaluate_shard(model: torch.nn.Module, shard: Shard, seq_len: int, batch_size: int = 16,
                    device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
                    document_masking: bool = True) -> dict:
-    """Evaluate on the whole split. Returns loss (nats/token), perplexity, bits_per_byte,
-    tokens (targets scored) and bytes."""
+    """Evaluate `model` on every document of `shard`, each target once.
+
+    Documents are packed `seq_len` pairs to a row with document masking (a document longer
+    than `seq_len` is scored in pieces, each from its own start); `dtype` is an autocast
+    dtype or None for fp32. Returns a dict:
+        loss           float, mean nats per predicted token (the closing <|eos|> included)
+        perplexity     exp(loss)
+        bits_per_byte  total nats / ln 2 / `bytes` (NaN when the shard records no bytes)
+        tokens         int, targets scored (= shard tokens - documents)
+        bytes          int, UTF-8 bytes of the split's text (from the shard's meta.json)
+    """
     from lmforge.train.trainer import evaluate_batches
 
     nats, count = evaluate_batches(model, shard_batches(shard, seq_len, batch_size, 0, document_masking),

@@ -36,9 +36,9 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from lmforge.config import Config, ModelConfig, from_dict, padded_vocab_size, validate
-from lmforge.contract import CONTRACT_FILE, Contract, file_sha256, token_dtype_for
-from lmforge.errors import CheckpointError, ConfigError, ContractError, LmforgeError
-from lmforge.tokenizer import CHAT_TEMPLATE, SPECIAL_TOKENS, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE
+from lmforge.contract import CONTRACT_FILE, Contract
+from lmforge.errors import CheckpointError, ConfigError, LmforgeError
+from lmforge.tokenizer import CHAT_TEMPLATE, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE
 
 HF_CONFIG_FILE = "config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
@@ -318,20 +318,9 @@ def export_hf(checkpoint: str | Path, out: str | Path, dtype: str = "float32", v
         _write_json(tmp / HF_CONFIG_FILE, config)
         shutil.copy2(path / TOKENIZER_FILE, tmp / TOKENIZER_FILE)
         _write_json(tmp / TOKENIZER_CONFIG_FILE, _tokenizer_config(path, cfg.model.max_seq_len))
-        g = cfg.generate
-        _write_json(tmp / GENERATION_CONFIG_FILE, {
-            "bos_token_id": contract.bos_id,
-            "eos_token_id": [contract.eos_id, contract.im_end_id],
-            "pad_token_id": contract.pad_id,
-            "do_sample": True,
-            "temperature": g.temperature,
-            "top_k": g.top_k,
-            "top_p": g.top_p,
-            "repetition_penalty": g.repetition_penalty,
-            "max_new_tokens": g.max_new_tokens,
-        })
+        _write_json(tmp / GENERATION_CONFIG_FILE, generation_config(cfg.generate, contract))
         if verify:
-            verify_export(model, tmp, tol=1e-4 if dtype == "float32" else 5e-2)
+            verify_export(model, tmp, tol=1e-4 if dtype == "float32" else None)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -339,21 +328,37 @@ def export_hf(checkpoint: str | Path, out: str | Path, dtype: str = "float32", v
     return out
 
 
+def generation_config(g, contract: Contract) -> dict:
+    """`generation_config.json`: every stop id (<|eos|> ends a document, <|im_end|> a chat turn),
+    the pad id, and lmforge's sampling defaults (`[generate]` of the checkpoint's config;
+    temperature 0 = greedy)."""
+    cfg = {
+        "bos_token_id": contract.bos_id,
+        "eos_token_id": [contract.eos_id, contract.im_end_id],
+        "pad_token_id": contract.pad_id,
+        "max_new_tokens": g.max_new_tokens,
+        "repetition_penalty": g.repetition_penalty,
+    }
+    if g.temperature == 0:
+        return {**cfg, "do_sample": False}
+    return {**cfg, "do_sample": True, "temperature": g.temperature, "top_k": g.top_k, "top_p": g.top_p}
+
+
 def _tokenizer_config(folder: Path, max_seq_len: int) -> dict:
-    """lmforge's tokenizer_config.json with the chat template and special tokens made sure of."""
+    """The checkpoint's tokenizer_config.json (its special-token spellings kept), with lmforge's
+    ChatML chat template, no automatic BOS/EOS, and model_max_length = max_seq_len."""
+    from lmforge.tokenizer import spellings_of
+
     path = folder / TOKENIZER_CONFIG_FILE
     cfg = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
-    cfg.update({
-        "tokenizer_class": cfg.get("tokenizer_class", "PreTrainedTokenizerFast"),
-        "bos_token": SPECIAL_TOKENS["bos"],
-        "eos_token": SPECIAL_TOKENS["eos"],
-        "pad_token": SPECIAL_TOKENS["pad"],
-        "additional_special_tokens": [SPECIAL_TOKENS["im_start"], SPECIAL_TOKENS["im_end"]],
-        "add_bos_token": False,
-        "add_eos_token": False,
-        "chat_template": CHAT_TEMPLATE,
-        "model_max_length": max_seq_len,
-    })
+    spell = spellings_of(folder)
+    cfg.setdefault("tokenizer_class", "PreTrainedTokenizerFast")
+    cfg.setdefault("bos_token", spell["bos"])
+    cfg.setdefault("eos_token", spell["eos"])
+    cfg.setdefault("pad_token", spell["pad"])
+    cfg.setdefault("additional_special_tokens", [spell["im_start"], spell["im_end"]])
+    cfg.update({"add_bos_token": False, "add_eos_token": False, "chat_template": CHAT_TEMPLATE,
+                "model_max_length": max_seq_len})
     return cfg
 
 
@@ -377,9 +382,10 @@ def require_transformers():
     return transformers
 
 
-def verify_export(model: torch.nn.Module, folder: str | Path, tol: float = 1e-4, seq_len: int = 64) -> float:
+def verify_export(model: torch.nn.Module, folder: str | Path, tol: float | None = 1e-4, seq_len: int = 64) -> float:
     """Load `folder` with `transformers`' LlamaForCausalLM and compare its logits with
     `model`'s on a fixed random batch (2, min(seq_len, max_seq_len)), in float32.
+    `tol` None (for bfloat16/float16 weights): 5% of the largest logit magnitude.
 
     Returns:
         the max abs logit difference.
@@ -397,6 +403,8 @@ def verify_export(model: torch.nn.Module, folder: str | Path, tol: float = 1e-4,
     if theirs.shape != ours.shape:
         raise ExportError(f"{folder}: transformers gives logits {tuple(theirs.shape)}, lmforge {tuple(ours.shape)}.")
     diff = float((ours - theirs).abs().max())
+    if tol is None:
+        tol = 0.05 * max(1.0, float(ours.abs().max()))
     if not diff <= tol:
         raise ExportError(
             f"{folder}: transformers' logits differ from lmforge's by {diff:.3g} (max abs; allowed {tol:g}). "
@@ -435,74 +443,34 @@ def read_hf_weights(folder: Path) -> dict[str, torch.Tensor]:
     )
 
 
-def derive_contract(folder: Path, dest: Path) -> Contract:
-    """Copy a HF folder's tokenizer.json into `dest` (byte for byte) and write lmforge's
-    tokenizer_config.json and contract.json for it.
+def import_hf(folder: str | Path, out: str | Path, log=None) -> Path:
+    """Turn a Llama-architecture HF folder into an lmforge checkpoint folder (atomically).
 
-    The tokenizer must define lmforge's special tokens (<|pad|>, <|bos|>, <|eos|>,
-    <|im_start|>, <|im_end|>), as every folder written by `lmforge export` does.
+    The tokenizer goes through `lmforge.tokenizer.import_tokenizer` (the contract is derived
+    from it; special tokens lmforge needs and the folder lacks, such as a distinct <|pad|> or
+    the ChatML markers, are added). Embedding and output rows of the tokenizer's original ids
+    are copied; rows of added tokens start as the mean of the original rows (SFT learns
+    them); rows past the tokenizer's vocab are dropped, and the matrix is zero-padded to the
+    multiple of 64 (P6).
 
+    The result holds config.toml, model.safetensors (float32), contract.json, tokenizer.json,
+    tokenizer_config.json and state.json (step 0); it loads with
+    `Transformer.from_checkpoint(out)` and serves as `sft.init` and as a `tokenizer.dir`.
+
+    Args:
+        log: called with one line per change made (added tokens, dropped chat template).
     Raises:
-        ContractError: no tokenizer.json, or a special token missing.
+        ExportError: not a Llama folder, a feature lmforge lacks, unreadable weights, fewer
+        embedding rows than the tokenizer's ids, or `out` holding other files.
+        ContractError: no tokenizer.json, or one lmforge cannot use (see import_tokenizer).
     """
     from tokenizers import Tokenizer as HFTokenizer
 
-    src = folder / TOKENIZER_FILE
-    if not src.is_file():
-        raise ContractError(
-            f"{folder} has no {TOKENIZER_FILE} (a fast tokenizer). lmforge needs the HF `tokenizers` file; "
-            f"save one with AutoTokenizer.from_pretrained(...).save_pretrained(folder)."
-        )
-    try:
-        hf = HFTokenizer.from_file(str(src))
-    except Exception as exc:  # tokenizers raises a bare Exception on malformed files
-        raise ContractError(f"{src}: not a valid tokenizer.json ({exc}).") from None
-    ids, missing = {}, []
-    for name, text in SPECIAL_TOKENS.items():
-        i = hf.token_to_id(text)
-        if i is None:
-            missing.append(text)
-        ids[name] = i
-    if missing:
-        raise ContractError(
-            f"{src}: the tokenizer has no {', '.join(missing)} token(s); lmforge's contract needs "
-            f"{', '.join(SPECIAL_TOKENS.values())} (pad, bos, eos, and the ChatML turn markers). "
-            f"lmforge imports folders whose tokenizer defines them, as `lmforge export` writes; add them "
-            f"to the tokenizer (and resize the embedding) before importing."
-        )
-    shutil.copy2(src, dest / TOKENIZER_FILE)
-    vocab = hf.get_vocab_size(with_added_tokens=True)
-    contract = Contract(
-        tokenizer_sha256=file_sha256(dest / TOKENIZER_FILE),
-        vocab_size=vocab,
-        model_vocab_size=padded_vocab_size(vocab),
-        special_tokens=ids,
-        chat_template=CHAT_TEMPLATE,
-        token_dtype=token_dtype_for(vocab),
-    )
-    contract.check_consistent(src)
-    cfg = _tokenizer_config(folder, 1_000_000)
-    _write_json(dest / TOKENIZER_CONFIG_FILE, cfg)
-    contract.save(dest)
-    return contract
-
-
-def import_hf(folder: str | Path, out: str | Path) -> Path:
-    """Turn a Llama-architecture HF folder into an lmforge checkpoint folder (atomically).
-
-    The result holds config.toml, model.safetensors (float32, embedding padded to a
-    multiple of 64 with zero rows), contract.json, tokenizer.json, tokenizer_config.json
-    and state.json (step 0); it loads with `Transformer.from_checkpoint(out)` and serves as
-    `sft.init` and as a `tokenizer.dir`.
-
-    Raises:
-        ExportError: not a Llama folder, a feature lmforge lacks, unreadable weights, or
-        `out` holding other files.
-        ContractError: no tokenizer.json, or one without lmforge's special tokens.
-    """
     from lmforge.model import Transformer, resolve_model_config
+    from lmforge.tokenizer import import_tokenizer, vocab_size_of
     from lmforge.train.checkpoint import load_weights
 
+    say = log or (lambda _msg: None)
     folder, out = Path(folder), Path(out)
     cfg_path = folder / HF_CONFIG_FILE
     if not cfg_path.is_file():
@@ -514,13 +482,32 @@ def import_hf(folder: str | Path, out: str | Path) -> Path:
     model_cfg = model_config_from_hf(raw, str(cfg_path))
     tmp = _prepare_out(out, IMPORT_FILES, "lmforge import-hf")
     try:
-        contract = derive_contract(folder, tmp)
+        tok = import_tokenizer(folder, tmp / "tokenizer", log=say)
+        for name in (TOKENIZER_FILE, TOKENIZER_CONFIG_FILE, CONTRACT_FILE):
+            (tmp / "tokenizer" / name).rename(tmp / name)
+        shutil.rmtree(tmp / "tokenizer")
+        contract = tok.contract
+        original = vocab_size_of(HFTokenizer.from_file(str(folder / TOKENIZER_FILE)))
+        hf_state = read_hf_weights(folder)
+        rows = hf_state.get("model.embed_tokens.weight")
         hf_vocab = raw.get("vocab_size")
-        if hf_vocab is not None and int(hf_vocab) < contract.vocab_size:
+        if rows is not None and hf_vocab is not None and int(hf_vocab) != rows.shape[0]:
             raise ExportError(
-                f"{cfg_path}: vocab_size = {hf_vocab} is below the tokenizer's {contract.vocab_size} "
-                f"({folder / TOKENIZER_FILE}); ids past {int(hf_vocab) - 1} would index past the embedding (P6)."
+                f"{cfg_path}: vocab_size = {hf_vocab} but model.embed_tokens.weight has {rows.shape[0]} rows; "
+                f"the config and the weights disagree. Fix vocab_size in config.json."
             )
+        if rows is not None and rows.shape[0] < original:
+            raise ExportError(
+                f"{folder}: model.embed_tokens.weight has {rows.shape[0]} rows but {folder / TOKENIZER_FILE} "
+                f"has ids up to {original - 1}; they would index past the embedding (P6). Use the tokenizer "
+                f"this model was trained with."
+            )
+        state = from_hf_state(hf_state, original, model_cfg.tie_embeddings, str(folder))
+        if contract.vocab_size > original:
+            say(f"embedding: {contract.vocab_size - original} added token row(s) start as the mean of the "
+                f"{original} original rows")
+            state = {k: _grow_rows(v, original, contract.vocab_size)
+                     if k in ("tok_embeddings.weight", "output.weight") else v for k, v in state.items()}
         config = Config(model=model_cfg)
         config.tokenizer.vocab_size = contract.vocab_size
         config.tokenizer.dir = str(out)
@@ -530,7 +517,6 @@ def import_hf(folder: str | Path, out: str | Path) -> Path:
             validate(from_dict(config.to_dict(), where=str(cfg_path)))
         except ConfigError as exc:
             raise ExportError(f"{cfg_path} maps to an lmforge config lmforge rejects: {exc}") from None
-        state = from_hf_state(read_hf_weights(folder), contract.vocab_size, model_cfg.tie_embeddings, str(folder))
         save_file(state, str(tmp / WEIGHTS_FILE))
         model = Transformer(resolve_model_config(model_cfg, contract))
         try:
@@ -546,7 +532,16 @@ def import_hf(folder: str | Path, out: str | Path) -> Path:
     return out
 
 
+def _grow_rows(t: torch.Tensor, original: int, vocab: int) -> torch.Tensor:
+    """(padded(original), dim) -> (padded(vocab), dim): rows [original, vocab) = the mean of the
+    original rows, the rest zero."""
+    out = t.new_zeros(padded_vocab_size(vocab), t.shape[1])
+    out[:original] = t[:original]
+    out[original:vocab] = t[:original].mean(0)
+    return out
+
+
 __all__ = [
-    "ExportError", "map_name", "to_hf_state", "from_hf_state", "hf_config", "model_config_from_hf",
-    "export_hf", "import_hf", "verify_export", "derive_contract", "read_hf_weights", "require_transformers",
+    "ExportError", "map_name", "to_hf_state", "from_hf_state", "hf_config", "generation_config", "model_config_from_hf",
+    "export_hf", "import_hf", "verify_export", "read_hf_weights", "require_transformers",
 ]

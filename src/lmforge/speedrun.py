@@ -3,6 +3,8 @@
     OUT/tokenizer   train-tokenizer
     OUT/data        prepare
     OUT/pretrain    pretrain (checkpoints, metrics.jsonl)
+    OUT/sft         SFT on the standard-library function set, from pretrain's checkpoint
+    OUT/sft_samples.json   greedy bodies for held-out prompts, and whether each parses
     OUT/loss.png    training and validation loss against tokens seen
     OUT/summary.json, OUT/summary.md   the table printed at the end
 
@@ -61,7 +63,7 @@ def plot_loss(run_dir: Path, out: Path) -> Path | None:
 
 
 def speedrun(cfg: Config, out: str | Path, resume: bool = False, progress: bool = True) -> dict:
-    """Run tokenizer -> prepare -> pretrain -> eval -> samples in `out`; return the summary."""
+    """Run tokenizer -> prepare -> pretrain -> eval -> samples -> sft in `out`; return the summary."""
     out = Path(out)
     if out.exists() and any(out.iterdir()) and not resume:
         raise ConfigError(f"--out {out} is not empty. Pass --resume to continue that speedrun, or choose another --out.")
@@ -74,7 +76,7 @@ def speedrun(cfg: Config, out: str | Path, resume: bool = False, progress: bool 
     if resume and (out / "tokenizer" / CONTRACT_FILE).is_file():
         log("speedrun: tokenizer already trained, kept")
     else:
-        log("== 1/4 train-tokenizer")
+        log("== 1/5 train-tokenizer")
         train_tokenizer_stage(cfg, progress=progress)
     times["tokenizer"] = time.perf_counter() - t0
 
@@ -82,18 +84,18 @@ def speedrun(cfg: Config, out: str | Path, resume: bool = False, progress: bool 
     if resume and (out / "data" / CONTRACT_FILE).is_file():
         log("speedrun: data already prepared, kept")
     else:
-        log("== 2/4 prepare")
+        log("== 2/5 prepare")
         prepare_stage(cfg, progress=progress)
     times["prepare"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
-    log("== 3/4 pretrain")
+    log("== 3/5 pretrain")
     run_dir = out / "pretrain"
     last = pretrain_stage(cfg, run_dir, resume=resume, progress=progress)
     times["pretrain"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
-    log("== 4/4 evaluate and sample")
+    log("== 4/5 evaluate and sample")
     model, _, contract, ckpt_path = load_model(run_dir)
     tok = Tokenizer.load(ckpt_path)
     val = Shard.open(cfg.data.dir, "val", contract, ckpt_path / CONTRACT_FILE)
@@ -107,6 +109,10 @@ def speedrun(cfg: Config, out: str | Path, resume: bool = False, progress: bool 
     samples = [generate_text(model, tok, p, sampling, seed=cfg.train.seed + i) for i, p in enumerate(SAMPLE_PROMPTS)]
     plot = plot_loss(run_dir, out / "loss.png")
     times["eval"] = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    sft_summary = sft_speedrun(cfg, out, ckpt_path, resume, progress)
+    times["sft"] = time.perf_counter() - t0
 
     rows = [json.loads(line) for line in (run_dir / METRICS_FILE).read_text().splitlines() if line.strip()]
     train_time = rows[-1]["elapsed_s"] if rows else 0.0
@@ -127,6 +133,7 @@ def speedrun(cfg: Config, out: str | Path, resume: bool = False, progress: bool 
         "checkpoint": str(ckpt_path),
         "loss_plot": str(plot) if plot else None,
         "samples": samples,
+        **sft_summary,
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
     table = format_summary(summary)
@@ -145,6 +152,7 @@ def format_summary(s: dict) -> str:
         ("held-out loss", f"{s['val_loss']:.4f} nats/token (perplexity {s['val_perplexity']:.2f})"),
         ("held-out bits per byte", f"{s['val_bits_per_byte']:.4f}"),
         ("xz -9e bits per byte (same text)", f"{s['xz_bits_per_byte']:.4f}"),
+        *sft_rows(s),
         ("loss curve", s["loss_plot"] or "-"),
         ("checkpoint", s["checkpoint"]),
     ]
@@ -154,3 +162,58 @@ def format_summary(s: dict) -> str:
     for i, text in enumerate(s["samples"], 1):
         lines += ["", f"### sample {i}", "```python", text.rstrip(), "```"]
     return "\n".join(lines)
+
+
+# -- stage 5: supervised fine-tuning -----------------------------------------------------------
+SFT_EVAL_PROMPTS = 20
+SFT_EVAL_MAX_NEW_TOKENS = 64
+
+
+def sft_speedrun(cfg: Config, out: Path, init: Path, resume: bool = False, progress: bool = True) -> dict:
+    """SFT from the pretrained checkpoint `init` on the standard-library function set (the
+    [sft] keys of `cfg`; sft.data is forced to "stdlib"), into OUT/sft. Then, on held-out
+    modules: the SFT validation loss (nats per supervised token) and the fraction of greedy
+    bodies (at most SFT_EVAL_MAX_NEW_TOKENS tokens, for SFT_EVAL_PROMPTS prompts whose
+    reference body fits in that budget) that parse with ast.parse under their signature.
+    The bodies go to OUT/sft_samples.json."""
+    from lmforge.sft import SFT_DATA_FILE, SFT_VAL_FILE, body_parse_rate, held_out_prompts, sft_stage
+
+    log("== 5/5 sft")
+    run_dir = out / "sft"
+    scfg = replace(cfg, sft=replace(cfg.sft, init=str(init), data="stdlib"))
+    last = sft_stage(scfg, run_dir, resume=resume, progress=progress)
+    rows = [json.loads(x) for x in (run_dir / METRICS_FILE).read_text().splitlines() if x.strip()]
+    val_loss = last.get("val_loss")
+    if val_loss is None:  # a resumed run that had already finished: its last validation
+        val_loss = next((r["val_loss"] for r in reversed(rows) if r.get("val_loss") is not None), None)
+    model, _, _, ckpt_path = load_model(run_dir)
+    tok = Tokenizer.load(ckpt_path)
+    items = held_out_prompts(run_dir / SFT_VAL_FILE, tok, SFT_EVAL_PROMPTS, SFT_EVAL_MAX_NEW_TOKENS - 1)
+    parse = body_parse_rate(model, tok, items, SFT_EVAL_MAX_NEW_TOKENS)
+    (out / "sft_samples.json").write_text(json.dumps(parse, indent=2) + "\n", encoding="utf-8")
+    data = json.loads((run_dir / SFT_DATA_FILE).read_text(encoding="utf-8"))
+    log(f"sft: validation loss {val_loss:.4f} nats/token; {parse['parsed']}/{parse['n']} generated bodies parse")
+    return {
+        "sft_val_loss": val_loss,
+        "sft_final_train_loss": rows[-1]["loss"] if rows else None,
+        "sft_steps": rows[-1]["step"] if rows else 0,
+        "sft_train_seconds": rows[-1]["elapsed_s"] if rows else 0.0,
+        "sft_data": data["splits"],
+        "sft_parse_fraction": parse["fraction"],
+        "sft_parse_n": parse["n"],
+        "sft_checkpoint": str(ckpt_path),
+    }
+
+
+def sft_rows(s: dict) -> list[tuple[str, str]]:
+    """The SFT lines of the summary table (none for a summary without SFT)."""
+    if "sft_val_loss" not in s:
+        return []
+    tr = s["sft_data"]["train"]
+    return [
+        ("SFT data (stdlib functions)", f"{tr['kept']:,} conversations ({tr['truncated']} truncated, "
+                                        f"{tr['dropped_all_cut']} dropped), {s['sft_steps']} steps"),
+        ("SFT held-out loss", f"{s['sft_val_loss']:.4f} nats/supervised token"),
+        ("SFT bodies that parse", f"{s['sft_parse_fraction']:.0%} of {s['sft_parse_n']} held-out prompts "
+                                  f"(greedy, <= {SFT_EVAL_MAX_NEW_TOKENS} tokens)"),
+    ]

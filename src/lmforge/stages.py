@@ -106,12 +106,12 @@ def pretrain_stage(cfg: Config, out: str | Path, resume: bool = False, dry_run: 
     out = Path(out)
     info = init_distributed(cfg)  # validates the parallel degrees against WORLD_SIZE first
     try:
+        backend = resolve_backend(cfg.model.attention, info.device, training=True)  # before any work
         tok = Tokenizer.load(cfg.tokenizer.dir)
         tok_contract_path = Path(cfg.tokenizer.dir) / CONTRACT_FILE
         data = preflight(cfg.data.dir, tok.contract, tok_contract_path)
         if not dry_run:
             check_run_dir(out, resume)
-        backend = resolve_backend(cfg.model.attention, info.device, training=True)
         seed_everything(cfg.train.seed)
         model = Transformer(resolve_model_config(cfg.model, tok.contract))
         model.set_attention(backend)
@@ -129,6 +129,7 @@ def pretrain_stage(cfg: Config, out: str | Path, resume: bool = False, dry_run: 
         dtype = resolve_precision(t.precision, info.device)
         if info.is_main:
             log(startup_report(model, tok, data, cfg, info.world_size, info.device, dtype))
+            log(stream.epoch_report())
         return run_training(cfg, out, Path(cfg.tokenizer.dir), model, stream, val_batches, info,
                             resume=resume, dry_run=dry_run, progress=progress)
     finally:
@@ -186,12 +187,9 @@ def generate_text(model: Transformer, tok: Tokenizer, prompt: str, sampling, see
     from lmforge.generate import generate
 
     gen = torch.Generator().manual_seed(seed) if seed is not None else None
-    dtype = resolve_precision("auto", torch.device("cpu"))
-    from lmforge.train.trainer import autocast
-
-    with autocast(torch.device("cpu"), dtype):
-        ids = generate(model, [[tok.bos_id, *tok.encode(prompt)]], [tok.eos_id], sampling, tok.pad_id,
-                       truncate=truncate, generator=gen)[0]
+    # fp32 on CPU: decoding is latency-bound, and autocast would re-cast every weight each step.
+    ids = generate(model, [[tok.bos_id, *tok.encode(prompt)]], [tok.eos_id], sampling, tok.pad_id,
+                   truncate=truncate, generator=gen)[0]
     if ids and ids[-1] == tok.eos_id:
         ids = ids[:-1]
     return prompt + tok.decode(ids)

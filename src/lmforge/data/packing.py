@@ -2,24 +2,40 @@
 
 Every training example is a *sample*: a token sequence d[0..L) (a pretraining
 document `[bos] text [eos]`, or a rendered conversation) with a per-token learn
-flag. A sample gives L - 1 (input, target) pairs: input d[i], target d[i+1],
-supervised when the target's learn flag is set (all of them for pretraining; the
-assistant's tokens for SFT). The EOS is never an input, so no target ever crosses
-into the next document.
+flag. Sample boundaries come from the data's own structure (the shard's `.idx`
+offsets, or the list of conversations), never from token values: an EOS or
+end-of-turn id inside a sample does not end it (P2). A sample gives L - 1
+(input, target) pairs: input d[i], target d[i+1], supervised when the target's learn
+flag is set (all of them for pretraining; the assistant's tokens for SFT). The last
+pair of a sample is (d[L-2], d[L-1] = EOS); the EOS itself is never an input, so no
+target ever crosses into the next sample.
 
-A sample longer than `seq_len` pairs is cut into pieces of at most `seq_len` pairs.
-A piece that starts mid-document is its own attention segment: it attends only to
-itself, its positions count from 0, and every one of its targets keeps its learn
-flag (its first target is predicted from the one token of context the piece has).
+Packing (`plan_packed`) is greedy best-fit over the epoch's shuffled order: a sample
+longer than `seq_len` pairs is cut into pieces of `seq_len` pairs (each a full row of
+its own) and one shorter tail; every piece shorter than a row goes into the open row
+with the least room that fits it. Every pair of every sample lands in exactly one row slot per epoch
+(and `RowStream` deals every row of an epoch out exactly once, over all ranks).
+`padding_fraction` measures the waste; `RowStream` records it per epoch
+(`padding_fractions`, `epoch_report`).
+
+A piece that starts mid-sample is its own attention segment: it attends only to
+itself, its positions count from 0 (not from its offset in the sample), and every one
+of its targets keeps its learn flag: its first target, d[start+1], is predicted from
+the one token of context the piece has (d[start], the previous piece's last target).
+So the pairs of a long document are all trained on, once, with context truncated at
+piece boundaries.
 
 A row carries (all (T,), T = seq_len):
     tokens      int64  inputs; `pad_id` in padding slots
     targets     int64  next tokens; `pad_id` in padding slots (never read: masked)
     loss_mask   bool   supervised targets; False in padding and unsupervised slots
     document_ids int32 segment of each slot (0, 1, 2, … in row order); padding is one
-                       more segment after the last document, so every slot attends to
-                       at least itself
+                       more segment after the last piece, so every slot attends to
+                       at least itself and no real token attends to padding
     positions   int64  rotary position: 0 at the start of each segment
+With `document_masking=False` every slot is in segment 0 and positions run 0..T-1:
+plain causal attention over the whole row (for comparison, and for right-padded rows
+where causal attention alone keeps padding out of every real token).
 Labels are masked by `loss_mask` only, never by comparing ids with `pad_id` (P4).
 """
 
@@ -59,18 +75,23 @@ _FIELDS = ("tokens", "targets", "loss_mask", "document_ids", "positions")
 
 
 def split_pieces(sample: int, n_pairs: int, seq_len: int) -> list[Piece]:
+    """Cut a sample of `n_pairs` pairs into pieces (sample, first pair, pairs) of `seq_len`
+    pairs each, the last one shorter when `seq_len` does not divide `n_pairs`."""
     return [(sample, s, min(seq_len, n_pairs - s)) for s in range(0, n_pairs, seq_len)]
 
 
 def plan_packed(n_pairs: Sequence[int], order: Sequence[int], seq_len: int, max_open: int = 64) -> list[list[Piece]]:
-    """Greedy first-fit packing of samples (in `order`) into rows of `seq_len` pairs.
+    """Greedy best-fit packing of samples (in `order`) into rows of `seq_len` pairs.
 
-    Full pieces become rows at once; shorter ones go to the first open row with room.
-    When `max_open` rows are open and none fits, the fullest is closed. Deterministic.
+    Each sample is cut by `split_pieces`; full pieces become rows at once, and each shorter
+    piece goes into the open row with the least room that still fits it (best fit). When
+    `max_open` rows are open and none fits, the fullest is closed first. Samples with no
+    pair are skipped. Deterministic; about 1% padding on mixed lengths (see tests).
+    Returns the rows, each a list of pieces (sample, first pair, pairs).
     """
     rows: list[list[Piece]] = []
     open_rows: list[list[Piece]] = []
-    room: list[int] = []
+    room = np.zeros(0, dtype=np.int64)  # room[j]: free slots of open_rows[j]
     for s in order:
         if n_pairs[s] <= 0:
             continue
@@ -79,21 +100,21 @@ def plan_packed(n_pairs: Sequence[int], order: Sequence[int], seq_len: int, max_
             if n == seq_len:
                 rows.append([piece])
                 continue
-            for j, r in enumerate(room):
-                if r >= n:
-                    open_rows[j].append(piece)
-                    room[j] -= n
-                    if room[j] == 0:
-                        rows.append(open_rows.pop(j))
-                        room.pop(j)
-                    break
-            else:
-                if len(open_rows) >= max_open:
-                    j = int(np.argmin(room))
+            fits = np.flatnonzero(room >= n)
+            if len(fits):
+                j = int(fits[np.argmin(room[fits])])
+                open_rows[j].append(piece)
+                room[j] -= n
+                if room[j] == 0:
                     rows.append(open_rows.pop(j))
-                    room.pop(j)
-                open_rows.append([piece])
-                room.append(seq_len - n)
+                    room = np.delete(room, j)
+                continue
+            if len(open_rows) >= max_open:
+                j = int(np.argmin(room))
+                rows.append(open_rows.pop(j))
+                room = np.delete(room, j)
+            open_rows.append([piece])
+            room = np.append(room, seq_len - n)
     rows.extend(open_rows)
     return rows
 
@@ -115,7 +136,12 @@ def build_row(
     """Assemble one row (see the module docstring).
 
     get_tokens(sample, start, stop) -> tokens d[start:stop]; get_learn likewise for the
-    per-token learn flags (None: every target is learned).
+    per-token learn flags (None: every target is learned). Returns the five (seq_len,)
+    numpy arrays of the module docstring, by field name.
+
+    Raises:
+        DataError: the pieces overflow the row, or `get_tokens` returns fewer tokens than
+            a piece needs (sample lengths that do not match the data).
     """
     T = seq_len
     tokens = np.full(T, pad_id, dtype=np.int64)
@@ -124,8 +150,15 @@ def build_row(
     document_ids = np.zeros(T, dtype=np.int32)
     positions = np.zeros(T, dtype=np.int64)
     at = 0
+    if sum(n for (_, _, n) in pieces) > T:
+        raise DataError(f"build_row: pieces {list(pieces)} hold more than seq_len = {T} pairs. "
+                        f"Plan rows with plan_packed/plan_padded for the same seq_len.")
     for seg, (s, start, n) in enumerate(pieces):
         d = np.asarray(get_tokens(s, start, start + n + 1), dtype=np.int64)
+        if len(d) != n + 1:
+            raise DataError(f"sample {s}: asked for tokens {start}..{start + n + 1} ({n + 1} tokens), got "
+                            f"{len(d)}: the sample lengths given to the packer do not match the data. "
+                            f"Re-run `lmforge prepare` (or fix the sample index).")
         tokens[at: at + n] = d[:n]
         targets[at: at + n] = d[1: n + 1]
         if get_learn is None:
@@ -150,6 +183,7 @@ def collate(rows: Sequence[dict[str, np.ndarray]]) -> Batch:
 
 
 def padding_fraction(rows: Sequence[Sequence[Piece]], seq_len: int) -> float:
+    """Padding slots / all slots of planned rows (0.0 for no rows)."""
     used = sum(n for row in rows for (_, _, n) in row)
     return 1.0 - used / max(1, len(rows) * seq_len)
 
@@ -167,6 +201,10 @@ class RowStream:
     rows that one process with accumulation A * W sees.
     The position (epoch, global row cursor within the epoch) is all the state, the same on
     every rank; `state_dict` / `load_state_dict` resume exactly.
+
+    Each planned epoch's fraction of padding slots is kept in `padding_fractions`
+    ({epoch: fraction}; `last_padding_fraction` is the newest) and described by
+    `epoch_report(epoch)`.
     """
 
     def __init__(
@@ -193,8 +231,10 @@ class RowStream:
         self._plan_epoch: int | None = None
         self._rows: list[list[Piece]] = []
         self.last_padding_fraction = 0.0
+        self.padding_fractions: dict[int, float] = {}
 
     def plan(self, epoch: int) -> list[list[Piece]]:
+        """The rows of `epoch` (lists of pieces), planned once and cached."""
         if self._plan_epoch != epoch:
             order = np.arange(len(self.n_pairs))
             if self.shuffle:
@@ -203,10 +243,23 @@ class RowStream:
             self._rows = plan(self.n_pairs, order, self.seq_len)
             self._plan_epoch = epoch
             self.last_padding_fraction = padding_fraction(self._rows, self.seq_len)
+            self.padding_fractions[epoch] = self.last_padding_fraction
         return self._rows
 
     def rows_per_epoch(self) -> int:
         return len(self.plan(self.epoch))
+
+    def epoch_report(self, epoch: int | None = None) -> str:
+        """One line on an epoch's rows (default: the current epoch), e.g. for the startup log:
+        rows, samples, pieces cut from long samples, padding fraction."""
+        epoch = self.epoch if epoch is None else epoch
+        rows = self.plan(epoch)
+        n_samples = int((self.n_pairs > 0).sum())
+        n_pieces = sum(len(r) for r in rows)
+        kind = "packed" if self.packing else "right-padded"
+        return (f"rows: epoch {epoch}: {len(rows):,} {kind} rows of {self.seq_len} from {n_samples:,} samples "
+                f"({n_pieces:,} pieces), padding {100 * padding_fraction(rows, self.seq_len):.2f}%, "
+                f"document masking {'on' if self.document_masking else 'off'}")
 
     def next_batch(self) -> Batch:
         rows = []

@@ -256,7 +256,8 @@ def function_examples(source: str, module: str) -> list[FunctionExample]:
         tree = ast.parse(source)
     except (SyntaxError, ValueError):
         return []
-    lines = source.splitlines()
+    # ast numbers lines at \n, \r\n and \r only (str.splitlines also splits at \f, \x1c, ...)
+    lines = source.replace("\r\n", "\n").replace("\r", "\n").split("\n")
     found = []
 
     def visit(statements: list, prefix: str) -> None:

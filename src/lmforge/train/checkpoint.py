@@ -107,8 +107,10 @@ def gather_model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Full weights as `model_state` gives them, for any parallelism (the raw module, not a
     DDP wrapper). FSDP2 shards are all-gathered: a collective that every rank must call;
     rank 0 gets the full CPU tensors, the other ranks {}."""
-    if not (_dist_on() and _sharded(model)):
+    if not _dist_on():
         return model_state(model)
+    if not _sharded(model):  # DDP: every rank holds the same full weights; rank 0 copies them
+        return model_state(model) if torch.distributed.get_rank() == 0 else {}
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))

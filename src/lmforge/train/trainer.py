@@ -195,12 +195,22 @@ class Trainer:
         return True
 
     def _truncate_metrics(self, step: int) -> None:
+        """Keep metrics.jsonl rows up to `step` (the run continues from there); a torn last
+        line from a killed run is dropped too. Rewritten atomically."""
         path = self.run_dir / METRICS_FILE
         if not path.is_file() or not self.dist.is_main:
             return
-        keep = [line for line in path.read_text(encoding="utf-8").splitlines()
-                if line.strip() and json.loads(line).get("step", 0) <= step]
-        path.write_text("".join(line + "\n" for line in keep), encoding="utf-8")
+
+        def kept(line: str) -> bool:
+            try:
+                return json.loads(line).get("step", 0) <= step
+            except (json.JSONDecodeError, AttributeError):
+                return False
+
+        keep = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip() and kept(line)]
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(line + "\n" for line in keep), encoding="utf-8")
+        tmp.replace(path)
 
     # -- the step -----------------------------------------------------------------
     def train_step(self) -> dict:
@@ -248,7 +258,7 @@ class Trainer:
         if self.val_batches is None:
             return None
         nats, count = evaluate_batches(self.model, self.val_batches(), self.device, self.dtype)
-        totals = all_reduce_sum(torch.tensor([nats, float(count)], dtype=torch.float64), self.dist)
+        totals = all_reduce_sum(torch.tensor([nats, float(count)], dtype=torch.float64, device=self.device), self.dist)
         return float(totals[0] / max(totals[1], 1.0))
 
     # -- the loop -------------------------------------------------------------------
@@ -256,6 +266,7 @@ class Trainer:
         """Train to cfg.train.steps (from wherever the run stands); return the last metrics."""
         cfg = self.cfg.train
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._truncate_metrics(self.step)  # rows past the checkpoint we start from (a killed run's) go
         metrics_file = open(self.run_dir / METRICS_FILE, "a", encoding="utf-8") if self.dist.is_main else None
         old_handlers = self._install_signal_handlers()
         bar = tqdm(total=cfg.steps, initial=self.step, desc="train", unit="step",

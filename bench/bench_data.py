@@ -1,0 +1,233 @@
+"""Data pipeline: pretokenizing throughput, data-loader share of a step, prepare's memory.
+
+1. Encoding throughput (MB of UTF-8 text per second, all cores) on the standard-library
+   corpus with the speedrun's 8192-token tokenizer, in batches of `shards.BATCH_DOCS`
+   documents as `prepare` feeds them: lmforge's data-path encoder (`fast_encode.batch_encoder`:
+   tiktoken from the same merges, ids proven identical by tests/test_fast_encode.py) vs HF
+   `tokenizers` `encode_batch` (the reference; `encode_batch_fast`, which skips offsets, is
+   shown too). Interleaved; median and min-max over the repeats.
+2. `prepare` end to end (read, deduplicate, encode, write shards) with lmforge's encoder and
+   with HF `encode_batch` swapped in.
+3. Data-loader time as a share of a training step: `RowStream.next_batch` on the prepared
+   stdlib shards (packed, document masking) vs `Trainer.train_step` at the speedrun config
+   (batch 8 x 256, precision "auto").
+4. Peak RSS of a `prepare` process (a fresh subprocess) on a synthetic corpus of 10 MB and
+   of 100 MB (stdlib files repeated, each copy with a distinct first line so that none is
+   deduplicated): it should stay flat.
+
+Run: `python bench/bench_data.py [--repeat 3] [--sizes 10,100]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import common  # noqa: E402
+
+SPEEDUP_GOAL = 2.0
+LOADER_GOAL = 0.02
+
+
+def batched(texts: list[str], n: int) -> list[list[str]]:
+    return [texts[i: i + n] for i in range(0, len(texts), n)]
+
+
+def encode_throughput(tok, texts: list[str], warmup: int, repeat: int) -> dict[str, common.Stats]:
+    from lmforge.data.fast_encode import FastEncoder, batch_encoder
+    from lmforge.data.shards import BATCH_DOCS
+
+    fast = batch_encoder(tok)
+    if not isinstance(fast, FastEncoder):
+        print("  (tiktoken missing or tokenizer unsupported: lmforge encodes with HF tokenizers)", file=sys.stderr)
+    batches = batched(texts, BATCH_DOCS)
+    hf = tok.hf
+
+    def run(fn):
+        return lambda: [fn(b) for b in batches]
+
+    fns = {
+        "lmforge": run(fast),
+        "HF encode_batch": run(lambda b: [e.ids for e in hf.encode_batch(b, add_special_tokens=False)]),
+        "HF encode_batch_fast": run(lambda b: [e.ids for e in hf.encode_batch_fast(b, add_special_tokens=False)]),
+    }
+    return common.interleaved(fns, warmup, repeat)
+
+
+def prepare_throughput(tok, workdir: Path, repeat: int) -> dict[str, common.Stats]:
+    from lmforge.data import shards
+
+    original = shards.batch_encoder
+
+    def run(name: str, encoder_factory):
+        def go():
+            shards.batch_encoder = encoder_factory
+            try:
+                shards.prepare("stdlib", tok, workdir / name, progress=False)
+            finally:
+                shards.batch_encoder = original
+        return go
+
+    return common.interleaved({"lmforge": run("lmforge", original),
+                               "HF encode_batch": run("hf", lambda t: t.encode_batch)}, 0, repeat)
+
+
+def loader_share(data_dir: Path, tok, warmup: int, repeat: int) -> dict:
+    import bench_train
+    from lmforge.data.packing import shard_stream
+    from lmforge.data.shards import Shard
+
+    spec = bench_train.CONFIGS["speedrun"]
+    shard = Shard.open(data_dir, "train", tok.contract)
+    stream = shard_stream(shard, spec["seq_len"], spec["batch"], seed=0, document_masking=True)
+    per_call = 10
+    with tempfile.TemporaryDirectory() as tmp:
+        trainer = bench_train.build_lmforge(spec, "auto", Path(tmp))
+        times = common.interleaved({"next_batch x10": lambda: [stream.next_batch() for _ in range(per_call)],
+                                    "train_step": trainer.train_step}, warmup, repeat)
+    load = common.Stats([t / per_call for t in times["next_batch x10"].samples])
+    step = times["train_step"]
+    return {"next_batch_s": load.as_dict(), "train_step_s": step.as_dict(),
+            "share": load.median / step.median, "precision": str(trainer.dtype or "fp32"),
+            "padding_fraction": stream.last_padding_fraction}
+
+
+def synthetic_corpus(folder: Path, megabytes: int, texts: list[tuple[str, str]]) -> int:
+    """Write stdlib files, copy after copy (a distinct first line each), to `megabytes` MB."""
+    target, written, copy = megabytes * 1_000_000, 0, 0
+    while written < target:
+        for name, text in texts:
+            path = folder / f"copy{copy:03d}" / name
+            path.parent.mkdir(parents=True, exist_ok=True)
+            data = f"# synthetic copy {copy} of {name}\n{text}".encode("utf-8")
+            path.write_bytes(data)
+            written += len(data)
+            if written >= target:
+                break
+        copy += 1
+    return written
+
+
+_PREPARE_CHILD = """
+import json, resource, sys, time
+sys.path.insert(0, {src!r})
+from lmforge.data.shards import prepare
+from lmforge.tokenizer import Tokenizer
+tok = Tokenizer.load({tok!r})
+t0 = time.perf_counter()
+meta = prepare({corpus!r}, tok, {out!r}, val_fraction=0.1, progress=False)
+dt = time.perf_counter() - t0
+tokens = sum(m["tokens"] for m in meta["splits"].values())
+try:  # this process's own peak (ru_maxrss would include the parent's, inherited at fork)
+    hwm = int(open("/proc/self/status").read().split("VmHWM:")[1].split()[0]) / 1024
+except (OSError, IndexError):
+    hwm = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+print(json.dumps({{"seconds": dt, "tokens": tokens, "peak_rss_mb": hwm}}))
+"""
+
+
+def prepare_rss(tok, sizes: list[int], workdir: Path) -> list[dict]:
+    from lmforge.data.sources import iter_documents
+
+    texts = [(d.name, d.text) for d in iter_documents("stdlib")]
+    rows = []
+    for mb in sizes:
+        corpus = workdir / f"corpus-{mb}mb"
+        nbytes = synthetic_corpus(corpus, mb, texts)
+        code = _PREPARE_CHILD.format(src=str(common.ROOT / "src"), tok=str(tok.folder), corpus=str(corpus),
+                                     out=str(workdir / f"data-{mb}mb"))
+        res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+        if res.returncode != 0:
+            raise RuntimeError(f"prepare of the {mb} MB corpus failed:\n{res.stderr[-2000:]}")
+        out = json.loads(res.stdout.strip().splitlines()[-1])
+        out.update(megabytes=nbytes / 1e6, mb_per_s=nbytes / 1e6 / out["seconds"])
+        rows.append(out)
+        shutil.rmtree(corpus, ignore_errors=True)
+        shutil.rmtree(workdir / f"data-{mb}mb", ignore_errors=True)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--warmup", type=int, default=0, help="untimed encoding passes per encoder")
+    ap.add_argument("--repeat", type=int, default=3, help="timed encoding passes per encoder")
+    ap.add_argument("--prepare-repeat", type=int, default=1, help="timed prepare() runs per encoder")
+    ap.add_argument("--sizes", default="10,100", help="synthetic corpus sizes (MB) for the RSS check")
+    args = ap.parse_args([] if argv is None else argv)
+
+    def log(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    t_start = time.perf_counter()
+    tok, _ = common.stdlib_tokenizer(8192, log)
+    texts = common.stdlib_texts()
+    mb = sum(len(t.encode("utf-8")) for t in texts) / 1e6
+
+    enc = encode_throughput(tok, texts, args.warmup, args.repeat)
+    enc_rates = {k: s.rate(mb) for k, s in enc.items()}
+    ref = enc_rates["HF encode_batch"].median
+    log(f"  encode: lmforge {enc_rates['lmforge'].median:.2f} MB/s, HF encode_batch {ref:.2f} MB/s")
+
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        prep = prepare_throughput(tok, work, args.prepare_repeat)
+        prep_rates = {k: s.rate(mb) for k, s in prep.items()}
+        log(f"  prepare: lmforge {prep_rates['lmforge'].median:.2f} MB/s, "
+            f"with HF encode_batch {prep_rates['HF encode_batch'].median:.2f} MB/s")
+        loader = loader_share(work / "lmforge", tok, 2, 5)
+        log(f"  loader: {1e3 * loader['next_batch_s']['median']:.2f} ms per batch, "
+            f"{100 * loader['share']:.2f}% of a step")
+        sizes = [int(s) for s in args.sizes.split(",") if s]
+        rss = prepare_rss(tok, sizes, work)
+        log("  prepare RSS: " + ", ".join(f"{r['megabytes']:.0f} MB -> {r['peak_rss_mb']:.0f} MB" for r in rss))
+
+    enc_rows = []
+    for name, s in enc_rates.items():
+        ratio = s.median / ref
+        enc_rows.append((name, f"{s.median:.2f}", s.spread("{:.2f}"),
+                         common.fmt_ratio(ratio, SPEEDUP_GOAL if name == "lmforge" else None)))
+    for name, s in prep_rates.items():
+        ratio = s.median / prep_rates["HF encode_batch"].median
+        label = "prepare(), lmforge" if name == "lmforge" else "prepare(), HF encode_batch swapped in"
+        enc_rows.append((label, f"{s.median:.2f}", s.spread("{:.2f}"), common.fmt_ratio(ratio)))
+    t1 = common.table(["encoder", "MB/s (median)", "min-max", "vs HF encode_batch"], enc_rows,
+                      title=f"Pretokenizing the stdlib corpus ({mb:.1f} MB, {len(texts)} documents, vocab 8192)")
+    ld = loader
+    t2 = common.table(
+        ["next_batch ms (min-max)", "train_step ms (min-max)", "loader share (goal < 2%)"],
+        [(f"{1e3 * ld['next_batch_s']['median']:.2f} ({1e3 * ld['next_batch_s']['min']:.2f}-"
+          f"{1e3 * ld['next_batch_s']['max']:.2f})",
+          f"{1e3 * ld['train_step_s']['median']:,.0f} ({1e3 * ld['train_step_s']['min']:,.0f}-"
+          f"{1e3 * ld['train_step_s']['max']:,.0f})",
+          f"{100 * ld['share']:.2f}%" + (" ok" if ld["share"] < LOADER_GOAL else " (over the goal)"))],
+        title="Data loader vs a training step (speedrun config, batch 8 x 256, packed stdlib shards)")
+    base = rss[0]["peak_rss_mb"] if rss else 0.0
+    t3 = common.table(
+        ["corpus MB", "tokens", "prepare s", "MB/s", "peak RSS MB", "vs smallest"],
+        [(f"{r['megabytes']:.0f}", f"{r['tokens']:,}", f"{r['seconds']:.1f}", f"{r['mb_per_s']:.2f}",
+          f"{r['peak_rss_mb']:.0f}", f"{r['peak_rss_mb'] / base:.2f}x") for r in rss],
+        title="Peak RSS of a prepare process as the corpus grows (synthetic: stdlib repeated)")
+    notes = [
+        f"encoders run in batches of 64 documents (as prepare does), interleaved, {args.repeat} repeats after "
+        f"{args.warmup} warm-up; HF tokenizers and tiktoken both use all {common.cores()} cores.",
+        f"loader: {loader['precision']} step; next_batch median over {5} rounds of 10 batches; "
+        f"padding fraction {100 * loader['padding_fraction']:.1f}%.",
+    ]
+    print(t1 + "\n\n" + t2 + "\n\n" + t3 + "\n\n" + "\n".join(f"- {n}" for n in notes), flush=True)
+    return {"benchmark": "data", "corpus_mb": mb, "documents": len(texts),
+            "encode_mb_per_s": {k: s.as_dict() for k, s in enc_rates.items()},
+            "prepare_mb_per_s": {k: s.as_dict() for k, s in prep_rates.items()},
+            "encode_speedup": enc_rates["lmforge"].median / ref, "loader": loader, "prepare_rss": rss,
+            "seconds": round(time.perf_counter() - t_start, 1)}
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
