@@ -247,3 +247,15 @@ def test_shard_rows_follow_the_idx_offsets(tiny_run):
     assert n_docs_targets == shard.n_documents  # each document's EOS is learned once
     assert not (batch.tokens[batch.loss_mask] == tok.eos_id).any()  # and is never an input
     assert int(batch.loss_mask.sum()) == int((shard.lengths() - 1).sum())
+
+
+def test_pretrain_logs_the_epoch_padding(tiny_run, tmp_path, capsys):
+    from lmforge.stages import pretrain_stage
+
+    cfg, tok = tiny_run
+    pretrain_stage(cfg, tmp_path / "run", dry_run=True, progress=False)
+    err = capsys.readouterr().err
+    line = next(x for x in err.splitlines() if x.startswith("rows: epoch 0:"))
+    assert "packed rows of 64" in line and "document masking on" in line
+    pct = float(line.split("padding ")[1].split("%")[0])
+    assert 0 < pct < 10

@@ -184,14 +184,15 @@ class Trainer:
         ranks = rng.get("ranks", [rng])
         if len(ranks) == self.dist.world_size:
             ckpt.set_rng_state(ranks[self.dist.rank])
-        else:
+        elif self.dist.is_main:
             self.log(f"note: {latest} was written by {len(ranks)} rank(s), this run has {self.dist.world_size}: "
                      f"weights, optimizer and data position continue, the RNG states start afresh.")
         self.step, self.tokens = int(state["step"]), int(state["tokens"])
         self.supervised, self.elapsed = int(state.get("supervised", 0)), float(state.get("elapsed_s", 0.0))
         self.stream.load_state_dict(state["data"])
         self._truncate_metrics(self.step)
-        self.log(f"resumed from {latest} at step {self.step}")
+        if self.dist.is_main:
+            self.log(f"resumed from {latest} at step {self.step}")
         return True
 
     def _truncate_metrics(self, step: int) -> None:
