@@ -4,6 +4,8 @@ packed rows, the standard-library set and its split, the stage, and `lmforge cha
 
 from __future__ import annotations
 
+import inspect
+
 import io
 import json
 import os
@@ -451,10 +453,11 @@ def test_sft_stage_trains_from_init_with_the_same_loop(tiny_run, init_ckpt, tmp_
 
 def test_pretrain_and_sft_use_the_same_loss_and_loop(tiny_run, init_ckpt, tmp_path, monkeypatch):
     from lmforge.stages import pretrain_stage
+    from lmforge.train import loss as loss_mod
     from lmforge.train import trainer as trainer_mod
 
     calls = {"loss": 0, "steps": []}
-    real_loss, real_step = trainer_mod.cross_entropy_sum, trainer_mod.Trainer.train_step
+    real_loss, real_step = loss_mod.linear_cross_entropy_sum, trainer_mod.Trainer.train_step
 
     def counting_loss(*a, **k):
         calls["loss"] += 1
@@ -464,7 +467,7 @@ def test_pretrain_and_sft_use_the_same_loss_and_loop(tiny_run, init_ckpt, tmp_pa
         calls["steps"].append(type(self))
         return real_step(self)
 
-    monkeypatch.setattr(trainer_mod, "cross_entropy_sum", counting_loss)
+    monkeypatch.setattr(loss_mod, "linear_cross_entropy_sum", counting_loss)
     monkeypatch.setattr(trainer_mod.Trainer, "train_step", counting_step)
     cfg, tok = tiny_run
     pretrain_stage(replace(cfg, train=replace(cfg.train, steps=1)), tmp_path / "pre", progress=False)
@@ -474,9 +477,11 @@ def test_pretrain_and_sft_use_the_same_loss_and_loop(tiny_run, init_ckpt, tmp_pa
     assert after_pretrain > 0 and calls["loss"] > after_pretrain
     assert calls["steps"] == [trainer_mod.Trainer, trainer_mod.Trainer]
     from lmforge import sft as sft_mod
-    from lmforge.train.loss import cross_entropy_sum
+    from lmforge.model import transformer as transformer_mod
 
-    assert real_loss is cross_entropy_sum and sft_mod.run_training.__module__ == "lmforge.stages"
+    # the model's forward(targets=...) is the only caller, in both stages
+    assert "linear_cross_entropy_sum(" in inspect.getsource(transformer_mod.Transformer.forward)
+    assert sft_mod.run_training.__module__ == "lmforge.stages"
 
 
 def test_sft_stage_errors(tiny_run, init_ckpt, tmp_path, tiny_corpus):
@@ -593,13 +598,17 @@ def test_body_parse_rate_counts_bodies_that_parse(tiny_tokenizer, monkeypatch):
     tok = tiny_tokenizer
     items = [{"name": f"m:f{i}", "signature": f"def f{i}(x):",
               "messages": [{"role": "user", "content": STDLIB_PROMPT + f"def f{i}(x):"}]} for i in range(3)]
-    bodies = iter(["    return x", "return x", "    if x:\n        return (x"])
+    # parses; not indented; unbalanced; valid Python but cut off by the budget (no end of turn)
+    bodies = iter(["    return x", "return x", "    if x:\n        return (x", "    return self._w, self._"])
+    ends = iter([True, True, True, False])
+    items.append(dict(items[0], name="m:f3"))
 
     def fake_generate(model, prompts, stop_ids, sampling, pad_id, truncate=False, generator=None):
         assert sampling.greedy and list(stop_ids) == [tok.im_end_id, tok.eos_id]
-        return [tok.encode(next(bodies)) + [tok.im_end_id] for _ in prompts]
+        return [tok.encode(next(bodies)) + ([tok.im_end_id] if next(ends) else []) for _ in prompts]
 
     monkeypatch.setattr(sft_mod, "generate", fake_generate)
     res = body_parse_rate(None, tok, items, max_new_tokens=8)
-    assert (res["parsed"], res["n"]) == (1, 3) and abs(res["fraction"] - 1 / 3) < 1e-12
-    assert [e["parses"] for e in res["examples"]] == [True, False, False]
+    assert (res["parsed"], res["stopped"], res["n"]) == (1, 3, 4) and res["fraction"] == 0.25
+    assert [e["parses"] for e in res["examples"]] == [True, False, False, False]
+    assert res["examples"][0]["body"] == "    return x"

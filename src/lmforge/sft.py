@@ -254,10 +254,13 @@ def chat_loop(model, tok: Tokenizer, sampling: SamplingConfig, read_line: Callab
 def body_parse_rate(model, tok: Tokenizer, items: Sequence[dict], max_new_tokens: int = 64,
                     batch_size: int = 8) -> dict:
     """Greedy bodies for held-out stdlib prompts; the fraction that parse with `ast.parse`
-    when placed under their signature.
+    when placed under their signature. A body counts only if the model also ended its turn
+    (<|im_end|> or <|eos|>) within `max_new_tokens`: a reply cut off by the budget is not a
+    body, even when the cut happens to leave valid Python.
 
     `items`: records of sft_val.jsonl with `messages` (user prompt first), `signature`.
-    Returns {"fraction", "parsed", "n", "max_new_tokens", "examples": [{name, body, parses}]}.
+    Returns {"fraction", "parsed", "stopped", "n", "max_new_tokens",
+    "examples": [{name, body, stopped, parses}]}.
     """
     sampling = SamplingConfig(max_new_tokens=max_new_tokens, greedy=True)
     results = []
@@ -268,17 +271,17 @@ def body_parse_rate(model, tok: Tokenizer, items: Sequence[dict], max_new_tokens
         with autocast(torch.device("cpu"), dtype):
             outs = generate(model, prompts, [tok.im_end_id, tok.eos_id], sampling, tok.pad_id, truncate=True)
         for r, ids in zip(chunk, outs):
-            if ids and ids[-1] in (tok.im_end_id, tok.eos_id):
-                ids = ids[:-1]
-            body = tok.decode(ids)
+            stopped = bool(ids) and ids[-1] in (tok.im_end_id, tok.eos_id)
+            body = tok.decode(ids[:-1] if stopped else ids)
             try:
                 ast.parse(place_body(r["signature"], body))
-                ok = True
+                ok = stopped
             except (SyntaxError, ValueError):
                 ok = False
-            results.append({"name": r["name"], "body": body, "parses": ok})
+            results.append({"name": r["name"], "body": body, "stopped": stopped, "parses": ok})
     parsed = sum(r["parses"] for r in results)
-    return {"fraction": parsed / max(1, len(results)), "parsed": parsed, "n": len(results),
+    return {"fraction": parsed / max(1, len(results)), "parsed": parsed,
+            "stopped": sum(r["stopped"] for r in results), "n": len(results),
             "max_new_tokens": max_new_tokens, "examples": results}
 
 

@@ -192,7 +192,9 @@ def sft_speedrun(cfg: Config, out: Path, init: Path, resume: bool = False, progr
     parse = body_parse_rate(model, tok, items, SFT_EVAL_MAX_NEW_TOKENS)
     (out / "sft_samples.json").write_text(json.dumps(parse, indent=2) + "\n", encoding="utf-8")
     data = json.loads((run_dir / SFT_DATA_FILE).read_text(encoding="utf-8"))
-    log(f"sft: validation loss {val_loss:.4f} nats/token; {parse['parsed']}/{parse['n']} generated bodies parse")
+    shown = f"{val_loss:.4f}" if val_loss is not None else "-"
+    log(f"sft: validation loss {shown} nats/token; {parse['parsed']}/{parse['n']} generated bodies end their "
+        f"turn and parse ({parse['stopped']} ended their turn)")
     return {
         "sft_val_loss": val_loss,
         "sft_final_train_loss": rows[-1]["loss"] if rows else None,
@@ -201,6 +203,7 @@ def sft_speedrun(cfg: Config, out: Path, init: Path, resume: bool = False, progr
         "sft_data": data["splits"],
         "sft_parse_fraction": parse["fraction"],
         "sft_parse_n": parse["n"],
+        "sft_stopped": parse["stopped"],
         "sft_checkpoint": str(ckpt_path),
     }
 
@@ -213,7 +216,9 @@ def sft_rows(s: dict) -> list[tuple[str, str]]:
     return [
         ("SFT data (stdlib functions)", f"{tr['kept']:,} conversations ({tr['truncated']} truncated, "
                                         f"{tr['dropped_all_cut']} dropped), {s['sft_steps']} steps"),
-        ("SFT held-out loss", f"{s['sft_val_loss']:.4f} nats/supervised token"),
+        ("SFT held-out loss", f"{s['sft_val_loss']:.4f} nats/supervised token" if s["sft_val_loss"] is not None
+         else "-"),
         ("SFT bodies that parse", f"{s['sft_parse_fraction']:.0%} of {s['sft_parse_n']} held-out prompts "
-                                  f"(greedy, <= {SFT_EVAL_MAX_NEW_TOKENS} tokens)"),
+                                  f"(greedy, ended with <|im_end|> within {SFT_EVAL_MAX_NEW_TOKENS} tokens: "
+                                  f"{s['sft_stopped']})"),
     ]

@@ -154,16 +154,14 @@ def run_training(cfg: Config, out: Path, contract_dir: Path, model: Transformer,
 
 def dry_run_step(model: Transformer, stream, device: torch.device, dtype) -> dict:
     """One forward and backward pass on one micro-batch; nothing written."""
-    from lmforge.train.loss import cross_entropy_sum
     from lmforge.train.trainer import autocast
 
     model.to(device).train()
     b = stream.next_batch().to(device)
     with autocast(device, dtype):
-        logits = model(b.tokens, b.positions, b.document_ids)
-    nats = cross_entropy_sum(logits, b.targets, b.loss_mask)
+        nats = model(b.tokens, b.positions, b.document_ids, targets=b.targets, loss_mask=b.loss_mask)
     (nats / max(1, b.n_supervised)).backward()
-    loss = float(nats) / max(1, b.n_supervised)
+    loss = float(nats.detach()) / max(1, b.n_supervised)
     log(f"dry run: one micro-batch forward and backward, loss {loss:.4f} nats/token; all checks passed")
     return {"loss": loss, "dry_run": True}
 

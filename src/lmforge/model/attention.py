@@ -92,6 +92,8 @@ def _per_document_ids(kind: str, document_ids: torch.Tensor, key: Any, build: Ca
     value = build()
 
     def forget(dead: weakref.ref, kind: str = kind) -> None:  # free the mask with its tensor
+        if _MEMO is None:  # interpreter shutdown
+            return
         entry = _MEMO.get(kind)
         if entry is not None and entry[0] is dead:
             _MEMO.pop(kind, None)

@@ -226,18 +226,31 @@ class Transformer(nn.Module):
         return F.linear(h, self.output.weight[: self.vocab_size])
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
-                document_ids: torch.Tensor | None = None, cache: KVCache | None = None) -> torch.Tensor:
-        """Next-token logits.
+                document_ids: torch.Tensor | None = None, cache: KVCache | None = None,
+                *, targets: torch.Tensor | None = None, loss_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Next-token logits, or the summed training loss when `targets` is given.
 
         Args:
             tokens: (B, T) int64, ids < vocab_size.
             positions: (B, T) int64 rotary positions (default 0..T-1, or continuing the cache).
             document_ids: (B, T) int segment ids; attention stays within a segment (default: one).
             cache: a KVCache for generation (prefill, then T = 1 decode steps).
+            targets, loss_mask: (B, T) int64 / bool. When given, return the sum of cross-entropy
+                (nats) over positions where loss_mask is True: lmforge's one loss
+                (`lmforge.train.loss.linear_cross_entropy_sum`), which never materialises the
+                float32 logits. Going through forward keeps DDP/FSDP hooks in the path.
         Returns:
-            logits: (B, T, vocab_size) in the compute dtype (float32, or bf16 under autocast).
+            logits: (B, T, vocab_size) in the compute dtype (float32, or bf16 under autocast);
+            or, with targets, a 0-dim float32 tensor.
         """
-        return self.logits(self.hidden(tokens, positions, document_ids, cache))
+        h = self.hidden(tokens, positions, document_ids, cache)
+        if targets is None:
+            return self.logits(h)
+        from lmforge.train.loss import linear_cross_entropy_sum
+
+        if loss_mask is None:
+            loss_mask = torch.ones_like(targets, dtype=torch.bool)
+        return linear_cross_entropy_sum(h, self.output.weight[: self.vocab_size], targets, loss_mask)
 
     def new_cache(self, batch: int, max_len: int, key_mask: torch.Tensor | None = None) -> KVCache:
         p = self.output.weight

@@ -12,6 +12,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+#: The label of positions outside the loss mask, for F.cross_entropy (defined once, here).
+IGNORE_INDEX = -100
+
 
 def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
     """Sum of cross-entropy (nats) over supervised positions.
@@ -25,11 +28,78 @@ def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor, loss_mask: to
         0-dim float32 tensor (0.0 when nothing is supervised, never NaN).
     """
     V = logits.shape[-1]
-    mask = loss_mask.reshape(-1)
-    flat = logits.reshape(-1, V)
-    t = targets.reshape(-1)
-    if not bool(mask.all()):
-        flat, t = flat[mask], t[mask]
-    if t.numel() == 0:
-        return flat.sum().float() * 0.0
-    return F.cross_entropy(flat.float(), t, reduction="sum")
+    flat = logits.reshape(-1, V).float()
+    # Unsupervised positions get IGNORE_INDEX as their label: the target id there (a pad, a
+    # prompt token) is never read. Cheaper than selecting rows, which copies the logits.
+    labels = torch.where(loss_mask.reshape(-1), targets.reshape(-1), IGNORE_INDEX)
+    # reduction="sum" over zero supervised positions is exactly 0.0 (never NaN).
+    return F.cross_entropy(flat, labels, reduction="sum", ignore_index=IGNORE_INDEX)
+
+
+class _LinearCrossEntropySum(torch.autograd.Function):
+    """sum over rows of CE(hidden @ weight.T, label), fused and chunked.
+
+    Forward computes, chunk by chunk, the float32 logits, their log-sum-exp, the loss, and
+    the gradient of the loss with respect to the logits (softmax - one-hot, zero for ignored
+    rows), kept in the compute dtype; backward only scales it and runs two matmuls. The full
+    float32 logits and log-softmax are never materialised (the "Liger kernel" fused linear
+    cross-entropy, Hsu et al. 2024, done in plain PyTorch).
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, compute_dtype, chunk_rows):
+        h = hidden.to(compute_dtype)
+        w = weight.to(compute_dtype)
+        n = h.shape[0]
+        grad_logits = torch.empty(n, w.shape[0], dtype=compute_dtype, device=h.device)
+        total = torch.zeros((), dtype=torch.float32, device=h.device)
+        for s in range(0, n, chunk_rows):
+            e = min(n, s + chunk_rows)
+            logits = torch.mm(h[s:e], w.t()).float()  # (rows, V)
+            lab = labels[s:e]
+            valid = lab != IGNORE_INDEX
+            safe = torch.where(valid, lab, 0)[:, None]
+            lse = torch.logsumexp(logits, dim=-1)  # (rows,)
+            total += torch.where(valid, lse - logits.gather(1, safe).squeeze(1), 0.0).sum()
+            probs = logits.sub_(lse[:, None]).exp_()
+            probs.scatter_add_(1, safe, -valid[:, None].to(probs.dtype))
+            probs.mul_(valid[:, None])
+            grad_logits[s:e] = probs
+        ctx.save_for_backward(h, w, grad_logits)
+        ctx.dtypes = (hidden.dtype, weight.dtype)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total):
+        h, w, grad_logits = ctx.saved_tensors
+        g = grad_logits * grad_total.to(grad_logits.dtype)  # (N, V)
+        grad_hidden = torch.mm(g, w).to(ctx.dtypes[0])
+        grad_weight = torch.mm(g.t(), h).to(ctx.dtypes[1])
+        return grad_hidden, grad_weight, None, None, None
+
+
+def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                             loss_mask: torch.Tensor, chunk_rows: int = 256) -> torch.Tensor:
+    """`cross_entropy_sum(hidden @ weight.T, targets, loss_mask)`, without materialising the
+    float32 logits: the training and evaluation loss of lmforge's model.
+
+    Args:
+        hidden: (B, T, D) or (N, D) float, the final-norm hidden states.
+        weight: (V, D) float, the output projection (V = the tokenizer's vocab).
+        targets: (B, T) / (N,) int64; loss_mask: same shape, bool.
+        chunk_rows: rows of logits computed at a time (float32 work stays in cache).
+    Returns:
+        0-dim float32 tensor: summed nats over supervised positions (0.0 when none).
+    Matmuls run in the autocast dtype when autocast is on (bf16 on CPU/GPU), else in
+    hidden's dtype; the log-sum-exp and the loss are always float32.
+    """
+    D = hidden.shape[-1]
+    h = hidden.reshape(-1, D)
+    labels = torch.where(loss_mask.reshape(-1), targets.reshape(-1), IGNORE_INDEX)
+    device_type = h.device.type
+    if torch.is_autocast_enabled(device_type):
+        compute_dtype = torch.get_autocast_dtype(device_type)
+    else:
+        compute_dtype = torch.promote_types(h.dtype, weight.dtype)
+    with torch.autocast(device_type, enabled=False):
+        return _LinearCrossEntropySum.apply(h, weight, labels, compute_dtype, chunk_rows)

@@ -4,7 +4,8 @@ and their initial weights; both run `Trainer.fit`.
 One optimizer step:
   1. draw `grad_accum_steps` micro-batches and count their supervised targets;
      all-reduce that count over data-parallel ranks (count first, then backward);
-  2. for each micro-batch: loss = cross_entropy_sum / global_count (* world_size, since
+  2. for each micro-batch: loss = summed nats (model(..., targets=, loss_mask=), i.e.
+     lmforge.train.loss.linear_cross_entropy_sum) / global_count (* world_size, since
      DDP/FSDP average gradients over ranks), backward;
   3. clip the gradient norm, AdamW step with the schedule's learning rate.
 The logged `loss` is the same per-token mean (nats), whatever the accumulation (P3).
@@ -41,7 +42,6 @@ from lmforge.errors import CheckpointError, ConfigError
 from lmforge.train import checkpoint as ckpt
 from lmforge.train.distributed import (DistInfo, all_reduce_sum, check_parallel_supported, gather_to_main,
                                        is_sharded, wrap_model)
-from lmforge.train.loss import cross_entropy_sum
 from lmforge.train.schedule import lr_at
 
 METRICS_FILE = "metrics.jsonl"
@@ -91,8 +91,8 @@ def evaluate_batches(model: torch.nn.Module, batches: Iterable[Batch], device: t
     for b in batches:
         b = b.to(device)
         with autocast(device, dtype):
-            logits = model(b.tokens, b.positions, b.document_ids)
-        total += cross_entropy_sum(logits, b.targets, b.loss_mask).double().cpu()
+            nats = model(b.tokens, b.positions, b.document_ids, targets=b.targets, loss_mask=b.loss_mask)
+        total += nats.double().cpu()
         count += b.n_supervised
     model.train(was_training)
     return float(total), count
@@ -236,8 +236,8 @@ class Trainer:
                 ctx = self.model.no_sync()
             with ctx:
                 with autocast(self.device, self.dtype):
-                    logits = self.model(b.tokens, b.positions, b.document_ids)
-                nats = cross_entropy_sum(logits, b.targets, b.loss_mask)
+                    nats = self.model(b.tokens, b.positions, b.document_ids, targets=b.targets,
+                                      loss_mask=b.loss_mask)
                 (nats * scale).backward()
             loss_sum += nats.detach().double().cpu()
         # the norm over all (for FSDP2: DTensor-sharded) gradients; the same on every rank
