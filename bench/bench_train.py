@@ -173,26 +173,69 @@ _BUCKETS = [
 ]
 
 
-def profile_step(step, top: int = 12) -> tuple[str, dict]:
-    """One step under torch.profiler: the top ops by self CPU time, and self time per group."""
+def profile_events(step) -> tuple[list, dict[str, float]]:
+    """One call of `step` under torch.profiler: the per-op averages by self CPU time (largest
+    first), and self CPU ms per phase (backward, optimizer, the rest), found from each op's
+    enclosing autograd-engine or `Optimizer.step` scope."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         step()
     events = [e for e in prof.key_averages() if e.self_cpu_time_total > 0]
-    events.sort(key=lambda e: e.self_cpu_time_total, reverse=True)
-    total = sum(e.self_cpu_time_total for e in events) or 1.0
-    rows = [(e.key[:64], f"{e.self_cpu_time_total / 1e3:,.1f}", f"{100 * e.self_cpu_time_total / total:.1f}%",
-             e.count) for e in events[:top]]
+    phases: dict[str, float] = {}
+    for e in prof.events():
+        if e.self_cpu_time_total <= 0:
+            continue
+        phase, node = "forward, loss, clip, data", e
+        while node is not None:
+            if node.name.startswith("autograd::engine") or node.name.endswith("Backward0"):
+                phase = "backward"
+                break
+            if node.name.startswith("Optimizer."):
+                phase = "optimizer (step, zero_grad)"
+                break
+            node = node.cpu_parent
+        phases[phase] = phases.get(phase, 0.0) + e.self_cpu_time_total / 1e3
+    return sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True), phases
+
+
+def group_times(events) -> dict[str, float]:
+    """Self CPU ms per op group (see _BUCKETS)."""
     groups: dict[str, float] = {}
     for e in events:
         name = next((g for g, pat in _BUCKETS if re.search(pat, e.key)), "other")
-        groups[name] = groups.get(name, 0.0) + e.self_cpu_time_total
+        groups[name] = groups.get(name, 0.0) + e.self_cpu_time_total / 1e3
+    return groups
+
+
+def _side_by_side(ours: dict[str, float], ref: dict[str, float], label: str) -> str:
+    total, ref_total = sum(ours.values()) or 1.0, sum(ref.values()) or 1.0
+    names = sorted(set(ours) | set(ref), key=lambda g: -ours.get(g, 0.0))
+    rows = [(g, f"{ours.get(g, 0.0):,.0f}", f"{100 * ours.get(g, 0.0) / total:.0f}%",
+             f"{ref.get(g, 0.0):,.0f}" if ref else "-", f"{100 * ref.get(g, 0.0) / ref_total:.0f}%" if ref else "-")
+            for g in names]
+    rows.append(("total", f"{total:,.0f}", "100%", f"{ref_total:,.0f}" if ref else "-", "100%" if ref else "-"))
+    return common.table([label, "lmforge ms", "share", "transformers ms", "share"], rows)
+
+
+def profile_steps(step, reference_step=None, top: int = 12) -> tuple[str, dict]:
+    """One lmforge step under torch.profiler: its top ops by self CPU time; self time per
+    phase and per op group next to one step of the reference."""
+    events, phases = profile_events(step)
+    total = sum(e.self_cpu_time_total for e in events) / 1e3 or 1.0
+    rows = [(e.key[:64], f"{e.self_cpu_time_total / 1e3:,.1f}", f"{100 * e.self_cpu_time_total / 1e3 / total:.1f}%",
+             e.count) for e in events[:top]]
+    groups = group_times(events)
+    ref_groups, ref_phases = {}, {}
+    if reference_step is not None:
+        ref_events, ref_phases = profile_events(reference_step)
+        ref_groups = group_times(ref_events)
     text = common.table(["op", "self CPU ms", "share", "calls"], rows)
-    text += "\n\nself CPU time by group: " + ", ".join(
-        f"{g} {100 * t / total:.0f}%" for g, t in sorted(groups.items(), key=lambda kv: -kv[1]))
+    text += "\n\nSelf CPU time by phase and by op group, one step each:\n\n" + _side_by_side(
+        phases, ref_phases, "phase") + "\n\n" + _side_by_side(groups, ref_groups, "op group")
     return text, {"top": [dict(zip(("op", "self_ms", "share", "calls"), r)) for r in rows],
-                  "groups_ms": {g: t / 1e3 for g, t in groups.items()}, "total_ms": total / 1e3}
+                  "groups_ms": groups, "phases_ms": phases, "total_ms": total,
+                  "reference_groups_ms": ref_groups, "reference_phases_ms": ref_phases}
 
 
 # -- main ---------------------------------------------------------------------------------------
@@ -222,11 +265,12 @@ def run_config(name: str, spec: dict, precision: str, peaks: dict, warmup: int, 
         hf_model, hf_step = build_hf(spec, precision, trainer.raw_model, trainer.cfg.train.lr, compile)
         t0 = time.perf_counter()
         first = {"lmforge": trainer.train_step()["loss"], "transformers": hf_step()}
-        warmup, repeat = fit_budget(time.perf_counter() - t0, warmup, repeat, budget_s)
+        first_s = time.perf_counter() - t0
+        warmup, repeat = fit_budget(first_s, warmup, repeat, max(budget_s - first_s, 1e-9) if budget_s > 0 else 0.0)
         rss = common.PeakRSS()
         times = common.interleaved({"lmforge": trainer.train_step, "transformers": hf_step},
                                    max(0, warmup - 1), repeat, rss.before, rss.after)
-        prof = profile_step(trainer.train_step) if profile else None
+        prof = profile_steps(trainer.train_step, hf_step) if profile else None
         f, f_head = flops_per_token(trainer.raw_model, spec)
         tokens = spec["batch"] * spec["seq_len"]
         peak = peaks[precision]
@@ -255,7 +299,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--precisions", default=",".join(PRECISIONS))
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps per side (the first checks the loss)")
     ap.add_argument("--repeat", type=int, default=5, help="timed steps per side")
-    ap.add_argument("--budget", type=float, default=300.0,
+    ap.add_argument("--budget", type=float, default=240.0,
                     help="seconds for all configs' steps; fewer steps (>= 3 timed) when the first is slow; 0 = none")
     ap.add_argument("--compile", action="store_true", help="torch.compile both models (slow to start on CPU)")
     ap.add_argument("--no-profile", action="store_true")
@@ -279,7 +323,7 @@ def main(argv: list[str] | None = None) -> dict:
     log(f"  matmul 2048^3: fp32 {peaks['fp32']:.0f} GFLOP/s, bf16 {peaks['bf16']:.0f} GFLOP/s")
     rows = []
     runs = [(n, p) for n in args.configs.split(",") for p in args.precisions.split(",")]
-    # each run's share of the budget, weighted by its tokens x FLOPs (the larger config costs ~15x)
+    # each run's share of the budget, weighted by its tokens x FLOPs (the larger config costs ~8x)
     weight = {r: CONFIGS[r[0]]["batch"] * CONFIGS[r[0]]["seq_len"] * CONFIGS[r[0]]["dim"] ** 2
               * CONFIGS[r[0]]["n_layers"] * (2 if r[1] == "fp32" else 1) for r in runs}
     for name, precision in runs:
@@ -323,8 +367,9 @@ def main(argv: list[str] | None = None) -> dict:
         body, title="Training step: lmforge vs transformers LlamaForCausalLM + AdamW")
     notes = [
         f"shapes: {shapes}.",
-        "medians over " + ", ".join(f"{r['repeat']} ({r['config']} {r['precision']})" for r in rows)
-        + f" interleaved steps per side after {args.warmup} warm-up steps (fewer where a step was slow: "
+        "medians over interleaved steps per side; warm-up + timed steps: "
+        + ", ".join(f"{r['config']} {r['precision']} {r['warmup']}+{r['repeat']}" for r in rows)
+        + f" (asked: {args.warmup}+{args.repeat}; fewer where the first step showed they would not fit "
         f"--budget {args.budget:g}s)" + (", torch.compile on both" if args.compile else "") + ".",
         "MFU = tokens/s x model FLOPs per token / the matmul rate of the row's precision (best of the run); "
         "model FLOPs per token = 6 x non-embedding params + 12 x n_layers x dim x seq_len; "
@@ -341,7 +386,7 @@ def main(argv: list[str] | None = None) -> dict:
     for r in rows:
         if r.get("profile_text"):
             text += (f"\n\n### Where the time goes: lmforge {r['precision']} step at the {r['config']} config "
-                     f"(torch.profiler, top ops by self CPU time)\n\n" + r["profile_text"])
+                     f"(torch.profiler, top ops by self CPU time; op groups next to transformers')\n\n" + r["profile_text"])
     print(text, flush=True)
     for r in rows:
         r.pop("profile_text", None)

@@ -191,8 +191,9 @@ def padding_fraction(rows: Sequence[Sequence[Piece]], seq_len: int) -> float:
 class RowStream:
     """An endless, resumable stream of micro-batches over samples, epoch after epoch.
 
-    Epoch e shuffles the samples with numpy's generator seeded by (seed, e) and plans the
-    rows (packed or padded). The epochs' rows, one after another, form one global row
+    Epoch e shuffles the samples with numpy's generator seeded by (seed, e), plans the
+    rows (packed or padded), then shuffles the rows (seeded by (seed, e, 1)) so that the
+    pieces of one long document do not fill a micro-batch. The epochs' rows, one after another, form one global row
     sequence, dealt out W at a time: the k-th row of this rank's stream is global row
     k * W + rank (rank r of W takes rows r, r + W, …; across an epoch's end it goes on
     into the next epoch, nothing is dropped). So an optimizer step of A micro-batches of
@@ -240,7 +241,13 @@ class RowStream:
             if self.shuffle:
                 order = np.random.default_rng([self.seed, epoch]).permutation(len(self.n_pairs))
             plan = plan_packed if self.packing else plan_padded
-            self._rows = plan(self.n_pairs, order, self.seq_len)
+            rows = plan(self.n_pairs, order, self.seq_len)
+            if self.shuffle:
+                # Shuffle the rows too: the pieces of one long document are planned side by side,
+                # and a micro-batch of one file's consecutive pieces is a badly correlated batch.
+                perm = np.random.default_rng([self.seed, epoch, 1]).permutation(len(rows))
+                rows = [rows[i] for i in perm]
+            self._rows = rows
             self._plan_epoch = epoch
             self.last_padding_fraction = padding_fraction(self._rows, self.seq_len)
             self.padding_fractions[epoch] = self.last_padding_fraction
