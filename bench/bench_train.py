@@ -164,7 +164,7 @@ def build_hf(spec: dict, precision: str, lm_model: torch.nn.Module, lr: float, c
 _BUCKETS = [
     ("matmul", r"aten::(mm|addmm|bmm|matmul|linear|_mkldnn|mkldnn_)|onednn"),
     ("attention", r"scaled_dot_product|flash_attention|_efficient_attention|_sdpa"),
-    ("loss", r"log_softmax|nll_loss|cross_entropy"),
+    ("loss", r"log_softmax|_softmax|nll_loss|cross_entropy|logsumexp|LinearCrossEntropy"),
     ("optimizer", r"_foreach_|adamw|_fused_adam|lerp|addcdiv|addcmul"),
     ("copy / cast", r"aten::(copy_|_to_copy|to|clone|contiguous|cat|_local_scalar_dense)$"),
     ("norm", r"rms_norm|_fused_rms"),
