@@ -5,7 +5,6 @@ packed rows, the standard-library set and its split, the stage, and `lmforge cha
 from __future__ import annotations
 
 import inspect
-
 import io
 import json
 import os

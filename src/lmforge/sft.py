@@ -17,6 +17,7 @@ from __future__ import annotations
 import ast
 import json
 import sys
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -144,8 +145,10 @@ def sft_stage(cfg: Config, out: str | Path, resume: bool = False, dry_run: bool 
         model.set_attention(resolve_backend(cfg.model.attention, info.device, training=True))
         model.train()
         d, t, s = cfg.data, cfg.train, cfg.sft
+        t0 = time.perf_counter()
         convs, functions, data_info = load_conversations(cfg)
         samples = {split: render_samples(c, tok, d.seq_len) for split, c in convs.items()}
+        data_info["seconds"] = round(time.perf_counter() - t0, 2)
         stream = sft_stream(samples["train"], d.seq_len, t.micro_batch_size, tok.pad_id, t.seed, s.packing,
                             rank=info.rank, world_size=info.world_size)
         val = samples["val"]
@@ -168,7 +171,8 @@ def sft_stage(cfg: Config, out: str | Path, resume: bool = False, dry_run: bool 
                 log(f"sft data {split}: {c['conversations']} conversations, {c['truncated']} truncated to "
                     f"seq_len {d.seq_len} (tail cut), {c['dropped_all_cut']} dropped (every supervised token "
                     f"was cut), {c['supervised']:,} supervised targets")
-            log(f"sft rows: padding {data_info['padding_fraction']:.1%} of the training rows")
+            log(f"sft rows: padding {data_info['padding_fraction']:.1%} of the training rows; data read and "
+                f"rendered in {data_info['seconds']:.1f}s")
         if not dry_run and info.is_main:
             out.mkdir(parents=True, exist_ok=True)
             (out / SFT_DATA_FILE).write_text(json.dumps(data_info, indent=2) + "\n", encoding="utf-8")

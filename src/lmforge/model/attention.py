@@ -18,10 +18,10 @@ used only when T == S, because PyTorch aligns its causal mask top-left when they
 compiled on CUDA. On CPU it runs the unfused eager FlexAttention (forward only: torch
 2.13 has no FlexAttention backward on CPU), which is what `resolve_backend` allows there.
 
-A model calls its backend once per layer with the same `document_ids` tensor, so the
-mask derived from it (the single-segment test, the float mask, the BlockMask) is built
-once per forward and reused by the other layers (`_per_document_ids`): on CUDA that is
-one host sync and one `create_block_mask` per forward instead of one per layer.
+The mask is prepared once per forward (`prepare_mask`, called by the Transformer before
+its layers) and handed to every layer: one single-segment test, one float mask or one
+`create_block_mask` per forward instead of one per layer (on CUDA, one host sync).
+`sdpa_attention` / `flex_attention` are the one-call forms (prepare, then attend).
 
 Every path handles T = 1 (the single-token decode step), batch 1 and padded rows.
 """
@@ -30,8 +30,7 @@ from __future__ import annotations
 
 import functools
 import warnings
-import weakref
-from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -72,37 +71,50 @@ def cache_mask(T: int, offset: int, key_mask: torch.Tensor | None, S: int, devic
     return mask
 
 
-# -- masks built once per forward --------------------------------------------------------------
-# kind -> (weak reference to the document_ids tensor, its version counter, key, value).
-# One entry per kind: the layers of one forward share one document_ids tensor.
-_MEMO: dict[str, tuple[weakref.ref, int, Any, Any]] = {}
+# -- masks prepared once per forward ----------------------------------------------------------
+@dataclass
+class AttentionMask:
+    """What every layer of one forward needs to attend: exactly one of `is_causal` (plain
+    causal, T == S), `attn_mask` (sdpa: additive float or bool, broadcast over heads), or
+    `block_mask` (flex); none of them means "attend to every key" (a T = 1 decode step)."""
+
+    is_causal: bool = False
+    attn_mask: torch.Tensor | None = None
+    block_mask: Any = None
 
 
-def _per_document_ids(kind: str, document_ids: torch.Tensor, key: Any, build: Callable[[], Any]) -> Any:
-    """`build()`, reused while the same `document_ids` tensor (same object, not modified
-    in place) comes back with the same `key`. Not memoized while torch.compile traces (the
-    compiled graph builds it once anyway) or for inference-mode tensors (no version counter)."""
-    if torch.compiler.is_compiling() or torch.is_inference(document_ids):
-        return build()
-    hit = _MEMO.get(kind)
-    if hit is not None:
-        ref, version, hit_key, value = hit
-        if ref() is document_ids and version == document_ids._version and hit_key == key:
-            return value
-    value = build()
+def prepare_mask(backend: str, T: int, device: torch.device, dtype: torch.dtype,
+                 document_ids: torch.Tensor | None = None, cache_offset: int | None = None,
+                 key_mask: torch.Tensor | None = None, S: int | None = None) -> AttentionMask:
+    """The mask of one forward, for T queries.
 
-    def forget(dead: weakref.ref, kind: str = kind) -> None:  # free the mask with its tensor
-        if _MEMO is None:  # interpreter shutdown
-            return
-        entry = _MEMO.get(kind)
-        if entry is not None and entry[0] is dead:
-            _MEMO.pop(kind, None)
-
-    _MEMO[kind] = (weakref.ref(document_ids, forget), document_ids._version, key, value)
-    return value
+    Args:
+        backend: "sdpa" or "flex".
+        dtype: the dtype of q (the additive mask's dtype).
+        document_ids: (B, T) segment ids (no cache only); None: one segment.
+        cache_offset, key_mask, S: with a KV cache, the slots already filled, the (B, S) valid
+            slots (left padding) and the number of keys after this step's update.
+    """
+    if cache_offset is not None:
+        if key_mask is None and T == 1:
+            return AttentionMask()  # one query sees all S keys
+        return AttentionMask(attn_mask=cache_mask(T, cache_offset, key_mask, S, device))
+    if backend == "flex":
+        if document_ids is None:
+            return AttentionMask(block_mask=_causal_block_mask(T, device))
+        return AttentionMask(block_mask=document_block_mask(document_ids, T, device))
+    if document_ids is None or one_segment_per_row(document_ids):
+        return AttentionMask(is_causal=True)
+    return AttentionMask(attn_mask=additive_document_mask(document_ids.to(device), dtype))
 
 
 # -- sdpa ----------------------------------------------------------------------------------------
+def sdpa_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask) -> torch.Tensor:
+    """q: (B, H, T, hd), k, v: (B, KV, S, hd) -> (B, H, T, hd) with a prepared mask."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.attn_mask, is_causal=mask.is_causal,
+                                          enable_gqa=q.shape[1] != k.shape[1])
+
+
 def sdpa_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     document_ids: torch.Tensor | None = None,
@@ -119,19 +131,8 @@ def sdpa_attention(
     Returns:
         (B, H, T, hd), q's dtype.
     """
-    T, S = q.shape[-2], k.shape[-2]
-    gqa = q.shape[1] != k.shape[1]
-    if cache_offset is None:
-        if document_ids is None or _per_document_ids("one", document_ids, None,
-                                                     lambda: one_segment_per_row(document_ids)):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-        mask = _per_document_ids("sdpa", document_ids, (q.dtype, q.device),
-                                 lambda: additive_document_mask(document_ids.to(q.device), q.dtype))
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
-    if key_mask is None and T == 1:
-        return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)  # one query sees all S
-    mask = cache_mask(T, cache_offset, key_mask, S, q.device)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+    mask = prepare_mask("sdpa", q.shape[-2], q.device, q.dtype, document_ids, cache_offset, key_mask, k.shape[-2])
+    return sdpa_attend(q, k, v, mask)
 
 
 # -- flex ----------------------------------------------------------------------------------------
@@ -161,34 +162,32 @@ def document_block_mask(document_ids: torch.Tensor | None, T: int, device: torch
     return create_block_mask(same_document_causal, docs.shape[0], None, T, T, device=device)
 
 
+def flex_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask) -> torch.Tensor:
+    """FlexAttention with a prepared BlockMask (compiled on CUDA; the unfused eager
+    implementation elsewhere, forward only on CPU). Cache steps (no block mask) go through
+    sdpa: a block mask buys nothing for decoding."""
+    if mask.block_mask is None:
+        return sdpa_attend(q, k, v, mask)
+    from torch.nn.attention.flex_attention import flex_attention as flex
+
+    gqa = q.shape[1] != k.shape[1]
+    if q.is_cuda:
+        return _compiled_flex()(q, k, v, block_mask=mask.block_mask, enable_gqa=gqa)
+    with warnings.catch_warnings():  # eager flex is the documented CPU path: no compile warning
+        warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile")
+        return flex(q, k, v, block_mask=mask.block_mask, enable_gqa=gqa)
+
+
 def flex_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     document_ids: torch.Tensor | None = None,
     cache_offset: int | None = None,
     key_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """FlexAttention with a BlockMask built from `document_ids` (compiled on CUDA; the
-    unfused eager implementation elsewhere, forward only on CPU). Arguments and result as
-    `sdpa_attention`.
-
-    Decode steps with a cache go through sdpa: a block mask buys nothing for T = 1.
-    """
-    if cache_offset is not None:
-        return sdpa_attention(q, k, v, document_ids, cache_offset, key_mask)
-    from torch.nn.attention.flex_attention import flex_attention as flex
-
-    T = q.shape[2]
-    if document_ids is None:
-        block_mask = _causal_block_mask(T, q.device)
-    else:
-        block_mask = _per_document_ids("flex", document_ids, (T, q.device),
-                                       lambda: document_block_mask(document_ids, T, q.device))
-    gqa = q.shape[1] != k.shape[1]
-    if q.is_cuda:
-        return _compiled_flex()(q, k, v, block_mask=block_mask, enable_gqa=gqa)
-    with warnings.catch_warnings():  # eager flex is the documented CPU path: no compile warning
-        warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile")
-        return flex(q, k, v, block_mask=block_mask, enable_gqa=gqa)
+    """FlexAttention with a BlockMask built from `document_ids`; arguments and result as
+    `sdpa_attention`."""
+    mask = prepare_mask("flex", q.shape[-2], q.device, q.dtype, document_ids, cache_offset, key_mask, k.shape[-2])
+    return flex_attend(q, k, v, mask)
 
 
 def _causal_block_mask(T: int, device: torch.device):
@@ -202,7 +201,8 @@ def _causal_block_mask_cached(T: int, device: str):
     return document_block_mask(None, T, torch.device(device))
 
 
-BACKENDS = {"sdpa": sdpa_attention, "flex": flex_attention}
+#: backend name -> attend(q, k, v, AttentionMask)
+BACKENDS = {"sdpa": sdpa_attend, "flex": flex_attend}
 
 
 def resolve_backend(name: str, device: torch.device | str, training: bool = True) -> str:

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from lmforge.config import ModelConfig, padded_vocab_size
 from lmforge.contract import Contract
 from lmforge.errors import ConfigError, ContractError
-from lmforge.model.attention import BACKENDS
+from lmforge.model.attention import BACKENDS, AttentionMask, prepare_mask
 
 
 def resolve_model_config(model: ModelConfig, contract: Contract, where: str = "model.vocab_size") -> ModelConfig:
@@ -70,7 +70,7 @@ def rope_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Te
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: (B, h, T, hd); cos, sin: (B, 1, T, hd)."""
+    """x: (B, h, T, hd); cos, sin: (B, 1, T, hd), in x's dtype."""
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rotated * sin
@@ -111,18 +111,15 @@ class Attention(nn.Module):
         self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=False)
         self.backend = "sdpa"
 
-    def forward(self, x, cos, sin, document_ids=None, cache: KVCache | None = None):
+    def forward(self, x, cos, sin, mask: AttentionMask, cache: KVCache | None = None):
         B, T, _ = x.shape
         q = self.wq(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, hd)
         k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, KV, T, hd)
         v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, KV, T, hd)
-        q, k = apply_rope(q, cos, sin).to(v.dtype), apply_rope(k, cos, sin).to(v.dtype)
-        if cache is None:
-            y = BACKENDS[self.backend](q, k, v, document_ids)
-        else:
-            offset = cache.length
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:
             k, v = cache.update(self.layer, k, v)  # (B, KV, offset + T, hd)
-            y = BACKENDS[self.backend](q, k, v, None, offset, cache.key_mask)
+        y = BACKENDS[self.backend](q, k, v, mask)  # (B, H, T, hd)
         y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)  # (B, T, dim)
         return self.wo(y)
 
@@ -147,8 +144,8 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.feed_forward = FeedForward(cfg)
 
-    def forward(self, x, cos, sin, document_ids=None, cache=None):
-        x = x + self.attention(self.attention_norm(x), cos, sin, document_ids, cache)
+    def forward(self, x, cos, sin, mask: AttentionMask, cache=None):
+        x = x + self.attention(self.attention_norm(x), cos, sin, mask, cache)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -212,11 +209,20 @@ class Transformer(nn.Module):
         if positions is None:
             start = cache.length if cache is not None else 0
             positions = torch.arange(start, start + T, device=tokens.device).expand(B, T)
-        cos = self.rope_cos[positions][:, None]  # (B, 1, T, hd)
-        sin = self.rope_sin[positions][:, None]
+        device = tokens.device
+        dtype = (torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type)
+                 else self.output.weight.dtype)  # the compute dtype of q, k, v
+        cos = self.rope_cos[positions][:, None].to(dtype)  # (B, 1, T, hd)
+        sin = self.rope_sin[positions][:, None].to(dtype)
+        # One mask for all layers (the block-diagonal document mask, or the cache's mask).
+        backend = self.layers[0].attention.backend
+        if cache is None:
+            mask = prepare_mask(backend, T, device, dtype, document_ids)
+        else:
+            mask = prepare_mask(backend, T, device, dtype, None, cache.length, cache.key_mask, cache.length + T)
         x = self.tok_embeddings(tokens)  # (B, T, dim)
         for block in self.layers:
-            x = block(x, cos, sin, document_ids, cache)
+            x = block(x, cos, sin, mask, cache)
         if cache is not None:
             cache.length += T
         return self.norm(x)
