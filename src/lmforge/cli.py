@@ -224,7 +224,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
+        print("interrupted: checkpoints are kept; run the same command with --resume to continue "
+              "(`make speedrun` resumes by itself)", file=sys.stderr)
         return 130
 
 

@@ -92,6 +92,8 @@ def speedrun(cfg: Config, out: str | Path, resume: bool = False, progress: bool 
     log("== 3/5 pretrain")
     run_dir = out / "pretrain"
     last = pretrain_stage(cfg, run_dir, resume=resume, progress=progress)
+    if last.get("interrupted"):
+        raise KeyboardInterrupt  # the checkpoint is written; `speedrun --resume` continues
     times["pretrain"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
@@ -182,6 +184,8 @@ def sft_speedrun(cfg: Config, out: Path, init: Path, resume: bool = False, progr
     run_dir = out / "sft"
     scfg = replace(cfg, sft=replace(cfg.sft, init=str(init), data="stdlib"))
     last = sft_stage(scfg, run_dir, resume=resume, progress=progress)
+    if last.get("interrupted"):
+        raise KeyboardInterrupt  # the checkpoint is written; `speedrun --resume` continues
     rows = [json.loads(x) for x in (run_dir / METRICS_FILE).read_text().splitlines() if x.strip()]
     val_loss = last.get("val_loss")
     if val_loss is None:  # a resumed run that had already finished: its last validation

@@ -310,6 +310,7 @@ class Trainer:
                         self.log(f"\nstopped at step {self.step} of {cfg.steps} ({why}); checkpoint written to "
                                  f"{self.run_dir / ckpt.step_dir_name(self.step)}. To continue, run the same "
                                  f"command again with --resume (same --out {self.run_dir}).")
+                    last["interrupted"] = not out_of_time
                     break
         finally:
             bar.close()
