@@ -375,6 +375,8 @@ def test_permuted_special_ids_pipeline(capsys, tiny_corpus, tiny_tokenizer, tmp_
 
     monkeypatch.setattr(Transformer, "hidden", hidden)
     monkeypatch.setattr(Transformer, "logits", logits)
+    import lmforge.generate as generate_mod  # its CPU fast path bypasses model.logits: use it
+    monkeypatch.setattr(generate_mod, "output_projection", lambda model: model.logits)
     rc, out, err = cli(capsys, "generate", "--checkpoint", tmp_path / "run", "--tokenizer", tmp_path / "tok",
                        "--prompt", "def", "--greedy", "--max-new-tokens", "8")
     assert rc == 0, err

@@ -161,21 +161,13 @@ def run(args: argparse.Namespace) -> int:
                          progress=not args.no_progress)
         print(json.dumps(last))
     elif cmd == "generate":
-        from dataclasses import replace
-
         from lmforge.generate import SamplingConfig
 
         cfg = _config(args)
         model, tok, _ = stages.load_for_inference(args.checkpoint, args.tokenizer)
-        g = cfg.generate
-        sampling = SamplingConfig(
-            max_new_tokens=args.max_new_tokens or g.max_new_tokens,
-            temperature=g.temperature if args.temperature is None else args.temperature,
-            top_k=g.top_k if args.top_k is None else args.top_k,
-            top_p=g.top_p if args.top_p is None else args.top_p,
-            repetition_penalty=g.repetition_penalty if args.repetition_penalty is None else args.repetition_penalty,
-            greedy=args.greedy)
-        sampling = replace(sampling)
+        sampling = SamplingConfig.from_config(
+            cfg.generate, greedy=args.greedy, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+            top_k=args.top_k, top_p=args.top_p, repetition_penalty=args.repetition_penalty)
         print(stages.generate_text(model, tok, args.prompt, sampling, seed=args.seed, truncate=args.truncate))
     elif cmd == "chat":
         from lmforge.generate import SamplingConfig
@@ -183,12 +175,9 @@ def run(args: argparse.Namespace) -> int:
 
         g = _config(args).generate
         model, tok, _ = stages.load_for_inference(args.checkpoint, args.tokenizer)
-        sampling = SamplingConfig(
-            max_new_tokens=args.max_new_tokens or g.max_new_tokens,
-            temperature=g.temperature if args.temperature is None else args.temperature,
-            top_k=g.top_k if args.top_k is None else args.top_k,
-            top_p=g.top_p if args.top_p is None else args.top_p,
-            repetition_penalty=g.repetition_penalty, greedy=args.greedy)
+        sampling = SamplingConfig.from_config(
+            g, greedy=args.greedy, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+            top_k=args.top_k, top_p=args.top_p)
         chat_loop(model, tok, sampling, stdin_reader(), lambda reply: print(reply, flush=True),
                   system=args.system, seed=args.seed)
     elif cmd == "eval":

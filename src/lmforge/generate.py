@@ -36,6 +36,15 @@ class SamplingConfig:
     greedy: bool = False
     """argmax decoding (also when temperature == 0)."""
 
+    @classmethod
+    def from_config(cls, g, greedy: bool = False, **overrides) -> "SamplingConfig":
+        """From a config's [generate] section (`lmforge.config.GenerateConfig`); keyword
+        overrides that are None (command-line flags not given) keep the config's value."""
+        fields = {f: getattr(g, f) for f in ("max_new_tokens", "temperature", "top_k", "top_p",
+                                             "repetition_penalty")}
+        fields.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**fields, greedy=greedy)
+
     def validate(self) -> "SamplingConfig":
         """Raises LmforgeError naming the field, the value and the valid range."""
         checks = [

@@ -106,8 +106,7 @@ def speedrun(cfg: Config, out: str | Path, resume: bool = False, progress: bool 
                          cfg.data.document_masking)
     xz = xz_bits_per_byte(split_texts(val, tok))
     g = cfg.generate
-    sampling = SamplingConfig(max_new_tokens=min(g.max_new_tokens, 96), temperature=g.temperature,
-                              top_k=g.top_k, top_p=g.top_p, repetition_penalty=g.repetition_penalty)
+    sampling = SamplingConfig.from_config(g, max_new_tokens=min(g.max_new_tokens, 96))
     samples = [generate_text(model, tok, p, sampling, seed=cfg.train.seed + i) for i, p in enumerate(SAMPLE_PROMPTS)]
     plot = plot_loss(run_dir, out / "loss.png")
     times["eval"] = time.perf_counter() - t0
