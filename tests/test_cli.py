@@ -15,7 +15,8 @@ from lmforge.train import checkpoint as ckpt
 
 from conftest import make_corpus
 
-SUBCOMMANDS = ["train-tokenizer", "prepare", "pretrain", "sft", "generate", "eval", "speedrun"]
+SUBCOMMANDS = ["train-tokenizer", "import-tokenizer", "prepare", "pretrain", "sft", "generate", "chat", "eval",
+               "export", "import-hf", "speedrun"]
 
 
 def one_error_line(capsys) -> str:

@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+from collections import Counter
 from dataclasses import replace
 from itertools import islice
 from pathlib import Path
@@ -381,6 +382,10 @@ def test_stdlib_split_follows_pretraining_and_nothing_leaks():
     capped = stdlib_examples(vf, max_train=10, documents=docs)
     assert len(capped["train"]) == 10 and {e.module for e in capped["train"]} <= pre_train
     assert capped["val"] == ex["val"]  # the cap never moves validation
+    one = stdlib_examples(vf, documents=docs, max_per_module=1)
+    per_module = Counter(e.module for e in ex["train"] + ex["val"])
+    assert max(per_module.values()) > 1 and max(Counter(e.module for e in one["train"]).values()) == 1
+    assert {e.module for e in one["train"]} == train_mods and {e.module for e in one["val"]} == val_mods
 
 
 def test_function_copied_into_a_validation_module_is_left_out_of_validation():

@@ -92,7 +92,8 @@ def load_conversations(cfg: Config) -> tuple[dict[str, list[Conversation]], dict
         functions["val"] = cap_examples(functions["val"], s.val_examples, lambda e: f"{e.module}:{e.qualname}")
         convs = {split: [e.conversation() for e in exs] for split, exs in functions.items()}
         info.update(modules_parsed=stats.modules, functions_found=stats.functions,
-                    left_out_too_long=stats.too_long, left_out_val_duplicates=stats.val_duplicates)
+                    left_out_too_long=stats.too_long, left_out_per_module_cap=stats.per_module_cap,
+                    left_out_val_duplicates=stats.val_duplicates)
     else:
         convs = split_conversations(read_conversations(s.data), d.val_fraction)
         convs["train"] = cap_examples(convs["train"], s.max_examples, lambda c: c.key)

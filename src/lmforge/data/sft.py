@@ -310,19 +310,27 @@ class StdlibStats:
     modules: int = 0
     functions: int = 0
     too_long: int = 0
+    per_module_cap: int = 0
     val_duplicates: int = 0
     source: SourceStats = field(default_factory=SourceStats)
 
 
+#: At most this many functions of one module in the default set (a module such as tkinter
+#: has hundreds of short look-alike methods that would otherwise fill it).
+STDLIB_MAX_PER_MODULE = 20
+
+
 def stdlib_examples(val_fraction: float, max_chars: int = 0, max_train: int = 0, include_tests: bool = False,
-                    stats: StdlibStats | None = None,
-                    documents: Iterable | None = None) -> dict[str, list[FunctionExample]]:
+                    stats: StdlibStats | None = None, documents: Iterable | None = None,
+                    max_per_module: int = STDLIB_MAX_PER_MODULE) -> dict[str, list[FunctionExample]]:
     """The default SFT set, split into {"train": [...], "val": [...]}, deterministic.
 
     The modules are those pretraining reads (`iter_documents("stdlib", ...)`) and each goes
     to the split `split_of(module, val_fraction)` gives it, the pretraining rule. Examples
     whose prompt + body exceed `max_chars` characters are left out (counted in
-    `stats.too_long`). Every validation module is used. Training modules are parsed in the
+    `stats.too_long`), and at most `max_per_module` functions of a module are kept (0 = all;
+    chosen by a stable hash of their qualified name; the rest count in `stats.per_module_cap`).
+    Every validation module is used. Training modules are parsed in the
     order of a stable hash of their name until `max_train` training examples are found
     (0 = all), so a cap spreads over the whole library and parsing stops early. A
     validation example whose text equals a training one (a function copied between
@@ -342,12 +350,16 @@ def stdlib_examples(val_fraction: float, max_chars: int = 0, max_train: int = 0,
             if split == "train" and max_train and len(out["train"]) >= max_train:
                 break
             stats.modules += 1
+            kept = []
             for ex in function_examples(doc.text, doc.key):
                 stats.functions += 1
                 if max_chars and len(STDLIB_PROMPT) + len(ex.signature) + len(ex.docstring) + len(ex.body) > max_chars:
                     stats.too_long += 1
                     continue
-                out[split].append(ex)
+                kept.append(ex)
+            capped = cap_examples(kept, max_per_module, lambda e: e.qualname)
+            stats.per_module_cap += len(kept) - len(capped)
+            out[split].extend(capped)
     if max_train:
         out["train"] = out["train"][:max_train]
     seen = {(e.signature, e.docstring, e.body) for e in out["train"]}
