@@ -36,7 +36,6 @@ masking cost (the same kernels either way) drowns in that noise. About 55 s on 2
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import tempfile
 import time

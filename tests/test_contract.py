@@ -300,7 +300,7 @@ def test_contract_consistency_checks(tiny_tokenizer, tmp_path):
     with pytest.raises(ContractError, match="unexpected fields \\['surprise'\\]"):
         Contract.load(tmp_path)
     other = dataclasses.replace(c, special_tokens={**c.special_tokens, "eos": c.bos_id, "bos": c.eos_id})
-    with pytest.raises(ContractError, match=f"'special_tokens': A has .* but B has"):
+    with pytest.raises(ContractError, match="'special_tokens': A has .* but B has"):
         check_match(c, "A", other, "B")
     check_match(c, "A", Contract.load(tiny_tokenizer.folder), "B")
 

@@ -8,7 +8,6 @@ import re
 from dataclasses import replace
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F

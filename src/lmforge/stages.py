@@ -20,7 +20,6 @@ from lmforge.contract import CONTRACT_FILE
 from lmforge.data.packing import shard_stream
 from lmforge.data.shards import Shard, preflight, prepare
 from lmforge.data.sources import SourceStats, iter_documents
-from lmforge.errors import LmforgeError
 from lmforge.model import Transformer, resolve_model_config
 from lmforge.model.attention import resolve_backend
 from lmforge.tokenizer import TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, Tokenizer, train_tokenizer
@@ -212,10 +211,3 @@ def eval_stage(checkpoint: str | Path, data_dir: str | Path | None = None, split
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text(json.dumps(res, indent=2) + "\n", encoding="utf-8")
     return res
-
-
-def ensure_nonempty(path: str | Path, what: str) -> Path:
-    path = Path(path)
-    if not path.exists():
-        raise LmforgeError(f"{what} {path} does not exist.")
-    return path
