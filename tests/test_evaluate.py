@@ -23,16 +23,6 @@ from lmforge.train.checkpoint import save_checkpoint
 from conftest import tiny_config
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny tensors gain nothing from intra-op threads, and on a busy machine the threads wait
-    for each other at every op; one thread keeps these tests fast and steady."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory, tiny_run):
     """A random tiny model (fp32) whose context fits every document of the tiny corpus."""

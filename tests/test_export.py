@@ -25,16 +25,6 @@ transformers = pytest.importorskip("transformers")
 from conftest import tiny_config  # noqa: E402
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny tensors gain nothing from intra-op threads, and on a busy machine the threads wait
-    for each other at every op; one thread keeps these tests fast and steady."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def make_checkpoint(tmp: Path, corpus: Path, tok, seed: int = 0, craft=None, **overrides) -> Path:
     """A step_000000 checkpoint of a tiny random model (dim 64, GQA 4/2 heads, rope_theta and
     norm_eps off their defaults so a mapping mistake shows). `craft(model)` edits the weights."""

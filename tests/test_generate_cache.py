@@ -25,16 +25,6 @@ from lmforge.model import Transformer
 VOCAB, PAD, MAX_LEN = 200, 0, 96
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny tensors gain nothing from intra-op threads, and on a busy machine the threads wait
-    for each other at every op; one thread keeps these tests fast and steady."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def model(seed: int = 0, **kw) -> Transformer:
     cfg = ModelConfig(**{**dict(dim=48, n_layers=3, n_heads=6, n_kv_heads=2, vocab_size=VOCAB,
                                 max_seq_len=MAX_LEN), **kw})

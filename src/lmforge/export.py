@@ -38,6 +38,7 @@ from safetensors.torch import load_file, save_file
 from lmforge.config import Config, ModelConfig, from_dict, padded_vocab_size, validate
 from lmforge.contract import CONTRACT_FILE, Contract
 from lmforge.errors import CheckpointError, ConfigError, LmforgeError
+from lmforge.fileio import check_replaceable
 from lmforge.tokenizer import CHAT_TEMPLATE, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE
 
 HF_CONFIG_FILE = "config.json"
@@ -266,15 +267,7 @@ def model_config_from_hf(cfg: dict, where: str) -> ModelConfig:
 def _prepare_out(out: Path, known: tuple[str, ...], what: str) -> Path:
     """A temporary sibling folder to write into; `out` may be absent, empty, or an earlier
     result of this command (only `known` files); anything else is refused."""
-    if out.exists():
-        if not out.is_dir():
-            raise ExportError(f"--out {out} is a file; give a folder path.")
-        foreign = sorted(p.name for p in out.iterdir() if p.name not in known)
-        if foreign:
-            raise ExportError(
-                f"--out {out} already holds files that {what} did not write ({', '.join(foreign[:5])}); "
-                f"choose an empty or new folder."
-            )
+    check_replaceable(out, known, what, ExportError)
     tmp = out.with_name(f".tmp-{out.name}")
     if tmp.exists():
         shutil.rmtree(tmp)

@@ -38,6 +38,7 @@ from lmforge.contract import (
     token_dtype_for,
 )
 from lmforge.errors import ContractError, LmforgeError
+from lmforge.fileio import check_replaceable
 
 #: Special tokens by name (the one place they are spelled). Order = id order when
 #: lmforge trains a tokenizer; nothing depends on that order (a test permutes it).
@@ -135,15 +136,7 @@ _TOKENIZER_FOLDER_FILES = {TOKENIZER_FILE, TOKENIZER_CONFIG_FILE, CONTRACT_FILE,
 
 def _check_replaceable(out: Path) -> None:
     """Refuse to replace a folder that holds anything but a previous tokenizer's files."""
-    if out.exists():
-        if not out.is_dir():
-            raise LmforgeError(f"tokenizer folder {out} is a file, not a folder. Choose a folder for the tokenizer.")
-        other = sorted(p.name for p in out.iterdir() if p.name not in _TOKENIZER_FOLDER_FILES)
-        if other:
-            raise LmforgeError(
-                f"tokenizer folder {out} already holds files that are not a tokenizer's ({', '.join(other[:5])}); "
-                f"lmforge replaces the whole folder, so it refuses. Choose an empty or new folder."
-            )
+    check_replaceable(out, _TOKENIZER_FOLDER_FILES, "the tokenizer stage")
 
 
 def save_tokenizer(tok: HFTokenizer, out_dir: str | Path, spellings: dict[str, str] | None = None,
