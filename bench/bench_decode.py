@@ -23,7 +23,7 @@ from lmforge.contract import Contract, token_dtype_for
 from lmforge.export import hf_config, require_transformers, to_hf_state
 from lmforge.generate import SamplingConfig, generate
 from lmforge.model import Transformer
-from lmforge.train.checkpoint import model_state
+from lmforge.model.io import model_state
 
 VOCAB = 8192
 PAD, BOS, EOS, IM_START, IM_END = 0, 1, 2, 3, 4  # a synthetic contract for random weights

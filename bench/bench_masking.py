@@ -121,7 +121,7 @@ def build_trainer(cfg, stream, workdir: Path):
 
 def step_times(cfg, stdlib: np.ndarray, args) -> tuple[dict, dict]:
     """Interleaved step times of the three variants; returns (Stats per variant, info)."""
-    from lmforge.train.trainer import resolve_precision
+    from lmforge.runtime import resolve_precision
 
     streams = {
         BASE: make_stream(short_lengths(), cfg, masking=False),
@@ -159,7 +159,7 @@ def attention_times(cfg, repeat: int) -> dict:
     import torch.nn.functional as F
 
     from lmforge.model.attention import additive_document_mask, document_mask
-    from lmforge.train.trainer import resolve_precision
+    from lmforge.runtime import resolve_precision
 
     m = cfg.model
     B, T, H, KV, hd = cfg.train.micro_batch_size, cfg.data.seq_len, m.n_heads, m.n_kv_heads, m.dim // m.n_heads
@@ -192,7 +192,7 @@ def cuda_flex_vs_sdpa(args) -> dict | None:
         return None
     from lmforge.config import ModelConfig
     from lmforge.model import Transformer
-    from lmforge.train.loss import cross_entropy_sum
+    from lmforge.model.loss import cross_entropy_sum
 
     T, B = 2048, args.cuda_batch
     cfg = ModelConfig(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, vocab_size=VOCAB, max_seq_len=T)

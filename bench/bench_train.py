@@ -123,7 +123,7 @@ def build_hf(spec: dict, precision: str, lm_model: torch.nn.Module, lr: float, c
     """LlamaForCausalLM of the same shape with lmforge's initial weights, and a step function."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from lmforge.train.trainer import autocast
+    from lmforge.runtime import autocast
 
     c = lm_model.config
     hf_cfg = LlamaConfig(

@@ -23,7 +23,7 @@ from lmforge.errors import ConfigError
 from lmforge.model import Transformer
 from lmforge.model import attention as A
 from lmforge.model.attention import document_mask, flex_attention, resolve_backend, sdpa_attention
-from lmforge.train.loss import cross_entropy_sum
+from lmforge.model.loss import cross_entropy_sum
 
 VOCAB = 320
 PAD = 0

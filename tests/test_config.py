@@ -13,8 +13,8 @@ from lmforge.config import (
     apply_overrides,
     from_dict,
     load_config,
-    padded_vocab_size,
 )
+from lmforge.contract import padded_vocab_size
 from lmforge.errors import ConfigError, LmforgeError
 
 

@@ -24,7 +24,7 @@ import torch
 from conftest import TINY_VOCAB, tiny_config
 
 from lmforge.cli import main
-from lmforge.config import padded_vocab_size
+from lmforge.contract import padded_vocab_size
 from lmforge.contract import CONTRACT_FILE, Contract, check_match, file_sha256
 from lmforge.data.packing import build_row, shard_stream
 from lmforge.data.shards import Shard, preflight

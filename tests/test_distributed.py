@@ -28,6 +28,7 @@ from safetensors.torch import load_file
 
 from lmforge.model import Transformer
 from lmforge.train import checkpoint as ckpt
+from lmforge.model import io as mio
 
 STEPS = 20
 STOP_AT = 10
@@ -44,7 +45,7 @@ def read_metrics(run: Path) -> list[dict]:
 
 
 def final_weights(run: Path) -> dict[str, torch.Tensor]:
-    return load_file(str(ckpt.latest_checkpoint(run) / ckpt.MODEL_FILE))
+    return load_file(str(mio.latest_checkpoint(run) / mio.MODEL_FILE))
 
 
 def max_weight_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -197,8 +198,8 @@ def test_two_rank_resume_is_exact(two_rank_runs):
     straight, resumed = read_metrics(runs["straight"]), read_metrics(runs["resumed"])
     assert [m["step"] for m in resumed] == list(range(1, STEPS + 1))  # truncated and continued, no duplicates
     # the SIGTERM reached rank 1 only; both ranks stopped after step 10 and wrote one checkpoint
-    assert (runs["resumed"] / ckpt.step_dir_name(STOP_AT)).is_dir()
-    assert not (runs["straight"] / ckpt.step_dir_name(STOP_AT)).exists()
+    assert (runs["resumed"] / mio.step_dir_name(STOP_AT)).is_dir()
+    assert not (runs["straight"] / mio.step_dir_name(STOP_AT)).exists()
     loss_diff = max(abs(a["loss"] - b["loss"]) for a, b in zip(straight, resumed))
     w_diff = max_weight_diff(final_weights(runs["straight"]), final_weights(runs["resumed"]))
     print(f"\n{mode}: 2 ranks, 20 steps vs 10 + SIGTERM + resume + 10: max |loss diff| {loss_diff:.3g}, "
@@ -207,9 +208,9 @@ def test_two_rank_resume_is_exact(two_rank_runs):
     for rank in (0, 1):
         assert json.loads((runs["resumed"] / f"last_rank{rank}.json").read_text())["steps_run"] == STEPS - STOP_AT
     # the checkpoint holds every rank's RNG states and the data position
-    rng = torch.load(runs["resumed"] / ckpt.step_dir_name(STOP_AT) / "rng.pt", weights_only=True)
+    rng = torch.load(runs["resumed"] / mio.step_dir_name(STOP_AT) / "rng.pt", weights_only=True)
     assert rng["world_size"] == 2 and len(rng["ranks"]) == 2
-    state = json.loads((runs["resumed"] / ckpt.step_dir_name(STOP_AT) / "state.json").read_text())
+    state = json.loads((runs["resumed"] / mio.step_dir_name(STOP_AT) / "state.json").read_text())
     assert state["step"] == STOP_AT and set(state["data"]) == {"epoch", "cursor"}
 
 

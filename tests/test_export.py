@@ -15,10 +15,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from lmforge.fileio import MARKER_FILE, OutputError
 from lmforge.export import ExportError, export_hf, import_hf, map_name, require_transformers, verify_export
 from lmforge.generate import SamplingConfig, generate
 from lmforge.model import Transformer, resolve_model_config
-from lmforge.train.checkpoint import load_model, model_state, save_checkpoint
+from lmforge.model import load_model
+from lmforge.model.io import model_state
+from lmforge.train.checkpoint import save_checkpoint
 
 transformers = pytest.importorskip("transformers")
 
@@ -84,7 +87,7 @@ def test_map_name_covers_both_models_both_ways(exported):
 def test_folder_holds_the_hf_files_with_the_contracts_ids(exported, tiny_tokenizer):
     _, out, ours, _ = exported
     tok = tiny_tokenizer
-    assert sorted(p.name for p in out.iterdir()) == sorted(
+    assert sorted(p.name for p in out.iterdir() if p.name != MARKER_FILE) == sorted(
         ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json"])
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["architectures"] == ["LlamaForCausalLM"] and cfg["model_type"] == "llama"
@@ -332,7 +335,7 @@ def test_import_errors_name_the_problem(tmp_path, exported):
     busy = tmp_path / "busy"
     busy.mkdir()
     (busy / "notes.txt").write_text("mine")
-    with pytest.raises(ExportError, match="notes.txt"):
+    with pytest.raises(OutputError, match="notes.txt"):
         import_hf(_hf_folder(tmp_path, exported, name="good"), busy)
     assert (busy / "notes.txt").read_text() == "mine"
 
@@ -342,7 +345,7 @@ def test_export_refuses_a_busy_folder_and_replaces_an_earlier_export(exported, t
     busy = tmp_path / "busy"
     busy.mkdir()
     (busy / "notes.txt").write_text("mine")
-    with pytest.raises(ExportError, match="notes.txt"):
+    with pytest.raises(OutputError, match="notes.txt"):
         export_hf(ckpt, busy)
     again = export_hf(ckpt, tmp_path / "hf")
     assert export_hf(ckpt, again) == again  # an earlier export is replaced
@@ -371,13 +374,13 @@ def test_bfloat16_export_loads_in_transformers(exported, tmp_path):
 
 
 def test_generation_config_maps_lmforge_sampling(tiny_tokenizer):
-    from lmforge.config import GenerateConfig
+    from lmforge.config import SamplingConfig
     from lmforge.export import generation_config
 
     c = tiny_tokenizer.contract
-    sampled = generation_config(GenerateConfig(temperature=0.7, top_k=0, top_p=0.9), c)
+    sampled = generation_config(SamplingConfig(temperature=0.7, top_k=0, top_p=0.9), c)
     assert sampled["do_sample"] and (sampled["temperature"], sampled["top_k"], sampled["top_p"]) == (0.7, 0, 0.9)
-    greedy = generation_config(GenerateConfig(temperature=0.0), c)
+    greedy = generation_config(SamplingConfig(temperature=0.0), c)
     assert greedy["do_sample"] is False and "temperature" not in greedy
     for g in (sampled, greedy):
         assert g["eos_token_id"] == [c.eos_id, c.im_end_id] and g["pad_token_id"] == c.pad_id

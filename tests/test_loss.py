@@ -13,11 +13,11 @@ import torch
 import torch.nn.functional as F
 
 from lmforge.data.packing import Batch, shard_stream
-from lmforge.data.sft import Conversation, render_samples, sft_stream
+from lmforge.data.conversations import Conversation, render_samples, sft_stream
 from lmforge.data.shards import Shard
 from lmforge.model import Transformer, resolve_model_config
 from lmforge.train.distributed import DistInfo
-from lmforge.train.loss import cross_entropy_sum
+from lmforge.model.loss import cross_entropy_sum
 from lmforge.train.trainer import Trainer
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "lmforge"
@@ -215,11 +215,11 @@ def _sources() -> dict[str, str]:
 def test_one_cross_entropy_and_one_training_loop_in_the_source_tree():
     src = _sources()
     ce = [f for f, text in src.items() if re.search(r"\bcross_entropy\(", text.replace("cross_entropy_sum(", ""))]
-    assert ce == ["train/loss.py"], ce
+    assert ce == ["model/loss.py"], ce
     steps = [f for f, text in src.items() if re.search(r"optimizer\.step\(|\.step\(\)", text)]
     assert steps == ["train/trainer.py"], steps
     loops = [f for f, text in src.items() if re.search(r"^class \w*Trainer\b", text, re.M)]
     assert loops == ["train/trainer.py"], loops
     # SFT builds no optimizer and calls no backward: it hands its rows to the same Trainer
-    for name in ("sft.py", "data/sft.py"):
+    for name in ("stages/sft.py", "data/conversations.py"):
         assert "backward(" not in src[name] and "torch.optim" not in src[name], name

@@ -29,6 +29,7 @@ from lmforge.errors import CheckpointError
 from lmforge.model import Transformer, resolve_model_config
 from lmforge.stages import pretrain_stage
 from lmforge.train import checkpoint as ckpt
+from lmforge.model import io as mio
 from lmforge.train.trainer import Trainer
 
 
@@ -42,7 +43,7 @@ def read_metrics(run: Path) -> list[dict]:
 
 def assert_same_state(a: Path, b: Path) -> None:
     """Two checkpoint folders hold bit-identical weights, optimizer state and data position."""
-    wa, wb = load_file(str(a / ckpt.MODEL_FILE)), load_file(str(b / ckpt.MODEL_FILE))
+    wa, wb = load_file(str(a / mio.MODEL_FILE)), load_file(str(b / mio.MODEL_FILE))
     assert wa.keys() == wb.keys()
     for k in wa:
         assert torch.equal(wa[k], wb[k]), k
@@ -80,7 +81,7 @@ def test_resume_is_bit_identical(tiny_run, tmp_path, monkeypatch, capsys):
     assert last["step"] == 10 and last["steps_run"] == 10
     err = capsys.readouterr().err
     assert "stopped at step 10 of 20 (SIGTERM)" in err and "run the same command again with --resume" in err
-    assert [p.name for p in ckpt.list_checkpoints(tmp_path / "split")] == ["step_000010"]
+    assert [p.name for p in mio.list_checkpoints(tmp_path / "split")] == ["step_000010"]
     monkeypatch.undo()
     # something else uses the global RNGs in between: resume must not depend on them
     torch.manual_seed(999), np.random.seed(999), random.seed(999)
@@ -153,17 +154,17 @@ def test_sigkill_while_writing_a_checkpoint_keeps_the_previous_one(tiny_run, tmp
     run = tmp_path / "run"
     script = _script(tmp_path, f"""
 import sys, time
-import lmforge.train.checkpoint as ckpt
+import lmforge.model.io as mio
 from lmforge.config import load_config
 from lmforge.stages import pretrain_stage
 
-write = ckpt.save_file
-def slow_write(state, path):  # the weights of step 6 are on disk; the rest is not yet
-    write(state, path)
-    if "step_000006" in path:
+write = mio.save_file
+def slow_write(state, path, metadata=None):  # the weights of step 6 are on disk; the rest is not yet
+    write(state, path, metadata=metadata)
+    if ".step_000006.tmp-" in path:
         print("WRITING", flush=True)
         time.sleep(120)
-ckpt.save_file = slow_write
+mio.save_file = slow_write
 pretrain_stage(load_config({str(tmp_path / 'cfg.toml')!r}), {str(run)!r}, progress=False)
 """)
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
@@ -180,9 +181,9 @@ pretrain_stage(load_config({str(tmp_path / 'cfg.toml')!r}), {str(run)!r}, progre
         proc.kill()
         proc.wait()
     assert proc.returncode == -signal.SIGKILL
-    assert (run / ".tmp-step_000006" / ckpt.MODEL_FILE).is_file()  # killed mid-write
+    assert [p.name for p in run.glob(".step_000006.tmp-*/" + mio.MODEL_FILE)]  # killed mid-write
     assert not (run / "step_000006").exists()
-    assert ckpt.latest_checkpoint(run) == run / "step_000003"
+    assert mio.latest_checkpoint(run) == run / "step_000003"
     Transformer.from_checkpoint(run)  # the previous checkpoint loads
     assert [m["step"] for m in read_metrics(run)] == [1, 2, 3, 4, 5, 6]  # metrics ran ahead of it
     with open(run / "metrics.jsonl", "a") as f:
@@ -195,7 +196,9 @@ pretrain_stage(load_config({str(tmp_path / 'cfg.toml')!r}), {str(run)!r}, progre
     assert [m["step"] for m in got] == list(range(1, 7))  # truncated to step 3 on resume, no duplicates
     assert [m["loss"] for m in got] == [m["loss"] for m in want]
     assert_same_state(run / "step_000006", tmp_path / "straight" / "step_000006")
-    assert sorted(p.name for p in run.iterdir() if p.is_dir()) == ["step_000003", "step_000006"]  # stale .tmp gone
+    assert sorted(p.name for p in run.iterdir()) == [".lmforge-output", "config.toml", "contract.json", "metrics.jsonl",
+                                                     "step_000003", "step_000006", "tokenizer.json",
+                                                     "tokenizer_config.json"]  # stale .tmp and lock gone
 
 
 @pytest.mark.slow
@@ -218,14 +221,14 @@ def test_sigterm_writes_a_clean_checkpoint_and_says_how_to_resume(tiny_run, tmp_
         out, err = proc.communicate(timeout=120)
     finally:
         proc.kill()
-    assert proc.returncode == 0, err[-2000:]
+    assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]  # 143: stopped, not finished
     steps = [m["step"] for m in read_metrics(run)]
     assert steps == list(range(1, len(steps) + 1)) and len(steps) >= 3
-    assert f"stopped at step {steps[-1]} of 100000 (SIGTERM); checkpoint written to {run / ckpt.step_dir_name(steps[-1])}" in err
+    assert f"stopped at step {steps[-1]} of 100000 (SIGTERM); checkpoint written to {run / mio.step_dir_name(steps[-1])}" in err
     assert "To continue, run the same command again with --resume" in err
     assert json.loads(out.strip().splitlines()[-1])["step"] == steps[-1]
-    assert [p.name for p in run.iterdir() if p.is_dir()] == [ckpt.step_dir_name(steps[-1])]  # no .tmp left
-    state = json.loads((run / ckpt.step_dir_name(steps[-1]) / "state.json").read_text())
+    assert [p.name for p in run.iterdir() if p.is_dir()] == [mio.step_dir_name(steps[-1])]  # no .tmp left
+    state = json.loads((run / mio.step_dir_name(steps[-1]) / "state.json").read_text())
     assert state["step"] == steps[-1]
     Transformer.from_checkpoint(run)
 
@@ -235,25 +238,25 @@ def test_keep_last_prunes_and_resume_takes_the_newest_complete(tiny_run, tmp_pat
     cfg, _ = tiny_run
     run = tmp_path / "run"
     pretrain_stage(with_train(cfg, steps=7, checkpoint_every=2, keep_last=2), run, progress=False)
-    assert [p.name for p in ckpt.list_checkpoints(run)] == ["step_000006", "step_000007"]
+    assert [p.name for p in mio.list_checkpoints(run)] == ["step_000006", "step_000007"]
     (run / "step_000009").mkdir()  # not complete: no weights
-    (run / ".tmp-step_000010").mkdir()  # a write that never finished
-    assert ckpt.latest_checkpoint(run) == run / "step_000007"
+    (run / ".step_000010.tmp-x1y2z3").mkdir()  # a write that never finished
+    assert mio.latest_checkpoint(run) == run / "step_000007"
     last = pretrain_stage(with_train(cfg, steps=8, checkpoint_every=2, keep_last=2), run, resume=True, progress=False)
     assert f"resumed from {run / 'step_000007'} at step 7" in capsys.readouterr().err
     assert last["step"] == 8 and last["steps_run"] == 1
-    assert [p.name for p in ckpt.list_checkpoints(run)] == ["step_000007", "step_000008"]
-    assert not (run / ".tmp-step_000010").exists()
+    assert [p.name for p in mio.list_checkpoints(run)] == ["step_000007", "step_000008"]
+    assert not (run / ".step_000010.tmp-x1y2z3").exists()
 
 
 def test_load_weights_is_strict(tiny_run, tmp_path):
     cfg, tok = tiny_run
     model = Transformer(resolve_model_config(cfg.model, tok.contract))
-    good = ckpt.model_state(model)
+    good = mio.model_state(model)
 
     def load(state):
         save_file(state, str(tmp_path / "w.safetensors"))
-        ckpt.load_weights(Transformer(resolve_model_config(cfg.model, tok.contract)), tmp_path / "w.safetensors")
+        mio.load_weights(Transformer(resolve_model_config(cfg.model, tok.contract)), tmp_path / "w.safetensors")
 
     missing = dict(good)
     del missing["layers.1.feed_forward.w2.weight"]
@@ -267,7 +270,7 @@ def test_load_weights_is_strict(tiny_run, tmp_path):
         load(dict(good, **{"norm.weight": torch.ones(16)}))
     (tmp_path / "w.safetensors").write_bytes(b"not safetensors")
     with pytest.raises(CheckpointError, match="cannot read weights"):
-        ckpt.load_weights(model, tmp_path / "w.safetensors")
+        mio.load_weights(model, tmp_path / "w.safetensors")
     load(good)  # and the right keys load
 
 

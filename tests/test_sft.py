@@ -20,24 +20,24 @@ import pytest
 import torch
 
 from lmforge import cli
-from lmforge.data.sft import (
-    STDLIB_PROMPT,
+from lmforge.data.conversations import (
     cap_examples,
-    function_examples,
-    place_body,
     read_conversations,
     render_samples,
     sft_batches,
     sft_stream,
     split_conversations,
-    stdlib_examples,
 )
+from lmforge.data.stdlib_functions import STDLIB_PROMPT, function_examples, place_body, stdlib_examples
 from lmforge.data.sources import Document, iter_documents, split_of
 from lmforge.errors import ConfigError, ContractError, DataError
 from lmforge.model import Transformer, resolve_model_config
-from lmforge.sft import SFT_DATA_FILE, SFT_VAL_FILE, body_parse_rate, chat_loop, chat_prompt, sft_stage
+from lmforge.stages.generate import chat_loop, chat_prompt
+from lmforge.stages.sft import SFT_DATA_FILE, SFT_VAL_FILE, sft_stage
+from lmforge.stages.speedrun import body_parse_rate
 from lmforge.tokenizer import train_tokenizer
-from lmforge.train.checkpoint import load_model, save_checkpoint
+from lmforge.model import load_model
+from lmforge.train.checkpoint import save_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -207,7 +207,7 @@ def test_render_chat_equals_transformers_apply_chat_template(tiny_tokenizer):
 
 
 def _conv(messages):
-    from lmforge.data.sft import Conversation
+    from lmforge.data.conversations import Conversation
 
     return Conversation(tuple(messages), "t", "t")
 
@@ -257,7 +257,7 @@ def test_truncation_and_drop_counts(tiny_tokenizer):
 
 
 def _samples(tok, n=6):
-    from lmforge.data.sft import Conversation
+    from lmforge.data.conversations import Conversation
 
     convs = [Conversation(tuple(r["messages"]), str(i), str(i)) for i, r in enumerate(many_conversations(n))]
     return render_samples(convs, tok, 64)
@@ -393,7 +393,7 @@ def test_function_copied_into_a_validation_module_is_left_out_of_validation():
     val_key = next(k for k in keys if split_of(k, 0.5) == "val")
     train_key = next(k for k in keys if split_of(k, 0.5) == "train")
     docs = [Document(f"{k}.py", MODULE, k) for k in (train_key, val_key)]
-    from lmforge.data.sft import StdlibStats
+    from lmforge.data.stdlib_functions import StdlibStats
 
     stats = StdlibStats()
     ex = stdlib_examples(0.5, documents=docs, stats=stats)
@@ -457,7 +457,7 @@ def test_sft_stage_trains_from_init_with_the_same_loop(tiny_run, init_ckpt, tmp_
 
 def test_pretrain_and_sft_use_the_same_loss_and_loop(tiny_run, init_ckpt, tmp_path, monkeypatch):
     from lmforge.stages import pretrain_stage
-    from lmforge.train import loss as loss_mod
+    from lmforge.model import transformer as loss_mod  # the loss op, as the model calls it
     from lmforge.train import trainer as trainer_mod
 
     calls = {"loss": 0, "steps": []}
@@ -480,12 +480,13 @@ def test_pretrain_and_sft_use_the_same_loss_and_loop(tiny_run, init_ckpt, tmp_pa
     sft_stage(sft_cfg(cfg, init_ckpt, data, steps=1, grad_accum_steps=1), tmp_path / "sft", progress=False)
     assert after_pretrain > 0 and calls["loss"] > after_pretrain
     assert calls["steps"] == [trainer_mod.Trainer, trainer_mod.Trainer]
-    from lmforge import sft as sft_mod
     from lmforge.model import transformer as transformer_mod
+    from lmforge.stages import pretrain as pretrain_mod, sft as sft_mod
 
     # the model's forward(targets=...) is the only caller, in both stages
     assert "linear_cross_entropy_sum(" in inspect.getsource(transformer_mod.Transformer.forward)
-    assert sft_mod.run_training.__module__ == "lmforge.stages"
+    assert sft_mod.run_training is pretrain_mod.run_training
+    assert sft_mod.run_training.__module__ == "lmforge.stages.common"
 
 
 def test_sft_stage_errors(tiny_run, init_ckpt, tmp_path, tiny_corpus):
@@ -532,7 +533,7 @@ def test_sft_stage_on_the_stdlib_set(tiny_run, init_ckpt, tmp_path):
 
 # -- chat -----------------------------------------------------------------------------------------
 def test_chat_cli_renders_history_and_stops_at_exit(init_ckpt, monkeypatch, capsys):
-    from lmforge import sft as sft_mod
+    from lmforge.stages import generate as sft_mod
     from lmforge.tokenizer import Tokenizer
 
     tok = Tokenizer.load(init_ckpt)
@@ -597,7 +598,7 @@ def test_chat_subprocess_reads_stdin_until_eof(init_ckpt):
 
 
 def test_body_parse_rate_counts_bodies_that_parse(tiny_tokenizer, monkeypatch):
-    from lmforge import sft as sft_mod
+    from lmforge.stages import speedrun as sft_mod
 
     tok = tiny_tokenizer
     items = [{"name": f"m:f{i}", "signature": f"def f{i}(x):",

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
-from lmforge.config import padded_vocab_size
+from lmforge.contract import padded_vocab_size
 from lmforge.contract import CONTRACT_FILE, Contract
 from lmforge.errors import ContractError, LmforgeError
 from lmforge.tokenizer import (

@@ -13,10 +13,12 @@ import torch
 
 from lmforge.config import load_config
 from lmforge.errors import CheckpointError, ConfigError, ContractError, LmforgeError
-from lmforge.model import Transformer, resolve_model_config
+from lmforge.model import Transformer, load_model, resolve_model_config
 from lmforge.stages import pretrain_stage
 from lmforge.train import checkpoint as ckpt
-from lmforge.train.trainer import METRICS_FILE, check_run_dir
+from lmforge.model import io as mio
+from lmforge.fileio import OutputError, open_run_dir
+from lmforge.train.trainer import METRICS_FILE
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +73,7 @@ def test_run_folder_contents(trained):
 @pytest.mark.slow  # shares the 8-step training run
 def test_keep_last_prunes_during_training(trained):
     _, _, run, _ = trained
-    assert [p.name for p in ckpt.list_checkpoints(run)] == ["step_000006", "step_000008"]
+    assert [p.name for p in mio.list_checkpoints(run)] == ["step_000006", "step_000008"]
     assert not list(run.glob(".tmp-*"))
     step = run / "step_000008"
     for name in ("model.safetensors", "optimizer.pt", "rng.pt", "state.json", "config.toml",
@@ -94,10 +96,10 @@ def test_from_checkpoint_on_the_run_folder_is_the_newest_step(trained):
 @pytest.mark.slow  # shares the 8-step training run
 def test_fresh_run_refuses_a_folder_with_checkpoints(trained):
     cfg, _, run, _ = trained
-    with pytest.raises(ConfigError, match="--resume"):
-        check_run_dir(run, resume=False)
-    check_run_dir(run, resume=True)
-    with pytest.raises(ConfigError, match="already holds checkpoints"):
+    with pytest.raises(OutputError, match="--resume"):
+        open_run_dir(run, "pretrain", False, mio.list_checkpoints, create=False)
+    open_run_dir(run, "pretrain", True, mio.list_checkpoints, create=False)
+    with pytest.raises(OutputError, match="already holds a `lmforge pretrain` run with checkpoints"):
         pretrain_stage(cfg, run, progress=False)
 
 
@@ -120,7 +122,7 @@ def test_save_load_gives_identical_logits(tiny_run, tmp_path, tie):
             p.add_(torch.randn_like(p) * 0.1)
     path = ckpt.save_checkpoint(tmp_path / "run", 3, model, cfg, tok.folder, state={"tokens": 12})
     assert path == tmp_path / "run" / "step_000003"
-    loaded, lcfg, contract, where = ckpt.load_model(tmp_path / "run")
+    loaded, lcfg, contract, where = load_model(tmp_path / "run")
     assert where == path and lcfg == cfg and contract == tok.contract
     x = tokens_for(tok)
     torch.testing.assert_close(loaded(x), model(x), rtol=0, atol=0)
@@ -130,7 +132,7 @@ def test_save_load_gives_identical_logits(tiny_run, tmp_path, tie):
         assert loaded.output.weight is loaded.tok_embeddings.weight
         from safetensors.torch import load_file
 
-        assert "output.weight" not in load_file(str(path / ckpt.MODEL_FILE))  # stored once
+        assert "output.weight" not in load_file(str(path / mio.MODEL_FILE))  # stored once
     state = json.loads((path / "state.json").read_text())
     assert state == {"tokens": 12, "step": 3}
 
@@ -147,11 +149,11 @@ def test_newest_complete_step_is_chosen(tiny_run, tmp_path):
     (run / ".tmp-step_3000000").mkdir()
     shutil.copytree(run / "step_000030", run / ".tmp-step_4000000")
     (run / "notes").mkdir()
-    names = [p.name for p in ckpt.list_checkpoints(run)]
+    names = [p.name for p in mio.list_checkpoints(run)]
     assert names == ["step_000002", "step_000030", "step_999999", "step_1000000"]  # numeric order
     x = tokens_for(tok)
     torch.testing.assert_close(Transformer.from_checkpoint(run)(x), models[1_000_000](x), rtol=0, atol=0)
-    assert ckpt.resolve_checkpoint(run / "step_000030") == run / "step_000030"
+    assert mio.resolve_checkpoint(run / "step_000030") == run / "step_000030"
 
 
 def test_prune_checkpoints(tiny_run, tmp_path):
@@ -161,9 +163,9 @@ def test_prune_checkpoints(tiny_run, tmp_path):
     for step in (1, 2, 3, 4, 5):
         ckpt.save_checkpoint(run, step, model, cfg, tok.folder)
     ckpt.prune_checkpoints(run, 0)  # 0 = keep all
-    assert len(ckpt.list_checkpoints(run)) == 5
+    assert len(mio.list_checkpoints(run)) == 5
     ckpt.prune_checkpoints(run, 3)
-    assert [p.name for p in ckpt.list_checkpoints(run)] == ["step_000003", "step_000004", "step_000005"]
+    assert [p.name for p in mio.list_checkpoints(run)] == ["step_000003", "step_000004", "step_000005"]
     ckpt.prune_checkpoints(run, 1)
     assert [p.name for p in run.iterdir()] == ["step_000005"]
 

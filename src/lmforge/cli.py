@@ -2,17 +2,22 @@
 
 Every subcommand takes `--config FILE` (a TOML recipe; default: the built-in defaults,
 which equal configs/stdlib-tiny.toml) and repeatable `--set section.key=value`.
-Bad input prints one `error:` line (no traceback) and exits 2.
+
+Exit codes: 0 the command finished; 2 refused input (one `error:` line, no traceback,
+nothing changed on disk); 130 stopped by SIGINT (Ctrl-C) and 143 by SIGTERM (a training
+command first writes a checkpoint and prints how to resume).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
-from lmforge.errors import LmforgeError
+from lmforge.errors import Interrupted, LmforgeError
 
 EPILOG = """\
 stages, in order:
@@ -36,6 +41,211 @@ def _common(p: argparse.ArgumentParser, out_help: str | None = None) -> None:
         p.add_argument("--out", metavar="DIR", help=out_help)
 
 
+def _progress(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _training(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in --out")
+    p.add_argument("--dry-run", action="store_true",
+                   help="run every check and one forward/backward pass, write nothing, exit")
+    _progress(p)
+
+
+def _checkpoint(p: argparse.ArgumentParser, tokenizer: bool = True) -> None:
+    p.add_argument("--checkpoint", required=True, metavar="DIR", help="a run folder or a step_NNNNNN folder")
+    if tokenizer:
+        p.add_argument("--tokenizer", metavar="DIR",
+                       help="tokenizer folder (default: the checkpoint's own); must match")
+
+
+def _sampling(p: argparse.ArgumentParser, repetition_penalty: bool = True) -> None:
+    """The [generate] overrides shared by generate and chat (lmforge.config.SamplingConfig)."""
+    p.add_argument("--max-new-tokens", type=int, help="default: generate.max_new_tokens")
+    p.add_argument("--temperature", type=float, help="default: generate.temperature")
+    p.add_argument("--top-k", type=int, help="default: generate.top_k (0 = off)")
+    p.add_argument("--top-p", type=float, help="default: generate.top_p (1 = off)")
+    if repetition_penalty:
+        p.add_argument("--repetition-penalty", type=float, help="default: generate.repetition_penalty (1 = off)")
+    p.add_argument("--greedy", action="store_true", help="argmax decoding")
+    p.add_argument("--seed", type=int, default=None, help="seed for sampling (default: unseeded)")
+
+
+def _config(args):
+    from lmforge.config import load_config
+
+    return load_config(args.config, args.overrides)
+
+
+def _sampling_config(args):
+    return _config(args).generate.override(
+        greedy=args.greedy or None, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+        top_k=args.top_k, top_p=args.top_p, repetition_penalty=getattr(args, "repetition_penalty", None))
+
+
+def _need_out(args, what: str) -> Path:
+    if not args.out:
+        raise LmforgeError(f"{args.command} needs --out {what}.")
+    return Path(args.out)
+
+
+def _exit_for(last: dict) -> int:
+    """0 for a finished training run; 128 + the signal for one a signal stopped."""
+    return 128 + int(last.get("signal", signal.SIGTERM)) if last.get("interrupted") else 0
+
+
+# -- the commands: each parses nothing, calls one stage ----------------------------------------
+def _train_tokenizer(args) -> int:
+    from lmforge.stages import train_tokenizer_stage
+
+    train_tokenizer_stage(_config(args), args.out, progress=not args.no_progress)
+    return 0
+
+
+def _import_tokenizer(args) -> int:
+    from lmforge.stages import import_tokenizer_stage
+
+    import_tokenizer_stage(_config(args), args.src, args.out)
+    return 0
+
+
+def _prepare(args) -> int:
+    from lmforge.stages import prepare_stage
+
+    prepare_stage(_config(args), args.out, progress=not args.no_progress)
+    return 0
+
+
+def _train(stage_name: str) -> Callable[[argparse.Namespace], int]:
+    def run(args) -> int:
+        from lmforge import stages
+
+        cfg = _config(args)
+        out = Path(args.out) if args.out else (Path(".") if args.dry_run else _need_out(args, "DIR (the run folder)"))
+        last = getattr(stages, stage_name)(cfg, out, resume=args.resume, dry_run=args.dry_run,
+                                           progress=not args.no_progress)
+        print(json.dumps(last))
+        return _exit_for(last)
+
+    return run
+
+
+def _generate(args) -> int:
+    from lmforge.stages import generate_stage
+
+    print(generate_stage(_config(args), args.checkpoint, args.prompt, _sampling_config(args), args.tokenizer,
+                         seed=args.seed, truncate=args.truncate))
+    return 0
+
+
+def _chat(args) -> int:
+    from lmforge.stages import chat_stage
+
+    chat_stage(args.checkpoint, _sampling_config(args), args.tokenizer, system=args.system, seed=args.seed)
+    return 0
+
+
+def _eval(args) -> int:
+    from lmforge.stages import eval_stage
+
+    res = eval_stage(args.checkpoint, args.data, args.split, args.out)
+    print(f"loss {res['loss']:.4f} nats/token, perplexity {res['perplexity']:.2f}, "
+          f"{res['bits_per_byte']:.4f} bits/byte over {res['tokens']:,} tokens ({res['bytes']:,} bytes)")
+    print(json.dumps(res))
+    return 0
+
+
+def _export(args) -> int:
+    from lmforge.stages import export_stage
+
+    print(export_stage(args.checkpoint, _need_out(args, "DIR (the Hugging Face folder to write)"),
+                       dtype=args.dtype, verify=args.verify))
+    return 0
+
+
+def _import_hf(args) -> int:
+    from lmforge.stages import import_hf_stage
+
+    print(import_hf_stage(args.folder, _need_out(args, "DIR (the lmforge checkpoint folder to write)")))
+    return 0
+
+
+def _speedrun(args) -> int:
+    from lmforge.stages import speedrun_stage
+
+    speedrun_stage(_config(args), args.out or "runs/speedrun", resume=args.resume, progress=not args.no_progress)
+    return 0
+
+
+def _args_import_tokenizer(p):
+    p.add_argument("--from", dest="src", required=True, metavar="DIR",
+                   help="a folder with tokenizer.json + tokenizer_config.json, as transformers saves it")
+
+
+def _args_generate(p):
+    _checkpoint(p)
+    p.add_argument("--prompt", default="", help="text to continue (a document start)")
+    _sampling(p)
+    p.add_argument("--truncate", action="store_true", help="keep the prompt's last tokens if it is too long")
+
+
+def _args_chat(p):
+    _checkpoint(p)
+    p.add_argument("--system", default=None, help="a system message that opens the conversation")
+    _sampling(p, repetition_penalty=False)
+
+
+def _args_eval(p):
+    _checkpoint(p, tokenizer=False)
+    p.add_argument("--data", metavar="DIR", help="prepared data folder (default: the checkpoint's data.dir)")
+    p.add_argument("--split", default="val", choices=("train", "val"))
+
+
+def _args_export(p):
+    _checkpoint(p, tokenizer=False)
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    p.add_argument("--verify", action="store_true", help="compare logits with transformers (needs lmforge[hf])")
+
+
+def _args_import_hf(p):
+    p.add_argument("folder", metavar="DIR", help="a folder written by transformers' save_pretrained")
+
+
+def _args_speedrun(p):
+    p.add_argument("--resume", action="store_true", help="keep finished stages, continue pretraining")
+    _progress(p)
+
+
+#: command -> (help, --out help or None, argument adder, runner)
+COMMANDS: dict[str, tuple[str, str | None, Callable, Callable]] = {
+    "train-tokenizer": ("train the byte-level BPE tokenizer on data.source",
+                        "where to write the tokenizer (default: tokenizer.dir)", _progress, _train_tokenizer),
+    "import-tokenizer": ("bring your own Hugging Face tokenizer folder (derives the contract)",
+                         "where to write the lmforge tokenizer folder (default: tokenizer.dir)",
+                         _args_import_tokenizer, _import_tokenizer),
+    "prepare": ("pretokenize data.source into .bin/.idx shards",
+                "where to write the shards (default: data.dir)", _progress, _prepare),
+    "pretrain": ("pretrain a model on the prepared shards",
+                 "run folder (metrics.jsonl, config.toml, step_NNNNNN/ checkpoints)", _training,
+                 _train("pretrain_stage")),
+    "sft": ("supervised fine-tuning on conversations, from sft.init",
+            "run folder (metrics.jsonl, config.toml, step_NNNNNN/ checkpoints)", _training, _train("sft_stage")),
+    "generate": ("sample a continuation from a checkpoint", None, _args_generate, _generate),
+    "chat": ("chat with a fine-tuned checkpoint (one line a turn; /exit or EOF quits)", None, _args_chat, _chat),
+    "eval": ("held-out loss, perplexity and bits per byte of a checkpoint",
+             "write the results as JSON to this file", _args_eval, _eval),
+    "export": ("write a checkpoint as a Hugging Face Llama folder",
+               "the Hugging Face folder to write (required)", _args_export, _export),
+    "import-hf": ("turn a Hugging Face Llama folder into an lmforge checkpoint",
+                  "the lmforge checkpoint folder to write (required)", _args_import_hf, _import_hf),
+    "speedrun": ("every stage on the embedded corpus, then a summary table",
+                 "output folder (default: runs/speedrun)", _args_speedrun, _speedrun),
+}
+
+#: Commands that can continue after an interruption (the Ctrl-C message says so only for them).
+RESUMABLE = ("pretrain", "sft", "speedrun")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="lmforge",
@@ -44,75 +254,10 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-
-    p = sub.add_parser("train-tokenizer", help="train the byte-level BPE tokenizer on data.source")
-    _common(p, "where to write the tokenizer (default: tokenizer.dir)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-
-    p = sub.add_parser("import-tokenizer", help="bring your own Hugging Face tokenizer folder (derives the contract)")
-    _common(p, "where to write the lmforge tokenizer folder (default: tokenizer.dir)")
-    p.add_argument("--from", dest="src", required=True, metavar="DIR",
-                   help="a folder with tokenizer.json + tokenizer_config.json, as transformers saves it")
-
-    p = sub.add_parser("prepare", help="pretokenize data.source into .bin/.idx shards")
-    _common(p, "where to write the shards (default: data.dir)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-
-    for name, what in (("pretrain", "pretrain a model on the prepared shards"),
-                       ("sft", "supervised fine-tuning on conversations, from sft.init")):
-        p = sub.add_parser(name, help=what)
-        _common(p, "run folder (metrics.jsonl, config.toml, step_NNNNNN/ checkpoints)")
-        p.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in --out")
-        p.add_argument("--dry-run", action="store_true",
-                       help="run every check and one forward/backward pass, write nothing, exit")
-        p.add_argument("--no-progress", action="store_true", help="no progress bar")
-
-    p = sub.add_parser("generate", help="sample a continuation from a checkpoint")
-    _common(p)
-    p.add_argument("--checkpoint", required=True, metavar="DIR", help="a run folder or a step_NNNNNN folder")
-    p.add_argument("--tokenizer", metavar="DIR", help="tokenizer folder (default: the checkpoint's own); must match")
-    p.add_argument("--prompt", default="", help="text to continue (a document start)")
-    p.add_argument("--max-new-tokens", type=int, help="default: generate.max_new_tokens")
-    p.add_argument("--temperature", type=float)
-    p.add_argument("--top-k", type=int)
-    p.add_argument("--top-p", type=float)
-    p.add_argument("--repetition-penalty", type=float)
-    p.add_argument("--greedy", action="store_true", help="argmax decoding")
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--truncate", action="store_true", help="keep the prompt's last tokens if it is too long")
-
-    p = sub.add_parser("chat", help="chat with a fine-tuned checkpoint (one line a turn; /exit or EOF quits)")
-    _common(p)
-    p.add_argument("--checkpoint", required=True, metavar="DIR", help="a run folder or a step_NNNNNN folder")
-    p.add_argument("--tokenizer", metavar="DIR", help="tokenizer folder (default: the checkpoint's own); must match")
-    p.add_argument("--system", default=None, help="a system message that opens the conversation")
-    p.add_argument("--max-new-tokens", type=int, help="default: generate.max_new_tokens")
-    p.add_argument("--temperature", type=float)
-    p.add_argument("--top-k", type=int)
-    p.add_argument("--top-p", type=float)
-    p.add_argument("--greedy", action="store_true", help="argmax decoding")
-    p.add_argument("--seed", type=int, default=None)
-
-    p = sub.add_parser("eval", help="held-out loss, perplexity and bits per byte of a checkpoint")
-    _common(p, "write the results as JSON to this file")
-    p.add_argument("--checkpoint", required=True, metavar="DIR")
-    p.add_argument("--data", metavar="DIR", help="prepared data folder (default: the checkpoint's data.dir)")
-    p.add_argument("--split", default="val", choices=("train", "val"))
-
-    p = sub.add_parser("export", help="write a checkpoint as a Hugging Face Llama folder")
-    _common(p, "the Hugging Face folder to write (required)")
-    p.add_argument("--checkpoint", required=True, metavar="DIR", help="a run folder or a step_NNNNNN folder")
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
-    p.add_argument("--verify", action="store_true", help="compare logits with transformers (needs lmforge[hf])")
-
-    p = sub.add_parser("import-hf", help="turn a Hugging Face Llama folder into an lmforge checkpoint")
-    _common(p, "the lmforge checkpoint folder to write (required)")
-    p.add_argument("folder", metavar="DIR", help="a folder written by transformers' save_pretrained")
-
-    p = sub.add_parser("speedrun", help="every stage on the embedded corpus, then a summary table")
-    _common(p, "output folder (default: runs/speedrun)")
-    p.add_argument("--resume", action="store_true", help="keep finished stages, continue pretraining")
-    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    for name, (help_text, out_help, add_args, _) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        _common(p, out_help)
+        add_args(p)
     return parser
 
 
@@ -122,86 +267,8 @@ def _version() -> str:
     return f"lmforge {__version__}"
 
 
-def _config(args):
-    from lmforge.config import load_config
-
-    return load_config(args.config, args.overrides)
-
-
 def run(args: argparse.Namespace) -> int:
-    from lmforge import stages
-
-    cmd = args.command
-    if cmd == "train-tokenizer":
-        stages.train_tokenizer_stage(_config(args), args.out, progress=not args.no_progress)
-    elif cmd == "import-tokenizer":
-        from lmforge.tokenizer import import_tokenizer
-
-        out = args.out or _config(args).tokenizer.dir
-        tok = import_tokenizer(args.src, out, log=lambda m: print(f"import-tokenizer: {m}", file=sys.stderr))
-        print(f"import-tokenizer: {tok.vocab_size} tokens (model vocab {tok.contract.model_vocab_size}), special ids "
-              + ", ".join(f"{k}={v} {tok.spellings[k]!r}" for k, v in tok.contract.special_tokens.items())
-              + f" -> {out}", file=sys.stderr)
-    elif cmd == "prepare":
-        stages.prepare_stage(_config(args), args.out, progress=not args.no_progress)
-    elif cmd == "pretrain":
-        cfg = _config(args)
-        if not args.out and not args.dry_run:
-            raise LmforgeError("pretrain needs --out DIR (the run folder).")
-        last = stages.pretrain_stage(cfg, Path(args.out or "."), resume=args.resume, dry_run=args.dry_run,
-                                     progress=not args.no_progress)
-        print(json.dumps(last))
-    elif cmd == "sft":
-        from lmforge.sft import sft_stage  # noqa: F401  (added with the SFT stage)
-
-        cfg = _config(args)
-        if not args.out and not args.dry_run:
-            raise LmforgeError("sft needs --out DIR (the run folder).")
-        last = sft_stage(cfg, Path(args.out or "."), resume=args.resume, dry_run=args.dry_run,
-                         progress=not args.no_progress)
-        print(json.dumps(last))
-    elif cmd == "generate":
-        from lmforge.generate import SamplingConfig
-
-        cfg = _config(args)
-        model, tok, _ = stages.load_for_inference(args.checkpoint, args.tokenizer)
-        sampling = SamplingConfig.from_config(
-            cfg.generate, greedy=args.greedy, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-            top_k=args.top_k, top_p=args.top_p, repetition_penalty=args.repetition_penalty)
-        print(stages.generate_text(model, tok, args.prompt, sampling, seed=args.seed, truncate=args.truncate))
-    elif cmd == "chat":
-        from lmforge.generate import SamplingConfig
-        from lmforge.sft import chat_loop, stdin_reader
-
-        g = _config(args).generate
-        model, tok, _ = stages.load_for_inference(args.checkpoint, args.tokenizer)
-        sampling = SamplingConfig.from_config(
-            g, greedy=args.greedy, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-            top_k=args.top_k, top_p=args.top_p)
-        chat_loop(model, tok, sampling, stdin_reader(), lambda reply: print(reply, flush=True),
-                  system=args.system, seed=args.seed)
-    elif cmd == "eval":
-        res = stages.eval_stage(args.checkpoint, args.data, args.split, args.out)
-        print(f"loss {res['loss']:.4f} nats/token, perplexity {res['perplexity']:.2f}, "
-              f"{res['bits_per_byte']:.4f} bits/byte over {res['tokens']:,} tokens ({res['bytes']:,} bytes)")
-        print(json.dumps(res))
-    elif cmd == "export":
-        from lmforge.export import export_hf
-
-        if not args.out:
-            raise LmforgeError("export needs --out DIR (the Hugging Face folder to write).")
-        print(export_hf(args.checkpoint, args.out, dtype=args.dtype, verify=args.verify))
-    elif cmd == "import-hf":
-        from lmforge.export import import_hf
-
-        if not args.out:
-            raise LmforgeError("import-hf needs --out DIR (the lmforge checkpoint folder to write).")
-        print(import_hf(args.folder, args.out, log=lambda msg: print(f"import-hf: {msg}", file=sys.stderr)))
-    elif cmd == "speedrun":
-        from lmforge.speedrun import speedrun
-
-        speedrun(_config(args), args.out or "runs/speedrun", resume=args.resume, progress=not args.no_progress)
-    return 0
+    return COMMANDS[args.command][3](args)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -212,9 +279,15 @@ def main(argv: list[str] | None = None) -> int:
     except LmforgeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except Interrupted as exc:
+        print(f"interrupted ({signal.Signals(exc.signum).name}): checkpoints are kept; run the same command with "
+              f"--resume to continue (`make speedrun` resumes by itself)", file=sys.stderr)
+        return 128 + exc.signum
     except KeyboardInterrupt:
-        print("interrupted: checkpoints are kept; run the same command with --resume to continue "
-              "(`make speedrun` resumes by itself)", file=sys.stderr)
+        hint = ("checkpoints are kept; run the same command with --resume to continue"
+                if args.command in RESUMABLE else "nothing was written (outputs are replaced only when complete); "
+                                                  "run the command again")
+        print(f"interrupted: {hint}", file=sys.stderr)
         return 130
 
 

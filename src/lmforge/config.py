@@ -22,10 +22,10 @@ from typing import Any
 import tomli_w
 
 from lmforge.errors import ConfigError
+from lmforge.fileio import write_text
 
-#: Model vocabularies are padded up to a multiple of this (P6): the extra rows
-#: are never targets and are sliced off the logits.
-VOCAB_MULTIPLE = 64
+#: The resolved config, written into every output folder and checkpoint.
+CONFIG_FILE = "config.toml"
 
 
 @dataclass
@@ -152,12 +152,40 @@ class SFTConfig:
 
 
 @dataclass
-class GenerateConfig:
+class SamplingConfig:
+    """The [generate] section: how `generate`, `chat`, the speedrun's samples and the server
+    sample (one config for all of them; command-line flags override single fields)."""
+
     max_new_tokens: int = 128
     temperature: float = 0.8
     top_k: int = 50
+    """0 = no top-k filter."""
     top_p: float = 0.95
+    """1.0 = no nucleus filter."""
     repetition_penalty: float = 1.0
+    """1.0 = none; > 1 discourages tokens already in the prompt or the output."""
+    greedy: bool = False
+    """argmax decoding (also when temperature == 0)."""
+
+    def override(self, **values) -> "SamplingConfig":
+        """A copy with `values` set, skipping those that are None (command-line flags not
+        given keep the config's value)."""
+        return dataclasses.replace(self, **{k: v for k, v in values.items() if v is not None})
+
+    def validate(self) -> "SamplingConfig":
+        """Raises LmforgeError naming the field, the value and the valid range."""
+        checks = [
+            ("max_new_tokens", self.max_new_tokens >= 1, ">= 1"),
+            ("temperature", math.isfinite(self.temperature) and self.temperature >= 0, ">= 0"),
+            ("top_k", self.top_k >= 0, ">= 0 (0 = off)"),
+            ("top_p", 0 < self.top_p <= 1, "in (0, 1]"),
+            ("repetition_penalty", math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0, "> 0"),
+        ]
+        for name, ok, want in checks:
+            if not ok:
+                raise ConfigError(f"generate.{name} = {getattr(self, name)!r}: expected a value {want} "
+                                  f"(default {getattr(SamplingConfig(), name)!r}).")
+        return self
 
 
 @dataclass
@@ -167,17 +195,17 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
-    generate: GenerateConfig = field(default_factory=GenerateConfig)
+    generate: SamplingConfig = field(default_factory=SamplingConfig)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)
 
+    def to_toml(self) -> str:
+        return tomli_w.dumps(self.to_dict())
+
     def save(self, path: str | Path) -> None:
         """Write the resolved config as TOML (atomically)."""
-        path = Path(path)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_bytes(tomli_w.dumps(self.to_dict()).encode())
-        tmp.replace(path)
+        write_text(path, self.to_toml())
 
     def validate(self, world_size: int | None = None) -> "Config":
         """Check shapes and choices before any work (P7); with `world_size`, the parallel
@@ -190,11 +218,6 @@ def _round_up(n: int, multiple: int) -> int:
     return int(math.ceil(n / multiple) * multiple)
 
 
-def padded_vocab_size(vocab_size: int) -> int:
-    """The model's vocab: the tokenizer's, rounded up to a multiple of 64 (P6)."""
-    return _round_up(vocab_size, VOCAB_MULTIPLE)
-
-
 SECTIONS: dict[str, type] = {f.name: f.type for f in dataclasses.fields(Config)}
 _SECTION_TYPES = {
     "tokenizer": TokenizerConfig,
@@ -202,7 +225,7 @@ _SECTION_TYPES = {
     "model": ModelConfig,
     "train": TrainConfig,
     "sft": SFTConfig,
-    "generate": GenerateConfig,
+    "generate": SamplingConfig,
 }
 
 

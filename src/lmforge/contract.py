@@ -21,10 +21,22 @@ from pathlib import Path
 
 import numpy as np
 
-from lmforge.config import padded_vocab_size
 from lmforge.errors import ContractError
 
 CONTRACT_FILE = "contract.json"
+#: The tokenizer files that travel with the contract into every data folder and checkpoint.
+TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+
+
+#: The model's vocabulary is the tokenizer's rounded up to a multiple of this (P6): matmul
+#: shapes that divide well, and the extra rows are never targets (sliced off the logits).
+VOCAB_MULTIPLE = 64
+
+
+def padded_vocab_size(vocab_size: int) -> int:
+    """The model's vocab: the tokenizer's, rounded up to a multiple of 64 (P6)."""
+    return -(-vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
 
 
 @dataclass(frozen=True)

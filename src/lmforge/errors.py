@@ -23,3 +23,16 @@ class DataError(LmforgeError):
 
 class CheckpointError(LmforgeError):
     """A checkpoint folder is missing, incomplete or does not match."""
+
+
+class TrainingError(LmforgeError):
+    """Training cannot go on: a non-finite loss, gradient or weight (the step is not taken)."""
+
+
+class Interrupted(Exception):
+    """A command stopped by SIGINT/SIGTERM after saving what it could; the command line
+    exits 128 + `signum` (130 for SIGINT, 143 for SIGTERM)."""
+
+    def __init__(self, signum: int, message: str = ""):
+        super().__init__(message or f"stopped by signal {signum}")
+        self.signum = signum

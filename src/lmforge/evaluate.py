@@ -16,6 +16,32 @@ import torch
 
 from lmforge.data.packing import Batch, shard_stream
 from lmforge.data.shards import Shard
+from lmforge.runtime import autocast
+
+
+def batch_loss(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
+    """The one model call on a `Batch`: summed nats over its supervised targets (0-dim
+    float32), through `model.forward(..., targets=, loss_mask=)` so DDP/FSDP hooks run."""
+    return model(batch.tokens, batch.positions, batch.document_ids, targets=batch.targets,
+                 loss_mask=batch.loss_mask)
+
+
+@torch.no_grad()
+def evaluate_batches(model: torch.nn.Module, batches: Iterable[Batch], device: torch.device,
+                     dtype: torch.dtype | None) -> tuple[float, int]:
+    """(sum of nats, supervised targets) over `batches`, with the training loss function;
+    `dtype` is the autocast dtype (None = fp32). The model's train/eval mode is restored."""
+    was_training = model.training
+    model.eval()
+    total, count = torch.zeros((), dtype=torch.float64), 0
+    for b in batches:
+        b = b.to(device)
+        with autocast(device, dtype):
+            nats = batch_loss(model, b)
+        total += nats.double().cpu()
+        count += b.n_supervised
+    model.train(was_training)
+    return float(total), count
 
 
 def shard_batches(shard: Shard, seq_len: int, batch_size: int, max_tokens: int = 0,
@@ -23,13 +49,7 @@ def shard_batches(shard: Shard, seq_len: int, batch_size: int, max_tokens: int =
     """Every document of `shard` once, in order, packed; the last batch may be short.
     With `max_tokens`, stop after about that many tokens."""
     stream = shard_stream(shard, seq_len, batch_size, seed=0, document_masking=document_masking, shuffle=False)
-    rows = stream.plan(0)
-    limit = len(rows) if not max_tokens else min(len(rows), max(1, max_tokens // seq_len))
-    from lmforge.data.packing import build_row, collate
-
-    for i in range(0, limit, batch_size):
-        chunk = rows[i: min(i + batch_size, limit)]
-        yield collate([build_row(r, stream.get_tokens, None, seq_len, stream.pad_id, document_masking) for r in chunk])
+    return stream.batches_once(max(1, max_tokens // seq_len) if max_tokens else 0)
 
 
 def evaluate_shard(model: torch.nn.Module, shard: Shard, seq_len: int, batch_size: int = 16,
@@ -46,8 +66,6 @@ def evaluate_shard(model: torch.nn.Module, shard: Shard, seq_len: int, batch_siz
         tokens         int, targets scored (= shard tokens - documents)
         bytes          int, UTF-8 bytes of the split's text (from the shard's meta.json)
     """
-    from lmforge.train.trainer import evaluate_batches
-
     nats, count = evaluate_batches(model, shard_batches(shard, seq_len, batch_size, 0, document_masking),
                                    torch.device(device), dtype)
     loss = nats / max(count, 1)
@@ -77,4 +95,4 @@ def split_texts(shard: Shard, tokenizer) -> Iterable[str]:
         yield tokenizer.decode(doc[1:-1].tolist())
 
 
-__all__ = ["evaluate_shard", "shard_batches", "xz_bits_per_byte", "split_texts"]
+__all__ = ["batch_loss", "evaluate_batches", "evaluate_shard", "shard_batches", "xz_bits_per_byte", "split_texts"]

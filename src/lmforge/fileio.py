@@ -1,24 +1,308 @@
-"""Output folders that lmforge replaces whole: refuse ones holding anything else."""
+"""The one writer for every output lmforge makes: folders and files, atomically.
+
+Rules (DESIGN.md, "Errors"), enforced here for every command:
+- An output folder is written only if it is absent, empty, or holds what the *same*
+  command wrote before, recognised by lmforge's own marker file (`MARKER_FILE`, a small
+  JSON naming the command) — never by file names other tools also use. An existing file,
+  `.`, a parent of the current folder, or another command's output is refused with a
+  message that says what it is.
+- A folder is built in a temporary sibling with a unique name (`.NAME.tmp-XXXXXX`, made by
+  this process and removed only by it) and moved into place when complete; the previous
+  output is replaced only then (an atomic exchange where the kernel has one, else two
+  renames with the old kept until the new is in place).
+- Files are written to a unique temporary sibling and `os.replace`d; `fsync=True` makes
+  the bytes durable before the rename (checkpoints).
+- A lock file (`.NAME.lock` beside the output) refuses a second writer of the same output
+  while the first runs; a lock whose process is gone is taken over.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Collection
+import contextlib
+import ctypes
+import ctypes.util
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 from lmforge.errors import LmforgeError
 
+MARKER_FILE = ".lmforge-output"
 
-def check_replaceable(out: Path, known: Collection[str], what: str,
-                      error: type[LmforgeError] = LmforgeError) -> None:
-    """Raise `error` unless `out` is absent, or a folder holding only `known` file names
-    (an earlier result of `what`, which is replaced whole)."""
-    if not out.exists():
+
+class OutputError(LmforgeError):
+    """An output path lmforge refuses to write (it holds something else), or a failed write."""
+
+
+# -- what is at a path -----------------------------------------------------------------------
+def read_marker(folder: Path) -> dict | None:
+    """The marker of a folder lmforge wrote ({"command": ...}), or None (absent or unreadable)."""
+    try:
+        data = json.loads((Path(folder) / MARKER_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError, UnicodeDecodeError):
+        return None
+    return data if isinstance(data, dict) and isinstance(data.get("command"), str) else None
+
+
+def write_marker(folder: Path, command: str, **extra) -> None:
+    (Path(folder) / MARKER_FILE).write_text(json.dumps({"command": command, **extra}) + "\n", encoding="utf-8")
+
+
+#: Marker commands in words, for error messages.
+KINDS = {
+    "tokenizer": "a tokenizer folder (train-tokenizer / import-tokenizer)",
+    "prepare": "a prepared data folder (lmforge prepare)",
+    "pretrain": "a pretraining run folder",
+    "sft": "an SFT run folder",
+    "checkpoint": "a checkpoint (a step_NNNNNN folder of a run)",
+    "export": "a Hugging Face export folder (lmforge export)",
+    "import-hf": "a checkpoint imported from Hugging Face (lmforge import-hf)",
+    "speedrun": "a speedrun folder",
+}
+
+
+def describe(path: Path) -> str:
+    """What `path` holds, in words, for an error message."""
+    marker = read_marker(path) if path.is_dir() else None
+    if marker:
+        return KINDS.get(marker["command"], f"the output of `lmforge {marker['command']}`")
+    if path.is_file():
+        return "an existing file"
+    try:
+        names = sorted(p.name for p in path.iterdir())
+    except OSError:
+        names = []
+    shown = ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
+    return f"a folder lmforge did not write (it holds {shown})" if names else "an empty folder"
+
+
+def _is_cwd_or_parent(path: Path) -> bool:
+    try:
+        here, target = Path.cwd().resolve(), path.resolve()
+    except OSError:
+        return False
+    return target == here or target in here.parents
+
+
+def check_output(out: Path, command: str, what: str | None = None) -> None:
+    """Raise OutputError unless `command` may write the folder `out`: absent, empty, or
+    carrying `command`'s own marker.
+
+    Raises:
+        OutputError: `out` is a file, `.`, a parent of the current folder, another
+        command's output, a checkpoint, or a folder lmforge did not write.
+    """
+    out = Path(out)
+    what = what or f"`lmforge {command}`"
+    if _is_cwd_or_parent(out):
+        raise OutputError(f"--out {out} is the current folder or one of its parents; {what} writes a folder of "
+                          f"its own there. Choose a new folder name, e.g. --out {Path(out) / 'out'}.")
+    if not out.exists() and not out.is_symlink():
         return
-    if not out.is_dir():
-        raise error(f"{out} is a file, not a folder. Choose a folder for {what}.")
-    foreign = sorted(p.name for p in out.iterdir() if p.name not in known)
-    if foreign:
-        raise error(
-            f"{out} already holds files that {what} did not write ({', '.join(foreign[:5])}); "
-            f"{what} replaces the whole folder, so it refuses. Choose an empty or new folder."
-        )
+    if not out.is_dir() or out.is_symlink():
+        raise OutputError(f"--out {out} is {'a link' if out.is_symlink() else 'an existing file'}, not a folder. "
+                          f"{what} writes a folder: choose a new path (nothing was changed).")
+    marker = read_marker(out)
+    if marker is not None and marker["command"] == command:
+        return
+    if marker is None and not any(out.iterdir()):
+        return
+    raise OutputError(f"--out {out} is {describe(out)}, not an earlier result of {what}; it is left untouched. "
+                      f"Choose an empty or new folder.")
+
+
+# -- locking -----------------------------------------------------------------------------------
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@contextlib.contextmanager
+def output_lock(out: Path) -> Iterator[None]:
+    """Hold `.NAME.lock` beside `out` while writing it.
+
+    Raises:
+        OutputError: another live process holds the lock.
+    """
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    lock = out.parent / f".{out.name}.lock"
+    for _ in range(2):
+        try:
+            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            try:
+                pid = int(lock.read_text().strip() or 0)
+            except (OSError, ValueError):
+                pid = 0
+            if pid and _pid_alive(pid):
+                raise OutputError(f"{out} is being written by another lmforge process (pid {pid}, lock {lock}). "
+                                  f"Wait for it to finish, or stop it first.") from None
+            lock.unlink(missing_ok=True)  # stale: its process is gone
+            continue
+        with os.fdopen(fd, "w") as f:
+            f.write(f"{os.getpid()}\n")
+        break
+    else:
+        raise OutputError(f"could not take the lock {lock}; remove it if no lmforge process is running.")
+    try:
+        yield
+    finally:
+        lock.unlink(missing_ok=True)
+
+
+# -- durable renames ---------------------------------------------------------------------------
+def fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(folder: Path) -> None:
+    for p in sorted(Path(folder).rglob("*"), reverse=True):
+        if p.is_file() or p.is_dir():
+            fsync_path(p)
+    fsync_path(folder)
+
+
+_RENAME_EXCHANGE = 2
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two existing paths (Linux renameat2 RENAME_EXCHANGE); False if unsupported."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        fn = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    AT_FDCWD = -100
+    rc = fn(AT_FDCWD, os.fsencode(a), AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE)
+    return rc == 0
+
+
+def replace_dir(new: Path, out: Path) -> None:
+    """Move the complete folder `new` to `out`; a previous `out` is removed only once `new`
+    is in place (atomic exchange where supported, else rename-aside then rename-in)."""
+    if not out.exists():
+        new.rename(out)
+    elif _exchange(new, out):
+        shutil.rmtree(new)  # `new` now holds the previous output
+    else:
+        aside = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+        aside.rmdir()
+        out.rename(aside)
+        try:
+            new.rename(out)
+        except BaseException:
+            aside.rename(out)
+            raise
+        shutil.rmtree(aside)
+    with contextlib.suppress(OSError):
+        fsync_path(out.parent)
+
+
+# -- the writers ---------------------------------------------------------------------------------
+@contextlib.contextmanager
+def atomic_dir(out: str | Path, command: str, fsync: bool = False, what: str | None = None,
+               check: bool = True) -> Iterator[Path]:
+    """Build the folder `out` in a unique temporary sibling, yielded to the caller; on
+    success it is marked as `command`'s output and moved into place, on any error (or
+    Ctrl-C) it is removed and `out` is left as it was.
+
+    `check=False` is for a folder inside one the caller already owns and holds locked (a
+    checkpoint inside its run folder): no output check and no lock of its own.
+
+    Raises:
+        OutputError: `out` may not be written by `command` (see `check_output`), or another
+        process is writing it.
+    """
+    out = Path(out)
+    if check:
+        check_output(out, command, what)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with output_lock(out) if check else contextlib.nullcontext():
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+        try:
+            yield tmp
+            write_marker(tmp, command)
+            if fsync:
+                fsync_tree(tmp)
+            replace_dir(tmp, out)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+
+
+@contextlib.contextmanager
+def atomic_file(path: str | Path, fsync: bool = False, replace: bool = True) -> Iterator[Path]:
+    """Yield a unique temporary path beside `path`; on success it replaces `path` (with
+    `replace=False`, an existing file is refused first), on error it is removed.
+
+    Raises:
+        OutputError: `path` is a folder, or exists and `replace` is False.
+    """
+    path = Path(path)
+    if path.is_dir():
+        raise OutputError(f"{path} is a folder; a file is written there. Choose a file path.")
+    if path.exists() and not replace:
+        raise OutputError(f"{path} already exists; it is left untouched. Pass --force to replace it, "
+                          f"or choose another path.")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
+    os.close(fd)
+    tmp = Path(name)
+    try:
+        yield tmp
+        if fsync:
+            fsync_path(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def write_text(path: str | Path, text: str, fsync: bool = False) -> Path:
+    """Write `text` (UTF-8) to `path` atomically."""
+    with atomic_file(path, fsync=fsync) as tmp:
+        tmp.write_text(text, encoding="utf-8")
+    return Path(path)
+
+
+def write_json(path: str | Path, obj, fsync: bool = False) -> Path:
+    return write_text(path, json.dumps(obj, indent=2, ensure_ascii=False) + "\n", fsync=fsync)
+
+
+def open_run_dir(out: str | Path, command: str, resume: bool, has_progress, create: bool = True) -> Path:
+    """Make (or re-open) the run folder `out` of a training command: absent or empty gets
+    `command`'s marker; an existing run of the same command needs `resume` when
+    `has_progress(out)` says it holds checkpoints. `create=False` only checks (the other
+    ranks of a data-parallel run, which must refuse exactly when rank 0 does).
+
+    Raises:
+        OutputError: `out` is another command's output, a checkpoint, a file, `.`, a
+        parent, a folder lmforge did not write, or a run with checkpoints and no `--resume`.
+    """
+    out = Path(out)
+    check_output(out, command)
+    if out.is_dir() and read_marker(out) is not None and has_progress(out) and not resume:
+        raise OutputError(f"--out {out} already holds a `lmforge {command}` run with checkpoints. Pass --resume "
+                          f"to continue it, or choose another --out.")
+    if create:
+        out.mkdir(parents=True, exist_ok=True)
+        if read_marker(out) is None:
+            write_marker(out, command)
+    return out
+
+
+__all__ = ["MARKER_FILE", "OutputError", "atomic_dir", "atomic_file", "check_output", "describe", "open_run_dir",
+           "output_lock", "read_marker", "replace_dir", "write_json", "write_marker", "write_text", "fsync_tree"]

@@ -14,50 +14,15 @@ only host synchronisation per step is the all-rows-stopped check.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
+from lmforge.config import SamplingConfig
 from lmforge.errors import LmforgeError
+from lmforge.runtime import decode_runtime
 from lmforge.model import Transformer
-
-
-@dataclass
-class SamplingConfig:
-    max_new_tokens: int = 128
-    temperature: float = 0.8
-    top_k: int = 50
-    """0 = no top-k filter."""
-    top_p: float = 0.95
-    """1.0 = no nucleus filter."""
-    repetition_penalty: float = 1.0
-    """1.0 = none; > 1 discourages tokens already in the prompt or the output."""
-    greedy: bool = False
-    """argmax decoding (also when temperature == 0)."""
-
-    @classmethod
-    def from_config(cls, g, greedy: bool = False, **overrides) -> "SamplingConfig":
-        """From a config's [generate] section (`lmforge.config.GenerateConfig`); keyword
-        overrides that are None (command-line flags not given) keep the config's value."""
-        fields = {f: getattr(g, f) for f in ("max_new_tokens", "temperature", "top_k", "top_p",
-                                             "repetition_penalty")}
-        fields.update({k: v for k, v in overrides.items() if v is not None})
-        return cls(**fields, greedy=greedy)
-
-    def validate(self) -> "SamplingConfig":
-        """Raises LmforgeError naming the field, the value and the valid range."""
-        checks = [
-            ("max_new_tokens", self.max_new_tokens >= 1, ">= 1"),
-            ("temperature", self.temperature >= 0, ">= 0"),
-            ("top_k", self.top_k >= 0, ">= 0 (0 = off)"),
-            ("top_p", 0 < self.top_p <= 1, "in (0, 1]"),
-            ("repetition_penalty", self.repetition_penalty > 0, "> 0"),
-        ]
-        for name, ok, want in checks:
-            if not ok:
-                raise LmforgeError(f"sampling {name} = {getattr(self, name)!r}: expected a value {want}.")
-        return self
 
 
 def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
@@ -199,6 +164,19 @@ def output_projection(model: Transformer):
     return lambda h: h @ head
 
 
+def decode_policy(fn):
+    """Run a decoding function under the one decoding policy (`runtime.decode_runtime` for
+    the model's device: fp32 on a CPU, bf16 autocast on CUDA), whatever the caller's context."""
+
+    @functools.wraps(fn)
+    def wrapped(model, *args, **kwargs):
+        with decode_runtime(next(model.parameters()).device).autocast():
+            return fn(model, *args, **kwargs)
+
+    return wrapped
+
+
+@decode_policy
 @torch.inference_mode()
 def generate(
     model: Transformer,

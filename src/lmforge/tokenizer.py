@@ -22,23 +22,24 @@ tokens when missing, and it refuses a tokenizer without an end-of-text token.
 from __future__ import annotations
 
 import json
-import shutil
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from tokenizers import AddedToken, Regex, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, trainers
 
-from lmforge.config import padded_vocab_size
 from lmforge.contract import (
     CONTRACT_FILE,
+    TOKENIZER_CONFIG_FILE,
+    TOKENIZER_FILE,
     Contract,
     check_tokenizer_hash,
     file_sha256,
+    padded_vocab_size,
     token_dtype_for,
 )
 from lmforge.errors import ContractError, LmforgeError
-from lmforge.fileio import check_replaceable
+from lmforge.fileio import atomic_dir, check_output
 
 #: Special tokens by name (the one place they are spelled). Order = id order when
 #: lmforge trains a tokenizer; nothing depends on that order (a test permutes it).
@@ -66,9 +67,6 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
-TOKENIZER_FILE = "tokenizer.json"
-TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
-
 
 def _build_empty() -> HFTokenizer:
     tok = HFTokenizer(models.BPE(byte_fallback=False))
@@ -88,6 +86,7 @@ def train_tokenizer(
     out_dir: str | Path,
     special_tokens: Sequence[str] | None = None,
     show_progress: bool = True,
+    extra_files: dict[str, str] | None = None,
 ) -> "Tokenizer":
     """Train byte-level BPE on `texts` and save tokenizer, config and contract to `out_dir`.
 
@@ -99,6 +98,7 @@ def train_tokenizer(
         LmforgeError: vocab_size too small, or no text.
     The folder is written atomically (a temporary folder, then a rename).
     """
+    check_output(Path(out_dir), TOKENIZER_OUTPUT, "the tokenizer stage")  # before the training time
     specials = list(special_tokens or SPECIAL_TOKENS.values())
     if sorted(specials) != sorted(SPECIAL_TOKENS.values()):
         raise LmforgeError(f"special_tokens {specials} must be a permutation of {list(SPECIAL_TOKENS.values())}.")
@@ -127,20 +127,16 @@ def train_tokenizer(
     tok.train_from_iterator(counted(), trainer=trainer)
     if seen["n"] == 0:
         raise LmforgeError("no text to train the tokenizer on: the corpus yielded no documents.")
-    return save_tokenizer(tok, out_dir)
+    return save_tokenizer(tok, out_dir, extra_files=extra_files)
 
 
-#: What may already be in a folder that save_tokenizer replaces (a previous tokenizer).
-_TOKENIZER_FOLDER_FILES = {TOKENIZER_FILE, TOKENIZER_CONFIG_FILE, CONTRACT_FILE, "config.toml"}
-
-
-def _check_replaceable(out: Path) -> None:
-    """Refuse to replace a folder that holds anything but a previous tokenizer's files."""
-    check_replaceable(out, _TOKENIZER_FOLDER_FILES, "the tokenizer stage")
+#: The marker command of a tokenizer folder (`lmforge.fileio`): train-tokenizer and
+#: import-tokenizer write the same kind of folder and may replace each other's.
+TOKENIZER_OUTPUT = "tokenizer"
 
 
 def save_tokenizer(tok: HFTokenizer, out_dir: str | Path, spellings: dict[str, str] | None = None,
-                   extra_config: dict | None = None) -> "Tokenizer":
+                   extra_config: dict | None = None, extra_files: dict[str, str] | None = None) -> "Tokenizer":
     """Save an HF tokenizer with lmforge's config and a fresh contract, atomically.
 
     Args:
@@ -150,25 +146,22 @@ def save_tokenizer(tok: HFTokenizer, out_dir: str | Path, spellings: dict[str, s
             which is where `Tokenizer.load` reads them back.
         extra_config: tokenizer_config.json keys to add or override (an imported tokenizer's
             unk_token and add_prefix_space).
+        extra_files: {file name: text} written into the folder too (the stage's config.toml).
     Raises:
         ContractError: a special token is missing, or two share an id.
-        LmforgeError: `out_dir` holds files that are not a tokenizer's.
+        OutputError: `out_dir` is not absent, empty or an earlier tokenizer folder
+            (`lmforge.fileio.check_output`).
     """
     spellings = dict(spellings or SPECIAL_TOKENS)
     out = Path(out_dir)
-    _check_replaceable(out)
-    tmp = out.with_name(out.name + ".tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    try:
-        return _save_into(tok, tmp, out, spellings, extra_config or {})
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    with atomic_dir(out, TOKENIZER_OUTPUT, what="the tokenizer stage") as tmp:
+        _save_into(tok, tmp, spellings, extra_config or {})
+        for name, text in (extra_files or {}).items():
+            (tmp / name).write_text(text, encoding="utf-8")
+    return Tokenizer.load(out)
 
 
-def _save_into(tok: HFTokenizer, tmp: Path, out: Path, spellings: dict[str, str], extra: dict) -> "Tokenizer":
+def _save_into(tok: HFTokenizer, tmp: Path, spellings: dict[str, str], extra: dict) -> None:
     tok.save(str(tmp / TOKENIZER_FILE))
     specials = special_ids_of(tok, where=str(tmp / TOKENIZER_FILE), spellings=spellings)
     config = {
@@ -197,10 +190,6 @@ def _save_into(tok: HFTokenizer, tmp: Path, out: Path, spellings: dict[str, str]
     )
     contract.check_consistent(tmp / CONTRACT_FILE)
     contract.save(tmp)
-    if out.exists():
-        shutil.rmtree(out)
-    tmp.rename(out)
-    return Tokenizer.load(out)
 
 
 def vocab_size_of(tok: HFTokenizer) -> int:
@@ -512,6 +501,7 @@ def import_tokenizer(src_dir: str | Path, out_dir: str | Path,
         )
     if out.resolve() == src.resolve():
         raise LmforgeError(f"--out {out} is the --from folder; the source is never modified. Choose another --out.")
+    check_output(out, TOKENIZER_OUTPUT, "import-tokenizer")  # before any work
     try:
         hf = HFTokenizer.from_file(str(path))
     except Exception as exc:  # the Rust library raises plain Exception subclasses

@@ -41,7 +41,7 @@ Labels are masked by `loss_mask` only, never by comparing ids with `pad_id` (P4)
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -290,6 +290,16 @@ class RowStream:
     def __iter__(self):
         while True:
             yield self.next_batch()
+
+    def batches_once(self, max_rows: int = 0) -> Iterator[Batch]:
+        """Epoch 0's rows once, in plan order, `micro_batch_size` to a batch (the last may be
+        short), for evaluation: with `shuffle=False` every sample appears once, in order.
+        `max_rows` > 0 stops after that many rows. The stream's position is not touched."""
+        rows = self.plan(0)
+        limit = len(rows) if max_rows <= 0 else min(len(rows), max_rows)
+        for i in range(0, limit, self.micro_batch_size):
+            yield collate([build_row(r, self.get_tokens, self.get_learn, self.seq_len, self.pad_id,
+                                     self.document_masking) for r in rows[i: min(i + self.micro_batch_size, limit)]])
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "cursor": self.cursor}

@@ -9,15 +9,14 @@ A prepared data folder holds, per split ("train", "val"):
 
 plus `contract.json` (copied from the tokenizer) and `meta.json` (documents, tokens,
 UTF-8 bytes and max id per split). Reading uses `numpy.memmap`: memory stays flat
-whatever the corpus size. The folder is written atomically (temporary folder, then
-rename), so a failed prepare leaves nothing half-written.
+whatever the corpus size. The folder is written through `lmforge.fileio.atomic_dir`, so a failed prepare leaves
+nothing half-written and the previous data folder intact.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,9 +28,11 @@ from lmforge.contract import CONTRACT_FILE, Contract, check_match
 from lmforge.data.fast_encode import batch_encoder
 from lmforge.data.sources import SPLITS, SourceStats, iter_documents
 from lmforge.errors import DataError
+from lmforge.fileio import atomic_dir
 from lmforge.tokenizer import Tokenizer
 
 META_FILE = "meta.json"
+PREPARE_OUTPUT = "prepare"
 BATCH_DOCS = 64
 
 
@@ -43,26 +44,36 @@ def prepare(
     include_tests: bool = False,
     on_bad_utf8: str = "skip",
     progress: bool = True,
+    extra_files: dict[str, str] | None = None,
 ) -> dict:
     """Tokenize every document of `source` into `out_dir`/{train,val}.{bin,idx}.
 
     Returns the meta dict written to meta.json: per split `documents`, `tokens`,
     `bytes` (UTF-8 bytes of the documents' text), `max_id`; and `skipped_bad_utf8`.
+    `extra_files` ({name: text}) go into the folder too (the stage's config.toml).
+    Written through `lmforge.fileio.atomic_dir`: `out_dir` must be absent, empty or an
+    earlier prepare's folder, and is replaced only once the new one is complete.
     Raises:
         DataError: missing/empty source, or a split left with no documents.
+        OutputError: `out_dir` holds something else (a run, a tokenizer, a file...).
     """
     out = Path(out_dir)
-    tmp = out.with_name(out.name + ".tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
+    with atomic_dir(out, PREPARE_OUTPUT, what="`lmforge prepare`") as tmp:
+        meta = _prepare_into(tmp, source, tokenizer, val_fraction, include_tests, on_bad_utf8, progress)
+        for name, text in (extra_files or {}).items():
+            (tmp / name).write_text(text, encoding="utf-8")
+    return meta
+
+
+def _prepare_into(tmp: Path, source: str, tokenizer: Tokenizer, val_fraction: float, include_tests: bool,
+                  on_bad_utf8: str, progress: bool) -> dict:
     contract = tokenizer.contract
     dtype = contract.dtype
     meta: dict = {"source": source, "val_fraction": val_fraction, "splits": {}}
     stats = SourceStats()
     t0 = time.perf_counter()
+    files = {s: open(tmp / f"{s}.bin", "wb") for s in SPLITS}
     try:
-        files = {s: open(tmp / f"{s}.bin", "wb") for s in SPLITS}
         offsets = {s: [0] for s in SPLITS}
         split_meta = {s: {"documents": 0, "tokens": 0, "bytes": 0, "max_id": -1} for s in SPLITS}
         hashes = {s: [] for s in SPLITS}
@@ -128,14 +139,9 @@ def prepare(
         (tmp / "hashes.json").write_text(json.dumps(hashes), encoding="utf-8")
         (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
         contract.save(tmp)
-    except BaseException:
-        for f in locals().get("files", {}).values():
+    finally:
+        for f in files.values():
             f.close()
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if out.exists():
-        shutil.rmtree(out)
-    tmp.rename(out)
     return meta
 
 

@@ -9,13 +9,13 @@ the split never changes between runs, machines or Python hash seeds.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import sysconfig
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from lmforge.data.records import RECORD_SUFFIXES, check_text, content_key, iter_records, short
 from lmforge.errors import DataError
 
 TEXT_SUFFIXES = (".txt", ".md", ".py")
@@ -67,7 +67,11 @@ def _walk(root: Path, suffixes: tuple[str, ...], skip_dirs: set[str]) -> Iterato
 
 def _read_text(path: Path, stats: SourceStats, on_bad_utf8: str) -> str | None:
     try:
-        return path.read_bytes().decode("utf-8")
+        data = path.read_bytes()
+    except OSError as exc:  # vanished, unreadable, a broken link
+        raise DataError(f"{path}: cannot be read ({exc.strerror}). Restore it or remove it from the corpus.") from None
+    try:
+        return data.decode("utf-8")
     except UnicodeDecodeError as exc:
         if on_bad_utf8 == "error":
             raise DataError(
@@ -139,11 +143,8 @@ def _iter_all(source: str, include_tests: bool, on_bad_utf8: str, stats: SourceS
                 f"Add text files or point data.source at another folder."
             )
         return
-    if path.suffix == ".jsonl":
-        yield from _iter_jsonl(path)
-        return
-    if path.suffix == ".parquet":
-        yield from _iter_parquet(path)
+    if path.suffix in RECORD_SUFFIXES:
+        yield from _iter_records(path)
         return
     raise DataError(
         f"data.source = {source!r}: unsupported file type {path.suffix!r}; expected a folder, "
@@ -151,41 +152,17 @@ def _iter_all(source: str, include_tests: bool, on_bad_utf8: str, stats: SourceS
     )
 
 
-def _content_key(text: str) -> str:
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()
-
-
-def _iter_jsonl(path: Path) -> Iterator[Document]:
-    with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, 1):
-            if not raw.strip():
-                continue
-            try:
-                record = json.loads(raw)
-            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                raise DataError(f"{path}:{lineno}: not valid JSON ({exc}). Fix or remove the line.") from None
-            text = record.get("text") if isinstance(record, dict) else None
-            if not isinstance(text, str):
-                raise DataError(
-                    f"{path}:{lineno}: expected an object with a string \"text\" field, got "
-                    f"{type(record).__name__} with keys {sorted(record) if isinstance(record, dict) else '-'}."
-                )
-            yield Document(f"{path.name}:{lineno}", text, key=_content_key(text))
-
-
-def _iter_parquet(path: Path) -> Iterator[Document]:
-    try:
-        import pyarrow.parquet as pq
-    except ImportError:
-        raise DataError(
-            f"{path}: reading Parquet needs pyarrow. Install it: pip install 'lmforge[parquet]'."
-        ) from None
-    pf = pq.ParquetFile(path)
-    if "text" not in pf.schema_arrow.names:
-        raise DataError(f"{path}: no \"text\" column (columns: {pf.schema_arrow.names}).")
-    row = 0
-    for batch in pf.iter_batches(columns=["text"], batch_size=1024):
-        for text in batch.column(0).to_pylist():
-            row += 1
-            if isinstance(text, str):
-                yield Document(f"{path.name}#{row}", text, key=_content_key(text))
+def _iter_records(path: Path) -> Iterator[Document]:
+    """JSONL records with a string "text" field, or a Parquet file's "text" column."""
+    for where, record in iter_records(path, columns=["text"] if path.suffix == ".parquet" else None):
+        if path.suffix == ".parquet" and record.get("text") is None:
+            continue  # a null cell: no document
+        text = record.get("text") if isinstance(record, dict) else None
+        if not isinstance(text, str):
+            raise DataError(
+                f"{where}: expected an object with a string \"text\" field, got "
+                f"{type(record).__name__} with keys {sorted(record)[:10] if isinstance(record, dict) else '-'}"
+                f"{'' if not isinstance(record, dict) or 'text' not in record else f' (text is {short(text)})'}."
+            )
+        name = path.name + where[len(str(path)):]  # "f.jsonl:12", "f.parquet row 7"
+        yield Document(name, check_text(text, where, '"text"'), key=content_key(text))

@@ -35,17 +35,19 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from lmforge.config import Config, ModelConfig, from_dict, padded_vocab_size, validate
-from lmforge.contract import CONTRACT_FILE, Contract
+from lmforge.config import Config, ModelConfig, from_dict, validate
+from lmforge.contract import CONTRACT_FILE, Contract, padded_vocab_size
 from lmforge.errors import CheckpointError, ConfigError, LmforgeError
-from lmforge.fileio import check_replaceable
-from lmforge.tokenizer import CHAT_TEMPLATE, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE
+from lmforge.fileio import atomic_dir, check_output
+from lmforge.model import load_model
+from lmforge.model.io import MODEL_FILE, load_weights, model_state, resolve_checkpoint, write_model_files
+from lmforge.tokenizer import CHAT_TEMPLATE, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, Tokenizer
 
 HF_CONFIG_FILE = "config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
-WEIGHTS_FILE = "model.safetensors"
+WEIGHTS_FILE = "model.safetensors"  # Hugging Face's name (it happens to equal lmforge's MODEL_FILE)
 WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
-EXPORT_FILES = (HF_CONFIG_FILE, WEIGHTS_FILE, TOKENIZER_FILE, TOKENIZER_CONFIG_FILE, GENERATION_CONFIG_FILE)
+EXPORT_OUTPUT, IMPORT_OUTPUT = "export", "import-hf"  # the marker commands (lmforge.fileio)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -264,23 +266,6 @@ def model_config_from_hf(cfg: dict, where: str) -> ModelConfig:
 
 
 # -- export ------------------------------------------------------------------------------
-def _prepare_out(out: Path, known: tuple[str, ...], what: str) -> Path:
-    """A temporary sibling folder to write into; `out` may be absent, empty, or an earlier
-    result of this command (only `known` files); anything else is refused."""
-    check_replaceable(out, known, what, ExportError)
-    tmp = out.with_name(f".tmp-{out.name}")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    return tmp
-
-
-def _finish(tmp: Path, out: Path) -> None:
-    if out.exists():
-        shutil.rmtree(out)
-    tmp.rename(out)
-
-
 def export_hf(checkpoint: str | Path, out: str | Path, dtype: str = "float32", verify: bool = False) -> Path:
     """Write a checkpoint as a Hugging Face `LlamaForCausalLM` folder (atomically).
 
@@ -296,14 +281,14 @@ def export_hf(checkpoint: str | Path, out: str | Path, dtype: str = "float32", v
         CheckpointError / ContractError: the checkpoint is incomplete or inconsistent.
         ExportError: `out` holds other files, an unknown dtype, or verification failed.
     """
-    from lmforge.train.checkpoint import load_model, model_state
-
     if dtype not in DTYPES:
         raise ExportError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}.")
-    model, cfg, contract, path = load_model(checkpoint)
     out = Path(out)
-    tmp = _prepare_out(out, EXPORT_FILES, "lmforge export")
-    try:
+    check_output(out, EXPORT_OUTPUT, "`lmforge export`")  # before any work
+    path = resolve_checkpoint(checkpoint)
+    tok = Tokenizer.load(path)  # the contract's special ids checked against the tokenizer, as every stage does
+    model, cfg, contract, path = load_model(path, "cpu", tok.contract, path / CONTRACT_FILE)
+    with atomic_dir(out, EXPORT_OUTPUT, what="`lmforge export`") as tmp:
         torch_dtype = DTYPES[dtype]
         hf = to_hf_state(model_state(model), contract.vocab_size, cfg.model.tie_embeddings, torch_dtype)
         save_file(hf, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
@@ -314,10 +299,6 @@ def export_hf(checkpoint: str | Path, out: str | Path, dtype: str = "float32", v
         _write_json(tmp / GENERATION_CONFIG_FILE, generation_config(cfg.generate, contract))
         if verify:
             verify_export(model, tmp, tol=1e-4 if dtype == "float32" else None)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    _finish(tmp, out)
     return out
 
 
@@ -407,7 +388,6 @@ def verify_export(model: torch.nn.Module, folder: str | Path, tol: float | None 
 
 
 # -- import ------------------------------------------------------------------------------
-IMPORT_FILES = (WEIGHTS_FILE, "config.toml", CONTRACT_FILE, TOKENIZER_FILE, TOKENIZER_CONFIG_FILE, "state.json")
 
 
 def read_hf_weights(folder: Path) -> dict[str, torch.Tensor]:
@@ -461,7 +441,6 @@ def import_hf(folder: str | Path, out: str | Path, log=None) -> Path:
 
     from lmforge.model import Transformer, resolve_model_config
     from lmforge.tokenizer import import_tokenizer, vocab_size_of
-    from lmforge.train.checkpoint import load_weights
 
     say = log or (lambda _msg: None)
     folder, out = Path(folder), Path(out)
@@ -473,12 +452,8 @@ def import_hf(folder: str | Path, out: str | Path, log=None) -> Path:
     except ValueError as exc:
         raise ExportError(f"{cfg_path}: not valid JSON ({exc}).") from None
     model_cfg = model_config_from_hf(raw, str(cfg_path))
-    tmp = _prepare_out(out, IMPORT_FILES, "lmforge import-hf")
-    try:
+    with atomic_dir(out, IMPORT_OUTPUT, what="`lmforge import-hf`") as tmp:
         tok = import_tokenizer(folder, tmp / "tokenizer", log=say)
-        for name in (TOKENIZER_FILE, TOKENIZER_CONFIG_FILE, CONTRACT_FILE):
-            (tmp / "tokenizer" / name).rename(tmp / name)
-        shutil.rmtree(tmp / "tokenizer")
         contract = tok.contract
         original = vocab_size_of(HFTokenizer.from_file(str(folder / TOKENIZER_FILE)))
         hf_state = read_hf_weights(folder)
@@ -510,18 +485,13 @@ def import_hf(folder: str | Path, out: str | Path, log=None) -> Path:
             validate(from_dict(config.to_dict(), where=str(cfg_path)))
         except ConfigError as exc:
             raise ExportError(f"{cfg_path} maps to an lmforge config lmforge rejects: {exc}") from None
-        save_file(state, str(tmp / WEIGHTS_FILE))
+        write_model_files(tmp, state, config, tmp / "tokenizer")  # the checkpoint layout of lmforge.model.io
+        shutil.rmtree(tmp / "tokenizer")
         model = Transformer(resolve_model_config(model_cfg, contract))
         try:
-            load_weights(model, tmp / WEIGHTS_FILE)  # strict: names and shapes
+            load_weights(model, tmp / MODEL_FILE)  # strict: names, shapes, finite values
         except CheckpointError as exc:
             raise ExportError(f"{folder}: the weights do not fit the model its config.json describes: {exc}") from None
-        config.save(tmp / "config.toml")
-        _write_json(tmp / "state.json", {"step": 0, "imported_from": str(folder.resolve())})
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    _finish(tmp, out)
     return out
 
 

@@ -24,10 +24,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from lmforge.config import ModelConfig, padded_vocab_size
-from lmforge.contract import Contract
+from lmforge.config import CONFIG_FILE, Config, ModelConfig
+from lmforge.contract import CONTRACT_FILE, Contract, check_match, padded_vocab_size
 from lmforge.errors import ConfigError, ContractError
 from lmforge.model.attention import BACKENDS, AttentionMask, prepare_mask
+from lmforge.model.io import MODEL_FILE, load_weights, read_checkpoint_meta, resolve_checkpoint
+from lmforge.model.loss import linear_cross_entropy_sum
 
 
 def resolve_model_config(model: ModelConfig, contract: Contract, where: str = "model.vocab_size") -> ModelConfig:
@@ -243,7 +245,7 @@ class Transformer(nn.Module):
             cache: a KVCache for generation (prefill, then T = 1 decode steps).
             targets, loss_mask: (B, T) int64 / bool. When given, return the sum of cross-entropy
                 (nats) over positions where loss_mask is True: lmforge's one loss
-                (`lmforge.train.loss.linear_cross_entropy_sum`), which never materialises the
+                (`lmforge.model.loss.linear_cross_entropy_sum`), which never materialises the
                 float32 logits. Going through forward keeps DDP/FSDP hooks in the path.
         Returns:
             logits: (B, T, vocab_size) in the compute dtype (float32, or bf16 under autocast);
@@ -252,8 +254,6 @@ class Transformer(nn.Module):
         h = self.hidden(tokens, positions, document_ids, cache)
         if targets is None:
             return self.logits(h)
-        from lmforge.train.loss import linear_cross_entropy_sum
-
         if loss_mask is None:
             loss_mask = torch.ones_like(targets, dtype=torch.bool)
         return linear_cross_entropy_sum(h, self.output.weight[: self.vocab_size], targets, loss_mask)
@@ -267,7 +267,26 @@ class Transformer(nn.Module):
     @classmethod
     def from_checkpoint(cls, folder: str | Path, device: str | torch.device = "cpu") -> "Transformer":
         """Load a trained model from a checkpoint folder (a `step_NNNNNN/` or a run folder,
-        whose newest complete checkpoint is used). Strict: missing or unexpected keys fail."""
-        from lmforge.train.checkpoint import load_model
+        whose newest complete checkpoint is used). Strict: missing or unexpected keys fail.
 
+        Raises:
+            CheckpointError / ContractError: see `load_model`.
+        """
         return load_model(folder, device)[0]
+
+
+def load_model(folder: str | Path, device: str | torch.device = "cpu", contract: Contract | None = None,
+               contract_path: str | Path = "the tokenizer") -> tuple[Transformer, Config, Contract, Path]:
+    """(model in eval mode, config, contract, checkpoint path) from a checkpoint or run folder.
+
+    Raises:
+        CheckpointError / ContractError: incomplete or damaged checkpoint, non-finite weights,
+        or a contract that differs from `contract` (when given).
+    """
+    path = resolve_checkpoint(folder)
+    config, own = read_checkpoint_meta(path)
+    if contract is not None:
+        check_match(contract, contract_path, own, path / CONTRACT_FILE)
+    model = Transformer(resolve_model_config(config.model, own, where=f"{path}/{CONFIG_FILE} model.vocab_size"))
+    load_weights(model, path / MODEL_FILE)
+    return model.to(device).eval(), config, own, path

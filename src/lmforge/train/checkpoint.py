@@ -1,106 +1,37 @@
-"""Checkpoints: atomic `step_NNNNNN/` folders that hold everything to continue a run.
+"""Training checkpoints: `step_NNNNNN/` folders that hold everything to continue a run.
 
-A checkpoint folder holds:
-    model.safetensors      full (unsharded) weights, whatever the parallelism: FSDP2 shards
-                           are gathered to rank 0 first (tied output weight stored once, as
-                           tok_embeddings)
-    optimizer.pt           full AdamW state keyed by parameter name (torch.distributed.checkpoint
-                           `get_optimizer_state_dict`, full_state_dict); loaded with
-                           torch.load(weights_only=True)
-    state.json             step, tokens seen, data position, elapsed seconds
-    rng.pt                 RNG states of every rank: {"world_size": W, "ranks": [{"torch",
-                           "cuda", "numpy", "python"}, ...]}
-    config.toml            the resolved config
-    contract.json          the contract, and the tokenizer files beside it
-    tokenizer.json, tokenizer_config.json
+The folder layout is defined once, in `lmforge.model.io` (weights, config, contract and
+tokenizer files); a training checkpoint adds:
+    optimizer.pt   full optimizer state keyed by parameter name (torch.distributed.checkpoint
+                   `get_optimizer_state_dict`, full_state_dict); loaded with weights_only=True
+    state.json     step, tokens seen, data position, elapsed seconds
+    rng.pt         RNG states of every rank: {"world_size": W, "ranks": [{"torch", "cuda",
+                   "numpy", "python"}, ...]}
 So a checkpoint written by N ranks under DDP or FSDP loads in one process and vice versa.
-It is written into `.tmp-step_NNNNNN` (files fsync'ed) and renamed when complete, so a
-crash mid-write leaves the previous checkpoints intact; folders without the final name
-are ignored, and stale `.tmp-*` folders are removed by the next save.
+It is written through `lmforge.fileio.atomic_dir` (a unique temporary folder, every file
+fsync'ed, renamed when complete), so a crash mid-write leaves the previous checkpoints
+intact; folders without the final name are not checkpoints.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import random
-import re
 import shutil
 from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
 
-from lmforge.config import Config, load_config
-from lmforge.contract import CONTRACT_FILE, Contract, check_match, check_tokenizer_hash
+from lmforge.config import Config
 from lmforge.errors import CheckpointError
-from lmforge.tokenizer import TOKENIZER_CONFIG_FILE, TOKENIZER_FILE
-
-STEP_RE = re.compile(r"^step_(\d{6,})$")
-MODEL_FILE = "model.safetensors"
-
-
-def step_dir_name(step: int) -> str:
-    return f"step_{step:06d}"
-
-
-def list_checkpoints(run_dir: str | Path) -> list[Path]:
-    """Complete checkpoint folders of a run, oldest first."""
-    run_dir = Path(run_dir)
-    if not run_dir.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in run_dir.iterdir() if p.is_dir() and (m := STEP_RE.match(p.name))]
-    return [p for _, p in sorted(found) if (p / MODEL_FILE).is_file()]
-
-
-def latest_checkpoint(run_dir: str | Path) -> Path | None:
-    found = list_checkpoints(run_dir)
-    return found[-1] if found else None
-
-
-def resolve_checkpoint(folder: str | Path) -> Path:
-    """A checkpoint folder itself, or a run folder's newest complete checkpoint.
-
-    Raises:
-        CheckpointError: nothing loadable there.
-    """
-    folder = Path(folder)
-    if (folder / MODEL_FILE).is_file():
-        return folder
-    latest = latest_checkpoint(folder)
-    if latest is None:
-        raise CheckpointError(
-            f"{folder} is not a checkpoint: no {MODEL_FILE} in it and no complete step_NNNNNN/ folder. "
-            f"Point at a run folder written by `lmforge pretrain`/`sft`, or at one of its step folders."
-        )
-    return latest
-
-
-def _tied(model: torch.nn.Module) -> bool:
-    return getattr(model, "config", None) is not None and bool(model.config.tie_embeddings)
-
-
-def _sharded(model: torch.nn.Module) -> bool:
-    from lmforge.train.distributed import is_sharded
-
-    return is_sharded(model)
+from lmforge.fileio import atomic_dir
+from lmforge.model.io import (OPTIMIZER_FILE, RNG_FILE, STATE_FILE, is_sharded, is_tied, model_state,
+                              list_checkpoints, step_dir_name, write_model_files)
 
 
 def _dist_on() -> bool:
     return torch.distributed.is_available() and torch.distributed.is_initialized()
-
-
-def model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Weights to save: contiguous CPU tensors; a tied output weight is stored once.
-
-    For a plain (or DDP-wrapped) module. FSDP2 modules: use `gather_model_state`.
-    """
-    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
-    if _tied(model):
-        state.pop("output.weight", None)
-    return state
 
 
 def gather_model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -109,7 +40,7 @@ def gather_model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     rank 0 gets the full CPU tensors, the other ranks {}."""
     if not _dist_on():
         return model_state(model)
-    if not _sharded(model):  # DDP: every rank holds the same full weights; rank 0 copies them
+    if not is_sharded(model):  # DDP: every rank holds the same full weights; rank 0 copies them
         return model_state(model) if torch.distributed.get_rank() == 0 else {}
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
@@ -117,55 +48,9 @@ def gather_model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     if not state:
         return {}
     state = {k: v.detach().contiguous() for k, v in state.items()}
-    if _tied(model):
+    if is_tied(model):
         state.pop("output.weight", None)
     return state
-
-
-def read_weights(model: torch.nn.Module, path: Path) -> dict[str, torch.Tensor]:
-    """Weights of `path`, checked against `model` (full shapes, also for FSDP2 modules).
-
-    Raises:
-        CheckpointError: unreadable file, a missing or unexpected key, or a shape that differs.
-    """
-    try:
-        state = load_file(str(path))
-    except (SafetensorError, OSError) as exc:
-        raise CheckpointError(f"{path}: cannot read weights ({exc}). The file is damaged; use another checkpoint.") from None
-    own = model.state_dict()  # DTensor shapes are the full shapes
-    expected = set(own) - ({"output.weight"} if _tied(model) else set())
-    missing, unexpected = expected - set(state), set(state) - expected
-    if missing or unexpected:
-        raise CheckpointError(
-            f"{path}: weights do not match the model built from its config.toml: missing "
-            f"{sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}. The config and weights come "
-            f"from different runs; no key is ever skipped."
-        )
-    for k, v in state.items():
-        if tuple(own[k].shape) != tuple(v.shape):
-            raise CheckpointError(f"{path}: {k} has shape {tuple(v.shape)}, the config expects {tuple(own[k].shape)}.")
-    return state
-
-
-def load_weights(model: torch.nn.Module, path: Path) -> None:
-    """Load safetensors weights strictly into `model` (plain, or FSDP2-sharded: then every rank
-    calls this and takes its shard): missing or unexpected keys are errors, never skipped.
-
-    Raises:
-        CheckpointError: see `read_weights`.
-    """
-    state = read_weights(model, path)
-    if _sharded(model):
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-        if _tied(model):
-            state["output.weight"] = state["tok_embeddings.weight"]
-        set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=True))
-        return
-    own = model.state_dict()
-    with torch.no_grad():
-        for k, v in state.items():
-            own[k].copy_(v)
 
 
 def gather_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
@@ -176,7 +61,7 @@ def gather_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimi
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-    full = _dist_on() and _sharded(model)
+    full = _dist_on() and is_sharded(model)
     return get_optimizer_state_dict(model, optimizer,
                                     options=StateDictOptions(full_state_dict=True, cpu_offload=full))
 
@@ -228,14 +113,6 @@ def set_rng_state(state: dict) -> None:
         random.setstate((version, tuple(internal), gauss_next))
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def save_checkpoint(
     run_dir: str | Path,
     step: int,
@@ -255,38 +132,37 @@ def save_checkpoint(
     (for sharded models gathered by the caller: `gather_model_state`,
     `gather_optimizer_state`); `rng_states` lists every rank's `rng_state()` (default:
     this process's only).
+
+    Raises:
+        CheckpointError: a weight is NaN or infinite (no non-finite checkpoint is written).
     """
     run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
     final = run_dir / step_dir_name(step)
-    for stale in run_dir.glob(".tmp-step_*"):  # left by a write that was killed
-        shutil.rmtree(stale, ignore_errors=True)
-    tmp = run_dir / f".tmp-{final.name}"
-    tmp.mkdir(parents=True)
-    save_file(model_weights if model_weights is not None else model_state(model), str(tmp / MODEL_FILE))
+    weights = model_weights if model_weights is not None else model_state(model)
+    bad = [k for k, v in weights.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
+    if bad:
+        raise CheckpointError(f"step {step}: {bad[0]} holds NaN or infinite values; no checkpoint is written "
+                              f"for it. The newest finite checkpoint of {run_dir} is kept.")
     if optimizer_state is None and optimizer is not None:
         optimizer_state = gather_optimizer_state(model, optimizer)
-    if optimizer_state is not None:
-        torch.save(optimizer_state, tmp / "optimizer.pt")
     ranks = rng_states if rng_states is not None else [rng_state()]
-    torch.save({"world_size": len(ranks), "ranks": ranks}, tmp / "rng.pt")
-    (tmp / "state.json").write_text(json.dumps(dict(state or {}, step=step), indent=2) + "\n", encoding="utf-8")
-    config.save(tmp / "config.toml")
-    for name in (CONTRACT_FILE, TOKENIZER_FILE, TOKENIZER_CONFIG_FILE):
-        shutil.copy2(Path(contract_dir) / name, tmp / name)
-    for f in tmp.iterdir():
-        _fsync(f)
-    _fsync(tmp)
-    old = run_dir / f".old-{final.name}"
-    if final.exists():  # the same step written again: keep it until the new one is in place
-        if old.exists():
-            shutil.rmtree(old)
-        final.rename(old)
-    tmp.rename(final)
-    _fsync(run_dir)
-    if old.exists():
-        shutil.rmtree(old)
+    # the run folder belongs to this training command (checked when the run started)
+    with atomic_dir(final, "checkpoint", fsync=True, check=False) as tmp:
+        write_model_files(tmp, weights, config, Path(contract_dir))
+        if optimizer_state is not None:
+            torch.save(optimizer_state, tmp / OPTIMIZER_FILE)
+        torch.save({"world_size": len(ranks), "ranks": ranks}, tmp / RNG_FILE)
+        (tmp / STATE_FILE).write_text(json.dumps(dict(state or {}, step=step), indent=2) + "\n", encoding="utf-8")
     return final
+
+
+def remove_unfinished(run_dir: str | Path) -> None:
+    """Remove what a killed checkpoint write left in `run_dir` (`.step_NNNNNN.tmp-*` and
+    `.step_NNNNNN.old-*` folders). Only for the process that holds the run folder's lock:
+    nothing else writes there."""
+    for p in Path(run_dir).glob(".step_*.*-*"):
+        if p.is_dir() and (".tmp-" in p.name or ".old-" in p.name):
+            shutil.rmtree(p, ignore_errors=True)
 
 
 def prune_checkpoints(run_dir: str | Path, keep_last: int) -> None:
@@ -297,47 +173,37 @@ def prune_checkpoints(run_dir: str | Path, keep_last: int) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def read_checkpoint_meta(folder: Path) -> tuple[Config, Contract]:
-    """Config and contract of a checkpoint, with the tokenizer hash checked."""
-    if not (folder / "config.toml").is_file():
-        raise CheckpointError(f"checkpoint {folder} has no config.toml; it is incomplete. Use another checkpoint.")
-    contract = Contract.load(folder, what="checkpoint")
-    if (folder / TOKENIZER_FILE).is_file():
-        check_tokenizer_hash(contract, folder / CONTRACT_FILE, folder / TOKENIZER_FILE)
-    return load_config(folder / "config.toml"), contract
-
-
-def load_model(folder: str | Path, device: str | torch.device = "cpu", contract: Contract | None = None,
-               contract_path: str | Path = "the tokenizer"):
-    """(model, config, contract, checkpoint path) from a checkpoint or run folder.
+def load_training_state(folder: Path) -> tuple[dict, dict, dict]:
+    """(state.json, optimizer state, rng states) of a training checkpoint, loaded safely
+    (torch.load with weights_only=True); resume is exact or refused, so each must be there.
 
     Raises:
-        CheckpointError / ContractError: incomplete checkpoint, or a contract that differs
-        from `contract` (when given).
+        CheckpointError: a file missing, unreadable, or not of the expected shape.
     """
-    from lmforge.model import Transformer, resolve_model_config
-
-    path = resolve_checkpoint(folder)
-    config, own = read_checkpoint_meta(path)
-    if contract is not None:
-        check_match(contract, contract_path, own, path / CONTRACT_FILE)
-    model = Transformer(resolve_model_config(config.model, own, where=f"{path}/config.toml model.vocab_size"))
-    load_weights(model, path / MODEL_FILE)
-    return model.to(device).eval(), config, own, path
-
-
-def load_training_state(folder: Path) -> tuple[dict, dict | None, dict]:
-    """(state.json, optimizer state or None, rng states), all loaded safely
-    (torch.load with weights_only=True).
-
-    Raises:
-        CheckpointError: state.json missing or unreadable, or a damaged .pt file.
-    """
+    missing = [n for n in (STATE_FILE, OPTIMIZER_FILE, RNG_FILE) if not (folder / n).is_file()]
+    if missing:
+        raise CheckpointError(f"checkpoint {folder} has no {', '.join(missing)}: it cannot be continued exactly "
+                              f"(weights alone are not a training state). Resume from a checkpoint written by "
+                              f"`lmforge pretrain`/`sft`, or start a new run with sft.init pointing at it.")
     try:
-        state = json.loads((folder / "state.json").read_text(encoding="utf-8"))
-        opt = torch.load(folder / "optimizer.pt", weights_only=True) if (folder / "optimizer.pt").is_file() else None
-        rng = torch.load(folder / "rng.pt", weights_only=True) if (folder / "rng.pt").is_file() else {}
-    except (OSError, ValueError, RuntimeError, EOFError) as exc:
-        raise CheckpointError(f"checkpoint {folder}: cannot read its training state ({exc}). "
-                              f"Resume from another checkpoint (delete this step folder).") from None
-    return state, opt, rng
+        state = json.loads((folder / STATE_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{folder / STATE_FILE}: not readable JSON ({exc}). Resume from another checkpoint "
+                              f"(delete this step folder).") from None
+    if not isinstance(state, dict) or not isinstance(state.get("data"), dict) or not all(
+            isinstance(state.get(k), int) for k in ("step", "tokens")):
+        raise CheckpointError(f"{folder / STATE_FILE}: expected an object with integer `step`, `tokens` and a "
+                              f"`data` object (the data position); found {str(state)[:80]!r}. Resume from "
+                              f"another checkpoint.")
+    loaded = {}
+    for name in (OPTIMIZER_FILE, RNG_FILE):
+        try:
+            loaded[name] = torch.load(folder / name, weights_only=True)
+        except Exception as exc:  # torch raises many kinds (UnpicklingError, RuntimeError, EOFError...)
+            first = str(exc).strip().splitlines()[0][:120] if str(exc).strip() else type(exc).__name__
+            raise CheckpointError(f"{folder / name}: damaged or not an lmforge file ({first}). It is never loaded "
+                                  f"unsafely; resume from another checkpoint (delete this step folder).") from None
+        if not isinstance(loaded[name], dict):
+            raise CheckpointError(f"{folder / name}: expected a dictionary, found {type(loaded[name]).__name__}. "
+                                  f"Resume from another checkpoint.")
+    return state, loaded[OPTIMIZER_FILE], loaded[RNG_FILE]

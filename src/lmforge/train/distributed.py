@@ -120,13 +120,6 @@ def wrap_model(model: torch.nn.Module, mode: str, info: DistInfo) -> torch.nn.Mo
     return DDP(model, device_ids=[info.device.index] if info.device.type == "cuda" else None)
 
 
-def is_sharded(model: torch.nn.Module) -> bool:
-    """True when `model`'s parameters are DTensors (FSDP2)."""
-    from torch.distributed.tensor import DTensor
-
-    return any(isinstance(p, DTensor) for p in model.parameters())
-
-
 def barrier(info: DistInfo) -> None:
     if info.distributed:
         dist.barrier()

@@ -5,7 +5,7 @@ One optimizer step:
   1. draw `grad_accum_steps` micro-batches and count their supervised targets;
      all-reduce that count over data-parallel ranks (count first, then backward);
   2. for each micro-batch: loss = summed nats (model(..., targets=, loss_mask=), i.e.
-     lmforge.train.loss.linear_cross_entropy_sum) / global_count (* world_size, since
+     lmforge.model.loss.linear_cross_entropy_sum) / global_count (* world_size, since
      DDP/FSDP average gradients over ranks), backward;
   3. clip the gradient norm, AdamW step with the schedule's learning rate.
 The logged `loss` is the same per-token mean (nats), whatever the accumulation (P3).
@@ -37,33 +37,20 @@ import torch
 from tqdm import tqdm
 
 from lmforge.config import Config
+from lmforge.contract import CONTRACT_FILE, Contract, check_match
 from lmforge.data.packing import Batch, RowStream
-from lmforge.errors import CheckpointError, ConfigError
+from lmforge.errors import CheckpointError, TrainingError
+from lmforge.evaluate import batch_loss, evaluate_batches
+from lmforge.fileio import write_text
+from lmforge.model.io import (MODEL_FILE, OPTIMIZER_FILE, is_sharded, latest_checkpoint, load_weights,
+                              read_checkpoint_meta, step_dir_name)
+from lmforge.runtime import autocast, resolve_precision
 from lmforge.train import checkpoint as ckpt
 from lmforge.train.distributed import (DistInfo, all_reduce_sum, check_parallel_supported, gather_to_main,
-                                       is_sharded, wrap_model)
+                                       wrap_model)
 from lmforge.train.schedule import lr_at
 
 METRICS_FILE = "metrics.jsonl"
-
-
-def resolve_precision(precision: str, device: torch.device) -> torch.dtype | None:
-    """bf16 autocast dtype, or None for fp32. "auto" picks bf16 where the hardware has it."""
-    if precision == "fp32":
-        return None
-    if device.type == "cuda":
-        supported = torch.cuda.is_bf16_supported()
-    else:
-        supported = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    if precision == "bf16" or supported:
-        return torch.bfloat16
-    return None
-
-
-def autocast(device: torch.device, dtype: torch.dtype | None):
-    if dtype is None:
-        return contextlib.nullcontext()
-    return torch.autocast(device.type, dtype=dtype)
 
 
 def seed_everything(seed: int) -> None:
@@ -79,23 +66,6 @@ def build_optimizer(model: torch.nn.Module, cfg: Config) -> torch.optim.Optimize
     t = cfg.train
     groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8, foreach=True)
-
-
-@torch.no_grad()
-def evaluate_batches(model: torch.nn.Module, batches: Iterable[Batch], device: torch.device,
-                     dtype: torch.dtype | None) -> tuple[float, int]:
-    """(sum of nats, supervised targets) over `batches`, with the training loss function."""
-    was_training = model.training
-    model.eval()
-    total, count = torch.zeros((), dtype=torch.float64), 0
-    for b in batches:
-        b = b.to(device)
-        with autocast(device, dtype):
-            nats = model(b.tokens, b.positions, b.document_ids, targets=b.targets, loss_mask=b.loss_mask)
-        total += nats.double().cpu()
-        count += b.n_supervised
-    model.train(was_training)
-    return float(total), count
 
 
 @dataclass
@@ -146,7 +116,7 @@ class Trainer:
         weights = ckpt.gather_model_state(self.raw_model)
         opt_state = ckpt.gather_optimizer_state(self.raw_model, self.optimizer)
         rngs = gather_to_main(ckpt.rng_state(), self.dist)
-        path, error = self.run_dir / ckpt.step_dir_name(self.step), None
+        path, error = self.run_dir / step_dir_name(self.step), None
         if self.dist.is_main:
             try:
                 path = ckpt.save_checkpoint(self.run_dir, self.step, self.raw_model, self.cfg, self.contract_dir,
@@ -164,12 +134,10 @@ class Trainer:
 
     def resume(self) -> bool:
         """Continue from the newest complete checkpoint in run_dir. False if there is none."""
-        latest = ckpt.latest_checkpoint(self.run_dir)
+        latest = latest_checkpoint(self.run_dir)
         if latest is None:
             return False
-        saved_cfg, saved_contract = ckpt.read_checkpoint_meta(latest)
-        from lmforge.contract import CONTRACT_FILE, Contract, check_match
-
+        saved_cfg, saved_contract = read_checkpoint_meta(latest)
         check_match(Contract.load(self.contract_dir, what="tokenizer folder"), self.contract_dir / CONTRACT_FILE,
                     saved_contract, latest / CONTRACT_FILE)  # --resume with another tokenizer stops here
         if saved_cfg.model != self.cfg.model:
@@ -177,10 +145,9 @@ class Trainer:
                 f"--resume: {latest}/config.toml has a different [model] section than this run's config. "
                 f"Resume with the same model settings, or use another --out."
             )
-        ckpt.load_weights(self.raw_model, latest / ckpt.MODEL_FILE)  # every rank: full weights -> its shard
-        state, opt_state, rng = ckpt.load_training_state(latest)
-        if opt_state is not None:
-            ckpt.load_optimizer_state(self.raw_model, self.optimizer, opt_state, latest / "optimizer.pt")
+        state, opt_state, rng = ckpt.load_training_state(latest)  # all of it, or refuse: resume is exact
+        load_weights(self.raw_model, latest / MODEL_FILE)  # every rank: full weights -> its shard
+        ckpt.load_optimizer_state(self.raw_model, self.optimizer, opt_state, latest / OPTIMIZER_FILE)
         ranks = rng.get("ranks", [rng])
         if len(ranks) == self.dist.world_size:
             ckpt.set_rng_state(ranks[self.dist.rank])
@@ -208,10 +175,9 @@ class Trainer:
             except (json.JSONDecodeError, AttributeError):
                 return False
 
-        keep = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip() and kept(line)]
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text("".join(line + "\n" for line in keep), encoding="utf-8")
-        tmp.replace(path)
+        keep = [line for line in path.read_text(encoding="utf-8", errors="replace").splitlines()
+                if line.strip() and kept(line)]
+        write_text(path, "".join(line + "\n" for line in keep))
 
     # -- the step -----------------------------------------------------------------
     def train_step(self) -> dict:
@@ -236,8 +202,7 @@ class Trainer:
                 ctx = self.model.no_sync()
             with ctx:
                 with autocast(self.device, self.dtype):
-                    nats = self.model(b.tokens, b.positions, b.document_ids, targets=b.targets,
-                                      loss_mask=b.loss_mask)
+                    nats = batch_loss(self.model, b)
                 (nats * scale).backward()
             loss_sum += nats.detach().double().cpu()
         # the norm over all (for FSDP2: DTensor-sharded) gradients; the same on every rank
@@ -245,15 +210,29 @@ class Trainer:
                                                    cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
+        # the loss and the norm are global (all-reduced), so every rank takes the same decision
+        loss = float(all_reduce_sum(loss_sum.to(self.device), self.dist).item()) / max(n_global, 1.0)
+        if not (math.isfinite(loss) and math.isfinite(float(grad_norm))):
+            self.optimizer.zero_grad(set_to_none=True)
+            self._non_finite(loss, float(grad_norm))
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        loss = float(all_reduce_sum(loss_sum.to(self.device), self.dist).item()) / max(n_global, 1.0)
         self.step += 1
         step_tokens = sum(b.tokens.numel() for b in batches) * self.dist.world_size
         self.tokens += step_tokens
         self.supervised += int(n_global)
         return {"step": self.step, "loss": loss, "grad_norm": float(grad_norm), "lr": lr,
                 "tokens": self.tokens, "supervised": self.supervised, "step_tokens": step_tokens}
+
+    def _non_finite(self, loss: float, grad_norm: float) -> None:
+        """Stop before the optimizer step that would take non-finite values into the weights."""
+        last = latest_checkpoint(self.run_dir)
+        keep = (f"The newest finite checkpoint is {last}; --resume continues from it, and diverges again "
+                f"unless the recipe changes." if last else "No checkpoint of this run was written yet.")
+        raise TrainingError(
+            f"step {self.step + 1}: the loss is {loss} and the gradient norm {grad_norm}: training diverged "
+            f"(lr {lr_at(self.step, self.cfg.train):.3g}, train.grad_clip {self.cfg.train.grad_clip}). The step "
+            f"was not taken and nothing was saved for it. {keep} Lower train.lr or set train.grad_clip > 0.")
 
     def validate(self) -> float | None:
         if self.val_batches is None:
@@ -267,6 +246,8 @@ class Trainer:
         """Train to cfg.train.steps (from wherever the run stands); return the last metrics."""
         cfg = self.cfg.train
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        if self.dist.is_main:
+            ckpt.remove_unfinished(self.run_dir)  # a killed write's leftovers (this process holds the run's lock)
         self._truncate_metrics(self.step)  # rows past the checkpoint we start from (a killed run's) go
         metrics_file = open(self.run_dir / METRICS_FILE, "a", encoding="utf-8") if self.dist.is_main else None
         old_handlers = self._install_signal_handlers()
@@ -282,11 +263,6 @@ class Trainer:
                 self.elapsed += dt
                 m["tokens_per_s"] = m["step_tokens"] / dt
                 m["elapsed_s"] = round(self.elapsed, 3)
-                if not math.isfinite(m["loss"]):
-                    raise FloatingPointError(
-                        f"loss became {m['loss']} at step {self.step}. Lower train.lr or enable grad clipping; "
-                        f"resume from the last checkpoint with --resume."
-                    )
                 final = self.step == cfg.steps
                 out_of_time, signalled = self._agree_to_stop(cfg.time_limit_s > 0 and self.elapsed >= cfg.time_limit_s)
                 if (cfg.eval_every and self.step % cfg.eval_every == 0) or final or out_of_time:
@@ -308,9 +284,11 @@ class Trainer:
                         f"{signal.Signals(self._stop_signal).name}" if self._stop_signal else "another rank was signalled")
                     if self.dist.is_main:
                         self.log(f"\nstopped at step {self.step} of {cfg.steps} ({why}); checkpoint written to "
-                                 f"{self.run_dir / ckpt.step_dir_name(self.step)}. To continue, run the same "
+                                 f"{self.run_dir / step_dir_name(self.step)}. To continue, run the same "
                                  f"command again with --resume (same --out {self.run_dir}).")
                     last["interrupted"] = not out_of_time
+                    if self._stop_signal is not None:
+                        last["signal"] = int(self._stop_signal)
                     break
         finally:
             bar.close()
@@ -350,14 +328,4 @@ def threading_main() -> bool:
     return threading.current_thread() is threading.main_thread()
 
 
-def check_run_dir(run_dir: Path, resume: bool) -> None:
-    """A fresh run refuses a folder that already holds checkpoints (use --resume)."""
-    if not resume and ckpt.list_checkpoints(run_dir):
-        raise ConfigError(
-            f"--out {run_dir} already holds checkpoints ({ckpt.list_checkpoints(run_dir)[-1].name}). "
-            f"Pass --resume to continue that run, or choose another --out."
-        )
-
-
-__all__ = ["Trainer", "evaluate_batches", "resolve_precision", "seed_everything", "check_run_dir",
-           "build_optimizer", "autocast", "METRICS_FILE"]
+__all__ = ["Trainer", "seed_everything", "build_optimizer", "METRICS_FILE"]

@@ -14,25 +14,38 @@ checkpoint, so an interrupted speedrun picks up where it stopped.
 
 from __future__ import annotations
 
+import ast
 import json
+import signal
 import time
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
-import torch
 
-from lmforge.config import Config
+from lmforge.config import Config, SamplingConfig
 from lmforge.contract import CONTRACT_FILE
+from lmforge.data.conversations import cap_examples
 from lmforge.data.shards import Shard
-from lmforge.errors import ConfigError
+from lmforge.data.stdlib_functions import place_body
+from lmforge.errors import Interrupted
+from lmforge.fileio import OutputError
 from lmforge.evaluate import evaluate_shard, split_texts, xz_bits_per_byte
-from lmforge.generate import SamplingConfig
-from lmforge.stages import generate_text, log, prepare_stage, pretrain_stage, train_tokenizer_stage
+from lmforge.fileio import check_output, read_marker, write_json, write_marker, write_text
+from lmforge.generate import generate
+from lmforge.model import load_model
+from lmforge.runtime import training_runtime
+from lmforge.stages.common import log
+from lmforge.stages.generate import generate_text
+from lmforge.stages.prepare import prepare_stage
+from lmforge.stages.pretrain import pretrain_stage
+from lmforge.stages.sft import SFT_DATA_FILE, SFT_VAL_FILE, sft_stage
+from lmforge.stages.tokenizer import train_tokenizer_stage
 from lmforge.tokenizer import Tokenizer
-from lmforge.train.checkpoint import load_model
-from lmforge.train.trainer import METRICS_FILE, resolve_precision
+from lmforge.train.trainer import METRICS_FILE
 
 SAMPLE_PROMPTS = ("def ", "import os\n", "class ")
+SPEEDRUN_OUTPUT = "speedrun"
 
 
 def plot_loss(run_dir: Path, out: Path) -> Path | None:
@@ -62,38 +75,36 @@ def plot_loss(run_dir: Path, out: Path) -> Path | None:
     return out
 
 
-def speedrun(cfg: Config, out: str | Path, resume: bool = False, progress: bool = True) -> dict:
+def speedrun_stage(cfg: Config, out: str | Path, resume: bool = False, progress: bool = True) -> dict:
     """Run tokenizer -> prepare -> pretrain -> eval -> samples -> sft in `out`; return the summary."""
     out = Path(out)
-    if out.exists() and any(out.iterdir()) and not resume:
-        raise ConfigError(f"--out {out} is not empty. Pass --resume to continue that speedrun, or choose another --out.")
+    check_output(out, SPEEDRUN_OUTPUT)  # absent, empty, or an earlier speedrun: nothing else is touched
+    if read_marker(out) is not None and not resume:
+        raise OutputError(f"--out {out} holds an earlier speedrun. Pass --resume to continue it, or choose "
+                          f"another --out.")
     out.mkdir(parents=True, exist_ok=True)
+    write_marker(out, SPEEDRUN_OUTPUT)
     cfg = replace(cfg, tokenizer=replace(cfg.tokenizer, dir=str(out / "tokenizer")),
                   data=replace(cfg.data, dir=str(out / "data")))
     times: dict[str, float] = {}
 
-    t0 = time.perf_counter()
-    if resume and (out / "tokenizer" / CONTRACT_FILE).is_file():
-        log("speedrun: tokenizer already trained, kept")
-    else:
-        log("== 1/5 train-tokenizer")
-        train_tokenizer_stage(cfg, progress=progress)
-    times["tokenizer"] = time.perf_counter() - t0
-
-    t0 = time.perf_counter()
-    if resume and (out / "data" / CONTRACT_FILE).is_file():
-        log("speedrun: data already prepared, kept")
-    else:
-        log("== 2/5 prepare")
-        prepare_stage(cfg, progress=progress)
-    times["prepare"] = time.perf_counter() - t0
+    # (step, command, folder, its marker = its key in times): what an earlier run finished is kept on --resume
+    for step, command, folder, marker, stage in ((1, "train-tokenizer", "tokenizer", "tokenizer", train_tokenizer_stage),
+                                                 (2, "prepare", "data", "prepare", prepare_stage)):
+        t0 = time.perf_counter()
+        if resume and (read_marker(out / folder) or {}).get("command") == marker:
+            log(f"speedrun: {out / folder} already written by `{command}`, kept")
+        else:
+            log(f"== {step}/5 {command}")
+            stage(cfg, progress=progress)
+        times[marker] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
     log("== 3/5 pretrain")
     run_dir = out / "pretrain"
     last = pretrain_stage(cfg, run_dir, resume=resume, progress=progress)
-    if last.get("interrupted"):
-        raise KeyboardInterrupt  # the checkpoint is written; `speedrun --resume` continues
+    if last.get("interrupted"):  # the checkpoint is written; `speedrun --resume` continues
+        raise Interrupted(last.get("signal", signal.SIGINT))
     times["pretrain"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
@@ -101,12 +112,12 @@ def speedrun(cfg: Config, out: str | Path, resume: bool = False, progress: bool 
     model, _, contract, ckpt_path = load_model(run_dir)
     tok = Tokenizer.load(ckpt_path)
     val = Shard.open(cfg.data.dir, "val", contract, ckpt_path / CONTRACT_FILE)
-    dtype = resolve_precision(cfg.train.precision, torch.device("cpu"))
-    res = evaluate_shard(model, val, cfg.data.seq_len, cfg.train.micro_batch_size, "cpu", dtype,
-                         cfg.data.document_masking)
+    rt = training_runtime(cfg.train.precision)
+    res = evaluate_shard(model.to(rt.device), val, cfg.data.seq_len, cfg.train.micro_batch_size, rt.device,
+                         rt.dtype, cfg.data.document_masking)
     xz = xz_bits_per_byte(split_texts(val, tok))
     g = cfg.generate
-    sampling = SamplingConfig.from_config(g, max_new_tokens=min(g.max_new_tokens, 96))
+    sampling = g.override(max_new_tokens=min(g.max_new_tokens, 96))
     samples = [generate_text(model, tok, p, sampling, seed=cfg.train.seed + i) for i, p in enumerate(SAMPLE_PROMPTS)]
     plot = plot_loss(run_dir, out / "loss.png")
     times["eval"] = time.perf_counter() - t0
@@ -136,9 +147,9 @@ def speedrun(cfg: Config, out: str | Path, resume: bool = False, progress: bool 
         "samples": samples,
         **sft_summary,
     }
-    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+    write_json(out / "summary.json", summary)
     table = format_summary(summary)
-    (out / "summary.md").write_text(table + "\n", encoding="utf-8")
+    write_text(out / "summary.md", table + "\n")
     print(table, flush=True)
     return summary
 
@@ -177,14 +188,12 @@ def sft_speedrun(cfg: Config, out: Path, init: Path, resume: bool = False, progr
     bodies (at most SFT_EVAL_MAX_NEW_TOKENS tokens, for SFT_EVAL_PROMPTS prompts whose
     reference body fits in that budget) that parse with ast.parse under their signature.
     The bodies go to OUT/sft_samples.json."""
-    from lmforge.sft import SFT_DATA_FILE, SFT_VAL_FILE, body_parse_rate, held_out_prompts, sft_stage
-
     log("== 5/5 sft")
     run_dir = out / "sft"
     scfg = replace(cfg, sft=replace(cfg.sft, init=str(init), data="stdlib"))
     last = sft_stage(scfg, run_dir, resume=resume, progress=progress)
-    if last.get("interrupted"):
-        raise KeyboardInterrupt  # the checkpoint is written; `speedrun --resume` continues
+    if last.get("interrupted"):  # the checkpoint is written; `speedrun --resume` continues
+        raise Interrupted(last.get("signal", signal.SIGINT))
     rows = [json.loads(x) for x in (run_dir / METRICS_FILE).read_text().splitlines() if x.strip()]
     val_loss = last.get("val_loss")
     if val_loss is None:  # a resumed run that had already finished: its last validation
@@ -193,7 +202,7 @@ def sft_speedrun(cfg: Config, out: Path, init: Path, resume: bool = False, progr
     tok = Tokenizer.load(ckpt_path)
     items = held_out_prompts(run_dir / SFT_VAL_FILE, tok, SFT_EVAL_PROMPTS, SFT_EVAL_MAX_NEW_TOKENS - 1)
     parse = body_parse_rate(model, tok, items, SFT_EVAL_MAX_NEW_TOKENS)
-    (out / "sft_samples.json").write_text(json.dumps(parse, indent=2) + "\n", encoding="utf-8")
+    write_json(out / "sft_samples.json", parse)
     data = json.loads((run_dir / SFT_DATA_FILE).read_text(encoding="utf-8"))
     shown = f"{val_loss:.4f}" if val_loss is not None else "-"
     log(f"sft: validation loss {shown} nats/token; {parse['parsed']}/{parse['n']} generated bodies end their "
@@ -209,6 +218,49 @@ def sft_speedrun(cfg: Config, out: Path, init: Path, resume: bool = False, progr
         "sft_stopped": parse["stopped"],
         "sft_checkpoint": str(ckpt_path),
     }
+
+
+# -- scoring SFT bodies -----------------------------------------------------------------------
+def body_parse_rate(model, tok: Tokenizer, items: Sequence[dict], max_new_tokens: int = 64,
+                    batch_size: int = 8) -> dict:
+    """Greedy bodies for held-out stdlib prompts; the fraction that parse with `ast.parse`
+    when placed under their signature. A body counts only if the model also ended its turn
+    (<|im_end|> or <|eos|>) within `max_new_tokens`: a reply cut off by the budget is not a
+    body, even when the cut happens to leave valid Python.
+
+    `items`: records of sft_val.jsonl with `messages` (user prompt first), `signature`.
+    Returns {"fraction", "parsed", "stopped", "n", "max_new_tokens",
+    "examples": [{name, body, stopped, parses}]}.
+    """
+    sampling = SamplingConfig(max_new_tokens=max_new_tokens, greedy=True)
+    results = []
+    for i in range(0, len(items), batch_size):
+        chunk = items[i: i + batch_size]
+        prompts = [tok.render_chat(r["messages"][:1], add_generation_prompt=True).ids for r in chunk]
+        outs = generate(model, prompts, [tok.im_end_id, tok.eos_id], sampling, tok.pad_id, truncate=True)
+        for r, ids in zip(chunk, outs):
+            stopped = bool(ids) and ids[-1] in (tok.im_end_id, tok.eos_id)
+            body = tok.decode(ids[:-1] if stopped else ids)
+            try:
+                ast.parse(place_body(r["signature"], body))
+                ok = stopped
+            except (SyntaxError, ValueError):
+                ok = False
+            results.append({"name": r["name"], "body": body, "stopped": stopped, "parses": ok})
+    parsed = sum(r["parses"] for r in results)
+    return {"fraction": parsed / max(1, len(results)), "parsed": parsed,
+            "stopped": sum(r["stopped"] for r in results), "n": len(results),
+            "max_new_tokens": max_new_tokens, "examples": results}
+
+
+def held_out_prompts(val_file: Path, tok: Tokenizer, n: int = 20, max_body_tokens: int = 63) -> list[dict]:
+    """Up to `n` stdlib records of sft_val.jsonl whose reference body fits in
+    `max_body_tokens` tokens (so a correct reply can finish), in a stable order."""
+    items = [json.loads(x) for x in val_file.read_text(encoding="utf-8").splitlines() if x.strip()]
+    items = [r for r in items if "signature" in r and len(tok.encode(r["body"])) <= max_body_tokens]
+    return cap_examples(items, n, lambda r: r["name"])
+
+
 
 
 def sft_rows(s: dict) -> list[tuple[str, str]]:

@@ -1,4 +1,4 @@
-"""SFT data: conversations from files or from the standard library, rendered to rows.
+"""Conversations: reading and validating them, splitting, and rendering them to rows.
 
 Sources (`sft.data`):
 
@@ -12,9 +12,7 @@ Sources (`sft.data`):
                  assistant: output
   A conversation must end on an assistant turn. Bad input is a `DataError` naming the
   file and line (JSONL) or row (Parquet, 1-based), the value seen and the value expected.
-- "stdlib": the embedded default set, built with `ast` from the functions of the running
-  interpreter's standard library that have a docstring and a body after it (see
-  `stdlib_conversations`).
+- "stdlib": the embedded default set (`lmforge.data.stdlib_functions`).
 
 Train / validation split: by `lmforge.data.sources.split_of(key, data.val_fraction)`, the
 rule pretraining uses. For the standard library the key is the module name, exactly as in
@@ -37,23 +35,21 @@ piece of one is trained without its prompt:
 
 from __future__ import annotations
 
-import ast
 import hashlib
-import json
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from lmforge.data.packing import Batch, RowStream, build_row, collate
-from lmforge.data.sources import SourceStats, iter_documents, split_of
+from lmforge.data.packing import Batch, RowStream
+from lmforge.data.records import RECORD_SUFFIXES, check_text, content_key, iter_records, short
+from lmforge.data.sources import split_of
 from lmforge.errors import DataError
 
 ROLES = ("system", "user", "assistant")
 SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant",
                   "assistant": "assistant"}
-STDLIB_PROMPT = "Write the body of this Python function:\n"
 SHAPES_HELP = ('expected one of: {"messages": [{"role", "content"}, ...]} (OpenAI), '
                '{"conversations": [{"from", "value"}, ...]} (ShareGPT), '
                '{"instruction", "input", "output"} (Alpaca)')
@@ -72,11 +68,6 @@ class Conversation:
 
 
 # -- files -------------------------------------------------------------------------------
-def _content_key(messages: Sequence[dict]) -> str:
-    canon = json.dumps([[m["role"], m["content"]] for m in messages], ensure_ascii=False)
-    return hashlib.sha256(canon.encode("utf-8")).hexdigest()
-
-
 def validate_messages(messages: object, where: str) -> tuple[dict, ...]:
     """Check an OpenAI-style message list and return it as clean {"role", "content"} dicts.
 
@@ -87,7 +78,7 @@ def validate_messages(messages: object, where: str) -> tuple[dict, ...]:
     """
     if not isinstance(messages, list) or not messages:
         raise DataError(f"{where}: \"messages\" must be a non-empty list of {{\"role\", \"content\"}} objects, "
-                        f"got {_short(messages)}. Fix or remove the record.")
+                        f"got {short(messages)}. Fix or remove the record.")
     out = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or "role" not in m:
@@ -96,23 +87,15 @@ def validate_messages(messages: object, where: str) -> tuple[dict, ...]:
                             f"{{\"role\": one of {ROLES}, \"content\": str}}. Fix or remove the record.")
         role = m["role"]
         if role not in ROLES:
-            raise DataError(f"{where}: message {i} has role {_short(role)}; expected one of {ROLES}. "
+            raise DataError(f"{where}: message {i} has role {short(role)}; expected one of {ROLES}. "
                             f"Rename the role or remove the record.")
-        content = m.get("content")
-        if not isinstance(content, str):
-            raise DataError(f"{where}: message {i} ({role}) has content {_short(content)}; expected a string. "
-                            f"Fix or remove the record.")
+        content = check_text(m.get("content"), where, f"message {i} ({role}) content")
         out.append({"role": role, "content": content})
     if out[-1]["role"] != "assistant":
         raise DataError(f"{where}: the conversation ends on a {out[-1]['role']!r} turn (message {len(out) - 1}); "
                         f"expected it to end on an 'assistant' turn, the reply to learn. Add the reply or "
                         f"drop the trailing turn.")
     return tuple(out)
-
-
-def _short(value: object, limit: int = 60) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def conversation_from_record(record: object, where: str) -> Conversation:
@@ -129,7 +112,7 @@ def conversation_from_record(record: object, where: str) -> Conversation:
         turns = record["conversations"]
         if not isinstance(turns, list) or not turns:
             raise DataError(f"{where}: \"conversations\" must be a non-empty list of {{\"from\", \"value\"}} "
-                            f"objects, got {_short(turns)}.")
+                            f"objects, got {short(turns)}.")
         converted = []
         for i, t in enumerate(turns):
             if not isinstance(t, dict) or "from" not in t:
@@ -137,7 +120,7 @@ def conversation_from_record(record: object, where: str) -> Conversation:
                 raise DataError(f"{where}: turn {i} has no \"from\" (keys: {keys}); expected "
                                 f"{{\"from\": one of {sorted(SHAREGPT_ROLES)}, \"value\": str}}.")
             if t["from"] not in SHAREGPT_ROLES:
-                raise DataError(f"{where}: turn {i} has \"from\" = {_short(t['from'])}; expected one of "
+                raise DataError(f"{where}: turn {i} has \"from\" = {short(t['from'])}; expected one of "
                                 f"{sorted(SHAREGPT_ROLES)}. Rename it or remove the record.")
             converted.append({"role": SHAREGPT_ROLES[t["from"]], "content": t.get("value")})
         messages = validate_messages(converted, where)
@@ -145,17 +128,17 @@ def conversation_from_record(record: object, where: str) -> Conversation:
         instruction, inp, output = record.get("instruction"), record.get("input", ""), record.get("output")
         for name, value in (("instruction", instruction), ("output", output)):
             if not isinstance(value, str):
-                raise DataError(f"{where}: Alpaca field \"{name}\" is {_short(value)}; expected a string.")
+                raise DataError(f"{where}: Alpaca field \"{name}\" is {short(value)}; expected a string.")
         if inp is None:
             inp = ""
         if not isinstance(inp, str):
-            raise DataError(f"{where}: Alpaca field \"input\" is {_short(inp)}; expected a string (or absent).")
+            raise DataError(f"{where}: Alpaca field \"input\" is {short(inp)}; expected a string (or absent).")
         user = instruction + ("\n\n" + inp if inp else "")
         messages = validate_messages([{"role": "user", "content": user},
                                       {"role": "assistant", "content": output}], where)
     else:
         raise DataError(f"{where}: unknown record shape with keys {sorted(record)}; {SHAPES_HELP}.")
-    return Conversation(messages, where, _content_key(messages))
+    return Conversation(messages, where, content_key([[m["role"], m["content"]] for m in messages]))
 
 
 def read_conversations(path: str | Path) -> list[Conversation]:
@@ -167,206 +150,16 @@ def read_conversations(path: str | Path) -> list[Conversation]:
     """
     path = Path(path)
     if not path.is_file():
-        raise DataError(f"sft.data = {str(path)!r} does not exist. Use \"stdlib\" or a .jsonl / .parquet file "
-                        f"of conversations.")
-    if path.suffix == ".jsonl":
-        convs = list(_read_jsonl(path))
-    elif path.suffix == ".parquet":
-        convs = list(_read_parquet(path))
-    else:
+        raise DataError(f"sft.data = {str(path)!r} {'is a folder' if path.is_dir() else 'does not exist'}. Use "
+                        f"\"stdlib\" or a .jsonl / .parquet file of conversations.")
+    if path.suffix not in RECORD_SUFFIXES:
         raise DataError(f"sft.data = {str(path)!r}: unsupported file type {path.suffix!r}; expected .jsonl "
                         f"or .parquet (or \"stdlib\").")
+    convs = [conversation_from_record(record, where) for where, record in iter_records(path)]
     if not convs:
         raise DataError(f"{path}: the file holds no conversations (it is empty). Add records ({SHAPES_HELP}) "
                         f"or point sft.data at another file.")
     return convs
-
-
-def _read_jsonl(path: Path) -> Iterator[Conversation]:
-    with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, 1):
-            if not raw.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                record = json.loads(raw)
-            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                raise DataError(f"{where}: not valid JSON ({exc}). Fix or remove the line.") from None
-            yield conversation_from_record(record, where)
-
-
-def _read_parquet(path: Path) -> Iterator[Conversation]:
-    try:
-        import pyarrow.parquet as pq
-    except ImportError:
-        raise DataError(f"{path}: reading Parquet needs pyarrow. Install it: pip install 'lmforge[parquet]'.") from None
-    try:
-        pf = pq.ParquetFile(path)
-    except Exception as exc:  # pyarrow raises several types for a damaged file
-        raise DataError(f"{path}: not a readable Parquet file ({exc}).") from None
-    row = 0
-    for batch in pf.iter_batches(batch_size=1024):
-        for record in batch.to_pylist():
-            row += 1
-            yield conversation_from_record(record, f"{path} row {row}")
-
-
-# -- the embedded default set: functions of the standard library ------------------------
-@dataclass(frozen=True)
-class FunctionExample:
-    """One standard-library function: `signature` (the `def` line(s), ending in ':'),
-    `docstring` (its source lines), `body` (the statements after the docstring), all
-    dedented so that the `def` starts at column 0."""
-
-    module: str
-    qualname: str
-    signature: str
-    docstring: str
-    body: str
-
-    def conversation(self) -> Conversation:
-        user = STDLIB_PROMPT + self.signature + "\n" + self.docstring
-        messages = ({"role": "user", "content": user}, {"role": "assistant", "content": self.body})
-        return Conversation(messages, f"{self.module}:{self.qualname}", self.module)
-
-
-def place_body(signature: str, body: str) -> str:
-    """The function's source with `body` under `signature` (what the parse check parses)."""
-    return signature + "\n" + body + "\n"
-
-
-def _dedent(lines: list[str], col: int) -> list[str] | None:
-    out = []
-    for line in lines:
-        prefix = line[:col]
-        if prefix.strip():  # e.g. a continuation line of a string at a lower indent
-            return None
-        out.append(line[col:])
-    return out
-
-
-def function_examples(source: str, module: str) -> list[FunctionExample]:
-    """Functions (and methods) of one module's source with a docstring and a body after it.
-
-    Skipped: one-line definitions, a docstring on the `def` line, text that cannot be
-    dedented, and anything whose reference body does not parse under its signature.
-    A module that does not parse yields nothing.
-    """
-    try:
-        tree = ast.parse(source)
-    except (SyntaxError, ValueError):
-        return []
-    # ast numbers lines at \n, \r\n and \r only (str.splitlines also splits at \f, \x1c, ...)
-    lines = source.replace("\r\n", "\n").replace("\r", "\n").split("\n")
-    found = []
-
-    def visit(statements: list, prefix: str) -> None:
-        # Only statement lists can hold a `def`: walk those, not every expression node.
-        for child in statements:
-            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-                qual = prefix + child.name
-                if not isinstance(child, ast.ClassDef):
-                    ex = _example(child, lines, module, qual)
-                    if ex is not None:
-                        found.append(ex)
-                visit(child.body, qual + ".")
-                continue
-            for name in ("body", "orelse", "finalbody", "handlers", "cases"):
-                inner = getattr(child, name, None)
-                if isinstance(inner, list):
-                    visit(inner, prefix)
-
-    visit(tree.body, "")
-    return found
-
-
-def _example(node, lines: list[str], module: str, qualname: str) -> FunctionExample | None:
-    body = node.body
-    if len(body) < 2 or ast.get_docstring(node, clean=False) is None:
-        return None
-    doc = body[0]
-    if doc.lineno <= node.lineno or body[1].lineno <= doc.end_lineno:
-        return None
-    sig = _dedent(lines[node.lineno - 1: doc.lineno - 1], node.col_offset)
-    docstring = _dedent(lines[doc.lineno - 1: doc.end_lineno], node.col_offset)
-    rest = _dedent(lines[doc.end_lineno: node.end_lineno], node.col_offset)
-    if sig is None or docstring is None or rest is None:
-        return None
-    while rest and not rest[0].strip():
-        rest = rest[1:]
-    ex = FunctionExample(module, qualname, "\n".join(sig).rstrip(), "\n".join(docstring).rstrip(),
-                         "\n".join(rest).rstrip())
-    if not ex.body.strip():
-        return None
-    try:
-        ast.parse(place_body(ex.signature, ex.body))
-    except (SyntaxError, ValueError):
-        return None
-    return ex
-
-
-@dataclass
-class StdlibStats:
-    modules: int = 0
-    functions: int = 0
-    too_long: int = 0
-    per_module_cap: int = 0
-    val_duplicates: int = 0
-    source: SourceStats = field(default_factory=SourceStats)
-
-
-#: At most this many functions of one module in the default set (a module such as tkinter
-#: has hundreds of short look-alike methods that would otherwise fill it).
-STDLIB_MAX_PER_MODULE = 20
-
-
-def stdlib_examples(val_fraction: float, max_chars: int = 0, max_train: int = 0, include_tests: bool = False,
-                    stats: StdlibStats | None = None, documents: Iterable | None = None,
-                    max_per_module: int = STDLIB_MAX_PER_MODULE) -> dict[str, list[FunctionExample]]:
-    """The default SFT set, split into {"train": [...], "val": [...]}, deterministic.
-
-    The modules are those pretraining reads (`iter_documents("stdlib", ...)`) and each goes
-    to the split `split_of(module, val_fraction)` gives it, the pretraining rule. Examples
-    whose prompt + body exceed `max_chars` characters are left out (counted in
-    `stats.too_long`), and at most `max_per_module` functions of a module are kept (0 = all;
-    chosen by a stable hash of their qualified name; the rest count in `stats.per_module_cap`).
-    Every validation module is used. Training modules are parsed in the
-    order of a stable hash of their name until `max_train` training examples are found
-    (0 = all), so a cap spreads over the whole library and parsing stops early. A
-    validation example whose text equals a training one (a function copied between
-    modules) is left out of validation (`stats.val_duplicates`).
-    `documents` (Document objects) replaces the standard library walk (tests).
-    """
-    stats = stats if stats is not None else StdlibStats()
-    if documents is None:
-        documents = iter_documents("stdlib", None, val_fraction, include_tests, "skip", stats.source)
-    by_split: dict[str, list] = {"train": [], "val": []}
-    for doc in documents:
-        by_split[split_of(doc.key, val_fraction)].append(doc)
-    by_split["train"].sort(key=lambda d: hashlib.sha256(d.key.encode("utf-8")).digest())
-    out: dict[str, list[FunctionExample]] = {"train": [], "val": []}
-    for split, docs in by_split.items():
-        for doc in docs:
-            if split == "train" and max_train and len(out["train"]) >= max_train:
-                break
-            stats.modules += 1
-            kept = []
-            for ex in function_examples(doc.text, doc.key):
-                stats.functions += 1
-                if max_chars and len(STDLIB_PROMPT) + len(ex.signature) + len(ex.docstring) + len(ex.body) > max_chars:
-                    stats.too_long += 1
-                    continue
-                kept.append(ex)
-            capped = cap_examples(kept, max_per_module, lambda e: e.qualname)
-            stats.per_module_cap += len(kept) - len(capped)
-            out[split].extend(capped)
-    if max_train:
-        out["train"] = out["train"][:max_train]
-    seen = {(e.signature, e.docstring, e.body) for e in out["train"]}
-    kept = [e for e in out["val"] if (e.signature, e.docstring, e.body) not in seen]
-    stats.val_duplicates = len(out["val"]) - len(kept)
-    out["val"] = kept
-    return out
 
 
 def cap_examples(items: Sequence, limit: int, key: Callable[[object], str]) -> list:
@@ -465,15 +258,10 @@ def sft_batches(samples: SFTSamples, seq_len: int, batch_size: int, pad_id: int,
                 packing: bool = False) -> Iterator[Batch]:
     """Every sample once, in order (validation); the last batch may be short."""
     if not samples.ids:
-        return
-    stream = sft_stream(samples, seq_len, batch_size, pad_id, seed=0, packing=packing, shuffle=False)
-    rows = stream.plan(0)
-    for i in range(0, len(rows), batch_size):
-        yield collate([build_row(r, samples.get_tokens, samples.get_learn, seq_len, pad_id, packing)
-                       for r in rows[i: i + batch_size]])
+        return iter(())
+    return sft_stream(samples, seq_len, batch_size, pad_id, seed=0, packing=packing, shuffle=False).batches_once()
 
 
-__all__ = ["Conversation", "FunctionExample", "SFTSamples", "StdlibStats", "ROLES", "STDLIB_PROMPT",
-           "validate_messages", "conversation_from_record", "read_conversations", "function_examples",
-           "stdlib_examples", "cap_examples", "split_conversations", "place_body", "render_samples",
-           "sft_stream", "sft_batches"]
+__all__ = ["Conversation", "SFTSamples", "ROLES", "validate_messages", "conversation_from_record",
+           "read_conversations", "cap_examples", "split_conversations", "render_samples", "sft_stream",
+           "sft_batches"]

@@ -1,0 +1,125 @@
+"""The one reader of record files (JSONL, Parquet), for corpora and conversations alike.
+
+`iter_records(path)` yields `(where, record)`: `where` names the file and line (`f.jsonl:12`)
+or row (`f.parquet row 7`) for error messages, `record` is what the line or row decodes
+to (any JSON value for JSONL; a dict of column values for Parquet). Every malformed input
+becomes a `DataError` naming the file and line: invalid JSON or UTF-8, JSON nested too
+deeply, a damaged or truncated Parquet file, a file that vanished or is not a regular file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+from lmforge.errors import DataError
+
+RECORD_SUFFIXES = (".jsonl", ".parquet")
+
+
+def content_key(value: object) -> str:
+    """A stable hash of a text or a JSON-able value: the key of the train/validation split
+    and of duplicate detection."""
+    text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False, sort_keys=True)
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def short(value: object, limit: int = 60) -> str:
+    """repr(value), cut to `limit` characters, for error messages."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def check_text(value: object, where: str, field: str) -> str:
+    """`value` if it is a string that encodes as UTF-8.
+
+    Raises:
+        DataError: not a string, or a lone surrogate (e.g. JSON "\\ud800") that no
+        tokenizer can encode.
+    """
+    if not isinstance(value, str):
+        raise DataError(f"{where}: {field} is {short(value)}; expected a string. Fix or remove the record.")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise DataError(f"{where}: {field} holds a character that is not valid Unicode text ({exc.reason} at "
+                        f"character {exc.start}, e.g. a lone surrogate escape like \\ud800). Fix or remove "
+                        f"the record.") from None
+    return value
+
+
+def iter_records(path: str | Path, columns: list[str] | None = None) -> Iterator[tuple[str, object]]:
+    """(where, record) for every record of a `.jsonl` or `.parquet` file, in file order.
+    `columns` (Parquet only) reads just those columns; a missing one is an error.
+
+    Raises:
+        DataError: the file is missing or not a regular file, has another suffix, or a
+        line/row cannot be decoded (naming the file and line or row).
+    """
+    path = Path(path)
+    if not path.is_file():
+        what = "is a folder" if path.is_dir() else "does not exist"
+        raise DataError(f"{path} {what}; expected a .jsonl or .parquet file.")
+    if path.suffix == ".jsonl":
+        yield from _jsonl(path)
+    elif path.suffix == ".parquet":
+        yield from _parquet(path, columns)
+    else:
+        raise DataError(f"{path}: unsupported file type {path.suffix!r}; expected one of {RECORD_SUFFIXES}.")
+
+
+def _jsonl(path: Path) -> Iterator[tuple[str, object]]:
+    try:
+        f = open(path, "rb")
+    except OSError as exc:
+        raise DataError(f"{path}: cannot be read ({exc.strerror}).") from None
+    with f:
+        for lineno, raw in enumerate(f, 1):
+            if not raw.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                record = json.loads(raw)
+            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                raise DataError(f"{where}: not valid JSON ({exc}). Fix or remove the line.") from None
+            except RecursionError:
+                raise DataError(f"{where}: JSON nested too deeply to read. Fix or remove the line.") from None
+            yield where, record
+
+
+def _parquet(path: Path, columns: list[str] | None) -> Iterator[tuple[str, object]]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise DataError(f"{path}: reading Parquet needs pyarrow. Install it: pip install 'lmforge[parquet]'.") from None
+    try:
+        pf = pq.ParquetFile(path)
+        names = pf.schema_arrow.names
+    except Exception as exc:  # pyarrow raises ArrowInvalid, OSError, ... for a damaged file
+        raise DataError(f"{path}: not a readable Parquet file ({_first_line(exc)}). Re-write the file.") from None
+    missing = [c for c in columns or () if c not in names]
+    if missing:
+        raise DataError(f"{path}: no {', '.join(repr(c) for c in missing)} column (columns: {names}).")
+    row = 0
+    batches = pf.iter_batches(columns=columns, batch_size=1024)
+    while True:
+        try:
+            batch = next(batches)
+            records = batch.to_pylist()
+        except StopIteration:
+            return
+        except Exception as exc:
+            raise DataError(f"{path}: damaged after row {row} ({_first_line(exc)}). Re-write the file.") from None
+        for record in records:
+            row += 1
+            yield f"{path} row {row}", record
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0][:160] if text else type(exc).__name__
+
+
+__all__ = ["RECORD_SUFFIXES", "check_text", "content_key", "iter_records", "short"]

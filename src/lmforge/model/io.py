@@ -1,0 +1,179 @@
+"""The checkpoint layout, defined once, and reading a model's files back.
+
+A checkpoint folder (`step_NNNNNN/` inside a run folder, or a folder `import-hf` wrote):
+    model.safetensors      full (unsharded) weights; a tied output weight stored once, as
+                           tok_embeddings.weight
+    config.toml            the resolved config (lmforge.config)
+    contract.json          the contract, with the tokenizer files beside it (P1, P6)
+    tokenizer.json, tokenizer_config.json
+and, in a training checkpoint (written by lmforge.train.checkpoint):
+    optimizer.pt           full optimizer state keyed by parameter name
+    rng.pt                 every rank's RNG states
+    state.json             step, tokens seen, data position, elapsed seconds
+Weights load strictly (a missing or unexpected key is an error) and only through
+safetensors; `.pt` files only with `torch.load(weights_only=True)`.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from lmforge.config import CONFIG_FILE, Config, load_config
+from lmforge.contract import (CONTRACT_FILE, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, Contract,
+                              check_tokenizer_hash)
+from lmforge.errors import CheckpointError, LmforgeError
+
+MODEL_FILE = "model.safetensors"
+OPTIMIZER_FILE = "optimizer.pt"
+RNG_FILE = "rng.pt"
+STATE_FILE = "state.json"
+#: The files that travel with every set of weights: the contract and the tokenizer (P1).
+CONTRACT_FILES = (CONTRACT_FILE, TOKENIZER_FILE, TOKENIZER_CONFIG_FILE)
+STEP_RE = re.compile(r"^step_(\d{6,})$")
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:06d}"
+
+
+def list_checkpoints(run_dir: str | Path) -> list[Path]:
+    """Complete checkpoint folders of a run, oldest first (a folder without its weights
+    file, or under a temporary name, is not a checkpoint)."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in run_dir.iterdir() if p.is_dir() and (m := STEP_RE.match(p.name))]
+    return [p for _, p in sorted(found) if (p / MODEL_FILE).is_file()]
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    found = list_checkpoints(run_dir)
+    return found[-1] if found else None
+
+
+def resolve_checkpoint(folder: str | Path) -> Path:
+    """A checkpoint folder itself, or a run folder's newest complete checkpoint.
+
+    Raises:
+        CheckpointError: nothing loadable there.
+    """
+    folder = Path(folder)
+    if (folder / MODEL_FILE).is_file():
+        return folder
+    latest = latest_checkpoint(folder)
+    if latest is None:
+        raise CheckpointError(
+            f"{folder} is not a checkpoint: no {MODEL_FILE} in it and no complete step_NNNNNN/ folder. "
+            f"Point at a run folder written by `lmforge pretrain`/`sft`, or at one of its step folders."
+        )
+    return latest
+
+
+def is_tied(model: torch.nn.Module) -> bool:
+    return getattr(model, "config", None) is not None and bool(model.config.tie_embeddings)
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    """True when `model`'s parameters are DTensors (FSDP2)."""
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Weights to save: contiguous CPU tensors; a tied output weight is stored once.
+
+    For a plain (or DDP-wrapped) module. FSDP2 modules: use `gather_model_state`.
+    """
+    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    if is_tied(model):
+        state.pop("output.weight", None)
+    return state
+
+
+def read_checkpoint_meta(folder: Path) -> tuple[Config, Contract]:
+    """Config and contract of a checkpoint, with the tokenizer hash checked.
+
+    Raises:
+        CheckpointError: config.toml missing or unreadable; ContractError: a bad contract.
+    """
+    if not (folder / CONFIG_FILE).is_file():
+        raise CheckpointError(f"checkpoint {folder} has no {CONFIG_FILE}; it is incomplete. Use another checkpoint.")
+    contract = Contract.load(folder, what="checkpoint")
+    if (folder / TOKENIZER_FILE).is_file():
+        check_tokenizer_hash(contract, folder / CONTRACT_FILE, folder / TOKENIZER_FILE)
+    try:
+        return load_config(folder / CONFIG_FILE), contract
+    except LmforgeError as exc:
+        raise CheckpointError(f"checkpoint {folder}: its {CONFIG_FILE} does not load ({exc})") from None
+
+
+def read_weights(model: torch.nn.Module, path: Path) -> dict[str, torch.Tensor]:
+    """Weights of `path`, checked against `model` (full shapes, also for FSDP2 modules).
+
+    Raises:
+        CheckpointError: unreadable file, a missing or unexpected key, a shape that differs,
+        or a non-finite value (a checkpoint is never trusted to be finite).
+    """
+    try:
+        state = load_file(str(path))
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise CheckpointError(f"{path}: cannot read weights ({exc}). The file is damaged; use another checkpoint.") from None
+    own = model.state_dict()  # DTensor shapes are the full shapes
+    expected = set(own) - ({"output.weight"} if is_tied(model) else set())
+    missing, unexpected = expected - set(state), set(state) - expected
+    if missing or unexpected:
+        raise CheckpointError(
+            f"{path}: weights do not match the model built from its {CONFIG_FILE}: missing "
+            f"{sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}. The config and weights come "
+            f"from different runs; no key is ever skipped."
+        )
+    for k, v in state.items():
+        if tuple(own[k].shape) != tuple(v.shape):
+            raise CheckpointError(f"{path}: {k} has shape {tuple(v.shape)}, the config expects {tuple(own[k].shape)}.")
+        if v.is_floating_point() and not bool(torch.isfinite(v).all()):
+            raise CheckpointError(f"{path}: {k} holds NaN or infinite values; this checkpoint cannot be used. "
+                                  f"Use an earlier checkpoint of the run.")
+    return state
+
+
+def load_weights(model: torch.nn.Module, path: Path) -> None:
+    """Load safetensors weights strictly into `model` (plain, or FSDP2-sharded: then every rank
+    calls this and takes its shard): missing or unexpected keys are errors, never skipped.
+
+    Raises:
+        CheckpointError: see `read_weights`.
+    """
+    state = read_weights(model, path)
+    if is_sharded(model):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        if is_tied(model):
+            state["output.weight"] = state["tok_embeddings.weight"]
+        set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=True))
+        return
+    own = model.state_dict()
+    with torch.no_grad():
+        for k, v in state.items():
+            own[k].copy_(v)
+
+
+def write_model_files(folder: Path, weights: dict[str, torch.Tensor], config: Config, contract_dir: Path,
+                      metadata: dict[str, str] | None = None) -> None:
+    """The files every checkpoint holds (weights, config, contract, tokenizer files), into
+    `folder` (a temporary folder of `lmforge.fileio.atomic_dir`)."""
+    save_file(weights, str(folder / MODEL_FILE), metadata=metadata)
+    config.save(folder / CONFIG_FILE)
+    for name in CONTRACT_FILES:
+        shutil.copy2(Path(contract_dir) / name, folder / name)
+
+
+__all__ = ["model_state", "MODEL_FILE", "OPTIMIZER_FILE", "RNG_FILE", "STATE_FILE", "CONTRACT_FILES", "step_dir_name",
+           "list_checkpoints", "latest_checkpoint", "resolve_checkpoint", "read_checkpoint_meta", "read_weights",
+           "load_weights", "write_model_files", "is_tied", "is_sharded"]

@@ -1,0 +1,88 @@
+"""Where and in what precision a stage runs: decided here, once per stage.
+
+`Runtime` carries the device and the autocast dtype (None = fp32). Training, evaluation
+and scoring take `train.precision` ("auto" = bf16 autocast where the hardware has bf16
+units, else fp32; "bf16"; "fp32"); decoding (`generate`, `chat`, scoring bodies, the
+server) has one policy of its own, `decode_runtime`, chosen by measurement (see its
+docstring). CUDA is used where present, the CPU otherwise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+
+def default_device() -> torch.device:
+    """The first CUDA device when there is one, else the CPU."""
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def bf16_supported(device: torch.device) -> bool:
+    """True where bf16 matmuls run natively (CUDA with bf16, a CPU with AVX512-BF16/AMX):
+    elsewhere autocast emulates bf16, far slower than fp32."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def resolve_precision(precision: str, device: torch.device) -> torch.dtype | None:
+    """The autocast dtype for `precision` ("auto" | "bf16" | "fp32") on `device`, or None (fp32)."""
+    if precision == "fp32":
+        return None
+    if precision == "bf16" or bf16_supported(device):
+        return torch.bfloat16
+    return None
+
+
+def autocast(device: torch.device, dtype: torch.dtype | None):
+    """torch.autocast for `dtype`, or a no-op context for fp32 (None)."""
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=dtype)
+
+
+@dataclass(frozen=True)
+class Runtime:
+    device: torch.device
+    dtype: torch.dtype | None
+    """autocast dtype (torch.bfloat16), or None for fp32."""
+
+    def autocast(self):
+        """Autocast to `dtype`, or (fp32) autocast switched off, whatever the caller had on."""
+        if self.dtype is None:
+            return torch.autocast(self.device.type, enabled=False)
+        return autocast(self.device, self.dtype)
+
+    @property
+    def label(self) -> str:
+        return f"{self.device}, {'bf16 autocast' if self.dtype else 'fp32'}"
+
+
+def training_runtime(precision: str, device: torch.device | str | None = None) -> Runtime:
+    """The runtime of training, evaluation and loss scoring: `train.precision` on `device`
+    (default: CUDA when present)."""
+    device = torch.device(device) if device is not None else default_device()
+    return Runtime(device, resolve_precision(precision, device))
+
+
+def decode_runtime(device: torch.device | str | None = None) -> Runtime:
+    """The one decoding policy (generate, chat, the speedrun's body scoring, serve).
+
+    On CUDA: bf16 autocast where supported. On a CPU: fp32. Measured with
+    `bench/bench_decode.py --precision` on the 2-core AVX512-BF16 CPU (7M-parameter
+    speedrun model, greedy, 64 new tokens): fp32 decoded faster than bf16 autocast at batch 1
+    and batch 8 (autocast re-casts every weight at every T = 1 step, and a T = 1 step is
+    latency-bound, not matmul-bound), and fp32 is the precision the parity tests with
+    transformers and llama.cpp compare against.
+    """
+    device = torch.device(device) if device is not None else default_device()
+    if device.type == "cuda":
+        return Runtime(device, resolve_precision("auto", device))
+    return Runtime(device, None)
+
+
+__all__ = ["Runtime", "autocast", "bf16_supported", "decode_runtime", "default_device", "resolve_precision",
+           "training_runtime"]

@@ -1,0 +1,160 @@
+"""What the stages share: the log, the training-session preamble and tail that pretrain and
+SFT both use, the start-up report, and loading a checkpoint for inference."""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from lmforge.config import CONFIG_FILE, Config
+from lmforge.contract import CONTRACT_FILE
+from lmforge.evaluate import batch_loss
+from lmforge.fileio import open_run_dir, output_lock
+from lmforge.model import Transformer, load_model
+from lmforge.model.attention import resolve_backend
+from lmforge.model.io import CONTRACT_FILES, list_checkpoints, read_checkpoint_meta, resolve_checkpoint
+from lmforge.runtime import Runtime, decode_runtime, resolve_precision
+from lmforge.tokenizer import Tokenizer
+from lmforge.train.distributed import DistInfo, init_distributed, shutdown
+from lmforge.train.trainer import Trainer, seed_everything
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+# -- training sessions (pretrain, sft) ----------------------------------------------------------
+@dataclass
+class TrainingSession:
+    """What a training stage has decided before any work: ranks and device, the attention
+    backend, the compute precision; `open_run()` then claims the run folder."""
+
+    cfg: Config
+    out: Path
+    command: str
+    resume: bool
+    dry_run: bool
+    info: DistInfo
+    backend: str
+    runtime: Runtime
+    stack: contextlib.ExitStack
+
+    def open_run(self) -> None:
+        """Check, lock and mark the run folder (`fileio.open_run_dir`: refused unless absent,
+        empty, or this command's own run, which needs `--resume` once it holds checkpoints).
+        Call it after the stage's own input checks, so refused input leaves no folder behind."""
+        if self.dry_run:
+            return
+        if self.info.is_main:
+            self.stack.enter_context(output_lock(self.out))
+        open_run_dir(self.out, self.command, self.resume, list_checkpoints, create=self.info.is_main)
+
+
+@contextlib.contextmanager
+def training_session(cfg: Config, out: str | Path, command: str, resume: bool, dry_run: bool
+                     ) -> Iterator[TrainingSession]:
+    """The preamble of every training stage (pretrain, sft): validate the parallel degrees
+    and start the process group, pick the attention backend and the precision (before any
+    work), seed every RNG. The process group is shut down and the run folder's lock
+    released on the way out.
+
+    Raises:
+        ConfigError: see `init_distributed`, `resolve_backend`.
+    """
+    info = init_distributed(cfg)  # validates the parallel degrees against WORLD_SIZE first
+    try:
+        backend = resolve_backend(cfg.model.attention, info.device, training=True)
+        runtime = Runtime(info.device, resolve_precision(cfg.train.precision, info.device))
+        with contextlib.ExitStack() as stack:
+            seed_everything(cfg.train.seed)
+            yield TrainingSession(cfg, Path(out), command, resume, dry_run, info, backend, runtime, stack)
+    finally:
+        shutdown(info)
+
+
+def copy_contract_files(src: Path, dst: Path) -> None:
+    dst.mkdir(parents=True, exist_ok=True)
+    for name in CONTRACT_FILES:
+        shutil.copy2(src / name, dst / name)
+
+
+def startup_report(model: Transformer, tok: Tokenizer, data: dict, cfg: Config, world: int,
+                   runtime: Runtime) -> str:
+    c, t = model.config, cfg.train
+    per_step = t.micro_batch_size * t.grad_accum_steps * world * cfg.data.seq_len
+    lines = [
+        f"model: dim {c.dim}, {c.n_layers} layers, {c.n_heads} heads / {c.n_kv_heads} kv heads, "
+        f"ffn {c.resolved_ffn_dim()}, {model.num_parameters():,} parameters "
+        f"({model.num_parameters(non_embedding=True):,} non-embedding), attention {model.layers[0].attention.backend}",
+        f"vocab: tokenizer {tok.vocab_size}, model {model.model_vocab_size} (padded to 64); special ids "
+        + ", ".join(f"{k}={v}" for k, v in tok.contract.special_tokens.items()),
+    ]
+    for split, m in data.items():
+        lines.append(f"data {split}: {m['documents']:,} documents, {m['tokens']:,} tokens, max id {m['max_id']}")
+    lines.append(f"batch: {t.micro_batch_size} x {cfg.data.seq_len} tokens x {t.grad_accum_steps} accumulation x "
+                 f"{world} ranks = {per_step:,} tokens/step; {t.steps} steps = {per_step * t.steps:,} tokens; "
+                 f"device {runtime.label}")
+    return "\n".join(lines)
+
+
+def run_training(session: TrainingSession, contract_dir: Path, model: Transformer, stream, val_batches,
+                 resume: bool = False, dry_run: bool = False, progress: bool = True,
+                 side_files: dict[str, str] | None = None) -> dict:
+    """The common tail of every training stage (pretrain, sft): one dry-run step, or the one
+    `Trainer.fit` into the session's run folder (continuing its newest checkpoint with
+    `resume`). `contract_dir` holds the contract and tokenizer files copied into the run
+    folder and its checkpoints; `side_files` ({name: text}) are written into the run folder
+    only once `--resume` has been accepted (a refused resume changes no file)."""
+    cfg, out, info = session.cfg, session.out, session.info
+    if dry_run:
+        return dry_run_step(model, stream, session.runtime)
+    trainer = Trainer(cfg, out, Path(contract_dir), model, stream, val_batches, info, progress, log)
+    if resume and not trainer.resume():  # before any write: a refused --resume leaves the run folder as it was
+        log(f"--resume: no checkpoint in {out} yet; starting from step 0")
+    if info.is_main:
+        from lmforge.fileio import write_text
+
+        copy_contract_files(Path(contract_dir), out)
+        cfg.save(out / CONFIG_FILE)
+        for name, text in (side_files or {}).items():
+            write_text(out / name, text)
+    return trainer.fit()
+
+
+def dry_run_step(model: Transformer, stream, runtime: Runtime) -> dict:
+    """One forward and backward pass on one micro-batch; nothing written."""
+    model.to(runtime.device).train()
+    b = stream.next_batch().to(runtime.device)
+    with runtime.autocast():
+        nats = batch_loss(model, b)
+    (nats / max(1, b.n_supervised)).backward()
+    loss = float(nats.detach()) / max(1, b.n_supervised)
+    log(f"dry run: one micro-batch forward and backward, loss {loss:.4f} nats/token; all checks passed")
+    return {"loss": loss, "dry_run": True}
+
+
+# -- inference ----------------------------------------------------------------------------------
+def load_for_inference(checkpoint: str | Path, tokenizer_dir: str | Path | None = None,
+                       runtime: Runtime | None = None):
+    """(model, tokenizer, config) from a checkpoint, on the decoding runtime's device,
+    checking a separate tokenizer if given.
+
+    Raises:
+        CheckpointError / ContractError: not a checkpoint, damaged or non-finite weights,
+        or a tokenizer that differs from the checkpoint's.
+    """
+    runtime = runtime or decode_runtime()
+    path = resolve_checkpoint(checkpoint)
+    read_checkpoint_meta(path)  # a checkpoint without config/contract is named as a checkpoint
+    tok_dir = Path(tokenizer_dir) if tokenizer_dir else path
+    tok = Tokenizer.load(tok_dir)
+    model, cfg, _, _ = load_model(path, runtime.device, tok.contract, tok_dir / CONTRACT_FILE)
+    return model, tok, cfg
+
+
+__all__ = ["log", "TrainingSession", "training_session", "run_training", "dry_run_step", "startup_report",
+           "copy_contract_files", "load_for_inference"]

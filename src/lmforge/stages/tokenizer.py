@@ -1,0 +1,56 @@
+"""`lmforge train-tokenizer` and `lmforge import-tokenizer`: write a tokenizer folder
+(tokenizer.json, tokenizer_config.json, contract.json, config.toml)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from lmforge.config import CONFIG_FILE, Config
+from lmforge.data.sources import SourceStats, iter_documents
+from lmforge.stages.common import log
+from lmforge.tokenizer import Tokenizer, import_tokenizer, train_tokenizer
+
+
+def train_tokenizer_stage(cfg: Config, out: str | Path | None = None, progress: bool = True) -> Tokenizer:
+    """Train the BPE tokenizer on the training split of `data.source` into `out` (or tokenizer.dir).
+
+    The folder's config.toml records the vocabulary actually trained: a corpus too small for
+    `tokenizer.vocab_size` yields fewer tokens, and that is said.
+    """
+    out = Path(out or cfg.tokenizer.dir)
+    d = cfg.data
+    stats = SourceStats()
+    budget = cfg.tokenizer.max_train_bytes
+
+    def texts():
+        used = 0
+        for doc in iter_documents(d.source, "train", d.val_fraction, d.include_tests, d.on_bad_utf8, stats):
+            yield doc.text
+            used += len(doc.text.encode("utf-8"))
+            if budget and used >= budget:
+                return
+
+    t0 = time.perf_counter()
+    tok = train_tokenizer(texts(), cfg.tokenizer.vocab_size, out, show_progress=progress,
+                          extra_files={CONFIG_FILE: cfg.to_toml()})
+    if tok.vocab_size != cfg.tokenizer.vocab_size:
+        log(f"note: tokenizer.vocab_size = {cfg.tokenizer.vocab_size} asked, but the corpus has merges for only "
+            f"{tok.vocab_size} tokens; {out / CONFIG_FILE} records {tok.vocab_size}. Use more text for a larger "
+            f"vocabulary.")
+        cfg = replace(cfg, tokenizer=replace(cfg.tokenizer, vocab_size=tok.vocab_size))
+        cfg.save(out / CONFIG_FILE)
+    log(f"tokenizer: {tok.vocab_size} tokens (model vocab {tok.contract.model_vocab_size}) trained on "
+        f"{stats.documents} documents in {time.perf_counter() - t0:.1f}s -> {out}"
+        + (f" ({stats.bad_utf8} non-UTF-8 files skipped)" if stats.bad_utf8 else ""))
+    return tok
+
+
+def import_tokenizer_stage(cfg: Config, src: str | Path, out: str | Path | None = None) -> Tokenizer:
+    """Derive lmforge's contract from a Hugging Face tokenizer folder into `out` (or tokenizer.dir)."""
+    out = Path(out or cfg.tokenizer.dir)
+    tok = import_tokenizer(src, out, log=lambda m: log(f"import-tokenizer: {m}"))
+    log(f"import-tokenizer: {tok.vocab_size} tokens (model vocab {tok.contract.model_vocab_size}), special ids "
+        + ", ".join(f"{k}={v} {tok.spellings[k]!r}" for k, v in tok.contract.special_tokens.items()) + f" -> {out}")
+    return tok
