@@ -237,7 +237,8 @@ def _suggest(name: str, options: list[str]) -> str:
 
 
 def _coerce(section: str, key: str, value: Any, typ: type, where: str) -> Any:
-    """Check `value` against the dataclass field type (int/float/bool/str)."""
+    """Check `value` against the dataclass field type (int/float/bool/str); floats must be
+    finite (NaN and infinity pass `x <= 0` checks and then fail deep inside torch)."""
     name = f"{section}.{key}"
     if typ is bool:
         if isinstance(value, bool):
@@ -247,14 +248,21 @@ def _coerce(section: str, key: str, value: Any, typ: type, where: str) -> Any:
             return value
     elif typ is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if not math.isfinite(value):
+                raise ConfigError(f"{where}: {name} = {value!r}: expected a finite number (default "
+                                  f"{_default(section, key)!r}).")
             return float(value)
     elif typ is str:
         if isinstance(value, str):
             return value
     raise ConfigError(
         f"{where}: {name} = {value!r} has type {type(value).__name__}, expected {typ.__name__}. "
-        f"Fix the value (for example {name}={typ()!r})."
+        f"Fix the value (for example {name}={_default(section, key)!r}, the default)."
     )
+
+
+def _default(section: str, key: str) -> Any:
+    return getattr(_SECTION_TYPES[section](), key)
 
 
 def _field_types(cls: type) -> dict[str, type]:
@@ -336,6 +344,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raw = tomllib.loads(path.read_text(encoding="utf-8"))
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"{path}: not valid TOML: {exc}. Fix the syntax.") from None
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start}: {exc.reason}); a TOML file is UTF-8. "
+                              f"Re-save it as UTF-8.") from None
+        except OSError as exc:
+            raise ConfigError(f"config file {path}: cannot be read ({exc.strerror}).") from None
         cfg = from_dict(raw, where=str(path))
     cfg = apply_overrides(cfg, overrides)
     return validate(cfg)
@@ -349,9 +362,18 @@ def _choice(name: str, value: str, options: tuple[str, ...]) -> None:
 
 
 def _positive(name: str, value: float, allow_zero: bool = False) -> None:
-    if value < 0 or (value == 0 and not allow_zero):
+    if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
         bound = ">= 0" if allow_zero else "> 0"
-        raise ConfigError(f"{name} = {value!r}: expected a value {bound}.")
+        section, key = name.split(".", 1)
+        raise ConfigError(f"{name} = {value!r}: expected a value {bound} (default {_default(section, key)!r}).")
+
+
+def _in_range(name: str, value: float, low: float, high: float, high_open: bool = True) -> None:
+    ok = math.isfinite(value) and low <= value and (value < high if high_open else value <= high)
+    if not ok:
+        section, key = name.split(".", 1)
+        raise ConfigError(f"{name} = {value!r}: expected {low} <= value {'<' if high_open else '<='} {high} "
+                          f"(default {_default(section, key)!r}).")
 
 
 def validate(cfg: Config, world_size: int | None = None) -> Config:
@@ -361,9 +383,17 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
     (`validate_parallel`); None leaves them to the training start-up, which knows it.
     """
     m, d, t = cfg.model, cfg.data, cfg.train
-    for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "max_seq_len"):
+    for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "max_seq_len", "norm_eps", "rope_theta"):
         _positive(f"model.{name}", getattr(m, name))
+    for name in ("vocab_size", "ffn_dim"):
+        _positive(f"model.{name}", getattr(m, name), allow_zero=True)
     _positive("tokenizer.vocab_size", cfg.tokenizer.vocab_size)
+    _positive("tokenizer.max_train_bytes", cfg.tokenizer.max_train_bytes, allow_zero=True)
+    _positive("train.seed", t.seed, allow_zero=True)
+    _in_range("train.beta1", t.beta1, 0.0, 1.0)
+    _in_range("train.beta2", t.beta2, 0.0, 1.0)
+    _in_range("train.min_lr_ratio", t.min_lr_ratio, 0.0, 1.0, high_open=False)
+    cfg.generate.validate()
     if m.dim % m.n_heads:
         raise ConfigError(
             f"model.dim = {m.dim} is not divisible by model.n_heads = {m.n_heads}. "

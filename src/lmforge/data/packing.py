@@ -97,11 +97,13 @@ def plan_packed(n_pairs: Sequence[int], order: Sequence[int], seq_len: int, max_
             continue
         for piece in split_pieces(int(s), int(n_pairs[s]), seq_len):
             n = piece[2]
-            if n == seq_len:
+            if n == seq_len:  # a full piece is a row by itself: nothing can join it
                 rows.append([piece])
                 continue
             fits = np.flatnonzero(room >= n)
             if len(fits):
+                # best fit: the tightest row that still takes it leaves the roomier rows for
+                # longer pieces to come (first fit would pad more on mixed lengths)
                 j = int(fits[np.argmin(room[fits])])
                 open_rows[j].append(piece)
                 room[j] -= n
@@ -109,7 +111,7 @@ def plan_packed(n_pairs: Sequence[int], order: Sequence[int], seq_len: int, max_
                     rows.append(open_rows.pop(j))
                     room = np.delete(room, j)
                 continue
-            if len(open_rows) >= max_open:
+            if len(open_rows) >= max_open:  # bound the search: close the fullest open row
                 j = int(np.argmin(room))
                 rows.append(open_rows.pop(j))
                 room = np.delete(room, j)

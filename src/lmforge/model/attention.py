@@ -43,9 +43,11 @@ def document_mask(document_ids: torch.Tensor) -> torch.Tensor:
     """(B, T) int -> (B, 1, T, T) bool: True where query i may attend key j
     (same segment and j <= i). Every query may attend at least to itself."""
     T = document_ids.shape[-1]
-    same = document_ids[:, :, None] == document_ids[:, None, :]  # (B, T, T)
-    causal = torch.ones(T, T, dtype=torch.bool, device=document_ids.device).tril()
-    return (same & causal)[:, None]
+    # block-diagonal by segment: query i and key j in the same document; segments are
+    # contiguous runs in a packed row, so "same id" is "same block"
+    same = document_ids[:, :, None] == document_ids[:, None, :]  # (B, T, 1) == (B, 1, T) -> (B, T, T)
+    causal = torch.ones(T, T, dtype=torch.bool, device=document_ids.device).tril()  # (T, T): j <= i
+    return (same & causal)[:, None]  # (B, 1, T, T): broadcast over heads
 
 
 def additive_document_mask(document_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -63,11 +65,11 @@ def one_segment_per_row(document_ids: torch.Tensor) -> bool:
 
 def cache_mask(T: int, offset: int, key_mask: torch.Tensor | None, S: int, device) -> torch.Tensor:
     """(B or 1, 1, T, S) bool for queries at slots offset..offset+T-1 over S cache slots."""
-    q = torch.arange(offset, offset + T, device=device)[:, None]
-    k = torch.arange(S, device=device)[None, :]
-    mask = (k <= q)[None, None]  # (1, 1, T, S)
-    if key_mask is not None:
-        mask = mask & key_mask[:, None, None, :S]
+    q = torch.arange(offset, offset + T, device=device)[:, None]  # (T, 1): cache slot of each query
+    k = torch.arange(S, device=device)[None, :]  # (1, S)
+    mask = (k <= q)[None, None]  # (1, 1, T, S): causal over the cache
+    if key_mask is not None:  # left padding: pad slots are never keys (P5)
+        mask = mask & key_mask[:, None, None, :S]  # (B, 1, T, S)
     return mask
 
 

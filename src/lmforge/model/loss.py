@@ -48,20 +48,25 @@ class _LinearCrossEntropySum(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, labels, compute_dtype, chunk_rows):
-        h = hidden.to(compute_dtype)
-        w = weight.to(compute_dtype)
+        h = hidden.to(compute_dtype)  # (N, D)
+        w = weight.to(compute_dtype)  # (V, D)
         n = h.shape[0]
+        # d(sum CE)/d(logits) is all the backward needs: keep it (N, V) in the compute dtype
+        # (half the bytes of the float32 logits in bf16) instead of the logits themselves.
         grad_logits = torch.empty(n, w.shape[0], dtype=compute_dtype, device=h.device)
         total = torch.zeros((), dtype=torch.float32, device=h.device)
-        for s in range(0, n, chunk_rows):
+        for s in range(0, n, chunk_rows):  # chunk_rows rows of float32 logits at a time stay in cache
             e = min(n, s + chunk_rows)
-            logits = torch.mm(h[s:e], w.t()).float()  # (rows, V)
-            lab = labels[s:e]
-            valid = lab != IGNORE_INDEX
-            safe = torch.where(valid, lab, 0)[:, None]
+            logits = torch.mm(h[s:e], w.t()).float()  # (rows, V), float32 for the log-sum-exp
+            lab = labels[s:e]  # (rows,)
+            valid = lab != IGNORE_INDEX  # (rows,) bool: supervised rows
+            safe = torch.where(valid, lab, 0)[:, None]  # (rows, 1): any in-range index for ignored rows
             lse = torch.logsumexp(logits, dim=-1)  # (rows,)
+            # CE = logsumexp - logit of the label; ignored rows add exactly 0
             total += torch.where(valid, lse - logits.gather(1, safe).squeeze(1), 0.0).sum()
-            probs = logits.sub_(lse[:, None]).exp_()
+            # dCE/dlogits = softmax - one_hot(label), computed in place in the logits buffer:
+            # exp(logits - lse) is the softmax; subtract 1 at the label; zero the ignored rows.
+            probs = logits.sub_(lse[:, None]).exp_()  # (rows, V)
             probs.scatter_add_(1, safe, -valid[:, None].to(probs.dtype))
             probs.mul_(valid[:, None])
             grad_logits[s:e] = probs
@@ -72,9 +77,11 @@ class _LinearCrossEntropySum(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_total):
         h, w, grad_logits = ctx.saved_tensors
+        # the loss is linear in grad_total (the upstream scale: 1 / supervised count, etc.),
+        # so the saved dCE/dlogits only needs scaling; then logits = h @ w.T gives the two matmuls
         g = grad_logits * grad_total.to(grad_logits.dtype)  # (N, V)
-        grad_hidden = torch.mm(g, w).to(ctx.dtypes[0])
-        grad_weight = torch.mm(g.t(), h).to(ctx.dtypes[1])
+        grad_hidden = torch.mm(g, w).to(ctx.dtypes[0])  # (N, V) @ (V, D) -> (N, D)
+        grad_weight = torch.mm(g.t(), h).to(ctx.dtypes[1])  # (V, N) @ (N, D) -> (V, D)
         return grad_hidden, grad_weight, None, None, None
 
 
