@@ -145,6 +145,20 @@ def _prepare_into(tmp: Path, source: str, tokenizer: Tokenizer, val_fraction: fl
     return meta
 
 
+def _read_json(path: Path, kind: type):
+    """A data folder's side file, parsed; a DataError naming it when it does not parse or is
+    not a `kind` (dict / list)."""
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError) as exc:
+        raise DataError(f"{path}: not readable JSON ({str(exc)[:120]}). The data folder is damaged: re-run "
+                        f"`lmforge prepare`.") from None
+    if not isinstance(value, kind):
+        raise DataError(f"{path}: expected a JSON {kind.__name__}, found {type(value).__name__}. The data folder "
+                        f"is damaged: re-run `lmforge prepare`.")
+    return value
+
+
 @dataclass
 class Shard:
     """One split of a prepared data folder, memory-mapped.
@@ -179,7 +193,7 @@ class Shard:
         if contract is not None:
             check_match(contract, contract_path, own, folder / CONTRACT_FILE)
         meta_path = folder / META_FILE
-        meta = json.loads(meta_path.read_text(encoding="utf-8")) if meta_path.is_file() else {}
+        meta = _read_json(meta_path, dict) if meta_path.is_file() else {}
         dtype = own.dtype
         nbytes = bin_path.stat().st_size
         if nbytes % dtype.itemsize:
@@ -206,7 +220,10 @@ class Shard:
     @property
     def n_bytes(self) -> int:
         """UTF-8 bytes of the split's text (from meta.json)."""
-        return int(self.meta.get("splits", {}).get(self.split, {}).get("bytes", 0))
+        splits = self.meta.get("splits")
+        entry = splits.get(self.split) if isinstance(splits, dict) else None
+        nbytes = entry.get("bytes") if isinstance(entry, dict) else None
+        return nbytes if isinstance(nbytes, int) and nbytes >= 0 else 0
 
     def document(self, i: int) -> np.ndarray:
         return self.tokens[self.offsets[i]: self.offsets[i + 1]]
@@ -255,8 +272,11 @@ def preflight(folder: str | Path, contract: Contract, contract_path: str | Path 
         report[split] = {"documents": shard.n_documents, "tokens": shard.n_tokens, "max_id": max_id}
     hashes_path = folder / "hashes.json"
     if hashes_path.is_file():
-        hashes = json.loads(hashes_path.read_text(encoding="utf-8"))
-        leaked = set(hashes.get("val", [])) & set(hashes.get("train", []))
+        hashes = _read_json(hashes_path, dict)
+        val, train = hashes.get("val", []), hashes.get("train", [])
+        if not (isinstance(val, list) and isinstance(train, list) and all(isinstance(h, str) for h in val + train)):
+            raise DataError(f"{hashes_path}: expected {{\"train\": [hashes], \"val\": [hashes]}}. Re-run `lmforge prepare`.")
+        leaked = set(val) & set(train)
         if leaked:
             i = hashes["val"].index(next(iter(leaked)))
             raise DataError(

@@ -27,6 +27,7 @@ Neither direction needs `transformers`; only `export_hf(..., verify=True)` (the
 from __future__ import annotations
 
 import json
+import math
 import re
 import shutil
 from pathlib import Path
@@ -210,9 +211,11 @@ def model_config_from_hf(cfg: dict, where: str) -> ModelConfig:
     """lmforge ModelConfig from a Llama `config.json` dict.
 
     Raises:
-        ExportError: another architecture, biases, rope scaling, another activation, a head
-        size lmforge does not derive, or a missing field.
+        ExportError: not a JSON object, another architecture, biases, rope scaling, another
+        activation, a head size lmforge does not derive, a missing field or one of the wrong type.
     """
+    if not isinstance(cfg, dict):
+        raise ExportError(f"{where}: expected a JSON object (a transformers config), found {type(cfg).__name__}.")
     archs = cfg.get("architectures") or []
     if cfg.get("model_type") != "llama" or archs not in (["LlamaForCausalLM"], []):
         raise ExportError(
@@ -230,6 +233,8 @@ def model_config_from_hf(cfg: dict, where: str) -> ModelConfig:
         if key in cfg and cfg[key] != want:
             raise ExportError(f"{where}: {key} = {cfg[key]!r}, expected {want!r}: {why}; this model cannot be imported.")
     rope = cfg.get("rope_parameters") or {}
+    if not isinstance(rope, dict):
+        raise ExportError(f"{where}: rope_parameters = {rope!r}: expected an object.")
     if rope.get("rope_type", "default") != "default" or rope.get("type", "default") != "default":
         raise ExportError(
             f"{where}: rope_parameters = {rope}, expected rope_type \"default\": lmforge implements plain "
@@ -241,23 +246,32 @@ def model_config_from_hf(cfg: dict, where: str) -> ModelConfig:
             raise ExportError(f"{where}: {key} = {value!r}, expected 1.0: lmforge rotates the whole head.")
     if cfg.get("sliding_window") not in (None, 0):
         raise ExportError(f"{where}: sliding_window = {cfg['sliding_window']!r}: lmforge has full attention only.")
-    try:
-        dim, n_heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
-        model = ModelConfig(
-            dim=dim,
-            n_layers=int(cfg["num_hidden_layers"]),
-            n_heads=n_heads,
-            n_kv_heads=int(cfg.get("num_key_value_heads") or n_heads),
-            ffn_dim=int(cfg["intermediate_size"]),
-            norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
-            max_seq_len=int(cfg.get("max_position_embeddings", 2048)),
-            tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        )
-    except KeyError as exc:
-        raise ExportError(f"{where}: missing field {exc.args[0]!r}; a Llama config.json has it.") from None
+    def num(key: str, typ: type, default=None, source: dict = cfg):
+        value = source.get(key, default)
+        if value is None:
+            raise ExportError(f"{where}: missing field {key!r}; a Llama config.json has it.")
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and (typ is float or value == int(value))
+        if not ok or (typ is float and not math.isfinite(value)):
+            raise ExportError(f"{where}: {key} = {value!r}: expected {'an integer' if typ is int else 'a number'}.")
+        return typ(value)
+
+    dim, n_heads = num("hidden_size", int), num("num_attention_heads", int)
+    model = ModelConfig(
+        dim=dim,
+        n_layers=num("num_hidden_layers", int),
+        n_heads=n_heads,
+        n_kv_heads=num("num_key_value_heads", int, n_heads),
+        ffn_dim=num("intermediate_size", int),
+        norm_eps=num("rms_norm_eps", float, 1e-6),
+        rope_theta=num("rope_theta", float, cfg.get("rope_theta", 10000.0), source=rope),
+        max_seq_len=num("max_position_embeddings", int, 2048),
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+    )
+    if min(dim, n_heads, model.n_layers, model.n_kv_heads, model.ffn_dim, model.max_seq_len) <= 0:
+        raise ExportError(f"{where}: sizes must be positive (hidden_size {dim}, num_attention_heads {n_heads}, "
+                          f"num_hidden_layers {model.n_layers}, ...).")
     head_dim = cfg.get("head_dim")
-    if head_dim is not None and int(head_dim) * n_heads != dim:
+    if head_dim is not None and num("head_dim", int) * n_heads != dim:
         raise ExportError(
             f"{where}: head_dim = {head_dim} but hidden_size / num_attention_heads = {dim // n_heads}; lmforge "
             f"derives head_dim = dim / n_heads, so this model cannot be imported."

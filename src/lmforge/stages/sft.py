@@ -25,9 +25,10 @@ from lmforge.contract import CONTRACT_FILE, TOKENIZER_FILE
 from lmforge.data.conversations import (Conversation, cap_examples, read_conversations, render_samples, sft_batches,
                                         sft_stream, split_conversations)
 from lmforge.data.stdlib_functions import StdlibStats, stdlib_examples
-from lmforge.errors import ConfigError, DataError
+from lmforge.errors import ConfigError, DataError, LmforgeError
+from lmforge.fileio import check_output
 from lmforge.model import load_model
-from lmforge.model.io import resolve_checkpoint
+from lmforge.model.io import latest_checkpoint, read_checkpoint_meta, resolve_checkpoint
 from lmforge.stages.common import log, run_training, startup_report, training_session
 from lmforge.tokenizer import Tokenizer
 
@@ -118,8 +119,11 @@ def sft_stage(cfg: Config, out: str | Path, resume: bool = False, dry_run: bool 
     if not cfg.sft.init:
         raise ConfigError("sft.init is empty: set the checkpoint to fine-tune, e.g. --set sft.init=runs/pre "
                           "(a pretraining run folder or one of its step_NNNNNN folders).")
+    check_output(Path(out), "sft")  # `.`, a parent, another command's output: before anything else
     init = resolve_checkpoint(cfg.sft.init)
     _refuse_init_as_out(Path(out), Path(cfg.sft.init), init)
+    if resume:
+        _check_same_init(Path(out), init)
     tok = sft_tokenizer(cfg, init)
     model, init_cfg, _, _ = load_model(init, "cpu", tok.contract, tok.folder / CONTRACT_FILE)
     cfg = sft_config(replace(cfg, tokenizer=replace(cfg.tokenizer, dir=str(tok.folder))), init_cfg)
@@ -160,6 +164,21 @@ def sft_stage(cfg: Config, out: str | Path, resume: bool = False, dry_run: bool 
                 SFT_VAL_FILE: val_records(convs["val"], functions.get("val", []))}
         return run_training(session, tok.folder, model, stream, val_batches if val.ids else None,
                             resume=resume, dry_run=dry_run, progress=progress, side_files=side)
+
+
+def _check_same_init(out: Path, init: Path) -> None:
+    """`--resume` continues an SFT run only from the checkpoint it started from."""
+    latest = latest_checkpoint(out)
+    if latest is None:
+        return
+    saved, _ = read_checkpoint_meta(latest)
+    try:
+        before = resolve_checkpoint(saved.sft.init).resolve() if saved.sft.init else None
+    except LmforgeError:
+        before = None
+    if before != init.resolve():
+        raise ConfigError(f"--resume: {out} is an SFT run from sft.init = {saved.sft.init!r}, but this command "
+                          f"sets sft.init = {str(init)!r}. Resume with the same sft.init, or choose another --out.")
 
 
 def _refuse_init_as_out(out: Path, init_arg: Path, init: Path) -> None:
