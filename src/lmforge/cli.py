@@ -99,11 +99,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data", metavar="DIR", help="prepared data folder (default: the checkpoint's data.dir)")
     p.add_argument("--split", default="val", choices=("train", "val"))
 
-    p = sub.add_parser("export", help="write a checkpoint as a Hugging Face Llama folder")
-    _common(p, "the Hugging Face folder to write (required)")
+    p = sub.add_parser("export", help="write a checkpoint as a Hugging Face Llama folder, or a GGUF file")
+    _common(p, "the Hugging Face folder (--format hf) or .gguf file (--format gguf) to write (required)")
     p.add_argument("--checkpoint", required=True, metavar="DIR", help="a run folder or a step_NNNNNN folder")
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    p.add_argument("--format", default="hf", choices=("hf", "gguf"),
+                   help="hf: a transformers folder (default); gguf: one file for llama.cpp / Ollama")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16", "q8_0"),
+                   help="weight type (q8_0: --format gguf only)")
     p.add_argument("--verify", action="store_true", help="compare logits with transformers (needs lmforge[hf])")
+    p.add_argument("--force", action="store_true", help="--format gguf: replace an existing --out file")
 
     p = sub.add_parser("import-hf", help="turn a Hugging Face Llama folder into an lmforge checkpoint")
     _common(p, "the lmforge checkpoint folder to write (required)")
@@ -186,11 +190,20 @@ def run(args: argparse.Namespace) -> int:
               f"{res['bits_per_byte']:.4f} bits/byte over {res['tokens']:,} tokens ({res['bytes']:,} bytes)")
         print(json.dumps(res))
     elif cmd == "export":
-        from lmforge.export import export_hf
+        from lmforge.export import export_gguf, export_hf
 
-        if not args.out:
+        if args.format == "gguf":
+            if not args.out:
+                raise LmforgeError("export --format gguf needs --out FILE.gguf (the file to write).")
+            if args.verify:
+                raise LmforgeError("--verify compares with transformers (--format hf); for GGUF run `make interop`.")
+            print(export_gguf(args.checkpoint, args.out, dtype=args.dtype, force=args.force))
+        elif not args.out:
             raise LmforgeError("export needs --out DIR (the Hugging Face folder to write).")
-        print(export_hf(args.checkpoint, args.out, dtype=args.dtype, verify=args.verify))
+        elif args.dtype == "q8_0":
+            raise LmforgeError("--dtype q8_0 is for --format gguf; a Hugging Face export is float32, bfloat16 or float16.")
+        else:
+            print(export_hf(args.checkpoint, args.out, dtype=args.dtype, verify=args.verify))
     elif cmd == "import-hf":
         from lmforge.export import import_hf
 
