@@ -65,7 +65,7 @@ UNICODE = [
     "x²+y³=z⁴", "½ ¼ ¾", "€ £ ¥ ₹ ₿", "\U0001f600" * 9, "é" * 40, "\ufeffbom start", "\x00\x01\x02 controls \x7f",
     "line\u2028sep\u2029para", "mixed 中文 and English 123 ٤٥٦", "Ǆ ǅ ǆ titlecase", "İstanbul ıi", "a" * 100,
     "ab" * 60, "1234567890" * 5, "3.14159 2.71828 -0.5e-10", "0x1F 0b1010 0o777", "'s 't 're 've 'm 'll 'd",
-    "DON'T I'M WE'LL THEY'RE", "it's o'clock", "``backticks`` and ~~tildes~~", "path/to/file.py:12:3",
+    "DON'T I'M WE'LL THEY'RE", "it's o'clock", "it'ſ long s", "'K kelvin 'ǅ", "``backticks`` and ~~tildes~~", "path/to/file.py:12:3",
     "https://example.com/a?b=c&d=e#f", "user@example.com", "C:\\Windows\\System32", "#!/usr/bin/env python3",
 ]
 
@@ -107,7 +107,7 @@ def stdlib_tokenizer(tmp_path_factory) -> Tokenizer:
     return train_tokenizer(train_texts(), VOCAB, tmp_path_factory.mktemp("tok") / "tok", show_progress=False)
 
 
-def load_llama(path: Path, n_ctx: int = 512):
+def load_llama(path: Path, n_ctx: int = 256):
     return llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, logits_all=True,
                            type_k=GGML_TYPE_F32, type_v=GGML_TYPE_F32, flash_attn=False, n_threads=2,
                            n_threads_batch=2, verbose=False, seed=0)
@@ -169,11 +169,14 @@ def check_greedy(llm, model, tok: Tokenizer, prompts: list[str], n: int = 64) ->
     return agree
 
 
+#: Contents never spell a special token: a runtime that renders the template to a string and
+#: then parses specials (llama.cpp, transformers alike) turns "<|im_end|>" typed by a user into the
+#: real token, while `render_chat` keeps it as text. That is the template's nature, not the export's.
 CONVERSATIONS = [
     [{"role": "user", "content": "Hello!"}],
     [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "def add(a, b):\n    \"\"\"Sum.\"\"\""}],
     [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello, how can I help?"},
-     {"role": "user", "content": "  spaces  and\ttabs\n\nand <|im_end|> in text"}],
+     {"role": "user", "content": "  spaces  and\ttabs\n\n in text "}],
     [{"role": "user", "content": "café 中文 🎉"}, {"role": "assistant", "content": "ok"}, {"role": "user", "content": ""}],
 ]
 
@@ -308,7 +311,11 @@ def test_qk_norm_as_qwen3(exported, tmp_path):
 
     _, tok, _, _, ckpt = exported
     model, _, contract, path = load_model(ckpt)
-    _add_qk_norm(model)
+    ids = lmforge_prompt(tok, held_out_texts()[9][:2000])[:150]
+    with torch.inference_mode():
+        plain = model(torch.tensor([ids]))
+        _add_qk_norm(model)
+        assert float((model(torch.tensor([ids])) - plain).abs().max()) > 1.0  # QK-norm changes the model
 
     @dataclasses.dataclass
     class QKConfig(ModelConfig):
@@ -318,7 +325,6 @@ def test_qk_norm_as_qwen3(exported, tmp_path):
     out = write_gguf(tmp_path / "qwen3.gguf", cfg, contract, model_state(model), path / "tokenizer.json")
     llm = load_llama(out)
     assert llm.metadata["general.architecture"] == "qwen3"
-    ids = lmforge_prompt(tok, held_out_texts()[9][:2000])[:150]
     diff = check_logits(llm, model, ids, LOGIT_TOL)
     print(f"qwen3 (QK-norm) max abs logit difference: {diff:.2e}")
     check_greedy(llm, model, tok, ["def ", "import sys\n"])
