@@ -5,11 +5,12 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 OUT ?= runs/speedrun
 
-.PHONY: setup speedrun test test-fast bench clean help
+.PHONY: setup speedrun test test-fast interop bench clean help
 
 help:
 	@echo "make speedrun   train tokenizer, prepare, pretrain and sample on the Python standard library ($(OUT))"
 	@echo "make test       run the test suite"
+	@echo "make interop    build llama.cpp (llama-cpp-python, several minutes once) and prove the GGUF export in it"
 	@echo "make bench      run the benchmarks in bench/ and append to bench/RESULTS.md"
 
 $(STAMP): pyproject.toml
@@ -29,6 +30,11 @@ test: $(STAMP)
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"
+
+# llama.cpp is built from source by pip (several minutes, once); tests/interop/ skip without it.
+interop: $(STAMP)
+	$(PY) -c "import llama_cpp" 2>/dev/null || $(PY) -m pip install -q -e ".[interop]"
+	$(PY) -m pytest -q -rs tests/interop
 
 bench: $(STAMP)
 	$(PY) bench/run_all.py

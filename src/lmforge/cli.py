@@ -158,8 +158,9 @@ def _eval(args) -> int:
 def _export(args) -> int:
     from lmforge.stages import export_stage
 
-    print(export_stage(args.checkpoint, _need_out(args, "DIR (the Hugging Face folder to write)"),
-                       dtype=args.dtype, verify=args.verify))
+    what = "FILE.gguf (the file to write)" if args.format == "gguf" else "DIR (the Hugging Face folder to write)"
+    print(export_stage(args.checkpoint, _need_out(args, what), fmt=args.format, dtype=args.dtype,
+                       verify=args.verify, force=args.force))
     return 0
 
 
@@ -203,8 +204,12 @@ def _args_eval(p):
 
 def _args_export(p):
     _checkpoint(p, tokenizer=False)
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    p.add_argument("--format", default="hf", choices=("hf", "gguf"),
+                   help="hf: a transformers folder (default); gguf: one file for llama.cpp / Ollama")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16", "q8_0"),
+                   help="weight type (q8_0: --format gguf only)")
     p.add_argument("--verify", action="store_true", help="compare logits with transformers (needs lmforge[hf])")
+    p.add_argument("--force", action="store_true", help="--format gguf: replace an existing --out file")
 
 
 def _args_import_hf(p):
@@ -234,8 +239,9 @@ COMMANDS: dict[str, tuple[str, str | None, Callable, Callable]] = {
     "chat": ("chat with a fine-tuned checkpoint (one line a turn; /exit or EOF quits)", None, _args_chat, _chat),
     "eval": ("held-out loss, perplexity and bits per byte of a checkpoint",
              "write the results as JSON to this file", _args_eval, _eval),
-    "export": ("write a checkpoint as a Hugging Face Llama folder",
-               "the Hugging Face folder to write (required)", _args_export, _export),
+    "export": ("write a checkpoint as a Hugging Face Llama folder, or a GGUF file",
+               "the Hugging Face folder (--format hf) or .gguf file (--format gguf) to write (required)",
+               _args_export, _export),
     "import-hf": ("turn a Hugging Face Llama folder into an lmforge checkpoint",
                   "the lmforge checkpoint folder to write (required)", _args_import_hf, _import_hf),
     "speedrun": ("every stage on the embedded corpus, then a summary table",

@@ -448,7 +448,19 @@ for rid, damage, m in HF_DAMAGE[-2:]:
 add("importtok-config-broken", IMPORT_TOK, r"tokenizer_config\.json", write("hf/tokenizer_config.json", "{"))
 add("importhf-missing-folder", ("import-hf", "nothere", "--out", "newimp"), r"nothere")
 
-# 10. generation inputs
+# 10. GGUF export
+GGUF = ("export", "--checkpoint", "run", "--format", "gguf", "--out", "model.gguf")
+add("gguf-out-existing-file", (*GGUF[:-1], "notes.txt"), r"notes\.txt already exists.*--force")
+add("gguf-out-folder", (*GGUF[:-1], "mine"), r"mine is a folder")
+add("gguf-out-no-parent", (*GGUF[:-1], "nodir/model.gguf"), r"does not exist")
+add("gguf-verify", (*GGUF, "--verify"), r"--verify compares with transformers")
+add("gguf-nan-weights", GGUF, r"NaN or infinite", nan_weights("run/step_000002/model.safetensors"))
+add("gguf-pad-edited", GGUF, r"contract|special|pad",
+    edit_json("run/step_000002/contract.json", lambda c: c["special_tokens"].update(pad=9)))
+add("hf-q8", (*EXPORT, "--dtype", "q8_0"), r"--dtype q8_0 is for --format gguf")
+add("hf-force", (*EXPORT, "--force"), r"--force is for --format gguf")
+
+# 11. generation inputs
 add("generate-prompt-too-long", (*GENERATE[:-2], "--max-new-tokens", "4", "--prompt", "x " * 400),
     r"too long|max_seq_len|prompt")
 add("generate-not-checkpoint", ("generate", *C, "--checkpoint", "data", "--prompt", "x"), r"data is not a checkpoint")

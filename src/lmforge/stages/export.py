@@ -4,13 +4,28 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from lmforge.export import export_hf, import_hf
+from lmforge.errors import LmforgeError
+from lmforge.export import export_gguf, export_hf, import_hf
 from lmforge.stages.common import log
 
 
 def export_stage(checkpoint: str | Path, out: str | Path, fmt: str = "hf", dtype: str = "float32",
-                 verify: bool = False) -> Path:
-    """Write `checkpoint` in another runtime's format: "hf" (a Hugging Face folder)."""
+                 verify: bool = False, force: bool = False) -> Path:
+    """Write `checkpoint` in another runtime's format: "hf" (a Hugging Face folder) or "gguf"
+    (one file for llama.cpp; `force` replaces an existing file).
+
+    Raises:
+        LmforgeError: a flag that does not apply to the format; see `export_hf`, `export_gguf`.
+    """
+    if fmt == "gguf":
+        if verify:
+            raise LmforgeError("--verify compares with transformers (--format hf); for GGUF run `make interop`.")
+        return export_gguf(checkpoint, out, dtype=dtype, force=force)
+    if dtype == "q8_0":
+        raise LmforgeError("--dtype q8_0 is for --format gguf; a Hugging Face export is float32, bfloat16 or float16.")
+    if force:
+        raise LmforgeError("--force is for --format gguf; a Hugging Face export replaces only an earlier export "
+                           "folder, never anything else.")
     return export_hf(checkpoint, out, dtype=dtype, verify=verify)
 
 
