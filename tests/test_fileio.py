@@ -249,3 +249,32 @@ def test_no_writer_of_its_own_is_left_in_the_source_tree():
             found[rel] = sorted(kinds - allowed.get(rel, set()))
     assert not found, found
     assert MARKER_FILE.startswith(".") and os.sep not in MARKER_FILE
+
+
+# -- readers that must not hang or go quadratic --------------------------------------------------
+def test_a_fifo_in_a_corpus_folder_is_skipped_not_read(tmp_path):
+    from lmforge.data.sources import iter_documents
+
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "a.txt").write_text("hello world\n")
+    os.mkfifo(tmp_path / "c" / "pipe.txt")  # reading it would block forever
+    docs = list(iter_documents(str(tmp_path / "c"), None, 0.0))
+    assert [d.name for d in docs] == ["a.txt"]
+
+
+def test_tokenizer_training_is_linear_on_one_long_line_without_whitespace(tmp_path):
+    """One 400 kB line without a space: before the cut, the BPE trainer took ~60 s at 500 kB
+    (quadratic); now the pieces it sees are bounded and the cost is linear."""
+    import random
+    import time
+
+    from lmforge.tokenizer import MAX_TRAINING_WORD, bounded_words, train_tokenizer
+
+    rng = random.Random(0)
+    text = "".join(rng.choice("abcdefghij") for _ in range(400_000))
+    pieces = list(bounded_words(text + " tail"))
+    assert "".join(pieces) == text + " tail" and max(len(p.split()[0]) for p in pieces if p.split()) <= MAX_TRAINING_WORD
+    t0 = time.perf_counter()
+    tok = train_tokenizer([text, "def f(x):\n    return x\n"], 400, tmp_path / "tok", show_progress=False)
+    assert time.perf_counter() - t0 < 20  # ~0.4 s here; quadratic would be ~40 s
+    assert tok.decode(tok.encode(text[:5000])) == text[:5000]

@@ -202,7 +202,8 @@ pretrain_stage(load_config({str(tmp_path / 'cfg.toml')!r}), {str(run)!r}, progre
 
 
 @pytest.mark.slow
-def test_sigterm_writes_a_clean_checkpoint_and_says_how_to_resume(tiny_run, tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_sigterm_writes_a_clean_checkpoint_and_says_how_to_resume(tiny_run, tmp_path, sig):
     cfg, _ = tiny_run
     cfg = with_train(cfg, steps=100_000, checkpoint_every=0)
     cfg.save(tmp_path / "cfg.toml")
@@ -217,14 +218,14 @@ def test_sigterm_writes_a_clean_checkpoint_and_says_how_to_resume(tiny_run, tmp_
             if metrics.is_file() and len(metrics.read_text().splitlines()) >= 3:
                 break
             time.sleep(0.05)
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(sig)
         out, err = proc.communicate(timeout=120)
     finally:
         proc.kill()
-    assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]  # 143: stopped, not finished
+    assert proc.returncode == 128 + sig, err[-2000:]  # 143 / 130: stopped, not finished
     steps = [m["step"] for m in read_metrics(run)]
     assert steps == list(range(1, len(steps) + 1)) and len(steps) >= 3
-    assert f"stopped at step {steps[-1]} of 100000 (SIGTERM); checkpoint written to {run / mio.step_dir_name(steps[-1])}" in err
+    assert f"stopped at step {steps[-1]} of 100000 ({sig.name}); checkpoint written to {run / mio.step_dir_name(steps[-1])}" in err
     assert "To continue, run the same command again with --resume" in err
     assert json.loads(out.strip().splitlines()[-1])["step"] == steps[-1]
     assert [p.name for p in run.iterdir() if p.is_dir()] == [mio.step_dir_name(steps[-1])]  # no .tmp left

@@ -22,7 +22,8 @@ tokens when missing, and it refuses a tokenizer without an end-of-text token.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable, Sequence
+import re
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -80,6 +81,25 @@ def _build_empty() -> HFTokenizer:
     return tok
 
 
+#: Training texts are cut inside any run of more than this many non-space characters. The
+#: BPE trainer's cost grows with the square of a pre-token's length, so one long line without
+#: whitespace (minified code, a base64 blob) would take minutes; tokens are capped at
+#: MAX_TOKEN_BYTES anyway, so only merges across the cuts are lost.
+MAX_TRAINING_WORD = 256
+_LONG_RUN = re.compile(r"\S{%d,}" % (MAX_TRAINING_WORD + 1))
+
+
+def bounded_words(text: str, limit: int = MAX_TRAINING_WORD) -> Iterator[str]:
+    """`text` as pieces (for the BPE trainer) in which no run of non-space characters is
+    longer than `limit`: linear training time on any input."""
+    start = 0
+    for m in _LONG_RUN.finditer(text):
+        for cut in range(m.start() + limit, m.end(), limit):
+            yield text[start:cut]
+            start = cut
+    yield text[start:]
+
+
 def train_tokenizer(
     texts: Iterable[str],
     vocab_size: int,
@@ -122,7 +142,7 @@ def train_tokenizer(
     def counted() -> Iterable[str]:
         for t in texts:
             seen["n"] += 1
-            yield t
+            yield from bounded_words(t)
 
     tok.train_from_iterator(counted(), trainer=trainer)
     if seen["n"] == 0:

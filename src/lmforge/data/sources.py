@@ -61,8 +61,10 @@ def _walk(root: Path, suffixes: tuple[str, ...], skip_dirs: set[str]) -> Iterato
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(d for d in dirnames if d not in skip_dirs and not d.startswith("."))
         for name in sorted(filenames):
-            if name.endswith(suffixes):
-                yield Path(dirpath) / name
+            path = Path(dirpath) / name
+            # regular files only: a FIFO or a device named *.txt would block the read forever
+            if name.endswith(suffixes) and path.is_file():
+                yield path
 
 
 def _read_text(path: Path, stats: SourceStats, on_bad_utf8: str) -> str | None:
