@@ -72,11 +72,12 @@ def decode_runtime(device: torch.device | str | None = None) -> Runtime:
     """The one decoding policy (generate, chat, the speedrun's body scoring, serve).
 
     On CUDA: bf16 autocast where supported. On a CPU: fp32. Measured with
-    `bench/bench_decode.py --precision` on the 2-core AVX512-BF16 CPU (7M-parameter
-    speedrun model, greedy, 64 new tokens): fp32 decoded faster than bf16 autocast at batch 1
-    and batch 8 (autocast re-casts every weight at every T = 1 step, and a T = 1 step is
-    latency-bound, not matmul-bound), and fp32 is the precision the parity tests with
-    transformers and llama.cpp compare against.
+    `bench/bench_decode_policy.py` on the 2-core AVX512-BF16 CPU (speedrun-shaped model,
+    greedy, 64 new tokens, 1 thread; 2026-11-23): fp32 1.33-1.81x faster than bf16 autocast at
+    batch 1 (autocast re-casts every weight at every T = 1 step, a latency-bound step), 0.88-0.93x
+    at batch 8; bf16 changed about half the greedy ids (34/64, 341/512). fp32 is also the
+    precision the parity tests with transformers and llama.cpp compare against, so `generate`,
+    `chat`, the speedrun's scoring and the server all decode in fp32 on a CPU.
     """
     device = torch.device(device) if device is not None else default_device()
     if device.type == "cuda":
