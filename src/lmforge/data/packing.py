@@ -196,12 +196,17 @@ class RowStream:
     Epoch e shuffles the samples with numpy's generator seeded by (seed, e), plans the
     rows (packed or padded), then shuffles the rows (seeded by (seed, e, 1)) so that the
     pieces of one long document do not fill a micro-batch. The epochs' rows, one after another, form one global row
-    sequence, dealt out W at a time: the k-th row of this rank's stream is global row
-    k * W + rank (rank r of W takes rows r, r + W, …; across an epoch's end it goes on
-    into the next epoch, nothing is dropped). So an optimizer step of A micro-batches of
-    B rows on each of W ranks uses global rows [s * A * B * W, (s + 1) * A * B * W),
-    whatever the split into ranks and micro-batches: W ranks with accumulation A see the
-    rows that one process with accumulation A * W sees.
+    sequence, dealt out a micro-batch at a time: the j-th micro-batch of rank r of W is the
+    global micro-batch j * W + r, i.e. global rows [(j * W + r) * B, (j * W + r + 1) * B)
+    (across an epoch's end it goes on into the next epoch, nothing is dropped). So an
+    optimizer step of A micro-batches of B rows on each of W ranks uses global rows
+    [s * A * B * W, (s + 1) * A * B * W), and every one of its micro-batches is, row for
+    row, a micro-batch that one process with accumulation A * W draws in the same step.
+    That makes data parallelism exact under bf16 autocast too: a micro-batch's weight
+    gradient is summed over its rows inside a bf16 matmul and rounded once, so regrouping
+    rows into other micro-batches (dealing rows round-robin, as before 2026-11-23) changed
+    the weights by ~1e-3 relative after a few steps; equal micro-batches leave only the
+    float32 order of summing micro-batch gradients.
     The position (epoch, global row cursor within the epoch) is all the state, the same on
     every rank; `state_dict` / `load_state_dict` resume exactly.
 
@@ -271,12 +276,13 @@ class RowStream:
                 f"document masking {'on' if self.document_masking else 'off'}")
 
     def next_batch(self) -> Batch:
+        B = self.micro_batch_size
         rows = []
-        for _ in range(self.micro_batch_size):
-            epoch, i = self._ahead(self.rank)  # this rank's row among the next W global rows
-            rows.append(build_row(self.plan(epoch)[i], self.get_tokens, self.get_learn, self.seq_len,
+        for i in range(B):
+            epoch, row = self._ahead(self.rank * B + i)  # this rank's micro-batch among the next W
+            rows.append(build_row(self.plan(epoch)[row], self.get_tokens, self.get_learn, self.seq_len,
                                   self.pad_id, self.document_masking))
-            self.epoch, self.cursor = self._ahead(self.world_size)
+        self.epoch, self.cursor = self._ahead(self.world_size * B)
         return collate(rows)
 
     def _ahead(self, k: int) -> tuple[int, int]:
