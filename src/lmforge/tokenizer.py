@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import re
+from functools import lru_cache
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -98,6 +99,21 @@ def bounded_words(text: str, limit: int = MAX_TRAINING_WORD) -> Iterator[str]:
             yield text[start:cut]
             start = cut
     yield text[start:]
+
+
+@lru_cache(maxsize=1)
+def byte_decoder() -> dict[str, int]:
+    """The inverse of GPT-2's ByteLevel byte-to-unicode table: printable char -> byte."""
+    printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+                 + list(range(ord("®"), ord("ÿ") + 1)))
+    chars = printable[:]
+    n = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(printable, chars)}
 
 
 def train_tokenizer(

@@ -28,32 +28,16 @@ import json
 import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from functools import lru_cache
 from pathlib import Path
 
 from lmforge.errors import LmforgeError
-from lmforge.tokenizer import SPLIT_PATTERN, TOKENIZER_FILE
+from lmforge.tokenizer import SPLIT_PATTERN, TOKENIZER_FILE, byte_decoder
 
 BatchEncoder = Callable[[Sequence[str]], list[list[int]]]
 
 
 class FastEncodeUnsupported(LmforgeError):
     """The tokenizer is not one tiktoken reproduces exactly (or tiktoken is missing)."""
-
-
-@lru_cache(maxsize=1)
-def byte_decoder() -> dict[str, int]:
-    """The inverse of GPT-2's ByteLevel byte-to-unicode table: printable char -> byte."""
-    printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
-                 + list(range(ord("®"), ord("ÿ") + 1)))
-    chars = printable[:]
-    n = 0
-    for b in range(256):
-        if b not in printable:
-            printable.append(b)
-            chars.append(256 + n)
-            n += 1
-    return {chr(c): b for b, c in zip(printable, chars)}
 
 
 def token_bytes(token: str, where: str) -> bytes:

@@ -92,7 +92,8 @@ from lmforge.export.hf import ExportError
 from lmforge.fileio import atomic_file
 from lmforge.model import load_model
 from lmforge.model.io import model_state, resolve_checkpoint
-from lmforge.tokenizer import CHAT_TEMPLATE, MAX_TOKEN_BYTES, SPLIT_PATTERN, TOKENIZER_FILE, Tokenizer
+from lmforge.tokenizer import (CHAT_TEMPLATE, MAX_TOKEN_BYTES, SPLIT_PATTERN, TOKENIZER_FILE, Tokenizer,
+                               byte_decoder)
 
 GGUF_DTYPES = ("float32", "float16", "bfloat16", "q8_0")
 
@@ -131,19 +132,6 @@ class GGUFVocab:
     tokens: list[str]
     token_types: list[int]
     merges: list[str]
-
-
-def _byte_decoder() -> dict[str, int]:
-    """GPT-2's byte-level alphabet: printable char -> byte (the inverse of `bytes_to_unicode`)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {chr(c): b for b, c in zip(bs, cs)}
 
 
 def _expected_pre_tokenizer() -> dict:
@@ -204,7 +192,7 @@ def gguf_vocab(tokenizer_json: str | Path, vocab_size: int) -> GGUFVocab:
     if (tj.get("decoder") or {}).get("type") != "ByteLevel":
         raise ExportError(f"{path}: decoder = {json.dumps(tj.get('decoder'))[:200]}, expected a ByteLevel decoder. {fix}")
 
-    byte_of = _byte_decoder()
+    byte_of = byte_decoder()
     tokens: list[str | None] = [None] * vocab_size
     types = [int(gguf.TokenType.UNUSED)] * vocab_size
 
