@@ -236,7 +236,7 @@ def generate(
     cache = model.new_cache(B, L + n_new, key_mask if padded else None)
     project = output_projection(model)
     logits = project(model.hidden(tokens, positions, cache=cache)[:, -1])  # (B, V)
-    next_pos = positions[:, -1:] + 1  # (B, 1)
+    next_pos = positions[:, -1] + 1  # (B,)
 
     seen = None
     if cfg.repetition_penalty != 1.0:
@@ -258,8 +258,7 @@ def generate(
             break
         if seen is not None:
             seen.scatter_(1, nxt[:, None], True)
-        h = model.hidden(nxt[:, None], next_pos, cache=cache)  # (B, 1, dim): a T = 1 decode step
-        logits = project(h[:, -1])
+        logits = model.decode_step(nxt, next_pos, cache)  # (B, V): a T = 1 decode step
         next_pos = next_pos + 1
 
     out = out[:, :steps].cpu()

@@ -91,6 +91,16 @@ class KVCache:
         self.length = 0
         self.max_len = max_len
         self.key_mask = key_mask
+        self.weights: DecodeWeights | None = None  # built by the first `Transformer.decode_step`
+
+    def rows(self, n: int) -> "KVCache":
+        """A cache over rows [0, n) of this one: views of the same tensors (writes go through),
+        sharing the decode weights. For a decode batch smaller than the cache's."""
+        view = object.__new__(KVCache)
+        view.k, view.v = [k[:n] for k in self.k], [v[:n] for v in self.v]
+        view.length, view.max_len, view.weights = self.length, self.max_len, self.weights
+        view.key_mask = None if self.key_mask is None else self.key_mask[:n]
+        return view
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         T = k.shape[2]
@@ -98,6 +108,46 @@ class KVCache:
         self.k[layer][:, :, self.length:end] = k
         self.v[layer][:, :, self.length:end] = v
         return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+
+
+class DecodeWeights:
+    """The model's weights laid out for T = 1 decode steps, computed from its parameters (which
+    keep their names and layout: checkpoints and export do not change).
+
+    Per layer, transposed and contiguous, (in, out) so a step computes `x @ w` (row-major: on CPU
+    the small-batch product is up to 3x faster than F.linear's transposed access):
+    `wqkv` (dim, H*hd + 2*KV*hd) = cat(wq, wk, wv).T and `w13` (dim, 2*ffn) = cat(w1, w3).T, so
+    one matmul gives q, k and v and one the SwiGLU's two inputs; `wo` (H*hd, dim), `w2` (ffn, dim).
+    `head` is (dim, vocab_size) likewise when its copy is at most HEAD_COPY_LIMIT bytes, else the
+    sliced output weight (vocab_size, dim) used with F.linear. `sin_signed` folds rotate_half's
+    minus sign into the sine table. Matrices are in the compute dtype (the autocast dtype under
+    autocast); norm weights stay as they are. Made once per cache (a copy of the weights: valid
+    while the parameters do not change, i.e. for one generation or one server's life).
+    """
+
+    #: Largest output matrix (bytes) copied into the (dim, V) layout.
+    HEAD_COPY_LIMIT = 64 << 20
+
+    def __init__(self, model: "Transformer", dtype: torch.dtype):
+        def t(*ws):  # cat along out, then (in, out) contiguous
+            return torch.cat(ws).to(dtype).t().contiguous()
+
+        with torch.no_grad():
+            self.layers = []
+            for b in model.layers:
+                a, f = b.attention, b.feed_forward
+                self.layers.append((b.attention_norm.weight, t(a.wq.weight, a.wk.weight, a.wv.weight),
+                                    t(a.wo.weight), b.ffn_norm.weight, t(f.w1.weight, f.w3.weight), t(f.w2.weight)))
+            self.norm = model.norm.weight
+            w = model.output.weight[: model.vocab_size]
+            self.head_t = w.numel() * dtype.itemsize <= self.HEAD_COPY_LIMIT
+            self.head = t(w) if self.head_t else w.to(dtype)
+            half = model.config.head_dim // 2
+            sign = torch.ones(model.config.head_dim, device=w.device)
+            sign[:half] = -1
+            self.cos = model.rope_cos.to(dtype)  # (max_seq_len, hd)
+            self.sin_signed = (model.rope_sin * sign).to(dtype)
+            self.dtype = dtype
 
 
 class Attention(nn.Module):
@@ -257,6 +307,74 @@ class Transformer(nn.Module):
         if loss_mask is None:
             loss_mask = torch.ones_like(targets, dtype=torch.bool)
         return linear_cross_entropy_sum(h, self.output.weight[: self.vocab_size], targets, loss_mask)
+
+    @torch.no_grad()
+    def decode_step(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+                    slots: torch.Tensor | None = None) -> torch.Tensor:
+        """One T = 1 decode step on the cache: the same model as `forward`, computed with fused
+        weights (`DecodeWeights`) and few small ops, for latency-bound generation.
+
+        Args:
+            tokens: (B,) int64, one new token per row.
+            positions: (B,) int64 rotary positions of those tokens.
+            cache: the KVCache (B rows) after a prefill through `forward`/`hidden`.
+            slots: None: every row writes cache slot `cache.length` (then length += 1) and
+                attends to slots [0, length] where `cache.key_mask` (left padding) allows;
+                (B,) int64: row b writes slot `slots[b]` and attends to slots [0, slots[b]]
+                over the whole cache (continuous batching: rows at different lengths). The
+                arithmetic of one row does not depend on the others (rows are independent in
+                every op); with B >= 4 it does not depend on B either on CPU (see serve/engine.py).
+        Returns:
+            logits (B, vocab_size) in the compute dtype.
+        """
+        w = cache.weights
+        dev = tokens.device
+        dtype = torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type) else self.output.weight.dtype
+        if w is None or w.dtype != dtype:
+            w = cache.weights = DecodeWeights(self, dtype)
+        c = self.config
+        B, H, KV, hd = tokens.shape[0], c.n_heads, c.n_kv_heads, c.head_dim
+        G, eps, scale = H // KV, c.norm_eps, 1.0 / math.sqrt(hd)
+        cos = w.cos[positions][:, None]  # (B, 1, hd), broadcast over heads
+        sin = w.sin_signed[positions][:, None]
+        if slots is None:
+            at = cache.length
+            S = at + 1
+            bias = None
+            if cache.key_mask is not None:  # (B, 1, S): 0 where attended, -inf at padding
+                bias = torch.zeros(B, 1, S, dtype=dtype, device=dev).masked_fill_(
+                    ~cache.key_mask[:, None, :S], float("-inf"))
+        else:
+            S = cache.max_len
+            rows = torch.arange(B, device=dev)
+            allowed = torch.arange(S, device=dev)[None] <= slots[:, None]  # (B, S)
+            bias = torch.zeros(B, 1, S, dtype=dtype, device=dev).masked_fill_(~allowed[:, None], float("-inf"))
+        if bias is not None:
+            bias = bias.repeat_interleave(KV, 0)  # (B*KV, 1, S), the layout of the scores below
+        x = self.tok_embeddings(tokens)  # (B, dim); the residual stays in the parameters' dtype
+        for layer, (n1, wqkv, wo, n2, w13, w2) in enumerate(w.layers):
+            qkv = (F.rms_norm(x, (x.shape[-1],), n1, eps) @ wqkv).view(B, H + 2 * KV, hd)
+            qk = qkv[:, : H + KV]  # rotary on q and k at once: x cos + rotate_half(x) sin
+            qk = torch.addcmul(qk * cos, qk.roll(hd // 2, -1), sin)  # (B, H + KV, hd)
+            k, v = qk[:, H:], qkv[:, H + KV:]  # (B, KV, hd)
+            ck, cv = cache.k[layer], cache.v[layer]  # (B, KV, max_len, hd)
+            if slots is None:
+                ck[:, :, at], cv[:, :, at] = k, v
+            else:
+                ck[rows, :, slots], cv[rows, :, slots] = k, v
+            # grouped-query attention of one query: (B*KV, G, hd) @ (B*KV, hd, S); no K/V repeat
+            q = qk[:, :H].reshape(B * KV, G, hd)
+            keys = ck[:, :, :S].reshape(B * KV, S, hd)
+            scores = (torch.baddbmm(bias, q, keys.transpose(1, 2), alpha=scale) if bias is not None
+                      else torch.bmm(q, keys.transpose(1, 2)).mul_(scale))  # (B*KV, G, S)
+            y = torch.bmm(scores.softmax(-1), cv[:, :, :S].reshape(B * KV, S, hd))  # (B*KV, G, hd)
+            x = x + y.view(B, H * hd) @ wo
+            gate, up = (F.rms_norm(x, (x.shape[-1],), n2, eps) @ w13).chunk(2, -1)  # (B, ffn) each
+            x = x + F.silu(gate).mul_(up) @ w2
+        if slots is None:
+            cache.length += 1
+        h = F.rms_norm(x, (x.shape[-1],), w.norm, eps)
+        return h @ w.head if w.head_t else F.linear(h, w.head)
 
     def new_cache(self, batch: int, max_len: int, key_mask: torch.Tensor | None = None) -> KVCache:
         p = self.output.weight

@@ -1,0 +1,92 @@
+"""`Transformer.decode_step`, the fused T = 1 decode path that `generate` and `lmforge serve`
+share: equal to a full recomputation (fp32, 1e-5) with a shared slot (left-padded batch) and
+with per-row slots (continuous batching), rows independent of each other, and batch-invariant
+for B >= 4 on CPU (what the server's batch-invariance relies on)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lmforge.config import ModelConfig
+from lmforge.generate import left_pad
+from lmforge.model import Transformer
+
+VOCAB, PAD, MAX_LEN = 200, 0, 64
+
+
+def model(seed: int = 0) -> Transformer:
+    m = Transformer(ModelConfig(dim=48, n_layers=3, n_heads=6, n_kv_heads=2, vocab_size=VOCAB, max_seq_len=MAX_LEN))
+    m.reset_parameters(seed=seed)
+    return m.eval()
+
+
+def rows(lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, VOCAB, (n,), generator=g).tolist() for n in lengths]
+
+
+@torch.inference_mode()
+def test_shared_slot_decode_equals_full_recompute():
+    m = model(1)
+    seqs = rows([9, 3, 1, 6], seed=2)
+    steps = 8
+    tokens, positions, key_mask = left_pad(seqs, PAD, steps)
+    cache = m.new_cache(len(seqs), tokens.shape[1] + steps, key_mask)
+    logits = m(tokens, positions, cache=cache)[:, -1]
+    pos = positions[:, -1] + 1
+    for _ in range(steps):
+        nxt = logits.argmax(-1)
+        for i, s in enumerate(seqs):
+            s.append(int(nxt[i]))
+        logits = m.decode_step(nxt, pos, cache)
+        pos = pos + 1
+        for i, s in enumerate(seqs):
+            torch.testing.assert_close(logits[i], m(torch.tensor([s]))[0, -1], rtol=1e-5, atol=1e-5)
+
+
+@torch.inference_mode()
+def test_per_row_slots_equal_full_recompute_and_rows_are_independent():
+    """Rows at different lengths in one cache (slot = position), prefilled one by one through
+    views of the cache, as the server's engine does."""
+    m = model(3)
+    seqs = rows([5, 1, 12, 7], seed=4)
+    cache = m.new_cache(4, MAX_LEN)
+    last = []
+    for i, s in enumerate(seqs):
+        view = m.new_cache(1, MAX_LEN)
+        view.k, view.v = [k[i:i + 1] for k in cache.k], [v[i:i + 1] for v in cache.v]
+        last.append(m(torch.tensor([s]), cache=view)[0, -1])
+    logits = torch.stack(last)
+    for _ in range(6):
+        nxt = logits.argmax(-1)
+        pos = torch.tensor([len(s) for s in seqs])
+        for i, s in enumerate(seqs):
+            s.append(int(nxt[i]))
+        logits = m.decode_step(nxt, pos, cache, slots=pos)
+        for i, s in enumerate(seqs):
+            torch.testing.assert_close(logits[i], m(torch.tensor([s]))[0, -1], rtol=1e-5, atol=1e-5)
+    # the first two rows again, in a batch of their own (a view of the cache): same numbers
+    pos = torch.tensor([len(s) for s in seqs])
+    nxt = logits.argmax(-1)
+    two = m.decode_step(nxt[:2], pos[:2], cache.rows(2), slots=pos[:2])  # rewrites the same slots
+    four = m.decode_step(nxt, pos, cache, slots=pos)
+    torch.testing.assert_close(two, four[:2], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("n", [4, 5, 9, 16])
+@torch.inference_mode()
+def test_decode_step_is_batch_invariant_from_four_rows(n):
+    """Row 0's logits are bit-identical whether 4 or n rows decode together (the CPU matmul
+    kernels change with the batch only below 4 rows; serve/engine.py pads to 4)."""
+    m = model(5)
+    cache = m.new_cache(16, MAX_LEN)
+    for i, s in enumerate(rows([3 + i for i in range(16)], seed=6)):
+        view = cache.rows(16)
+        view.k, view.v = [k[i:i + 1] for k in cache.k], [v[i:i + 1] for v in cache.v]
+        m(torch.tensor([s]), cache=view)
+    tok = torch.randint(1, VOCAB, (16,))
+    pos = torch.arange(3, 19)
+    ref = m.decode_step(tok[:4], pos[:4], cache.rows(4), slots=pos[:4])
+    out = m.decode_step(tok[:n], pos[:n], cache.rows(n), slots=pos[:n])
+    assert torch.equal(out[:4], ref)
