@@ -54,9 +54,7 @@ def test_per_row_slots_equal_full_recompute_and_rows_are_independent():
     cache = m.new_cache(4, MAX_LEN)
     last = []
     for i, s in enumerate(seqs):
-        view = m.new_cache(1, MAX_LEN)
-        view.k, view.v = [k[i:i + 1] for k in cache.k], [v[i:i + 1] for v in cache.v]
-        last.append(m(torch.tensor([s]), cache=view)[0, -1])
+        last.append(m(torch.tensor([s]), cache=cache.rows(i, i + 1))[0, -1])
     logits = torch.stack(last)
     for _ in range(6):
         nxt = logits.argmax(-1)
@@ -69,7 +67,7 @@ def test_per_row_slots_equal_full_recompute_and_rows_are_independent():
     # the first two rows again, in a batch of their own (a view of the cache): same numbers
     pos = torch.tensor([len(s) for s in seqs])
     nxt = logits.argmax(-1)
-    two = m.decode_step(nxt[:2], pos[:2], cache.rows(2), slots=pos[:2])  # rewrites the same slots
+    two = m.decode_step(nxt[:2], pos[:2], cache.rows(0, 2), slots=pos[:2])  # rewrites the same slots
     four = m.decode_step(nxt, pos, cache, slots=pos)
     torch.testing.assert_close(two, four[:2], rtol=1e-5, atol=1e-5)
 
@@ -82,11 +80,9 @@ def test_decode_step_is_batch_invariant_from_four_rows(n):
     m = model(5)
     cache = m.new_cache(16, MAX_LEN)
     for i, s in enumerate(rows([3 + i for i in range(16)], seed=6)):
-        view = cache.rows(16)
-        view.k, view.v = [k[i:i + 1] for k in cache.k], [v[i:i + 1] for v in cache.v]
-        m(torch.tensor([s]), cache=view)
+        m(torch.tensor([s]), cache=cache.rows(i, i + 1))
     tok = torch.randint(1, VOCAB, (16,))
     pos = torch.arange(3, 19)
-    ref = m.decode_step(tok[:4], pos[:4], cache.rows(4), slots=pos[:4])
-    out = m.decode_step(tok[:n], pos[:n], cache.rows(n), slots=pos[:n])
+    ref = m.decode_step(tok[:4], pos[:4], cache.rows(0, 4), slots=pos[:4])
+    out = m.decode_step(tok[:n], pos[:n], cache.rows(0, n), slots=pos[:n])
     assert torch.equal(out[:4], ref)

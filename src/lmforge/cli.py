@@ -24,6 +24,7 @@ stages, in order:
   lmforge sft --set sft.init=runs/pre --out runs/sft   fine-tune on conversations (sft.data)
   lmforge chat --checkpoint runs/sft                  talk to it; /exit quits
   lmforge eval --checkpoint runs/pre
+  lmforge serve --checkpoint runs/sft                 OpenAI API + chat page on http://127.0.0.1:8000/
   lmforge speedrun --out runs/speedrun             all of the above on the standard library
 """
 
@@ -108,6 +109,18 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("import-hf", help="turn a Hugging Face Llama folder into an lmforge checkpoint")
     _common(p, "the lmforge checkpoint folder to write (required)")
     p.add_argument("folder", metavar="DIR", help="a folder written by transformers' save_pretrained")
+
+    p = sub.add_parser("serve", help="an OpenAI-compatible server (batched decoding) with a chat page at /")
+    _common(p)
+    p.add_argument("--checkpoint", required=True, metavar="DIR", help="a run folder or a step_NNNNNN folder")
+    p.add_argument("--tokenizer", metavar="DIR", help="tokenizer folder (default: the checkpoint's own); must match")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 picks a free one)")
+    p.add_argument("--max-batch", type=int, default=16, help="requests decoded together at most (default 16)")
+    p.add_argument("--max-queue", type=int, default=64, help="requests waiting at most; beyond: 429 (default 64)")
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help="per-request limit on max_tokens (default: the model's context - 1)")
+    p.add_argument("--timeout", type=float, default=120.0, help="per-request time limit in seconds (default 120)")
 
     p = sub.add_parser("speedrun", help="every stage on the embedded corpus, then a summary table")
     _common(p, "output folder (default: runs/speedrun)")
@@ -197,6 +210,11 @@ def run(args: argparse.Namespace) -> int:
         if not args.out:
             raise LmforgeError("import-hf needs --out DIR (the lmforge checkpoint folder to write).")
         print(import_hf(args.folder, args.out, log=lambda msg: print(f"import-hf: {msg}", file=sys.stderr)))
+    elif cmd == "serve":
+        from lmforge.serve import serve
+
+        serve(args.checkpoint, args.host, args.port, args.tokenizer, max_batch=args.max_batch,
+              max_queue=args.max_queue, max_tokens=args.max_tokens, timeout_s=args.timeout)
     elif cmd == "speedrun":
         from lmforge.speedrun import speedrun
 

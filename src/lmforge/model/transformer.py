@@ -93,13 +93,15 @@ class KVCache:
         self.key_mask = key_mask
         self.weights: DecodeWeights | None = None  # built by the first `Transformer.decode_step`
 
-    def rows(self, n: int) -> "KVCache":
-        """A cache over rows [0, n) of this one: views of the same tensors (writes go through),
-        sharing the decode weights. For a decode batch smaller than the cache's."""
+    def rows(self, start: int, stop: int) -> "KVCache":
+        """A cache over rows [start, stop) of this one: views of the same tensors (writes go
+        through), sharing the decode weights; `length` 0 when start > 0 (a row prefilled alone),
+        else this cache's. For a batch smaller than the cache's (serve/engine.py)."""
         view = object.__new__(KVCache)
-        view.k, view.v = [k[:n] for k in self.k], [v[:n] for v in self.v]
-        view.length, view.max_len, view.weights = self.length, self.max_len, self.weights
-        view.key_mask = None if self.key_mask is None else self.key_mask[:n]
+        view.k, view.v = [k[start:stop] for k in self.k], [v[start:stop] for v in self.v]
+        view.length = self.length if start == 0 else 0
+        view.max_len, view.weights = self.max_len, self.weights
+        view.key_mask = None if self.key_mask is None else self.key_mask[start:stop]
         return view
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
