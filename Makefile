@@ -5,11 +5,12 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 OUT ?= runs/speedrun
 
-.PHONY: setup speedrun test test-fast bench clean help
+.PHONY: setup speedrun test test-fast test-browser bench clean help
 
 help:
 	@echo "make speedrun   train tokenizer, prepare, pretrain and sample on the Python standard library ($(OUT))"
 	@echo "make test       run the test suite"
+	@echo "make test-browser  install Chromium (apt) and Playwright, run the chat-page tests"
 	@echo "make bench      run the benchmarks in bench/ and append to bench/RESULTS.md"
 
 $(STAMP): pyproject.toml
@@ -29,6 +30,13 @@ test: $(STAMP)
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"
+
+# The chat page in a real browser: Debian's chromium (Playwright's own download is not used).
+test-browser: $(STAMP)
+	command -v chromium >/dev/null || (apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y chromium) \
+		|| (sudo apt-get update && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y chromium)
+	$(PY) -m pip install -q -e ".[dev,browser]"
+	$(PY) -m pytest -q tests/test_serve_browser.py
 
 bench: $(STAMP)
 	$(PY) bench/run_all.py

@@ -86,3 +86,19 @@ def test_decode_step_is_batch_invariant_from_four_rows(n):
     ref = m.decode_step(tok[:4], pos[:4], cache.rows(0, 4), slots=pos[:4])
     out = m.decode_step(tok[:n], pos[:n], cache.rows(0, n), slots=pos[:n])
     assert torch.equal(out[:4], ref)
+
+
+def test_decode_weights_follow_parameter_changes():
+    """The fused copies are remade when a parameter changes in place (e.g. between training steps)."""
+    m = model(7)
+    first = m.decode_weights()
+    assert m.decode_weights() is first
+    with torch.no_grad():
+        m.layers[0].feed_forward.w1.weight.mul_(2)
+    second = m.decode_weights()
+    assert second is not first
+    with torch.inference_mode():
+        cache = m.new_cache(1, 8)
+        m(torch.tensor([[1, 2, 3]]), cache=cache)
+        out = m.decode_step(torch.tensor([4]), torch.tensor([3]), cache)
+        torch.testing.assert_close(out[0], m(torch.tensor([[1, 2, 3, 4]]))[0, -1], rtol=1e-5, atol=1e-5)

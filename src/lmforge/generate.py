@@ -195,7 +195,8 @@ def output_projection(model: Transformer):
     dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else w.dtype
     if dev != "cpu" or w.numel() * dtype.itemsize > HEAD_COPY_LIMIT:
         return model.logits
-    head = w.to(dtype).t().contiguous()  # (dim, V)
+    dw = model.decode_weights(dtype)  # made once per parameter version, shared with decode_step
+    head = dw.head if dw.head_t else w.to(dtype).t().contiguous()  # (dim, V)
     return lambda h: h @ head
 
 
@@ -247,7 +248,8 @@ def generate(
     steps = 0
     for t in range(n_new):
         nxt = sample_next(logits, cfg, None, generator, seen)  # (B,)
-        nxt = torch.where(done, pad_id, nxt)
+        if stops.numel():
+            nxt = torch.where(done, pad_id, nxt)
         out[:, t] = nxt
         steps = t + 1
         if stops.numel():

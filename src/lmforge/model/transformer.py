@@ -119,7 +119,9 @@ class DecodeWeights:
     Per layer, transposed and contiguous, (in, out) so a step computes `x @ w` (row-major: on CPU
     the small-batch product is up to 3x faster than F.linear's transposed access):
     `wqkv` (dim, H*hd + 2*KV*hd) = cat(wq, wk, wv).T and `w13` (dim, 2*ffn) = cat(w1, w3).T, so
-    one matmul gives q, k and v and one the SwiGLU's two inputs; `wo` (H*hd, dim), `w2` (ffn, dim).
+    one matmul gives q, k and v and one the SwiGLU's two inputs, each with the RMSNorm weight before
+    it folded into its rows (rmsnorm(x) @ W = (x @ diag(g) W) / rms(x): the norm is then one
+    per-row scale); `wo` (H*hd, dim), `w2` (ffn, dim).
     `head` is (dim, vocab_size) likewise when its copy is at most HEAD_COPY_LIMIT bytes, else the
     sliced output weight (vocab_size, dim) used with F.linear. `sin_signed` folds rotate_half's
     minus sign into the sine table. Matrices are in the compute dtype (the autocast dtype under
@@ -131,15 +133,17 @@ class DecodeWeights:
     HEAD_COPY_LIMIT = 64 << 20
 
     def __init__(self, model: "Transformer", dtype: torch.dtype):
-        def t(*ws):  # cat along out, then (in, out) contiguous
-            return torch.cat(ws).to(dtype).t().contiguous()
+        def t(*ws, norm=None):  # cat along out, then (in, out) contiguous; a norm's weight folded in
+            w = torch.cat(ws).t()
+            return (w if norm is None else norm[:, None] * w).to(dtype).contiguous()
 
         with torch.no_grad():
             self.layers = []
             for b in model.layers:
                 a, f = b.attention, b.feed_forward
-                self.layers.append((b.attention_norm.weight, t(a.wq.weight, a.wk.weight, a.wv.weight),
-                                    t(a.wo.weight), b.ffn_norm.weight, t(f.w1.weight, f.w3.weight), t(f.w2.weight)))
+                self.layers.append((t(a.wq.weight, a.wk.weight, a.wv.weight, norm=b.attention_norm.weight),
+                                    t(a.wo.weight), t(f.w1.weight, f.w3.weight, norm=b.ffn_norm.weight),
+                                    t(f.w2.weight)))
             self.norm = model.norm.weight
             w = model.output.weight[: model.vocab_size]
             self.head_t = w.numel() * dtype.itemsize <= self.HEAD_COPY_LIMIT
@@ -310,6 +314,19 @@ class Transformer(nn.Module):
             loss_mask = torch.ones_like(targets, dtype=torch.bool)
         return linear_cross_entropy_sum(h, self.output.weight[: self.vocab_size], targets, loss_mask)
 
+    def decode_weights(self, dtype: torch.dtype | None = None) -> DecodeWeights:
+        """The decode layout of the current parameters in `dtype` (default: theirs), made once and
+        kept until a parameter changes (its storage or version) or another dtype is asked for."""
+        dtype = dtype or self.output.weight.dtype
+        key = (dtype, tuple((p.data_ptr(), 0 if p.is_inference() else p._version)  # inference tensors: no version
+                            for p in self.parameters()))
+        w = self.__dict__.get("_decode_weights")
+        if w is None or w.key != key:
+            w = DecodeWeights(self, dtype)
+            w.key = key
+            self.__dict__["_decode_weights"] = w  # a plain attribute: not a buffer, never saved
+        return w
+
     @torch.no_grad()
     def decode_step(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                     slots: torch.Tensor | None = None) -> torch.Tensor:
@@ -333,7 +350,7 @@ class Transformer(nn.Module):
         dev = tokens.device
         dtype = torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type) else self.output.weight.dtype
         if w is None or w.dtype != dtype:
-            w = cache.weights = DecodeWeights(self, dtype)
+            w = cache.weights = self.decode_weights(dtype)
         c = self.config
         B, H, KV, hd = tokens.shape[0], c.n_heads, c.n_kv_heads, c.head_dim
         G, eps, scale = H // KV, c.norm_eps, 1.0 / math.sqrt(hd)
@@ -354,8 +371,11 @@ class Transformer(nn.Module):
         if bias is not None:
             bias = bias.repeat_interleave(KV, 0)  # (B*KV, 1, S), the layout of the scores below
         x = self.tok_embeddings(tokens)  # (B, dim); the residual stays in the parameters' dtype
-        for layer, (n1, wqkv, wo, n2, w13, w2) in enumerate(w.layers):
-            qkv = (F.rms_norm(x, (x.shape[-1],), n1, eps) @ wqkv).view(B, H + 2 * KV, hd)
+        def inv_rms(x):  # (B, dim) -> (B, 1): 1 / rms(x), RMSNorm without its weight
+            return torch.rsqrt(x.pow(2).mean(-1, keepdim=True).add_(eps))
+
+        for layer, (wqkv, wo, w13, w2) in enumerate(w.layers):
+            qkv = (x @ wqkv).mul_(inv_rms(x)).view(B, H + 2 * KV, hd)
             qk = qkv[:, : H + KV]  # rotary on q and k at once: x cos + rotate_half(x) sin
             qk = torch.addcmul(qk * cos, qk.roll(hd // 2, -1), sin)  # (B, H + KV, hd)
             k, v = qk[:, H:], qkv[:, H + KV:]  # (B, KV, hd)
@@ -371,11 +391,11 @@ class Transformer(nn.Module):
                       else torch.bmm(q, keys.transpose(1, 2)).mul_(scale))  # (B*KV, G, S)
             y = torch.bmm(scores.softmax(-1), cv[:, :, :S].reshape(B * KV, S, hd))  # (B*KV, G, hd)
             x = x + y.view(B, H * hd) @ wo
-            gate, up = (F.rms_norm(x, (x.shape[-1],), n2, eps) @ w13).chunk(2, -1)  # (B, ffn) each
+            gate, up = (x @ w13).mul_(inv_rms(x)).chunk(2, -1)  # (B, ffn) each
             x = x + F.silu(gate).mul_(up) @ w2
         if slots is None:
             cache.length += 1
-        h = F.rms_norm(x, (x.shape[-1],), w.norm, eps)
+        h = x * inv_rms(x) * w.norm
         return h @ w.head if w.head_t else F.linear(h, w.head)
 
     def new_cache(self, batch: int, max_len: int, key_mask: torch.Tensor | None = None) -> KVCache:

@@ -34,7 +34,6 @@ import torch
 from lmforge.errors import LmforgeError
 from lmforge.generate import SamplingConfig, sample_next
 from lmforge.model import Transformer
-from lmforge.model.transformer import DecodeWeights
 from lmforge.tokenizer import Tokenizer
 
 #: A decode step computes at least this many rows (CPU matmuls are batch-invariant from 4 rows).
@@ -95,7 +94,7 @@ class Engine:
         self.context = model.config.max_seq_len
         self.cache_rows = max(max_batch, MIN_ROWS)
         self.cache = model.new_cache(self.cache_rows, self.context)
-        self.cache.weights = DecodeWeights(model, model.output.weight.dtype)
+        self.cache.weights = model.decode_weights()
         self.device = model.output.weight.device
         self.running: list[Request] = []
         self.waiting: deque[Request] = deque()
