@@ -102,3 +102,19 @@ def test_decode_weights_follow_parameter_changes():
         m(torch.tensor([[1, 2, 3]]), cache=cache)
         out = m.decode_step(torch.tensor([4]), torch.tensor([3]), cache)
         torch.testing.assert_close(out[0], m(torch.tensor([[1, 2, 3, 4]]))[0, -1], rtol=1e-5, atol=1e-5)
+
+
+@torch.inference_mode()
+def test_decode_step_does_not_depend_on_the_slots_it_may_not_see():
+    """A row's logits are bit-identical whatever the span of cache slots the step covers beyond
+    the row's own (the engine attends over the filled slots rounded up, which depends on the
+    other rows): masked slots add exact zeros."""
+    m = Transformer(ModelConfig(dim=48, n_layers=3, n_heads=6, n_kv_heads=2, vocab_size=VOCAB, max_seq_len=256))
+    m.reset_parameters(seed=8)
+    cache = m.new_cache(4, 256)
+    for i, s in enumerate(rows([3, 9, 60, 5], seed=9)):
+        m(torch.tensor([s]), cache=cache.rows(i, i + 1))
+    tok, pos = torch.randint(1, VOCAB, (4,)), torch.tensor([3, 9, 60, 5])
+    ref = m.decode_step(tok, pos, cache, slots=pos)
+    for span in (64, 128, 192):  # multiples of the engine's SPAN_STEP
+        assert torch.equal(m.decode_step(tok, pos, cache.rows(0, 4, span), slots=pos), ref)

@@ -276,10 +276,18 @@ def test_client_leaving_mid_stream_frees_its_row(loaded):
 
 
 # -- batching ---------------------------------------------------------------------------------------
-def test_16_concurrent_greedy_clients_get_their_alone_replies(client, served):
+def test_16_concurrent_greedy_clients_get_their_alone_replies(client, served, loaded):
     """Each of 16 different chats gets, when all are sent at once, exactly the reply it gets
     alone: the engine is batch-invariant (see serve/engine.py), so no near-tie excuse is needed."""
-    asks = [[{"role": "user", "content": f"def f{i}(x):" + " return x" * (i % 5)}] for i in range(16)]
+    model, tok = loaded
+    asks = []
+    for i in range(16):  # prompts of 10 to ~100 tokens: rows of the batch attend over different spans
+        reps = (i % 8) * 8
+        while len(tok.render_chat(msgs := [{"role": "user", "content": f"def f{i}(x):" + " return x" * reps}],
+                                  add_generation_prompt=True).ids) > model.config.max_seq_len - 24:
+            reps -= 1
+        asks.append(msgs)
+    assert max(len(tok.render_chat(a, add_generation_prompt=True).ids) for a in asks) > 64
 
     def ask(msgs):
         r = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=24, temperature=0)

@@ -93,14 +93,16 @@ class KVCache:
         self.key_mask = key_mask
         self.weights: DecodeWeights | None = None  # built by the first `Transformer.decode_step`
 
-    def rows(self, start: int, stop: int) -> "KVCache":
-        """A cache over rows [start, stop) of this one: views of the same tensors (writes go
-        through), sharing the decode weights; `length` 0 when start > 0 (a row prefilled alone),
-        else this cache's. For a batch smaller than the cache's (serve/engine.py)."""
+    def rows(self, start: int, stop: int, span: int | None = None) -> "KVCache":
+        """A cache over rows [start, stop) and slots [0, span) (default: all) of this one: views
+        of the same tensors (writes go through), sharing the decode weights; `length` 0 when
+        start > 0 (a row prefilled alone), else this cache's. For a batch smaller than the
+        cache's, attending over fewer slots (serve/engine.py)."""
+        span = self.max_len if span is None else span
         view = object.__new__(KVCache)
-        view.k, view.v = [k[start:stop] for k in self.k], [v[start:stop] for v in self.v]
+        view.k, view.v = [k[start:stop, :, :span] for k in self.k], [v[start:stop, :, :span] for v in self.v]
         view.length = self.length if start == 0 else 0
-        view.max_len, view.weights = self.max_len, self.weights
+        view.max_len, view.weights = span, self.weights
         view.key_mask = None if self.key_mask is None else self.key_mask[start:stop]
         return view
 
@@ -342,7 +344,8 @@ class Transformer(nn.Module):
                 (B,) int64: row b writes slot `slots[b]` and attends to slots [0, slots[b]]
                 over the whole cache (continuous batching: rows at different lengths). The
                 arithmetic of one row does not depend on the others (rows are independent in
-                every op); with B >= 4 it does not depend on B either on CPU (see serve/engine.py).
+                every op); with B >= 4 it does not depend on B either on CPU, nor on the number of
+                slots beyond its own (masked slots add exact zeros; see serve/engine.py).
         Returns:
             logits (B, vocab_size) in the compute dtype.
         """

@@ -38,6 +38,8 @@ from lmforge.tokenizer import Tokenizer
 
 #: A decode step computes at least this many rows (CPU matmuls are batch-invariant from 4 rows).
 MIN_ROWS = 4
+#: A decode step attends over the filled cache slots rounded up to a multiple of this.
+SPAN_STEP = 64
 
 
 class QueueFull(LmforgeError):
@@ -66,6 +68,9 @@ class Request:
     """The position (and cache slot) of the last chosen token, fed at the next step."""
     sent: int = 0
     """Characters of the reply text already emitted."""
+    text: str = ""
+    """The reply's text decoded from ids[:settled]."""
+    settled: int = 0
     generator: torch.Generator | None = None
     sampling: SamplingConfig | None = None
     submitted: float = 0.0
@@ -185,7 +190,10 @@ class Engine:
         pad = self.tok.pad_id
         tokens = torch.tensor([r.ids[-1] for r in self.running] + [pad] * (m - n), device=self.device)
         pos = torch.tensor([r.pos for r in self.running] + [0] * (m - n), device=self.device)
-        logits = self.model.decode_step(tokens, pos, self.cache.rows(0, m), slots=pos)[:n]  # (n, V)
+        # attend over the filled slots only, rounded up to SPAN_STEP (a row's numbers do not depend
+        # on the span: masked slots add exact zeros; tests/test_decode_step.py checks it)
+        span = min(self.context, -(-(max(r.pos for r in self.running) + 1) // SPAN_STEP) * SPAN_STEP)
+        logits = self.model.decode_step(tokens, pos, self.cache.rows(0, m, span), slots=pos)[:n]  # (n, V)
         self.steps += 1
         for req in self.running:
             req.pos += 1
@@ -204,17 +212,15 @@ class Engine:
         """Record the chosen id, emit new text, and finish the request when it stops."""
         req.ids.append(t)
         if t in self.stop_ids:
-            return self._finish(req, "stop", text_ids=req.ids[:-1])
-        text = self.tok.decode(req.ids)
+            return self._finish(req, "stop", text=self._text(req, final=True))
+        text = self._text(req)
         if req.stop:
             hits = [i for i in (text.find(s, max(0, req.sent - len(s))) for s in req.stop) if i >= 0]
             if hits:
                 return self._finish(req, "stop", text=text[:min(hits)])
         if len(req.ids) >= req.max_tokens:
-            return self._finish(req, "length", text=text)
+            return self._finish(req, "length", text=self._text(req, final=True))
         safe = len(text)
-        if text.endswith("\ufffd"):  # an incomplete UTF-8 character: wait for its other bytes
-            safe = len(text.rstrip("\ufffd"))
         for s in req.stop:  # hold back what could be the start of a stop string
             for k in range(min(len(s) - 1, safe), 0, -1):
                 if text[safe - k:safe] == s[:k]:
@@ -224,9 +230,19 @@ class Engine:
             req.emit("delta", text[req.sent:safe])
             req.sent = safe
 
-    def _finish(self, req: Request, reason: str, text: str | None = None, text_ids: list[int] | None = None) -> None:
-        if text is None:
-            text = self.tok.decode(text_ids if text_ids is not None else req.ids)
+    def _text(self, req: Request, final: bool = False) -> str:
+        """The reply's text so far, decoding only the ids not yet settled into text: byte-level
+        pieces concatenate, except a UTF-8 character split over tokens (it shows as U+FFFD until
+        its last byte arrives; held back unless `final`). Stop ids are not text."""
+        ids = [i for i in req.ids[req.settled:] if i not in self.stop_ids]
+        tail = self.tok.decode(ids)
+        if tail.endswith("\ufffd") and not final:
+            return req.text + tail.rstrip("\ufffd")
+        req.text += tail
+        req.settled = len(req.ids)
+        return req.text
+
+    def _finish(self, req: Request, reason: str, text: str) -> None:
         if len(text) > req.sent:
             req.emit("delta", text[req.sent:])
             req.sent = len(text)
