@@ -127,8 +127,16 @@ class DecodeWeights:
     `head` is (dim, vocab_size) likewise when its copy is at most HEAD_COPY_LIMIT bytes, else the
     sliced output weight (vocab_size, dim) used with F.linear. `sin_signed` folds rotate_half's
     minus sign into the sine table. Matrices are in the compute dtype (the autocast dtype under
-    autocast); norm weights stay as they are. Made once per cache (a copy of the weights: valid
-    while the parameters do not change, i.e. for one generation or one server's life).
+    autocast); norm weights stay as they are.
+
+    On CPU in float32, `packed` holds the same matrices (and the head) prepacked for oneDNN's
+    linear (`torch.ops.mkldnn._reorder_linear_weight`, the layout Inductor's CPU path uses):
+    MKL's small-batch matmul re-packs the weight on every call (the batch-8 head product costs
+    about 4x its batch-4 oneDNN one here), and oneDNN's result for a row does not depend on the
+    batch size at all, which the server needs (see `decode_step`). None where unavailable.
+
+    Made once per parameter version (`Transformer.decode_weights`): copies of the weights, valid
+    while the parameters do not change.
     """
 
     #: Largest output matrix (bytes) copied into the (dim, V) layout.
@@ -156,6 +164,35 @@ class DecodeWeights:
             self.cos = model.rope_cos.to(dtype)  # (max_seq_len, hd)
             self.sin_signed = (model.rope_sin * sign).to(dtype)
             self.dtype = dtype
+            self.packed = self.packed_head = None
+            if w.device.type == "cpu" and dtype == torch.float32 and self.head_t:
+                self.packed, self.packed_head = _onednn_pack(self.layers, self.head)
+
+
+def _onednn_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """(B, in) @ a matrix prepacked by `_onednn_pack` -> (B, out)."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+
+
+def _onednn_pack(layers: list[tuple], head: torch.Tensor):
+    """(layers, head) with every (in, out) matrix prepacked for oneDNN, or (None, None) when this
+    torch has no oneDNN linear or it disagrees with a plain matmul on a probe (these are the
+    private ops of Inductor's CPU path: checked, never trusted blindly)."""
+    try:
+        if not torch.backends.mkldnn.is_available():
+            return None, None
+
+        def pack(m):  # (in, out) -> oneDNN's blocked layout of the (out, in) weight
+            return torch.ops.mkldnn._reorder_linear_weight(m.t().contiguous())
+
+        packed = [tuple(pack(m) for m in layer) for layer in layers]
+        packed_head = pack(head)
+        probe = torch.randn(3, head.shape[0], generator=torch.Generator().manual_seed(0))
+        if not torch.allclose(_onednn_linear(probe, packed_head), probe @ head, rtol=1e-4, atol=1e-4):
+            return None, None
+        return packed, packed_head
+    except (RuntimeError, AttributeError, NotImplementedError):
+        return None, None
 
 
 class Attention(nn.Module):
@@ -331,7 +368,7 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def decode_step(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
-                    slots: torch.Tensor | None = None) -> torch.Tensor:
+                    slots: torch.Tensor | None = None, batch_invariant: bool = False) -> torch.Tensor:
         """One T = 1 decode step on the cache: the same model as `forward`, computed with fused
         weights (`DecodeWeights`) and few small ops, for latency-bound generation.
 
@@ -342,10 +379,13 @@ class Transformer(nn.Module):
             slots: None: every row writes cache slot `cache.length` (then length += 1) and
                 attends to slots [0, length] where `cache.key_mask` (left padding) allows;
                 (B,) int64: row b writes slot `slots[b]` and attends to slots [0, slots[b]]
-                over the whole cache (continuous batching: rows at different lengths). The
-                arithmetic of one row does not depend on the others (rows are independent in
-                every op); with B >= 4 it does not depend on B either on CPU, nor on the number of
-                slots beyond its own (masked slots add exact zeros; see serve/engine.py).
+                over the whole cache (continuous batching: rows at different lengths).
+            batch_invariant: use the oneDNN matmuls (DecodeWeights.packed) at every batch size,
+                batch 1 included. A row's numbers never depend on the other rows' values (every
+                op is row-wise); with the oneDNN matmuls they do not depend on the batch size
+                either, nor on the span of masked cache slots beyond the row's own (in multiples
+                of 64; tests/test_decode_step.py). Without it, batch 1 uses MKL's faster
+                matrix-vector product, whose sums are ordered differently (about 1e-6 relative).
         Returns:
             logits (B, vocab_size) in the compute dtype.
         """
@@ -373,12 +413,16 @@ class Transformer(nn.Module):
             bias = torch.zeros(B, 1, S, dtype=dtype, device=dev).masked_fill_(~allowed[:, None], float("-inf"))
         if bias is not None:
             bias = bias.repeat_interleave(KV, 0)  # (B*KV, 1, S), the layout of the scores below
+        if w.packed is not None and (B > 1 or batch_invariant):
+            layers, head, mm = w.packed, w.packed_head, _onednn_linear
+        else:
+            layers, head, mm = w.layers, w.head, torch.matmul
         x = self.tok_embeddings(tokens)  # (B, dim); the residual stays in the parameters' dtype
         def inv_rms(x):  # (B, dim) -> (B, 1): 1 / rms(x), RMSNorm without its weight
             return torch.rsqrt(x.pow(2).mean(-1, keepdim=True).add_(eps))
 
-        for layer, (wqkv, wo, w13, w2) in enumerate(w.layers):
-            qkv = (x @ wqkv).mul_(inv_rms(x)).view(B, H + 2 * KV, hd)
+        for layer, (wqkv, wo, w13, w2) in enumerate(layers):
+            qkv = mm(x, wqkv).mul_(inv_rms(x)).view(B, H + 2 * KV, hd)
             qk = qkv[:, : H + KV]  # rotary on q and k at once: x cos + rotate_half(x) sin
             qk = torch.addcmul(qk * cos, qk.roll(hd // 2, -1), sin)  # (B, H + KV, hd)
             k, v = qk[:, H:], qkv[:, H + KV:]  # (B, KV, hd)
@@ -393,13 +437,13 @@ class Transformer(nn.Module):
             scores = (torch.baddbmm(bias, q, keys.transpose(1, 2), alpha=scale) if bias is not None
                       else torch.bmm(q, keys.transpose(1, 2)).mul_(scale))  # (B*KV, G, S)
             y = torch.bmm(scores.softmax(-1), cv[:, :, :S].reshape(B * KV, S, hd))  # (B*KV, G, hd)
-            x = x + y.view(B, H * hd) @ wo
-            gate, up = (x @ w13).mul_(inv_rms(x)).chunk(2, -1)  # (B, ffn) each
-            x = x + F.silu(gate).mul_(up) @ w2
+            x = x + mm(y.view(B, H * hd), wo)
+            gate, up = mm(x, w13).mul_(inv_rms(x)).chunk(2, -1)  # (B, ffn) each
+            x = x + mm(F.silu(gate).mul_(up), w2)
         if slots is None:
             cache.length += 1
         h = x * inv_rms(x) * w.norm
-        return h @ w.head if w.head_t else F.linear(h, w.head)
+        return mm(h, head) if w.head_t else F.linear(h, w.head)
 
     def new_cache(self, batch: int, max_len: int, key_mask: torch.Tensor | None = None) -> KVCache:
         p = self.output.weight

@@ -10,9 +10,13 @@ leaving row's place is taken by the last running row (its cache row is copied), 
 works on a contiguous block of the cache.
 
 Batch invariance: a request's greedy reply does not depend on what else is running. Every
-op of the decode step treats rows independently, prefill is per request, and on CPU the
-matmul kernels change with the number of rows only below 4 rows, so a step always computes
-at least MIN_ROWS rows (idle rows decode a pad token into their own, unused slot 0).
+op of the decode step treats rows independently, prefill is per request, the attention span
+(filled slots rounded up to SPAN_STEP) does not change a row's numbers, and the matmuls are
+oneDNN's with prepacked weights (`decode_step(batch_invariant=True)`), whose result for a row
+does not depend on the number of rows. Where those are unavailable (no oneDNN, not float32)
+MKL's matmul is used, which changes its kernel below 4 rows: a step then computes at least
+MIN_ROWS rows (idle rows decode a pad token into their own, unused slot 0). On CUDA no such
+guarantee is made.
 
 Why a loop of its own rather than `generate`: `generate` runs one fixed batch from start to
 end; here requests come and go between steps. Both use the same model decode path
@@ -100,6 +104,7 @@ class Engine:
         self.cache_rows = max(max_batch, MIN_ROWS)
         self.cache = model.new_cache(self.cache_rows, self.context)
         self.cache.weights = model.decode_weights()
+        self.min_rows = 1 if self.cache.weights.packed is not None else MIN_ROWS
         self.device = model.output.weight.device
         self.running: list[Request] = []
         self.waiting: deque[Request] = deque()
@@ -186,14 +191,15 @@ class Engine:
 
     def _step(self) -> None:
         n = len(self.running)
-        m = min(max(n, MIN_ROWS), self.cache_rows)
+        m = min(max(n, self.min_rows), self.cache_rows)
         pad = self.tok.pad_id
         tokens = torch.tensor([r.ids[-1] for r in self.running] + [pad] * (m - n), device=self.device)
         pos = torch.tensor([r.pos for r in self.running] + [0] * (m - n), device=self.device)
         # attend over the filled slots only, rounded up to SPAN_STEP (a row's numbers do not depend
         # on the span: masked slots add exact zeros; tests/test_decode_step.py checks it)
         span = min(self.context, -(-(max(r.pos for r in self.running) + 1) // SPAN_STEP) * SPAN_STEP)
-        logits = self.model.decode_step(tokens, pos, self.cache.rows(0, m, span), slots=pos)[:n]  # (n, V)
+        logits = self.model.decode_step(tokens, pos, self.cache.rows(0, m, span), slots=pos,
+                                        batch_invariant=True)[:n]  # (n, V)
         self.steps += 1
         for req in self.running:
             req.pos += 1
