@@ -327,3 +327,37 @@ def test_serve_cli_refuses_bad_input(ckpt, capsys):
     assert len(err) == 1 and err[0].startswith("error: --port = 70000")
     assert main(["serve", "--checkpoint", str(ckpt), "--port", "0", "--max-batch", "0"]) == 2
     assert "--max-batch = 0" in capsys.readouterr().err
+
+
+def test_engine_survives_a_failing_prefill(loaded):
+    """An exception inside the engine fails that request with an error event; the next one runs."""
+    model, tok = loaded
+    engine = Engine(model, tok, max_batch=2)
+    calls = {"n": 0}
+
+    def hidden(*a, **k):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("boom")
+        return model.hidden(*a, **k)
+
+    engine.model = type("Flaky", (), {"decode_step": model.decode_step, "hidden": staticmethod(hidden),
+                                      "logits": model.logits})()
+    engine.start()
+    try:
+        events: list = []
+        done = threading.Event()
+
+        def emit(*e):
+            events.append(e)
+            if e[0] != "delta":
+                done.set()
+
+        for expect in ("error", "done"):
+            events.clear()
+            done.clear()
+            engine.submit(Request([tok.bos_id, *tok.encode("def")], 4, emit, temperature=0))
+            assert done.wait(timeout=30)
+            assert events[-1][0] == expect
+    finally:
+        engine.close()

@@ -164,10 +164,17 @@ class Engine:
                 admit = []
                 while self.waiting and len(self.running) + len(admit) < self.max_batch:
                     admit.append(self.waiting.popleft())
+            with torch.inference_mode():
+                for req in admit:
+                    try:
+                        self._admit(req)
+                    except Exception as exc:  # this request only: the running ones go on
+                        if req in self.running:
+                            self._release(req)
+                        req.emit("error", f"the engine failed on this prompt: {type(exc).__name__}: {exc}",
+                                 "server_error")
             try:
                 with torch.inference_mode():
-                    for req in admit:
-                        self._admit(req)
                     self._expire()
                     if self.running:
                         self._step()
