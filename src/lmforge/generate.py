@@ -7,7 +7,8 @@ top-k, top-p (nucleus; Holtzman et al. 2020), repetition penalty (CTRL; Keskar e
 2019), or greedy. A sequence stops at any of `stop_ids` (from the contract: <|eos|>,
 and <|im_end|> in chat) or after `max_new_tokens`.
 
-The decode loop stays on tensors: new ids go into a preallocated (B, max_new_tokens)
+Decode steps go through `Transformer.decode_step` (fused weights, the same path
+`lmforge serve` batches requests on). The decode loop stays on tensors: new ids go into a preallocated (B, max_new_tokens)
 buffer, the repetition penalty keeps a (B, V) "seen" mask updated in place, and the
 only host synchronisation per step is the all-rows-stopped check.
 """
