@@ -5,12 +5,13 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 OUT ?= runs/speedrun
 
-.PHONY: setup speedrun test test-fast interop bench clean help
+.PHONY: setup speedrun test test-fast interop test-browser bench clean help
 
 help:
 	@echo "make speedrun   train tokenizer, prepare, pretrain and sample on the Python standard library ($(OUT))"
 	@echo "make test       run the test suite"
 	@echo "make interop    build llama.cpp (llama-cpp-python, several minutes once) and prove the GGUF export in it"
+	@echo "make test-browser  install Chromium (apt) and Playwright, run the chat-page tests"
 	@echo "make bench      run the benchmarks in bench/ and append to bench/RESULTS.md"
 
 $(STAMP): pyproject.toml
@@ -35,6 +36,12 @@ test-fast: $(STAMP)
 interop: $(STAMP)
 	$(PY) -c "import llama_cpp" 2>/dev/null || $(PY) -m pip install -q -e ".[interop]"
 	$(PY) -m pytest -q -rs tests/interop
+# The chat page in a real browser: Debian's chromium (Playwright's own download is not used).
+test-browser: $(STAMP)
+	command -v chromium >/dev/null || (apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y chromium) \
+		|| (sudo apt-get update && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y chromium)
+	$(PY) -m pip install -q -e ".[dev,browser]"
+	$(PY) -m pytest -q tests/test_serve_browser.py
 
 bench: $(STAMP)
 	$(PY) bench/run_all.py

@@ -29,6 +29,7 @@ stages, in order:
   lmforge sft --set sft.init=runs/pre --out runs/sft   fine-tune on conversations (sft.data)
   lmforge chat --checkpoint runs/sft                  talk to it; /exit quits
   lmforge eval --checkpoint runs/pre
+  lmforge serve --checkpoint runs/sft                 OpenAI API + chat page on http://127.0.0.1:8000/
   lmforge speedrun --out runs/speedrun             all of the above on the standard library
 """
 
@@ -171,6 +172,25 @@ def _import_hf(args) -> int:
     return 0
 
 
+def _serve(args) -> int:
+    from lmforge.stages.serve import serve_stage
+
+    serve_stage(args.checkpoint, args.host, args.port, args.tokenizer, max_batch=args.max_batch,
+                max_queue=args.max_queue, max_tokens=args.max_tokens, timeout_s=args.timeout)
+    return 0
+
+
+def _args_serve(p):
+    _checkpoint(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 picks a free one)")
+    p.add_argument("--max-batch", type=int, default=16, help="requests decoded together at most (default 16)")
+    p.add_argument("--max-queue", type=int, default=64, help="requests waiting at most; beyond: 429 (default 64)")
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help="per-request limit on max_tokens (default: the model's context - 1)")
+    p.add_argument("--timeout", type=float, default=120.0, help="per-request time limit in seconds (default 120)")
+
+
 def _speedrun(args) -> int:
     from lmforge.stages import speedrun_stage
 
@@ -244,6 +264,7 @@ COMMANDS: dict[str, tuple[str, str | None, Callable, Callable]] = {
                _args_export, _export),
     "import-hf": ("turn a Hugging Face Llama folder into an lmforge checkpoint",
                   "the lmforge checkpoint folder to write (required)", _args_import_hf, _import_hf),
+    "serve": ("an OpenAI-compatible server (batched decoding) with a chat page at /", None, _args_serve, _serve),
     "speedrun": ("every stage on the embedded corpus, then a summary table",
                  "output folder (default: runs/speedrun)", _args_speedrun, _speedrun),
 }

@@ -7,7 +7,8 @@ top-k, top-p (nucleus; Holtzman et al. 2020), repetition penalty (CTRL; Keskar e
 2019), or greedy. A sequence stops at any of `stop_ids` (from the contract: <|eos|>,
 and <|im_end|> in chat) or after `max_new_tokens`.
 
-The decode loop stays on tensors: new ids go into a preallocated (B, max_new_tokens)
+Decode steps go through `Transformer.decode_step` (fused weights, the same path
+`lmforge serve` batches requests on). The decode loop stays on tensors: new ids go into a preallocated (B, max_new_tokens)
 buffer, the repetition penalty keeps a (B, V) "seen" mask updated in place, and the
 only host synchronisation per step is the all-rows-stopped check.
 """
@@ -160,7 +161,8 @@ def output_projection(model: Transformer):
     dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else w.dtype
     if dev != "cpu" or w.numel() * dtype.itemsize > HEAD_COPY_LIMIT:
         return model.logits
-    head = w.to(dtype).t().contiguous()  # (dim, V)
+    dw = model.decode_weights(dtype)  # made once per parameter version, shared with decode_step
+    head = dw.head if dw.head_t else w.to(dtype).t().contiguous()  # (dim, V)
     return lambda h: h @ head
 
 
@@ -214,7 +216,7 @@ def generate(
     cache = model.new_cache(B, L + n_new, key_mask if padded else None)
     project = output_projection(model)
     logits = project(model.hidden(tokens, positions, cache=cache)[:, -1])  # (B, V)
-    next_pos = positions[:, -1:] + 1  # (B, 1)
+    next_pos = positions[:, -1] + 1  # (B,)
 
     seen = None
     if cfg.repetition_penalty != 1.0:
@@ -225,7 +227,8 @@ def generate(
     steps = 0
     for t in range(n_new):
         nxt = sample_next(logits, cfg, None, generator, seen)  # (B,)
-        nxt = torch.where(done, pad_id, nxt)
+        if stops.numel():
+            nxt = torch.where(done, pad_id, nxt)
         out[:, t] = nxt
         steps = t + 1
         if stops.numel():
@@ -236,8 +239,7 @@ def generate(
             break
         if seen is not None:
             seen.scatter_(1, nxt[:, None], True)
-        h = model.hidden(nxt[:, None], next_pos, cache=cache)  # (B, 1, dim): a T = 1 decode step
-        logits = project(h[:, -1])
+        logits = model.decode_step(nxt, next_pos, cache)  # (B, V): a T = 1 decode step
         next_pos = next_pos + 1
 
     out = out[:, :steps].cpu()

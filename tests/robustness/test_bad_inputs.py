@@ -460,7 +460,16 @@ add("gguf-pad-edited", GGUF, r"contract|special|pad",
 add("hf-q8", (*EXPORT, "--dtype", "q8_0"), r"--dtype q8_0 is for --format gguf")
 add("hf-force", (*EXPORT, "--force"), r"--force is for --format gguf")
 
-# 11. generation inputs
+# 11. serve: refused before it listens
+SERVE = ("serve", *C, "--checkpoint", "sft", "--port", "0")
+add("serve-port", (*SERVE[:-1], "70000"), r"--port = 70000: expected 0\.\.65535")
+add("serve-max-batch", (*SERVE, "--max-batch", "0"), r"--max-batch = 0: expected a value >= 1")
+add("serve-timeout", (*SERVE, "--timeout", "-1"), r"--timeout = -1\.0")
+add("serve-not-checkpoint", ("serve", *C, "--checkpoint", "data", "--port", "0"), r"data is not a checkpoint")
+add("serve-nan-weights", SERVE, r"NaN or infinite", nan_weights("sft/step_000001/model.safetensors"))
+add("serve-other-tokenizer", (*SERVE, "--tokenizer", "hf"), r"tokenizer|contract")
+
+# 12. generation inputs
 add("generate-prompt-too-long", (*GENERATE[:-2], "--max-new-tokens", "4", "--prompt", "x " * 400),
     r"too long|max_seq_len|prompt")
 add("generate-not-checkpoint", ("generate", *C, "--checkpoint", "data", "--prompt", "x"), r"data is not a checkpoint")
@@ -505,5 +514,5 @@ def test_the_table_is_large_and_covers_every_command():
     assert len(ROWS) >= 150, len(ROWS)
     commands = {r.argv[0] for r in ROWS}
     assert commands >= {"train-tokenizer", "import-tokenizer", "prepare", "pretrain", "sft", "generate", "chat",
-                        "eval", "export", "import-hf", "speedrun"}, commands
+                        "eval", "export", "import-hf", "speedrun", "serve"}, commands
     assert len({r.id for r in ROWS}) == len(ROWS)

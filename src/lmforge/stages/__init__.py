@@ -7,6 +7,7 @@
     generate, chat                      stages.generate
     eval                                stages.eval
     export, import-hf                   stages.export
+    serve                               stages.serve (imported on use: it needs the server packages)
     speedrun                            stages.speedrun
 Shared by them: stages.common (the training-session preamble and tail, loading for inference).
 """
