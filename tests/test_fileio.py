@@ -89,7 +89,7 @@ def test_replacing_swaps_in_the_complete_new_folder(tmp_path):
             (tmp / "data.bin").write_bytes(content)
     assert (out / "data.bin").read_bytes() == b"two"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
-    assert fileio.read_marker(out) == {"command": "prepare"}
+    assert fileio.read_marker(out) == {"command": "prepare", "files": ["data.bin"]}  # what it wrote
 
 
 def test_replace_without_exchange_falls_back_to_two_renames(tmp_path, monkeypatch):

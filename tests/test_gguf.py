@@ -19,6 +19,7 @@ import torch
 
 from lmforge.cli import main
 from lmforge.config import ModelConfig
+from lmforge.fileio import OutputError
 from lmforge.export import ExportError, export_gguf
 from lmforge.export.gguf import _permute_rope_rows, gguf_arch, gguf_tensors, gguf_vocab, write_gguf
 from lmforge.tokenizer import CHAT_TEMPLATE
@@ -214,7 +215,7 @@ def test_token_over_32_bytes_refused(ckpt, tmp_path, tiny_tokenizer):
 def test_existing_out_refused_unless_force(ckpt, tmp_path, capsys):
     out = tmp_path / "m.gguf"
     out.write_bytes(b"precious")
-    with pytest.raises(ExportError, match="already exists; pass --force"):
+    with pytest.raises(OutputError, match="already exists; it is left untouched. Pass --force"):
         export_gguf(ckpt, out)
     assert out.read_bytes() == b"precious"
     assert main(["export", "--checkpoint", str(ckpt), "--format", "gguf", "--out", str(out)]) == 2

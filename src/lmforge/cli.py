@@ -149,7 +149,7 @@ def _chat(args) -> int:
 def _eval(args) -> int:
     from lmforge.stages import eval_stage
 
-    res = eval_stage(args.checkpoint, args.data, args.split, args.out)
+    res = eval_stage(args.checkpoint, args.data, args.split, args.out, force=args.force)
     print(f"loss {res['loss']:.4f} nats/token, perplexity {res['perplexity']:.2f}, "
           f"{res['bits_per_byte']:.4f} bits/byte over {res['tokens']:,} tokens ({res['bytes']:,} bytes)")
     print(json.dumps(res))
@@ -220,6 +220,7 @@ def _args_eval(p):
     _checkpoint(p, tokenizer=False)
     p.add_argument("--data", metavar="DIR", help="prepared data folder (default: the checkpoint's data.dir)")
     p.add_argument("--split", default="val", choices=("train", "val"))
+    p.add_argument("--force", action="store_true", help="replace an existing --out file")
 
 
 def _args_export(p):

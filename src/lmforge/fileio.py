@@ -64,6 +64,11 @@ KINDS = {
 }
 
 
+#: Outputs that hold other outputs by design: a speedrun folder holds its stages' folders, a
+#: training run folder its checkpoints (and may hold a user's evaluation results).
+NESTING = ("speedrun", "pretrain", "sft")
+
+
 def describe(path: Path) -> str:
     """What `path` holds, in words, for an error message."""
     marker = read_marker(path) if path.is_dir() else None
@@ -97,21 +102,67 @@ def check_output(out: Path, command: str, what: str | None = None) -> None:
     """
     out = Path(out)
     what = what or f"`lmforge {command}`"
+    if not str(out):
+        raise OutputError(f"--out is empty; {what} needs a folder to write. Give a path.")
     if _is_cwd_or_parent(out):
         raise OutputError(f"--out {out} is the current folder or one of its parents; {what} writes a folder of "
                           f"its own there. Choose a new folder name, e.g. --out {Path(out) / 'out'}.")
-    if not out.exists() and not out.is_symlink():
-        return
-    if not out.is_dir() or out.is_symlink():
-        raise OutputError(f"--out {out} is {'a link' if out.is_symlink() else 'an existing file'}, not a folder. "
-                          f"{what} writes a folder: choose a new path (nothing was changed).")
-    marker = read_marker(out)
+    check_not_inside_output(out)
+    try:
+        exists = out.exists() or out.is_symlink()
+        if not exists:
+            return
+        if not out.is_dir() or out.is_symlink():
+            raise OutputError(f"--out {out} is {'a link' if out.is_symlink() else 'an existing file'}, not a "
+                              f"folder. {what} writes a folder: choose a new path (nothing was changed).")
+        marker = read_marker(out)
+        entries = list(out.iterdir())
+    except OSError as exc:
+        raise OutputError(f"--out {out}: cannot be examined ({exc.strerror or exc}). Choose another path.") from None
     if marker is not None and marker["command"] == command:
+        extra = sorted(_unlisted(out, marker))
+        if extra:
+            raise OutputError(f"--out {out} is an earlier result of {what}, but it now also holds files lmforge "
+                              f"did not write ({', '.join(extra[:5])}); replacing it would delete them. Move them "
+                              f"out, or choose another --out.")
         return
-    if marker is None and not any(out.iterdir()):
+    if marker is None and not entries:
         return
     raise OutputError(f"--out {out} is {describe(out)}, not an earlier result of {what}; it is left untouched. "
                       f"Choose an empty or new folder.")
+
+
+def _manifest(folder: Path) -> list[str]:
+    """Every path under `folder` (relative, '/'-separated), for the marker: what lmforge wrote."""
+    return sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.name != MARKER_FILE)
+
+
+def _unlisted(folder: Path, marker: dict) -> set[str]:
+    """Paths under an lmforge output that its marker does not list (a user's additions).
+    A marker without a manifest (a run folder, written step by step) lists nothing to compare."""
+    listed = marker.get("files")
+    if not isinstance(listed, list):
+        return set()
+    return set(_manifest(folder)) - set(listed)
+
+
+def check_not_inside_output(path: Path) -> None:
+    """Refuse a path inside a folder lmforge replaces whole (a tokenizer, data, export or
+    checkpoint folder...): the next run of that command would delete it. A speedrun folder,
+    and a run folder's own checkpoints, are the exceptions that hold outputs by design.
+
+    Raises:
+        OutputError: naming the enclosing output.
+    """
+    try:
+        parents = Path(path).resolve().parents
+    except (OSError, RuntimeError):
+        return
+    for parent in parents:
+        marker = read_marker(parent)
+        if marker is not None and marker["command"] not in NESTING:
+            raise OutputError(f"{path} is inside {parent}, {describe(parent)}, which lmforge replaces whole; "
+                              f"anything written there would be lost. Choose a path outside it.")
 
 
 # -- locking -----------------------------------------------------------------------------------
@@ -125,6 +176,19 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def make_parent(path: Path) -> None:
+    """Create the folder `path` goes into.
+
+    Raises:
+        OutputError: a parent is a file, or the folder cannot be made (read-only, /proc...).
+    """
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise OutputError(f"{path}: its folder {path.parent} cannot be created ({exc.strerror or exc}; is a "
+                          f"parent an existing file?). Choose another path.") from None
+
+
 @contextlib.contextmanager
 def output_lock(out: Path) -> Iterator[None]:
     """Hold `.NAME.lock` beside `out` while writing it.
@@ -133,12 +197,15 @@ def output_lock(out: Path) -> Iterator[None]:
         OutputError: another live process holds the lock.
     """
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    make_parent(out)
     lock = out.parent / f".{out.name}.lock"
     for _ in range(2):
         try:
             fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
         except FileExistsError:
+            if lock.is_dir() or lock.is_symlink():
+                raise OutputError(f"the lock path {lock} is a folder or a link, not an lmforge lock; remove it, "
+                                  f"or choose another --out.") from None
             try:
                 pid = int(lock.read_text().strip() or 0)
             except (OSError, ValueError):
@@ -148,6 +215,9 @@ def output_lock(out: Path) -> Iterator[None]:
                                   f"Wait for it to finish, or stop it first.") from None
             lock.unlink(missing_ok=True)  # stale: its process is gone
             continue
+        except OSError as exc:
+            raise OutputError(f"--out {out}: cannot create the lock {lock.name} beside it ({exc.strerror}); "
+                              f"{'a shorter name is needed' if exc.errno == 36 else 'choose another path'}.") from None
         with os.fdopen(fd, "w") as f:
             f.write(f"{os.getpid()}\n")
         break
@@ -229,12 +299,16 @@ def atomic_dir(out: str | Path, command: str, fsync: bool = False, what: str | N
     out = Path(out)
     if check:
         check_output(out, command, what)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    make_parent(out)
     with output_lock(out) if check else contextlib.nullcontext():
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+        try:
+            tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+        except OSError as exc:
+            raise OutputError(f"--out {out}: cannot create a temporary folder beside it ({exc.strerror}); choose "
+                              f"another path{' with a shorter name' if exc.errno == 36 else ''}.") from None
         try:
             yield tmp
-            write_marker(tmp, command)
+            write_marker(tmp, command, files=_manifest(tmp))
             if fsync:
                 fsync_tree(tmp)
             replace_dir(tmp, out)
@@ -254,11 +328,15 @@ def atomic_file(path: str | Path, fsync: bool = False, replace: bool = True) -> 
     path = Path(path)
     if path.is_dir():
         raise OutputError(f"{path} is a folder; a file is written there. Choose a file path.")
-    if path.exists() and not replace:
+    if (path.exists() or path.is_symlink()) and not replace:
         raise OutputError(f"{path} already exists; it is left untouched. Pass --force to replace it, "
                           f"or choose another path.")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, name = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
+    make_parent(path)
+    try:
+        fd, name = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
+    except OSError as exc:
+        raise OutputError(f"{path}: cannot create a temporary file beside it ({exc.strerror}); choose another "
+                          f"path{' with a shorter name' if exc.errno == 36 else ''}.") from None
     os.close(fd)
     tmp = Path(name)
     try:
@@ -269,6 +347,43 @@ def atomic_file(path: str | Path, fsync: bool = False, replace: bool = True) -> 
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+@contextlib.contextmanager
+def user_file(path: str | Path, force: bool = False) -> Iterator[Path]:
+    """`atomic_file` for a command's `--out FILE` (eval results, a GGUF file): refused inside
+    a folder lmforge replaces whole, an existing file or link only replaced with `force`,
+    and one writer at a time.
+
+    Raises:
+        OutputError: see `atomic_file`, `check_not_inside_output`, `output_lock`.
+    """
+    path = Path(path)
+    check_user_file(path, force)
+    with output_lock(path), atomic_file(path, replace=force) as tmp:
+        yield tmp
+
+
+def check_user_file(path: str | Path, force: bool = False) -> None:
+    """What `user_file` refuses, checked before any work (nothing is written).
+
+    Raises:
+        OutputError: an empty path, a folder, a file inside an lmforge output, an existing
+        file or link without `force`, or a file that belongs to an lmforge output.
+    """
+    path = Path(path)
+    if not str(path):
+        raise OutputError("--out is empty; give a file path.")
+    if path.is_dir():
+        raise OutputError(f"--out {path} is a folder; one file is written there. Give a file path.")
+    check_not_inside_output(path)
+    exists = path.exists() or path.is_symlink()
+    if exists and read_marker(path.parent) is not None:
+        raise OutputError(f"{path} belongs to {describe(path.parent)}; it is never replaced by another command's "
+                          f"output. Choose another file name.")
+    if exists and not force:
+        raise OutputError(f"{path} already exists; it is left untouched. Pass --force to replace it, "
+                          f"or choose another path.")
 
 
 def write_text(path: str | Path, text: str, fsync: bool = False) -> Path:
@@ -304,5 +419,6 @@ def open_run_dir(out: str | Path, command: str, resume: bool, has_progress, crea
     return out
 
 
-__all__ = ["MARKER_FILE", "OutputError", "atomic_dir", "atomic_file", "check_output", "describe", "open_run_dir",
+__all__ = ["MARKER_FILE", "OutputError", "atomic_dir", "atomic_file", "check_output", "check_not_inside_output",
+           "check_user_file", "describe", "make_parent", "open_run_dir", "user_file",
            "output_lock", "read_marker", "replace_dir", "write_json", "write_marker", "write_text", "fsync_tree"]

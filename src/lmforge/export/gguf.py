@@ -89,7 +89,7 @@ from lmforge.config import ModelConfig
 from lmforge.contract import CONTRACT_FILE, Contract
 from lmforge.errors import LmforgeError
 from lmforge.export.hf import ExportError
-from lmforge.fileio import atomic_file
+from lmforge.fileio import check_user_file, user_file
 from lmforge.model import load_model
 from lmforge.model.io import model_state, resolve_checkpoint
 from lmforge.tokenizer import (CHAT_TEMPLATE, MAX_TOKEN_BYTES, SPLIT_PATTERN, TOKENIZER_FILE, Tokenizer,
@@ -405,14 +405,13 @@ def export_gguf(checkpoint: str | Path, out: str | Path, dtype: str = "float32",
     out = Path(out)
     if out.is_dir():
         raise ExportError(f"--out {out} is a folder; GGUF export writes one file. Give a file name such as {out / 'model.gguf'}.")
-    if out.exists() and not force:
-        raise ExportError(f"--out {out} already exists; pass --force to replace it, or choose another file name.")
+    check_user_file(out, force)  # inside an lmforge output, an existing file without --force: refused
     if not out.parent.is_dir():
         raise ExportError(f"--out {out}: the folder {out.parent} does not exist; create it first.")
     path = resolve_checkpoint(checkpoint)
     tok = Tokenizer.load(path)  # the contract's special ids checked against the tokenizer, as every stage does
     model, cfg, contract, path = load_model(path, "cpu", tok.contract, path / CONTRACT_FILE)
-    with atomic_file(out, replace=force) as tmp:  # the one writer: a unique temporary, renamed when complete
+    with user_file(out, force) as tmp:  # the one writer: a unique temporary, renamed when complete
         write_gguf(tmp, model.config, contract, model_state(model), path / TOKENIZER_FILE, dtype,
                    name=path.parent.name or "lmforge")
     return out

@@ -2,18 +2,19 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from lmforge.contract import CONTRACT_FILE
 from lmforge.data.shards import Shard, preflight
 from lmforge.evaluate import evaluate_shard
-from lmforge.fileio import OutputError, write_json
+from lmforge.fileio import check_user_file, user_file
 from lmforge.model import load_model
 from lmforge.runtime import training_runtime
 
 
 def eval_stage(checkpoint: str | Path, data_dir: str | Path | None = None, split: str = "val",
-               out: str | Path | None = None) -> dict:
+               out: str | Path | None = None, force: bool = False) -> dict:
     """Held-out loss, perplexity and bits per byte of a checkpoint on a prepared split,
     in the checkpoint's `train.precision`; with `out`, also written there as JSON.
 
@@ -21,8 +22,8 @@ def eval_stage(checkpoint: str | Path, data_dir: str | Path | None = None, split
         CheckpointError / ContractError / DataError: a bad checkpoint, data prepared with
         another tokenizer, or damaged shards (all checked before any forward pass).
     """
-    if out and Path(out).is_dir():  # refused before any work
-        raise OutputError(f"--out {out} is a folder; eval writes its results as one JSON file. Give a file path.")
+    if out is not None:  # refused before any work: a folder, an existing file without --force, inside an output
+        check_user_file(out, force)
     model, cfg, contract, path = load_model(checkpoint)
     data_dir = Path(data_dir or cfg.data.dir)
     preflight(data_dir, contract, path / CONTRACT_FILE)  # contract, ids < vocab, eos ends: before any forward
@@ -31,6 +32,7 @@ def eval_stage(checkpoint: str | Path, data_dir: str | Path | None = None, split
     res = evaluate_shard(model.to(rt.device), shard, cfg.data.seq_len, cfg.train.micro_batch_size, rt.device,
                          rt.dtype, cfg.data.document_masking)
     res.update(checkpoint=str(path), data=str(data_dir), split=split)
-    if out:
-        write_json(out, res)
+    if out is not None:
+        with user_file(out, force) as tmp:
+            tmp.write_text(json.dumps(res, indent=2) + "\n", encoding="utf-8")
     return res
