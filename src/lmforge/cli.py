@@ -69,7 +69,26 @@ def _sampling(p: argparse.ArgumentParser, repetition_penalty: bool = True) -> No
     if repetition_penalty:
         p.add_argument("--repetition-penalty", type=float, help="default: generate.repetition_penalty (1 = off)")
     p.add_argument("--greedy", action="store_true", help="argmax decoding")
-    p.add_argument("--seed", type=int, default=None, help="seed for sampling (default: unseeded)")
+    p.add_argument("--seed", type=_seed, default=None, help="seed for sampling, 0 <= seed < 2**63 (default: unseeded)")
+
+
+def _seed(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if not 0 <= value < 2**63:
+        raise argparse.ArgumentTypeError(f"{value} is out of range: expected 0 <= seed < 2**63")
+    return value
+
+
+def _text_arg(text: str) -> str:
+    """A command-line text: it must be UTF-8 (argv bytes that are not arrive as surrogates)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise argparse.ArgumentTypeError("not UTF-8 text; pass the text in UTF-8") from None
+    return text
 
 
 def _config(args):
@@ -205,14 +224,14 @@ def _args_import_tokenizer(p):
 
 def _args_generate(p):
     _checkpoint(p)
-    p.add_argument("--prompt", default="", help="text to continue (a document start)")
+    p.add_argument("--prompt", default="", type=_text_arg, help="text to continue (a document start)")
     _sampling(p)
     p.add_argument("--truncate", action="store_true", help="keep the prompt's last tokens if it is too long")
 
 
 def _args_chat(p):
     _checkpoint(p)
-    p.add_argument("--system", default=None, help="a system message that opens the conversation")
+    p.add_argument("--system", default=None, type=_text_arg, help="a system message that opens the conversation")
     _sampling(p, repetition_penalty=False)
 
 
@@ -299,17 +318,30 @@ def run(args: argparse.Namespace) -> int:
     return COMMANDS[args.command][3](args)
 
 
+def _sigterm(signum, frame):
+    """SIGTERM outside a training loop (which handles it itself, finishing the step): unwind
+    like Ctrl-C, so every writer removes its temporary and its lock; exit 143."""
+    raise Interrupted(signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    import threading
+
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGTERM, _sigterm)
     try:
         return run(args)
     except LmforgeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except Interrupted as exc:
-        print(f"interrupted ({signal.Signals(exc.signum).name}): checkpoints are kept; run the same command with "
-              f"--resume to continue (`make speedrun` resumes by itself)", file=sys.stderr)
+        hint = ("checkpoints are kept; run the same command with --resume to continue (`make speedrun` resumes by "
+                "itself)" if args.command in RESUMABLE else "nothing was written (outputs are replaced only when "
+                                                              "complete); run the command again")
+        print(f"interrupted ({signal.Signals(exc.signum).name}): {hint}", file=sys.stderr)
         return 128 + exc.signum
     except KeyboardInterrupt:
         hint = ("checkpoints are kept; run the same command with --resume to continue"
@@ -317,6 +349,9 @@ def main(argv: list[str] | None = None) -> int:
                                                   "run the command again")
         print(f"interrupted: {hint}", file=sys.stderr)
         return 130
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

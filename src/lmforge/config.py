@@ -26,6 +26,9 @@ from lmforge.fileio import write_text
 
 #: The resolved config, written into every output folder and checkpoint.
 CONFIG_FILE = "config.toml"
+#: The largest tokenizer vocabulary lmforge trains or accepts (Gemma's is 256K; the BPE
+#: trainer aborts the process on sizes near 2^31).
+MAX_VOCAB = 1 << 22
 
 
 @dataclass
@@ -179,7 +182,8 @@ class SamplingConfig:
             ("temperature", math.isfinite(self.temperature) and self.temperature >= 0, ">= 0"),
             ("top_k", self.top_k >= 0, ">= 0 (0 = off)"),
             ("top_p", 0 < self.top_p <= 1, "in (0, 1]"),
-            ("repetition_penalty", math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0, "> 0"),
+            ("repetition_penalty", math.isfinite(self.repetition_penalty) and 0.01 <= self.repetition_penalty <= 100,
+             "in [0.01, 100]"),
         ]
         for name, ok, want in checks:
             if not ok:
@@ -335,7 +339,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         cfg = Config()
     else:
         path = Path(path)
-        if not path.is_file():
+        try:
+            is_file = path.is_file()
+        except OSError as exc:  # e.g. a name too long for the file system
+            raise ConfigError(f"config file {str(path)[:80]}...: cannot be read ({exc.strerror}).") from None
+        if not is_file:
             raise ConfigError(
                 f"config file {path} does not exist. Pass an existing recipe, "
                 f"for example --config configs/stdlib-tiny.toml."
@@ -389,7 +397,12 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
         _positive(f"model.{name}", getattr(m, name), allow_zero=True)
     _positive("tokenizer.vocab_size", cfg.tokenizer.vocab_size)
     _positive("tokenizer.max_train_bytes", cfg.tokenizer.max_train_bytes, allow_zero=True)
-    _positive("train.seed", t.seed, allow_zero=True)
+    _in_range("train.seed", t.seed, 0, 2**63)
+    _in_range("tokenizer.vocab_size", cfg.tokenizer.vocab_size, 1, MAX_VOCAB + 1)
+    for name, value in (("data.source", d.source), ("data.dir", d.dir), ("tokenizer.dir", cfg.tokenizer.dir)):
+        if not value.strip():
+            section, key = name.split(".")
+            raise ConfigError(f"{name} is empty: expected a path (default {_default(section, key)!r}).")
     _in_range("train.beta1", t.beta1, 0.0, 1.0)
     _in_range("train.beta2", t.beta2, 0.0, 1.0)
     _in_range("train.min_lr_ratio", t.min_lr_ratio, 0.0, 1.0, high_open=False)

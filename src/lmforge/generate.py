@@ -45,7 +45,10 @@ def seen_mask(history: torch.Tensor, vocab: int) -> torch.Tensor:
 def filter_logits(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
     """Temperature, then top-k, then top-p (the order transformers uses): (B, V) float ->
     (B, V) float32 with filtered-out tokens at -inf. Not for greedy decoding."""
-    logits = logits.float() / cfg.temperature
+    logits = logits.float()
+    # shift so the best logit is 0 before dividing: a tiny temperature then sends the others to
+    # -inf (greedy in the limit) instead of overflowing to inf - inf = NaN in the softmax
+    logits = (logits - logits.amax(-1, keepdim=True)) / cfg.temperature
     if cfg.top_k and cfg.top_k < logits.shape[-1]:
         kth = torch.topk(logits, cfg.top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))

@@ -313,7 +313,20 @@ class RowStream:
         return {"epoch": self.epoch, "cursor": self.cursor}
 
     def load_state_dict(self, state: dict) -> None:
-        self.epoch, self.cursor = int(state["epoch"]), int(state["cursor"])
+        """Continue at a saved position.
+
+        Raises:
+            DataError: a position outside the data (a negative epoch, a cursor past the rows
+            of its epoch), e.g. a damaged checkpoint or other data.
+        """
+        epoch, cursor = state["epoch"], state["cursor"]
+        for name, value in (("epoch", epoch), ("cursor", cursor)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise DataError(f"data position {name} = {value!r}: expected a non-negative integer")
+        rows = len(self.plan(epoch))
+        if cursor >= max(rows, 1):
+            raise DataError(f"data position cursor = {cursor} is past the {rows} rows of epoch {epoch}")
+        self.epoch, self.cursor = epoch, cursor
 
 
 def shard_stream(shard, seq_len: int, micro_batch_size: int, seed: int, document_masking: bool = True,

@@ -69,6 +69,15 @@ def _walk(root: Path, suffixes: tuple[str, ...], skip_dirs: set[str]) -> Iterato
 
 def _read_text(path: Path, stats: SourceStats, on_bad_utf8: str) -> str | None:
     try:
+        str(path).encode("utf-8")
+    except UnicodeEncodeError:  # a file name that is not UTF-8: it cannot name a document
+        if on_bad_utf8 == "error":
+            raise DataError(f"{str(path)!r}: the file name is not UTF-8. Rename the file, or set "
+                            f"data.on_bad_utf8=\"skip\" to skip such files with a count.") from None
+        stats.bad_utf8 += 1
+        stats.skipped_names.append(repr(str(path)))
+        return None
+    try:
         data = path.read_bytes()
     except OSError as exc:  # vanished, unreadable, a broken link
         raise DataError(f"{path}: cannot be read ({exc.strerror}). Restore it or remove it from the corpus.") from None

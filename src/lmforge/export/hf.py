@@ -33,7 +33,6 @@ import shutil
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from lmforge.config import Config, ModelConfig, from_dict, validate
@@ -411,23 +410,28 @@ def read_hf_weights(folder: Path) -> dict[str, torch.Tensor]:
     Raises:
         ExportError: no weights file, or a damaged one.
     """
+    state = None
     try:
         if (folder / WEIGHTS_FILE).is_file():
-            return load_file(str(folder / WEIGHTS_FILE))
-        if (folder / WEIGHTS_INDEX_FILE).is_file():
+            state = load_file(str(folder / WEIGHTS_FILE))
+        elif (folder / WEIGHTS_INDEX_FILE).is_file():
             index = json.loads((folder / WEIGHTS_INDEX_FILE).read_text(encoding="utf-8"))
             state = {}
             for shard in sorted(set(index["weight_map"].values())):
                 state.update(load_file(str(folder / shard)))
-            return state
-        if (folder / "pytorch_model.bin").is_file():
-            return torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True)
-    except (SafetensorError, OSError, KeyError, ValueError, RuntimeError) as exc:
-        raise ExportError(f"{folder}: cannot read the weights ({exc}). The files are damaged or incomplete.") from None
-    raise ExportError(
-        f"{folder} has no {WEIGHTS_FILE}, {WEIGHTS_INDEX_FILE} or pytorch_model.bin; point at a folder "
-        f"written by transformers' save_pretrained (or by `lmforge export`)."
-    )
+        elif (folder / "pytorch_model.bin").is_file():
+            state = torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True)
+    except Exception as exc:  # safetensors, torch's unpickler, struct, json: a damaged file raises any of them
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:160]
+        raise ExportError(f"{folder}: cannot read the weights ({first}). The files are damaged or incomplete.") from None
+    if state is None:
+        raise ExportError(
+            f"{folder} has no {WEIGHTS_FILE}, {WEIGHTS_INDEX_FILE} or pytorch_model.bin; point at a folder "
+            f"written by transformers' save_pretrained (or by `lmforge export`)."
+        )
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise ExportError(f"{folder}: the weights file does not hold a dictionary of tensors.")
+    return state
 
 
 def import_hf(folder: str | Path, out: str | Path, log=None) -> Path:

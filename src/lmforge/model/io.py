@@ -16,6 +16,7 @@ safetensors; `.pt` files only with `torch.load(weights_only=True)`.
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 from pathlib import Path
@@ -43,13 +44,16 @@ def step_dir_name(step: int) -> str:
 
 
 def list_checkpoints(run_dir: str | Path) -> list[Path]:
-    """Complete checkpoint folders of a run, oldest first (a folder without its weights
-    file, or under a temporary name, is not a checkpoint)."""
+    """Checkpoint folders of a run, oldest first: real `step_NNNNNN` folders (not links)
+    holding a weights entry. A folder without one, or under a temporary name, is not a
+    checkpoint; one whose weights entry is damaged (a folder, a FIFO) is listed, so that
+    loading it fails with a clear error instead of silently falling back to an older step."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in run_dir.iterdir() if p.is_dir() and (m := STEP_RE.match(p.name))]
-    return [p for _, p in sorted(found) if (p / MODEL_FILE).is_file()]
+    found = [(int(m.group(1)), p) for p in run_dir.iterdir()
+             if (m := STEP_RE.match(p.name)) and p.is_dir() and not p.is_symlink()]
+    return [p for _, p in sorted(found) if os.path.lexists(p / MODEL_FILE)]
 
 
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
@@ -64,7 +68,7 @@ def resolve_checkpoint(folder: str | Path) -> Path:
         CheckpointError: nothing loadable there.
     """
     folder = Path(folder)
-    if (folder / MODEL_FILE).is_file():
+    if os.path.lexists(folder / MODEL_FILE):
         return folder
     latest = latest_checkpoint(folder)
     if latest is None:
@@ -121,6 +125,9 @@ def read_weights(model: torch.nn.Module, path: Path) -> dict[str, torch.Tensor]:
         CheckpointError: unreadable file, a missing or unexpected key, a shape that differs,
         or a non-finite value (a checkpoint is never trusted to be finite).
     """
+    if not path.is_file():
+        raise CheckpointError(f"{path} is not a regular file (a folder, a link to nothing, a pipe); the checkpoint "
+                              f"is damaged. Use another checkpoint (or delete this step folder).")
     try:
         state = load_file(str(path))
     except (SafetensorError, OSError, ValueError) as exc:

@@ -17,6 +17,7 @@ ffn_dim, norm_eps, rope_theta, max_seq_len); Hugging Face names live in export.p
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import replace
 from pathlib import Path
 
@@ -246,6 +247,48 @@ class Block(nn.Module):
         return x + self.feed_forward(self.ffn_norm(x))
 
 
+def parameter_count(cfg: ModelConfig) -> int:
+    """Parameters of the model `cfg` describes (vocab padded to 64, an untied head counted)."""
+    V, d, hd = padded_vocab_size(max(cfg.vocab_size, 1)), cfg.dim, cfg.head_dim
+    attention = d * cfg.n_heads * hd + 2 * d * cfg.n_kv_heads * hd + cfg.n_heads * hd * d
+    per_layer = attention + 3 * d * cfg.resolved_ffn_dim() + 2 * d + (2 * hd if getattr(cfg, "qk_norm", False) else 0)
+    return V * d * (1 if cfg.tie_embeddings else 2) + cfg.n_layers * per_layer + d
+
+
+def memory_bytes() -> int:
+    """Physical memory of this machine (bytes), or of the CUDA device when there is one."""
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def check_fits_in_memory(cfg: ModelConfig, training_tokens: int = 0) -> None:
+    """Refuse a model (and, with `training_tokens` = micro-batch rows x seq_len, a training
+    step) that cannot fit in memory, before anything is allocated.
+
+    Estimate (float32): weights 4 bytes/parameter (training: x4, with gradients and AdamW's
+    two moments), rotary tables, and per trained token the activations kept for backward
+    (~ n_layers x (12 dim + 3 ffn) values) plus a row of the loss's logit gradient (V values).
+
+    Raises:
+        ConfigError: naming the estimate, the memory, and the keys to lower.
+    """
+    weights = 4 * parameter_count(cfg) * (4 if training_tokens else 1)
+    rope = 8 * cfg.max_seq_len * cfg.head_dim
+    per_token = 4 * (cfg.n_layers * (12 * cfg.dim + 3 * cfg.resolved_ffn_dim()) + padded_vocab_size(max(cfg.vocab_size, 1)))
+    need = weights + rope + training_tokens * per_token
+    have = memory_bytes()
+    if need > have:
+        gib = 2**30
+        raise ConfigError(
+            f"the model (dim {cfg.dim}, {cfg.n_layers} layers, ffn {cfg.resolved_ffn_dim()}, vocab {cfg.vocab_size}, "
+            f"max_seq_len {cfg.max_seq_len}"
+            + (f", {training_tokens:,} tokens per micro-batch" if training_tokens else "")
+            + f") needs about {need / gib:,.1f} GiB, more than the {have / gib:,.1f} GiB of memory here. Lower "
+            f"model.dim, model.n_layers, model.max_seq_len"
+            + (", train.micro_batch_size or data.seq_len." if training_tokens else "."))
+
+
 class Transformer(nn.Module):
     """The lmforge model. `config.vocab_size` must be the tokenizer's (see resolve_model_config)."""
 
@@ -256,6 +299,7 @@ class Transformer(nn.Module):
                 "model.vocab_size is 0: derive it from the tokenizer with "
                 "lmforge.model.resolve_model_config(config, contract) before building the model."
             )
+        check_fits_in_memory(config)  # before allocating: a mistyped size is an error, not an OOM or a hang
         self.config = config
         self.vocab_size = config.vocab_size
         self.model_vocab_size = padded_vocab_size(config.vocab_size)

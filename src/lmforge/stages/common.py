@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import shutil
+from dataclasses import replace
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ from lmforge.contract import CONTRACT_FILE
 from lmforge.evaluate import batch_loss
 from lmforge.fileio import open_run_dir, output_lock
 from lmforge.model import Transformer, load_model
+from lmforge.model.transformer import check_fits_in_memory
 from lmforge.model.attention import resolve_backend
 from lmforge.model.io import CONTRACT_FILES, list_checkpoints, read_checkpoint_meta, resolve_checkpoint
 from lmforge.runtime import Runtime, decode_runtime, resolve_precision
@@ -67,6 +69,9 @@ def training_session(cfg: Config, out: str | Path, command: str, resume: bool, d
     """
     info = init_distributed(cfg)  # validates the parallel degrees against WORLD_SIZE first
     try:
+        # the model's vocab is not resolved yet: the tokenizer's size bounds it from above
+        check_fits_in_memory(replace(cfg.model, vocab_size=cfg.model.vocab_size or cfg.tokenizer.vocab_size),
+                             cfg.train.micro_batch_size * cfg.data.seq_len)
         backend = resolve_backend(cfg.model.attention, info.device, training=True)
         runtime = Runtime(info.device, resolve_precision(cfg.train.precision, info.device))
         with contextlib.ExitStack() as stack:

@@ -67,6 +67,8 @@ def chat_reply(model, tok: Tokenizer, messages: Sequence[dict], sampling: Sampli
 def stdin_reader(prompt: str = "> ") -> Callable[[], str | None]:
     """Reads one line from stdin per call (None at end of input); shows `prompt` on a terminal."""
     interactive = sys.stdin.isatty()
+    if hasattr(sys.stdin, "reconfigure"):  # bytes that are not UTF-8: surrogates, which chat_loop skips
+        sys.stdin.reconfigure(errors="surrogateescape")
 
     def read() -> str | None:
         if interactive:
@@ -84,7 +86,7 @@ def chat_loop(model, tok: Tokenizer, sampling: SamplingConfig, read_line: Callab
               write: Callable[[str], None], system: str | None = None, seed: int | None = None) -> list[dict]:
     """An interactive chat: each line read is a user turn; the reply is written. `/exit` or
     end of input quits, `/reset` clears the history. Returns the final history."""
-    gen = torch.Generator().manual_seed(seed) if seed is not None else None
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed) if seed is not None else None
     start = [{"role": "system", "content": system}] if system else []
     history = list(start)
     while True:
@@ -92,6 +94,11 @@ def chat_loop(model, tok: Tokenizer, sampling: SamplingConfig, read_line: Callab
         if line is None:
             break
         text = line.rstrip("\r\n")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:  # stdin bytes that are not UTF-8 arrive as surrogates
+            print("chat: that line is not UTF-8 text; it was ignored", file=sys.stderr, flush=True)
+            continue
         if text.strip() == "/exit":
             break
         if text.strip() == "/reset":

@@ -39,7 +39,7 @@ from tqdm import tqdm
 from lmforge.config import Config
 from lmforge.contract import CONTRACT_FILE, Contract, check_match
 from lmforge.data.packing import Batch, RowStream
-from lmforge.errors import CheckpointError, TrainingError
+from lmforge.errors import CheckpointError, LmforgeError, TrainingError
 from lmforge.evaluate import batch_loss, evaluate_batches
 from lmforge.fileio import write_text
 from lmforge.model.io import (MODEL_FILE, OPTIMIZER_FILE, is_sharded, latest_checkpoint, load_weights,
@@ -145,7 +145,17 @@ class Trainer:
                 f"--resume: {latest}/config.toml has a different [model] section than this run's config. "
                 f"Resume with the same model settings, or use another --out."
             )
+        # what decides the rows and their order: another value cannot continue the run exactly
+        same = {"data.seq_len": (saved_cfg.data.seq_len, self.cfg.data.seq_len),
+                "data.document_masking": (saved_cfg.data.document_masking, self.cfg.data.document_masking),
+                "data.dir": (saved_cfg.data.dir, self.cfg.data.dir),
+                "train.seed": (saved_cfg.train.seed, self.cfg.train.seed)}
+        differ = [f"{k} = {new!r} (the run has {old!r})" for k, (old, new) in same.items() if old != new]
+        if differ:
+            raise CheckpointError(f"--resume: {'; '.join(differ)}: the run cannot be continued exactly with "
+                                  f"another value. Resume with the run's values, or use another --out.")
         state, opt_state, rng = ckpt.load_training_state(latest)  # all of it, or refuse: resume is exact
+        self._check_state(state, latest)
         load_weights(self.raw_model, latest / MODEL_FILE)  # every rank: full weights -> its shard
         ckpt.load_optimizer_state(self.raw_model, self.optimizer, opt_state, latest / OPTIMIZER_FILE)
         ranks = rng.get("ranks", [rng])
@@ -156,11 +166,43 @@ class Trainer:
                      f"weights, optimizer and data position continue, the RNG states start afresh.")
         self.step, self.tokens = int(state["step"]), int(state["tokens"])
         self.supervised, self.elapsed = int(state.get("supervised", 0)), float(state.get("elapsed_s", 0.0))
-        self.stream.load_state_dict(state["data"])
+        try:
+            self.stream.load_state_dict(state["data"])
+        except (LmforgeError, KeyError, TypeError, ValueError) as exc:
+            raise CheckpointError(f"{latest / 'state.json'}: its data position does not fit this run's data "
+                                  f"({exc}). Resume from another checkpoint.") from None
         self._truncate_metrics(self.step)
         if self.dist.is_main:
             self.log(f"resumed from {latest} at step {self.step}")
         return True
+
+    def _check_state(self, state: dict, latest: Path) -> None:
+        """state.json describes a position this run can have reached, before anything is loaded.
+
+        Raises:
+            CheckpointError: naming the field, the value, and the range.
+        """
+        where = latest / "state.json"
+        step = state["step"]
+        if isinstance(step, bool) or step != int(latest.name.split("_")[1]):
+            raise CheckpointError(f"{where}: step = {step!r}, but the folder is {latest.name}. The checkpoint is "
+                                  f"damaged; resume from another one (delete this step folder).")
+        if step > self.cfg.train.steps:
+            raise CheckpointError(f"--resume: {latest} is at step {step}, past train.steps = {self.cfg.train.steps}. "
+                                  f"Raise train.steps to continue it, or use another --out.")
+        for key in ("tokens", "supervised"):
+            value = state.get(key, 0)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise CheckpointError(f"{where}: {key} = {value!r}: expected a non-negative integer. Resume from "
+                                      f"another checkpoint.")
+        elapsed = state.get("elapsed_s", 0.0)
+        if isinstance(elapsed, bool) or not isinstance(elapsed, (int, float)) or not math.isfinite(elapsed) \
+                or elapsed < 0:
+            raise CheckpointError(f"{where}: elapsed_s = {elapsed!r}: expected seconds >= 0.")
+        metrics = self.run_dir / METRICS_FILE
+        if (metrics.exists() or metrics.is_symlink()) and not metrics.is_file():
+            raise CheckpointError(f"{metrics} is not a regular file; the run folder is damaged. Restore it or "
+                                  f"use another --out.")
 
     def _truncate_metrics(self, step: int) -> None:
         """Keep metrics.jsonl rows up to `step` (the run continues from there); a torn last
