@@ -72,6 +72,12 @@ class ModelConfig:
     rope_theta: float = 10000.0
     max_seq_len: int = 2048
     tie_embeddings: bool = False
+    zero_init: bool = False
+    """Start the residual projections (attention wo, MLP w2) and the output head at zero
+    (modded-nanogpt; an initialisation only: every runtime computes the model as before)."""
+    qk_norm: bool = False
+    """RMSNorm over each head's q and k before the rotary embedding (Qwen3's layout; exported
+    as Qwen3ForCausalLM)."""
     attention: str = "auto"
     """"auto" (flex on CUDA, sdpa elsewhere), "sdpa" or "flex"."""
 
@@ -102,6 +108,19 @@ class TrainConfig:
     beta1: float = 0.9
     beta2: float = 0.95
     grad_clip: float = 1.0
+    optimizer: str = "adamw"
+    """"adamw", or "muon": Muon for the 2-D matrices of the blocks and AdamW for the
+    embedding, the head and the norms (lmforge.train.optim.MuonAdamW)."""
+    muon_lr_scale: float = 1.0
+    """muon only: the blocks' matrices step with lr * muon_lr_scale (the update is scaled to
+    AdamW's RMS, so 1.0 reuses the AdamW learning rate)."""
+    muon_momentum: float = 0.95
+    muon_ns_steps: int = 5
+    """muon only: Newton-Schulz iterations per update."""
+    embed_lr_scale: float = 1.0
+    """muon only: the embedding's AdamW lr is lr * embed_lr_scale."""
+    head_lr_scale: float = 1.0
+    """muon only: the output head's AdamW lr is lr * head_lr_scale."""
     seed: int = 1337
     precision: str = "auto"
     """"auto" (bf16 autocast where the device has bf16 units, else fp32), "bf16" or "fp32"."""
@@ -376,6 +395,7 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
     if t.log_every < 1:
         raise ConfigError(f"train.log_every = {t.log_every}: expected at least 1.")
     _choice("train.schedule", t.schedule, ("cosine", "wsd"))
+    _choice("train.optimizer", t.optimizer, ("adamw", "muon"))
     _choice("train.precision", t.precision, ("auto", "bf16", "fp32"))
     _choice("train.data_parallel", t.data_parallel, ("ddp", "fsdp"))
     if not 0.0 < t.decay_fraction <= 1.0:

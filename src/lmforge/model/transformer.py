@@ -109,6 +109,10 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=False)
+        if cfg.qk_norm:  # Qwen3: RMSNorm over each head's q and k, before the rotary embedding
+            self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps)
+        self.qk_norm = cfg.qk_norm
         self.backend = "sdpa"
 
     def forward(self, x, cos, sin, mask: AttentionMask, cache: KVCache | None = None):
@@ -116,6 +120,8 @@ class Attention(nn.Module):
         q = self.wq(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, hd)
         k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, KV, T, hd)
         v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, KV, T, hd)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.update(self.layer, k, v)  # (B, KV, offset + T, hd)
@@ -184,12 +190,17 @@ class Transformer(nn.Module):
     @torch.no_grad()
     def reset_parameters(self, seed: int | None = None) -> None:
         """Normal(0, 0.02) weights; residual projections (wo, w2) scaled by 1/sqrt(2 n_layers)
-        (GPT-2, Radford et al. 2019); RMSNorm weights 1."""
+        (GPT-2, Radford et al. 2019); RMSNorm weights 1. With `zero_init`, wo, w2 and an untied
+        head start at 0 (modded-nanogpt); the random draws are made all the same."""
         gen = torch.Generator().manual_seed(seed) if seed is not None else None
         std = 0.02
+        zeroed = ("wo.weight", "w2.weight") + (() if self.config.tie_embeddings else ("output.weight",))
         for name, p in self.named_parameters():
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
+            elif self.config.zero_init and name.endswith(zeroed):
+                torch.randn(p.shape, generator=gen)  # keep the other weights' draws unchanged
+                p.zero_()
             else:
                 s = std / math.sqrt(2 * self.config.n_layers) if name.endswith(("wo.weight", "w2.weight")) else std
                 p.copy_(torch.randn(p.shape, generator=gen) * s)
