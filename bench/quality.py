@@ -103,6 +103,8 @@ def train_lmforge(cfg: Config, steps: int, sliding: bool = True, log=print) -> d
     with tempfile.TemporaryDirectory(prefix="lmforge-quality-") as tmp:
         trainer = Trainer(cfg, Path(tmp) / "run", tok_dir, model, stream, None, progress=False, log=log)
         last = trainer.fit()
+        if last.get("interrupted"):
+            raise KeyboardInterrupt  # SIGINT/SIGTERM: stop the benchmark, not just this arm
         rows = [json.loads(x) for x in (Path(tmp) / "run" / "metrics.jsonl").read_text().splitlines() if x.strip()]
     dts = np.array([r["elapsed_s"] for r in rows])
     per_step = np.diff(np.concatenate([[0.0], dts]))
@@ -219,10 +221,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--set", action="append", default=[], help="override for every lmforge arm (and shapes)")
     ap.add_argument("--no-reference", action="store_true")
     ap.add_argument("--no-sliding", action="store_true", help="skip the sliding-window score of lmforge arms")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (default: every core)")
     ap.add_argument("--json", default="", help="append each arm's result as a JSON line to this file")
     args = ap.parse_args(argv)
 
-    torch.set_num_threads(common.cores())
+    torch.set_num_threads(args.threads or common.cores())
     base = load_config(args.config, args.set)
     arms = [parse_arm(a) for a in args.arm] or [("lmforge", [])]
     seeds = [int(s) for s in args.seeds.split(",") if s] or [base.train.seed]
