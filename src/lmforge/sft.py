@@ -264,8 +264,8 @@ def body_parse_rate(model, tok: Tokenizer, items: Sequence[dict], max_new_tokens
     body, even when the cut happens to leave valid Python.
 
     `items`: records of sft_val.jsonl with `messages` (user prompt first), `signature`.
-    Returns {"fraction", "parsed", "stopped", "n", "max_new_tokens",
-    "examples": [{name, body, stopped, parses}]}.
+    Returns {"fraction", "parsed", "stopped", "n", "im_end" (ended with <|im_end|>),
+    "parsed_and_im_end", "max_new_tokens", "examples": [{name, body, stopped, parses, im_end}]}.
     """
     sampling = SamplingConfig(max_new_tokens=max_new_tokens, greedy=True)
     results = []
@@ -283,10 +283,13 @@ def body_parse_rate(model, tok: Tokenizer, items: Sequence[dict], max_new_tokens
                 ok = stopped
             except (SyntaxError, ValueError):
                 ok = False
-            results.append({"name": r["name"], "body": body, "stopped": stopped, "parses": ok})
+            results.append({"name": r["name"], "body": body, "stopped": stopped, "parses": ok,
+                            "im_end": bool(ids) and ids[-1] == tok.im_end_id})
     parsed = sum(r["parses"] for r in results)
     return {"fraction": parsed / max(1, len(results)), "parsed": parsed,
             "stopped": sum(r["stopped"] for r in results), "n": len(results),
+            "im_end": sum(r["im_end"] for r in results),
+            "parsed_and_im_end": sum(r["parses"] and r["im_end"] for r in results),
             "max_new_tokens": max_new_tokens, "examples": results}
 
 

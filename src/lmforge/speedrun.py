@@ -166,8 +166,8 @@ def format_summary(s: dict) -> str:
 
 
 # -- stage 5: supervised fine-tuning -----------------------------------------------------------
-SFT_EVAL_PROMPTS = 20
-SFT_EVAL_MAX_NEW_TOKENS = 64
+SFT_EVAL_PROMPTS = 64
+SFT_EVAL_MAX_NEW_TOKENS = 96
 
 
 def sft_speedrun(cfg: Config, out: Path, init: Path, resume: bool = False, progress: bool = True) -> dict:
@@ -193,6 +193,9 @@ def sft_speedrun(cfg: Config, out: Path, init: Path, resume: bool = False, progr
     tok = Tokenizer.load(ckpt_path)
     items = held_out_prompts(run_dir / SFT_VAL_FILE, tok, SFT_EVAL_PROMPTS, SFT_EVAL_MAX_NEW_TOKENS - 1)
     parse = body_parse_rate(model, tok, items, SFT_EVAL_MAX_NEW_TOKENS)
+    from lmforge.sft_checks import doctest_pass_rate
+
+    parse["doctests"] = doctest_pass_rate(items, parse["examples"])
     (out / "sft_samples.json").write_text(json.dumps(parse, indent=2) + "\n", encoding="utf-8")
     data = json.loads((run_dir / SFT_DATA_FILE).read_text(encoding="utf-8"))
     shown = f"{val_loss:.4f}" if val_loss is not None else "-"
@@ -207,6 +210,10 @@ def sft_speedrun(cfg: Config, out: Path, init: Path, resume: bool = False, progr
         "sft_parse_fraction": parse["fraction"],
         "sft_parse_n": parse["n"],
         "sft_stopped": parse["stopped"],
+        "sft_im_end": parse["im_end"],
+        "sft_parse_and_im_end_fraction": parse["parsed_and_im_end"] / max(1, parse["n"]),
+        "sft_doctest_passed": parse["doctests"]["passed"],
+        "sft_doctest_n": parse["doctests"]["n"],
         "sft_checkpoint": str(ckpt_path),
     }
 
@@ -224,4 +231,9 @@ def sft_rows(s: dict) -> list[tuple[str, str]]:
         ("SFT bodies that parse", f"{s['sft_parse_fraction']:.0%} of {s['sft_parse_n']} held-out prompts "
                                   f"(greedy, ended with <|im_end|> within {SFT_EVAL_MAX_NEW_TOKENS} tokens: "
                                   f"{s['sft_stopped']})"),
+        ("SFT bodies that parse and end with <|im_end|>",
+         f"{s.get('sft_parse_and_im_end_fraction', float('nan')):.0%} (<|im_end|>: {s.get('sft_im_end', '-')} of "
+         f"{s['sft_parse_n']})"),
+        ("SFT docstring examples (>>>) passed", f"{s.get('sft_doctest_passed', '-')} of {s.get('sft_doctest_n', '-')} "
+                                                f"functions whose reference passes them"),
     ]
