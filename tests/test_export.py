@@ -404,3 +404,21 @@ def test_cli_export_and_import(exported, tmp_path, capsys):
     assert torch.equal(Transformer.from_checkpoint(tmp_path / "back")(x), ours(x))
     assert main(["export", "--checkpoint", str(ckpt)]) == 2
     assert "--out" in capsys.readouterr().err
+
+
+def test_qk_norm_exports_as_qwen3_with_equal_logits_and_imports_back(tmp_path, tiny_corpus, tiny_tokenizer):
+    ckpt = make_checkpoint(tmp_path, tiny_corpus, tiny_tokenizer, **{"model.qk_norm": "true"})
+    out = export_hf(ckpt, tmp_path / "hf", verify=True)
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3ForCausalLM"] and config["model_type"] == "qwen3"
+    theirs = transformers.Qwen3ForCausalLM.from_pretrained(str(out)).float().eval()
+    ours = load_model(ckpt)[0]
+    x = corpus_rows(tiny_tokenizer, tiny_corpus, B=2, T=96)
+    with torch.inference_mode():
+        a, b = ours(x), theirs(x).logits
+    assert float((a - b).abs().max()) < 1e-4 and float(a.std()) > 1.0
+    back = import_hf(out, tmp_path / "back")
+    again = load_model(back)[0]
+    assert again.config.qk_norm
+    with torch.inference_mode():
+        assert torch.equal(again(x), a)
