@@ -93,7 +93,7 @@ class ModelConfig:
 
 @dataclass
 class TrainConfig:
-    steps: int = 1000
+    steps: int = 600
     micro_batch_size: int = 16
     grad_accum_steps: int = 1
     lr: float = 3e-3
