@@ -97,7 +97,7 @@ def train_lmforge(cfg: Config, steps: int, sliding: bool = True, log=print) -> d
     seed_everything(cfg.train.seed)
     model = Transformer(resolve_model_config(cfg.model, tok.contract))
     model.set_attention("sdpa")
-    model.reset_parameters(seed=cfg.train.seed)
+    model.reset_parameters(seed=cfg.train.seed, zero_init=cfg.train.zero_init)
     d, t = cfg.data, cfg.train
     stream = shard_stream(train, d.seq_len, t.micro_batch_size, t.seed, d.document_masking)
     with tempfile.TemporaryDirectory(prefix="lmforge-quality-") as tmp:
@@ -117,6 +117,34 @@ def train_lmforge(cfg: Config, steps: int, sliding: bool = True, log=print) -> d
             "tokens_per_s": last["tokens"] / float(dts[-1]), "ms_per_step": 1000 * float(np.median(per_step[5:] if len(per_step) > 10 else per_step)),
            
             "final_train_loss": last["loss"], "params": model.num_parameters(), "steps": steps}
+
+
+def interleaved_step_ms(cfgs: dict[str, Config], warmup: int = 3, repeat: int = 10, log=print) -> dict[str, float]:
+    """Median ms per optimizer step of each lmforge arm, the arms' steps interleaved round by
+    round in one process (a busy neighbour slows every arm alike): the step-time ratio that
+    turns an equal-token comparison into an equal-wall-clock one."""
+    trainers = {}
+    tmp = tempfile.TemporaryDirectory(prefix="lmforge-quality-steps-")
+    for name, cfg in cfgs.items():
+        tok_dir, data_dir = prepared(cfg, log)
+        tok = Tokenizer.load(tok_dir)
+        train = Shard.open(data_dir, "train", tok.contract)
+        cfg = replace(cfg, train=replace(cfg.train, steps=10**6, data_parallel="ddp"))
+        model = Transformer(resolve_model_config(cfg.model, tok.contract))
+        model.set_attention("sdpa")
+        model.reset_parameters(seed=cfg.train.seed, zero_init=cfg.train.zero_init)
+        stream = shard_stream(train, cfg.data.seq_len, cfg.train.micro_batch_size, cfg.train.seed,
+                              cfg.data.document_masking)
+        trainers[name] = Trainer(cfg, Path(tmp.name) / name, tok_dir, model, stream, None, progress=False, log=log)
+    times: dict[str, list[float]] = {n: [] for n in trainers}
+    for i in range(warmup + repeat):
+        for name, tr in trainers.items():
+            t0 = time.perf_counter()
+            tr.train_step()
+            if i >= warmup:
+                times[name].append(time.perf_counter() - t0)
+    tmp.cleanup()
+    return {n: 1000 * float(np.median(t)) for n, t in times.items()}
 
 
 # -- (b) the GPT-2 / nanoGPT reference ------------------------------------------------------
@@ -222,6 +250,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--no-reference", action="store_true")
     ap.add_argument("--no-sliding", action="store_true", help="skip the sliding-window score of lmforge arms")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (default: every core)")
+    ap.add_argument("--step-times", action="store_true",
+                    help="only measure each arm's ms/step, interleaved (no training to the end)")
     ap.add_argument("--json", default="", help="append each arm's result as a JSON line to this file")
     args = ap.parse_args(argv)
 
@@ -232,6 +262,12 @@ def main(argv: list[str] | None = None) -> dict:
     steps = args.steps or (QUICK_STEPS if args.mode == "quick" else base.train.steps)
     print(f"quality: {common.machine_line()}; {steps} lmforge steps per arm; arms {[a for a, _ in arms]}; "
           f"seeds {seeds}", flush=True)
+    if args.step_times:
+        ms = interleaved_step_ms({name: apply_overrides(base, sets) for name, sets in arms})
+        first = next(iter(ms.values()))
+        print(common.table(["arm", "ms/step (median, interleaved)", "ratio to first"],
+                           [[n, f"{v:.0f}", f"{v / first:.3f}"] for n, v in ms.items()], title="Step time"))
+        return {"step_ms": ms}
     results = []
     for name, sets in arms:
         for seed in seeds:

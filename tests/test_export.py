@@ -29,7 +29,8 @@ def make_checkpoint(tmp: Path, corpus: Path, tok, seed: int = 0, craft=None, **o
     """A step_000000 checkpoint of a tiny random model (dim 64, GQA 4/2 heads, rope_theta and
     norm_eps off their defaults so a mapping mistake shows). `craft(model)` edits the weights."""
     sets = {"tokenizer.dir": str(tok.folder), "model.dim": 64, "model.n_heads": 4, "model.n_kv_heads": 2,
-            "model.rope_theta": 5000.0, "model.norm_eps": 1e-6, "model.max_seq_len": 128}
+            "model.rope_theta": 5000.0, "model.norm_eps": 1e-6, "model.max_seq_len": 128,
+            "model.qk_norm": "false"}  # the Llama path; test_qk_norm_* takes the Qwen3 one
     sets.update(overrides)
     cfg = tiny_config(tmp, corpus, **sets)
     model = Transformer(resolve_model_config(cfg.model, tok.contract))

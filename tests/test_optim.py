@@ -77,7 +77,7 @@ def _trainer(cfg, tok, run: Path) -> Trainer:
     from lmforge.data.shards import Shard
 
     model = Transformer(resolve_model_config(cfg.model, tok.contract))
-    model.reset_parameters(seed=cfg.train.seed)
+    model.reset_parameters(seed=cfg.train.seed, zero_init=True)
     shard = Shard.open(cfg.data.dir, "train", tok.contract)
     stream = shard_stream(shard, cfg.data.seq_len, cfg.train.micro_batch_size, cfg.train.seed)
     return Trainer(cfg, run, Path(cfg.tokenizer.dir), model, stream, progress=False, log=lambda m: None)
@@ -87,7 +87,7 @@ def _trainer(cfg, tok, run: Path) -> Trainer:
 def test_muon_checkpoint_round_trip_continues_bit_for_bit(tiny_run, tmp_path, qk_norm):
     cfg, tok = tiny_run
     cfg = replace(cfg, train=replace(cfg.train, steps=4, optimizer="muon", head_lr_scale=0.5),
-                  model=replace(cfg.model, zero_init=True, qk_norm=qk_norm))
+                  model=replace(cfg.model, qk_norm=qk_norm))
     a = _trainer(cfg, tok, tmp_path / "run")
     for _ in range(3):
         a.train_step()
@@ -107,9 +107,9 @@ def test_muon_checkpoint_round_trip_continues_bit_for_bit(tiny_run, tmp_path, qk
 def test_zero_init_zeroes_residual_projections_and_keeps_other_draws(tiny_run):
     cfg, tok = tiny_run
     mc = resolve_model_config(cfg.model, tok.contract)
-    plain, zero = Transformer(mc), Transformer(replace(mc, zero_init=True))
+    plain, zero = Transformer(mc), Transformer(mc)
     plain.reset_parameters(seed=3)
-    zero.reset_parameters(seed=3)
+    zero.reset_parameters(seed=3, zero_init=True)
     for (n, p), (_, q) in zip(plain.named_parameters(), zero.named_parameters()):
         if n.endswith(("wo.weight", "w2.weight")) or n == "output.weight":
             assert not q.any(), n

@@ -30,8 +30,9 @@ VOCAB_MULTIPLE = 64
 
 @dataclass
 class TokenizerConfig:
-    vocab_size: int = 8192
-    """Tokenizer vocabulary size, special tokens included."""
+    vocab_size: int = 4096
+    """Tokenizer vocabulary size, special tokens included (4096: best bits per byte per CPU
+    minute for the default model, bench/RESULTS.md)."""
     dir: str = "runs/tokenizer"
     """Folder of the trained tokenizer (tokenizer.json, tokenizer_config.json, contract.json)."""
     max_train_bytes: int = 0
@@ -72,10 +73,7 @@ class ModelConfig:
     rope_theta: float = 10000.0
     max_seq_len: int = 2048
     tie_embeddings: bool = False
-    zero_init: bool = False
-    """Start the residual projections (attention wo, MLP w2) and the output head at zero
-    (modded-nanogpt; an initialisation only: every runtime computes the model as before)."""
-    qk_norm: bool = False
+    qk_norm: bool = True
     """RMSNorm over each head's q and k before the rotary embedding (Qwen3's layout; exported
     as Qwen3ForCausalLM)."""
     attention: str = "auto"
@@ -100,15 +98,19 @@ class TrainConfig:
     min_lr_ratio: float = 0.0
     """The schedule decays to lr * min_lr_ratio."""
     warmup_steps: int = 50
-    schedule: str = "cosine"
+    schedule: str = "wsd"
     """"cosine" (warmup + cosine) or "wsd" (warmup-stable-decay)."""
-    decay_fraction: float = 0.2
+    decay_fraction: float = 0.5
     """wsd only: the fraction of steps spent in the final linear decay."""
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
     grad_clip: float = 1.0
-    optimizer: str = "adamw"
+    zero_init: bool = True
+    """Pretraining starts the residual projections (attention wo, MLP w2) and an untied output
+    head at zero (modded-nanogpt). An initialisation only: the model is the same architecture;
+    `Transformer(config)` itself stays randomly initialised."""
+    optimizer: str = "muon"
     """"adamw", or "muon": Muon for the 2-D matrices of the blocks and AdamW for the
     embedding, the head and the norms (lmforge.train.optim.MuonAdamW)."""
     muon_lr_scale: float = 1.0

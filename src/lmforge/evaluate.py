@@ -18,6 +18,7 @@ import torch
 
 from lmforge.data.packing import Batch, shard_stream
 from lmforge.data.shards import Shard
+from lmforge.train.loss import cross_entropy_sum
 
 
 def shard_batches(shard: Shard, seq_len: int, batch_size: int, max_tokens: int = 0,
@@ -103,9 +104,7 @@ def sliding_window_bits_per_byte(logits_fn, shard: Shard, window: int, stride: i
         positions = torch.arange(T).expand(len(chunk), T)
         with (torch.autocast(dev.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()):
             logits = logits_fn(tokens.to(dev), positions.to(dev))
-        nll = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.to(dev).flatten(),
-                                                reduction="none")
-        total += float(nll[mask.to(dev).flatten()].double().sum())
+        total += float(cross_entropy_sum(logits, targets.to(dev), mask.to(dev)))
         count += int(mask.sum())
     nbytes = shard.n_bytes
     return {"loss": total / max(count, 1), "bits_per_byte": total / math.log(2) / nbytes if nbytes else float("nan"),

@@ -58,7 +58,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        # bf16 q/k under autocast (qk_norm): the weight in x's dtype keeps the fused kernel
+        w = self.weight if self.weight.dtype == x.dtype else self.weight.to(x.dtype)
+        return F.rms_norm(x, (x.shape[-1],), w, self.eps)
 
 
 def rope_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -188,17 +190,18 @@ class Transformer(nn.Module):
             block.attention.backend = backend
 
     @torch.no_grad()
-    def reset_parameters(self, seed: int | None = None) -> None:
+    def reset_parameters(self, seed: int | None = None, zero_init: bool = False) -> None:
         """Normal(0, 0.02) weights; residual projections (wo, w2) scaled by 1/sqrt(2 n_layers)
         (GPT-2, Radford et al. 2019); RMSNorm weights 1. With `zero_init`, wo, w2 and an untied
-        head start at 0 (modded-nanogpt); the random draws are made all the same."""
+        head start at 0 (modded-nanogpt; pretraining's train.zero_init); the random draws are
+        made all the same, so the other weights do not change."""
         gen = torch.Generator().manual_seed(seed) if seed is not None else None
         std = 0.02
         zeroed = ("wo.weight", "w2.weight") + (() if self.config.tie_embeddings else ("output.weight",))
         for name, p in self.named_parameters():
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
-            elif self.config.zero_init and name.endswith(zeroed):
+            elif zero_init and name.endswith(zeroed):
                 torch.randn(p.shape, generator=gen)  # keep the other weights' draws unchanged
                 p.zero_()
             else:

@@ -54,13 +54,14 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 class MuonAdamW(torch.optim.Optimizer):
     """Muon for the groups with kind="muon" (2-D parameters), AdamW for the rest.
 
-    Group keys: lr, lr_scale, weight_decay, kind; muon groups: momentum, nesterov, ns_steps;
-    adamw groups: betas, eps.
+    Group keys: lr, lr_scale, weight_decay, kind; muon groups: momentum, nesterov, ns_steps,
+    ns_dtype ("bfloat16", or "float32" for an fp32 run: a CPU without bf16 units, and exact
+    comparisons); adamw groups: betas, eps.
     """
 
     def __init__(self, groups: list[dict], lr: float = 3e-3):
         defaults = dict(lr=lr, lr_scale=1.0, weight_decay=0.0, kind="adamw", betas=(0.9, 0.95), eps=1e-8,
-                        momentum=0.95, nesterov=True, ns_steps=5)
+                        momentum=0.95, nesterov=True, ns_steps=5, ns_dtype="bfloat16")
         super().__init__(groups, defaults)
         for g in self.param_groups:
             if g["kind"] not in ("muon", "adamw"):
@@ -130,7 +131,8 @@ class MuonAdamW(torch.optim.Optimizer):
             rows, cols = u.shape
             by_shape[(min(rows, cols), max(rows, cols))].append((p, u if rows <= cols else u.mT))
         for (rows, cols), items in by_shape.items():
-            ortho = newton_schulz(torch.stack([u for _, u in items]), group["ns_steps"])
+            ortho = newton_schulz(torch.stack([u for _, u in items]), group["ns_steps"],
+                                  getattr(torch, group["ns_dtype"]))
             scale = 0.2 * math.sqrt(cols)  # Moonlight: match AdamW's update RMS
             for (p, u), o in zip(items, ortho.unbind(0)):
                 o = o if p.shape[0] <= p.shape[1] else o.mT
@@ -152,7 +154,7 @@ def is_hidden_matrix(name: str, p: torch.nn.Parameter) -> bool:
 
 
 
-def build_muon_adamw(model: torch.nn.Module, t) -> MuonAdamW:
+def build_muon_adamw(model: torch.nn.Module, t, ns_dtype: str = "bfloat16") -> MuonAdamW:
     """Groups for `model` from a TrainConfig `t`: Muon for the blocks' matrices (no weight
     decay: best for short runs in the modded-nanogpt records), AdamW for the embedding
     (lr x embed_lr_scale), the head (lr x head_lr_scale; weight decay) and the norms."""
@@ -164,7 +166,7 @@ def build_muon_adamw(model: torch.nn.Module, t) -> MuonAdamW:
     rest = [p for n, p in named if id(p) not in taken]
     adam = dict(kind="adamw", betas=(t.beta1, t.beta2), eps=1e-8)
     groups = [dict(params=hidden, kind="muon", lr_scale=t.muon_lr_scale, weight_decay=0.0,
-                   momentum=t.muon_momentum, nesterov=True, ns_steps=t.muon_ns_steps),
+                   momentum=t.muon_momentum, nesterov=True, ns_steps=t.muon_ns_steps, ns_dtype=ns_dtype),
               dict(params=embed, lr_scale=t.embed_lr_scale, weight_decay=0.0, **adam),
               dict(params=head, lr_scale=t.head_lr_scale, weight_decay=t.weight_decay, **adam),
               dict(params=rest, lr_scale=1.0, weight_decay=0.0, **adam)]

@@ -78,7 +78,9 @@ def build_optimizer(model: torch.nn.Module, cfg: Config) -> torch.optim.Optimize
     if cfg.train.optimizer == "muon":
         from lmforge.train.optim import build_muon_adamw
 
-        return build_muon_adamw(model, cfg.train)
+        device = next(model.parameters()).device
+        bf16 = resolve_precision(cfg.train.precision, device) is not None
+        return build_muon_adamw(model, cfg.train, "bfloat16" if bf16 else "float32")
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
     t = cfg.train
