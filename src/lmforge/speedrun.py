@@ -167,7 +167,7 @@ def format_summary(s: dict) -> str:
 
 # -- stage 5: supervised fine-tuning -----------------------------------------------------------
 SFT_EVAL_PROMPTS = 64
-SFT_EVAL_MAX_NEW_TOKENS = 96
+SFT_EVAL_MAX_NEW_TOKENS = 160
 
 
 def sft_speedrun(cfg: Config, out: Path, init: Path, resume: bool = False, progress: bool = True) -> dict:
