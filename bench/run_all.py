@@ -34,13 +34,14 @@ sys.path.insert(0, str(BENCH.parent))
 
 import common  # noqa: E402
 
-ORDER = ["train", "data", "tokenizer", "masking", "decode"]
+ORDER = ["train", "data", "tokenizer", "masking", "decode", "quality"]
 RESULTS = BENCH / "RESULTS.md"
 #: --quick arguments for the benchmarks that take them (main(argv))
 QUICK_ARGS = {
     "train": ["--configs", "speedrun", "--warmup", "1", "--repeat", "2", "--no-profile"],
     "data": ["--warmup", "0", "--repeat", "1", "--sizes", "2,10"],
     "tokenizer": ["--repeat", "1"],
+    "quality": ["--steps", "10", "--no-sliding"],
 }
 
 
@@ -61,6 +62,7 @@ class Tee(io.TextIOBase):
 
 def discover() -> list[str]:
     found = sorted(p.stem[len("bench_"):] for p in BENCH.glob("bench_*.py"))
+    found += ["quality"] if (BENCH / "quality.py").is_file() else []  # bench/quality.py (quality per CPU minute)
     return [n for n in ORDER if n in found] + [n for n in found if n not in ORDER]
 
 
@@ -81,7 +83,7 @@ def run_one(name: str, argv: list[str] | None) -> dict:
     tee = Tee(sys.stdout)
     result, error = None, None
     try:
-        module = importlib.import_module(f"bench_{name}")
+        module = importlib.import_module(f"bench_{name}" if (BENCH / f"bench_{name}.py").is_file() else name)
         main = getattr(module, "main")
         takes_args = len(inspect.signature(main).parameters) > 0
         with contextlib.redirect_stdout(tee):
@@ -104,6 +106,12 @@ def headlines(runs: dict[str, dict]) -> list[str]:
 
 
 def _headlines(runs: dict[str, dict], out: list[str]) -> None:
+    quality = (runs.get("quality") or {}).get("result")
+    if quality and quality.get("reference"):
+        a, ref = quality["arms"][0], quality["reference"]
+        out.append(f"quality: lmforge {a['bits_per_byte']:.3f} held-out bits/byte in {a['train_s']:.0f}s of training "
+                   f"vs GPT-2/nanoGPT {ref['bits_per_byte']:.3f} in {ref['train_s']:.0f}s = "
+                   f"{a['bits_per_byte'] / ref['bits_per_byte']:.3f}x")
     train = (runs.get("train") or {}).get("result")
     if train:
         for r in train["rows"]:

@@ -17,7 +17,8 @@ def make_checkpoint(tmp: Path, corpus: Path, tok, seed: int = 0, **overrides) ->
     rope_theta and norm_eps off their defaults so a mapping mistake shows; norm weights not 1;
     the output scaled so greedy decoding is far from ties)."""
     sets = {"tokenizer.dir": str(tok.folder), "model.dim": 64, "model.n_heads": 4, "model.n_kv_heads": 2,
-            "model.rope_theta": 5000.0, "model.norm_eps": 1e-6, "model.max_seq_len": 256}
+            "model.rope_theta": 5000.0, "model.norm_eps": 1e-6, "model.max_seq_len": 256,
+            "model.qk_norm": "false"}  # Llama unless a test asks for QK-norm (Qwen3)
     sets.update(overrides)
     cfg = tiny_config(tmp, corpus, **sets)
     model = Transformer(resolve_model_config(cfg.model, tok.contract))

@@ -258,3 +258,16 @@ def test_choice_error_suggests():
 @pytest.mark.parametrize("v, padded", [(1, 64), (64, 64), (65, 128), (384, 384), (8192, 8192), (8197, 8256)])
 def test_padded_vocab_size(v, padded):
     assert padded_vocab_size(v) == padded
+
+
+def test_built_in_defaults_are_the_shipped_recipe():
+    """configs/stdlib-tiny.toml and the built-in defaults are one recipe (the speedrun's); only
+    the run-keeping keys (checkpoint and validation cadence) differ."""
+    from pathlib import Path
+
+    recipe = load_config(Path(__file__).resolve().parents[1] / "configs" / "stdlib-tiny.toml").to_dict()
+    defaults = load_config().to_dict()
+    operational = {("train", "checkpoint_every"), ("train", "eval_every")}
+    diff = [(s, k) for s in defaults for k in defaults[s]
+            if defaults[s][k] != recipe[s][k] and (s, k) not in operational]
+    assert diff == []

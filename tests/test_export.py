@@ -32,7 +32,8 @@ def make_checkpoint(tmp: Path, corpus: Path, tok, seed: int = 0, craft=None, **o
     """A step_000000 checkpoint of a tiny random model (dim 64, GQA 4/2 heads, rope_theta and
     norm_eps off their defaults so a mapping mistake shows). `craft(model)` edits the weights."""
     sets = {"tokenizer.dir": str(tok.folder), "model.dim": 64, "model.n_heads": 4, "model.n_kv_heads": 2,
-            "model.rope_theta": 5000.0, "model.norm_eps": 1e-6, "model.max_seq_len": 128}
+            "model.rope_theta": 5000.0, "model.norm_eps": 1e-6, "model.max_seq_len": 128,
+            "model.qk_norm": "false"}  # the Llama path; test_qk_norm_* takes the Qwen3 one
     sets.update(overrides)
     cfg = tiny_config(tmp, corpus, **sets)
     model = Transformer(resolve_model_config(cfg.model, tok.contract))
@@ -407,3 +408,21 @@ def test_cli_export_and_import(exported, tmp_path, capsys):
     assert torch.equal(Transformer.from_checkpoint(tmp_path / "back")(x), ours(x))
     assert main(["export", "--checkpoint", str(ckpt)]) == 2
     assert "--out" in capsys.readouterr().err
+
+
+def test_qk_norm_exports_as_qwen3_with_equal_logits_and_imports_back(tmp_path, tiny_corpus, tiny_tokenizer):
+    ckpt = make_checkpoint(tmp_path, tiny_corpus, tiny_tokenizer, **{"model.qk_norm": "true"})
+    out = export_hf(ckpt, tmp_path / "hf", verify=True)
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3ForCausalLM"] and config["model_type"] == "qwen3"
+    theirs = transformers.Qwen3ForCausalLM.from_pretrained(str(out)).float().eval()
+    ours = load_model(ckpt)[0]
+    x = corpus_rows(tiny_tokenizer, tiny_corpus, B=2, T=96)
+    with torch.inference_mode():
+        a, b = ours(x), theirs(x).logits
+    assert float((a - b).abs().max()) < 1e-4 and float(a.std()) > 1.0
+    back = import_hf(out, tmp_path / "back")
+    again = load_model(back)[0]
+    assert again.config.qk_norm
+    with torch.inference_mode():
+        assert torch.equal(again(x), a)

@@ -128,12 +128,7 @@ def test_qk_norm_maps_to_qwen3(ckpt, tmp_path):
     """A model with QK-norm (model.qk_norm, when the model has the option) is llama.cpp's qwen3:
     q/k norm tensors, half-split RoPE kept (no permutation)."""
     model, cfg, contract, path = load_model(ckpt)
-
-    @dataclasses.dataclass
-    class QKConfig(ModelConfig):
-        qk_norm: bool = False
-
-    m = QKConfig(**{f.name: getattr(model.config, f.name) for f in dataclasses.fields(ModelConfig)}, qk_norm=True)
+    m = dataclasses.replace(model.config, qk_norm=True)
     state = model_state(model)
     hd = m.head_dim
     for i in range(m.n_layers):

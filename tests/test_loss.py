@@ -153,7 +153,7 @@ def test_accumulation_invariance_on_sft_rows(tiny_run, tmp_path, packing):
     # the contrast: averaging per-micro-batch means (micro-batch 1) gives another gradient
     s = make_stream(1)
     wrong = mean_of_means_grads(cfg, tok, res["init"], [s.next_batch() for _ in range(8)])
-    assert max_rel(wrong, res["grads"]) > 1e-2
+    assert max_rel(wrong, res["grads"]) > 3e-3  # >> the 1e-5 the correct paths agree to
 
 
 def test_accumulation_invariance_on_pretraining_rows(tiny_run, tmp_path):

@@ -33,8 +33,9 @@ MAX_VOCAB = 1 << 22
 
 @dataclass
 class TokenizerConfig:
-    vocab_size: int = 8192
-    """Tokenizer vocabulary size, special tokens included."""
+    vocab_size: int = 4096
+    """Tokenizer vocabulary size, special tokens included (4096: best bits per byte per CPU
+    minute for the default model, bench/RESULTS.md)."""
     dir: str = "runs/tokenizer"
     """Folder of the trained tokenizer (tokenizer.json, tokenizer_config.json, contract.json)."""
     max_train_bytes: int = 0
@@ -75,6 +76,9 @@ class ModelConfig:
     rope_theta: float = 10000.0
     max_seq_len: int = 2048
     tie_embeddings: bool = False
+    qk_norm: bool = True
+    """RMSNorm over each head's q and k before the rotary embedding (Qwen3's layout; exported
+    as Qwen3ForCausalLM)."""
     attention: str = "auto"
     """"auto" (flex on CUDA, sdpa elsewhere), "sdpa" or "flex"."""
 
@@ -90,21 +94,38 @@ class ModelConfig:
 
 @dataclass
 class TrainConfig:
-    steps: int = 1000
+    steps: int = 600
     micro_batch_size: int = 16
     grad_accum_steps: int = 1
     lr: float = 3e-3
     min_lr_ratio: float = 0.0
     """The schedule decays to lr * min_lr_ratio."""
     warmup_steps: int = 50
-    schedule: str = "cosine"
+    schedule: str = "wsd"
     """"cosine" (warmup + cosine) or "wsd" (warmup-stable-decay)."""
-    decay_fraction: float = 0.2
+    decay_fraction: float = 0.5
     """wsd only: the fraction of steps spent in the final linear decay."""
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
     grad_clip: float = 1.0
+    zero_init: bool = True
+    """Pretraining starts the residual projections (attention wo, MLP w2) and an untied output
+    head at zero (modded-nanogpt). An initialisation only: the model is the same architecture;
+    `Transformer(config)` itself stays randomly initialised."""
+    optimizer: str = "muon"
+    """"adamw", or "muon": Muon for the 2-D matrices of the blocks and AdamW for the
+    embedding, the head and the norms (lmforge.train.optim.MuonAdamW)."""
+    muon_lr_scale: float = 1.0
+    """muon only: the blocks' matrices step with lr * muon_lr_scale (the update is scaled to
+    AdamW's RMS, so 1.0 reuses the AdamW learning rate)."""
+    muon_momentum: float = 0.95
+    muon_ns_steps: int = 5
+    """muon only: Newton-Schulz iterations per update."""
+    embed_lr_scale: float = 1.0
+    """muon only: the embedding's AdamW lr is lr * embed_lr_scale."""
+    head_lr_scale: float = 1.0
+    """muon only: the output head's AdamW lr is lr * head_lr_scale."""
     seed: int = 1337
     precision: str = "auto"
     """"auto" (bf16 autocast where the device has bf16 units, else fp32), "bf16" or "fp32"."""
@@ -442,6 +463,7 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
     if t.log_every < 1:
         raise ConfigError(f"train.log_every = {t.log_every}: expected at least 1.")
     _choice("train.schedule", t.schedule, ("cosine", "wsd"))
+    _choice("train.optimizer", t.optimizer, ("adamw", "muon"))
     _choice("train.precision", t.precision, ("auto", "bf16", "fp32"))
     _choice("train.data_parallel", t.data_parallel, ("ddp", "fsdp"))
     if not 0.0 < t.decay_fraction <= 1.0:

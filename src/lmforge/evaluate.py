@@ -12,10 +12,12 @@ import lzma
 import math
 from collections.abc import Iterable
 
+import numpy as np
 import torch
 
 from lmforge.data.packing import Batch, shard_stream
 from lmforge.data.shards import Shard
+from lmforge.model.loss import cross_entropy_sum
 from lmforge.runtime import autocast
 
 
@@ -79,6 +81,53 @@ def evaluate_shard(model: torch.nn.Module, shard: Shard, seq_len: int, batch_siz
     }
 
 
+@torch.no_grad()
+def sliding_window_bits_per_byte(logits_fn, shard: Shard, window: int, stride: int = 0, batch_size: int = 16,
+                                 device: torch.device | str = "cpu", dtype: torch.dtype | None = None) -> dict:
+    """Bits per byte with a sliding window: every target once, each with up to `window`
+    tokens of its own document as context (parameter-golf's second score; report it beside
+    `evaluate_shard`, never instead). Windows of `window` tokens start every `stride`
+    (default window // 2) tokens of a document, the last one aligned to its end; a window
+    scores only the targets no earlier window scored. `logits_fn(tokens (B, T), positions
+    (B, T)) -> logits (B, T, V)`: any model (lmforge's, or a Hugging Face reference).
+    Returns {"loss", "bits_per_byte", "tokens", "bytes", "window", "stride"}."""
+    stride = stride or max(1, window // 2)
+    jobs: list[tuple[np.ndarray, int]] = []  # (window tokens incl. the last target, first scored target)
+    for d in range(shard.n_documents):
+        doc = np.asarray(shard.document(d), dtype=np.int64)
+        n = len(doc) - 1  # targets
+        if n <= window:
+            jobs.append((doc, 0))
+            continue
+        starts = list(range(0, n - window, stride)) + [n - window]
+        done = 0
+        for s in starts:
+            jobs.append((doc[s: s + window + 1], done - s))
+            done = s + window
+    total, count = 0.0, 0
+    dev = torch.device(device)
+    pad = shard.contract.pad_id
+    for i in range(0, len(jobs), batch_size):
+        chunk = jobs[i: i + batch_size]
+        T = max(len(w) - 1 for w, _ in chunk)
+        tokens = torch.full((len(chunk), T), int(pad), dtype=torch.int64)
+        targets = torch.zeros((len(chunk), T), dtype=torch.int64)
+        mask = torch.zeros((len(chunk), T), dtype=torch.bool)
+        for r, (w, first) in enumerate(chunk):
+            t = torch.from_numpy(w)
+            tokens[r, : len(w) - 1] = t[:-1]
+            targets[r, : len(w) - 1] = t[1:]
+            mask[r, first: len(w) - 1] = True  # right padding never influences real tokens (causal)
+        positions = torch.arange(T).expand(len(chunk), T)
+        with autocast(dev, dtype):
+            logits = logits_fn(tokens.to(dev), positions.to(dev))
+        total += float(cross_entropy_sum(logits, targets.to(dev), mask.to(dev)))
+        count += int(mask.sum())
+    nbytes = shard.n_bytes
+    return {"loss": total / max(count, 1), "bits_per_byte": total / math.log(2) / nbytes if nbytes else float("nan"),
+            "tokens": count, "bytes": nbytes, "window": window, "stride": stride}
+
+
 def xz_bits_per_byte(texts: Iterable[str]) -> float:
     """Bits per byte of `xz -9e` on the concatenated UTF-8 texts (a reference point)."""
     data = b"".join(t.encode("utf-8") for t in texts)
@@ -95,4 +144,5 @@ def split_texts(shard: Shard, tokenizer) -> Iterable[str]:
         yield tokenizer.decode(doc[1:-1].tolist())
 
 
-__all__ = ["batch_loss", "evaluate_batches", "evaluate_shard", "shard_batches", "xz_bits_per_byte", "split_texts"]
+__all__ = ["batch_loss", "evaluate_batches", "evaluate_shard", "sliding_window_bits_per_byte", "shard_batches",
+           "xz_bits_per_byte", "split_texts"]

@@ -196,7 +196,7 @@ BAD_SETS = [
     ("minlr-2", "train.min_lr_ratio=2", r"train\.min_lr_ratio = 2\.0"),
     ("decay-0", "train.decay_fraction=0", r"train\.decay_fraction = 0\.0"),
     ("steps-0", "train.steps=0", r"train\.steps = 0: expected a value > 0"),
-    ("steps-float", "train.steps=1.5", r"train\.steps = 1\.5 has type float, expected int.*train\.steps=1000"),
+    ("steps-float", "train.steps=1.5", r"train\.steps = 1\.5 has type float, expected int.*train\.steps=600"),
     ("steps-str", "train.steps=many", r"train\.steps = 'many' has type str, expected int"),
     ("mbs-0", "train.micro_batch_size=0", r"train\.micro_batch_size = 0"),
     ("accum-neg", "train.grad_accum_steps=-2", r"train\.grad_accum_steps = -2"),

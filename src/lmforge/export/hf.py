@@ -8,6 +8,9 @@ An exported folder is what `transformers` writes for a `LlamaForCausalLM`:
     tokenizer_config.json    with the ChatML chat template and the special tokens
     generation_config.json   eos_token_id = every stop id (<|eos|>, <|im_end|>), pad_token_id
 
+A model with `model.qk_norm` is written as a `Qwen3ForCausalLM` instead (Llama's layout plus
+q_norm / k_norm), which transformers and llama.cpp (arch qwen3) both run.
+
 lmforge's rotary embeddings use the half-split ("rotate_half") layout that HF's Llama
 uses, so q/k weights map without a permutation (tests/test_export.py proves it by
 logit parity with `LlamaForCausalLM`). Hugging Face names appear in this module only,
@@ -29,6 +32,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from dataclasses import replace
 import shutil
 from pathlib import Path
 
@@ -64,6 +68,8 @@ _NAME_PAIRS = (
     ("layers.{i}.attention.wk.weight", "model.layers.{i}.self_attn.k_proj.weight"),
     ("layers.{i}.attention.wv.weight", "model.layers.{i}.self_attn.v_proj.weight"),
     ("layers.{i}.attention.wo.weight", "model.layers.{i}.self_attn.o_proj.weight"),
+    ("layers.{i}.attention.q_norm.weight", "model.layers.{i}.self_attn.q_norm.weight"),  # qk_norm: Qwen3
+    ("layers.{i}.attention.k_norm.weight", "model.layers.{i}.self_attn.k_norm.weight"),
     ("layers.{i}.ffn_norm.weight", "model.layers.{i}.post_attention_layernorm.weight"),
     ("layers.{i}.feed_forward.w1.weight", "model.layers.{i}.mlp.gate_proj.weight"),
     ("layers.{i}.feed_forward.w3.weight", "model.layers.{i}.mlp.up_proj.weight"),
@@ -176,7 +182,11 @@ def from_hf_state(state: dict[str, torch.Tensor], vocab_size: int, tie_embedding
 
 # -- config ------------------------------------------------------------------------------
 def hf_config(model: ModelConfig, contract: Contract, dtype: torch.dtype = torch.float32) -> dict:
-    """The `config.json` of a `LlamaForCausalLM` equal to `model` (vocab = the tokenizer's)."""
+    """The `config.json` of a `LlamaForCausalLM` equal to `model` (vocab = the tokenizer's);
+    with `model.qk_norm`, of a `Qwen3ForCausalLM` (Llama's layout plus an RMSNorm over each
+    head's q and k before the rotary embedding, which is what lmforge's qk_norm computes)."""
+    if model.qk_norm:
+        return qwen3_config(model, contract, dtype)
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -206,6 +216,16 @@ def hf_config(model: ModelConfig, contract: Contract, dtype: torch.dtype = torch
     }
 
 
+def qwen3_config(model: ModelConfig, contract: Contract, dtype: torch.dtype = torch.float32) -> dict:
+    """`config.json` of a Qwen3ForCausalLM equal to a qk_norm `model` (llama.cpp: arch qwen3)."""
+    cfg = hf_config(replace(model, qk_norm=False), contract, dtype)
+    for key in ("pretraining_tp", "mlp_bias"):
+        del cfg[key]
+    cfg.update(architectures=["Qwen3ForCausalLM"], model_type="qwen3", use_sliding_window=False, sliding_window=None,
+               max_window_layers=model.n_layers)
+    return cfg
+
+
 def model_config_from_hf(cfg: dict, where: str) -> ModelConfig:
     """lmforge ModelConfig from a Llama `config.json` dict.
 
@@ -216,7 +236,12 @@ def model_config_from_hf(cfg: dict, where: str) -> ModelConfig:
     if not isinstance(cfg, dict):
         raise ExportError(f"{where}: expected a JSON object (a transformers config), found {type(cfg).__name__}.")
     archs = cfg.get("architectures") or []
-    if cfg.get("model_type") != "llama" or archs not in (["LlamaForCausalLM"], []):
+    qwen3 = cfg.get("model_type") == "qwen3" and archs in (["Qwen3ForCausalLM"], [])
+    if cfg.get("use_sliding_window"):
+        raise ExportError(f"{where}: use_sliding_window = true: lmforge has full attention only.")
+    if qwen3:
+        cfg = {k: v for k, v in cfg.items() if k != "sliding_window"}  # unused without use_sliding_window
+    if not qwen3 and (cfg.get("model_type") != "llama" or archs not in (["LlamaForCausalLM"], [])):
         raise ExportError(
             f"{where}: model_type = {cfg.get('model_type')!r}, architectures = {archs}; lmforge imports "
             f"only model_type \"llama\" with architectures [\"LlamaForCausalLM\"]. Other architectures "
@@ -265,6 +290,7 @@ def model_config_from_hf(cfg: dict, where: str) -> ModelConfig:
         rope_theta=num("rope_theta", float, cfg.get("rope_theta", 10000.0), source=rope),
         max_seq_len=num("max_position_embeddings", int, 2048),
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        qk_norm=qwen3,
     )
     if min(dim, n_heads, model.n_layers, model.n_kv_heads, model.ffn_dim, model.max_seq_len) <= 0:
         raise ExportError(f"{where}: sizes must be positive (hidden_size {dim}, num_attention_heads {n_heads}, "
@@ -380,7 +406,7 @@ def verify_export(model: torch.nn.Module, folder: str | Path, tol: float | None 
         LmforgeError: transformers missing. ExportError: the difference exceeds `tol`.
     """
     transformers = require_transformers()
-    hf = transformers.LlamaForCausalLM.from_pretrained(str(folder)).float().eval()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(folder)).float().eval()
     T = min(seq_len, model.config.max_seq_len)
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, model.vocab_size, (2, T), generator=gen)

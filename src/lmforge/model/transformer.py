@@ -61,7 +61,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        # bf16 q/k under autocast (qk_norm): the weight in x's dtype keeps the fused kernel
+        w = self.weight if self.weight.dtype == x.dtype else self.weight.to(x.dtype)
+        return F.rms_norm(x, (x.shape[-1],), w, self.eps)
 
 
 def rope_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -158,6 +160,9 @@ class DecodeWeights:
                                     t(a.wo.weight), t(f.w1.weight, f.w3.weight, norm=b.ffn_norm.weight),
                                     t(f.w2.weight)))
             self.norm = model.norm.weight
+            # QK-norm (Qwen3): each layer's (q_norm, k_norm) weights, (hd,) each, in the compute dtype
+            self.qk_norm = [(b.attention.q_norm.weight.to(dtype), b.attention.k_norm.weight.to(dtype))
+                            for b in model.layers] if model.config.qk_norm else None
             w = model.output.weight[: model.vocab_size]
             self.head_t = w.numel() * dtype.itemsize <= self.HEAD_COPY_LIMIT
             self.head = t(w) if self.head_t else w.to(dtype)
@@ -207,6 +212,10 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=False)
+        if cfg.qk_norm:  # Qwen3: RMSNorm over each head's q and k, before the rotary embedding
+            self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps)
+        self.qk_norm = cfg.qk_norm
         self.backend = "sdpa"
 
     def forward(self, x, cos, sin, mask: AttentionMask, cache: KVCache | None = None):
@@ -214,6 +223,8 @@ class Attention(nn.Module):
         q = self.wq(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, hd)
         k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, KV, T, hd)
         v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, KV, T, hd)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.update(self.layer, k, v)  # (B, KV, offset + T, hd)
@@ -323,14 +334,20 @@ class Transformer(nn.Module):
             block.attention.backend = backend
 
     @torch.no_grad()
-    def reset_parameters(self, seed: int | None = None) -> None:
+    def reset_parameters(self, seed: int | None = None, zero_init: bool = False) -> None:
         """Normal(0, 0.02) weights; residual projections (wo, w2) scaled by 1/sqrt(2 n_layers)
-        (GPT-2, Radford et al. 2019); RMSNorm weights 1."""
+        (GPT-2, Radford et al. 2019); RMSNorm weights 1. With `zero_init`, wo, w2 and an untied
+        head start at 0 (modded-nanogpt; pretraining's train.zero_init); the random draws are
+        made all the same, so the other weights do not change."""
         gen = torch.Generator().manual_seed(seed) if seed is not None else None
         std = 0.02
+        zeroed = ("wo.weight", "w2.weight") + (() if self.config.tie_embeddings else ("output.weight",))
         for name, p in self.named_parameters():
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
+            elif zero_init and name.endswith(zeroed):
+                torch.randn(p.shape, generator=gen)  # keep the other weights' draws unchanged
+                p.zero_()
             else:
                 s = std / math.sqrt(2 * self.config.n_layers) if name.endswith(("wo.weight", "w2.weight")) else std
                 p.copy_(torch.randn(p.shape, generator=gen) * s)
@@ -467,7 +484,11 @@ class Transformer(nn.Module):
 
         for layer, (wqkv, wo, w13, w2) in enumerate(layers):
             qkv = mm(x, wqkv).mul_(inv_rms(x)).view(B, H + 2 * KV, hd)
-            qk = qkv[:, : H + KV]  # rotary on q and k at once: x cos + rotate_half(x) sin
+            qk = qkv[:, : H + KV]
+            if w.qk_norm is not None:  # RMSNorm per head of q and of k, before the rotary embedding
+                qn, kn = w.qk_norm[layer]
+                qk = torch.cat((F.rms_norm(qk[:, :H], (hd,), qn, eps), F.rms_norm(qk[:, H:], (hd,), kn, eps)), 1)
+            # rotary on q and k at once: x cos + rotate_half(x) sin
             qk = torch.addcmul(qk * cos, qk.roll(hd // 2, -1), sin)  # (B, H + KV, hd)
             k, v = qk[:, H:], qkv[:, H + KV:]  # (B, KV, hd)
             ck, cv = cache.k[layer], cache.v[layer]  # (B, KV, max_len, hd)

@@ -29,7 +29,7 @@ def pretrain_stage(cfg: Config, out: str | Path, resume: bool = False, dry_run: 
         data = preflight(cfg.data.dir, tok.contract, tok_contract_path)
         model = Transformer(resolve_model_config(cfg.model, tok.contract))
         model.set_attention(s.backend)
-        model.reset_parameters(seed=cfg.train.seed)
+        model.reset_parameters(seed=cfg.train.seed, zero_init=cfg.train.zero_init)
         train = Shard.open(cfg.data.dir, "train", tok.contract, tok_contract_path)
         val = Shard.open(cfg.data.dir, "val", tok.contract, tok_contract_path)
         d, t = cfg.data, cfg.train

@@ -28,6 +28,7 @@ from lmforge.contract import CONTRACT_FILE
 from lmforge.data.conversations import cap_examples
 from lmforge.data.shards import Shard
 from lmforge.data.stdlib_functions import place_body
+from lmforge.stages.sft_checks import doctest_pass_rate
 from lmforge.errors import Interrupted
 from lmforge.fileio import OutputError
 from lmforge.evaluate import evaluate_shard, split_texts, xz_bits_per_byte
@@ -177,8 +178,8 @@ def format_summary(s: dict) -> str:
 
 
 # -- stage 5: supervised fine-tuning -----------------------------------------------------------
-SFT_EVAL_PROMPTS = 20
-SFT_EVAL_MAX_NEW_TOKENS = 64
+SFT_EVAL_PROMPTS = 64
+SFT_EVAL_MAX_NEW_TOKENS = 160
 
 
 def sft_speedrun(cfg: Config, out: Path, init: Path, resume: bool = False, progress: bool = True) -> dict:
@@ -202,6 +203,7 @@ def sft_speedrun(cfg: Config, out: Path, init: Path, resume: bool = False, progr
     tok = Tokenizer.load(ckpt_path)
     items = held_out_prompts(run_dir / SFT_VAL_FILE, tok, SFT_EVAL_PROMPTS, SFT_EVAL_MAX_NEW_TOKENS - 1)
     parse = body_parse_rate(model, tok, items, SFT_EVAL_MAX_NEW_TOKENS)
+    parse["doctests"] = doctest_pass_rate(items, parse["examples"])
     write_json(out / "sft_samples.json", parse)
     data = json.loads((run_dir / SFT_DATA_FILE).read_text(encoding="utf-8"))
     shown = f"{val_loss:.4f}" if val_loss is not None else "-"
@@ -216,6 +218,10 @@ def sft_speedrun(cfg: Config, out: Path, init: Path, resume: bool = False, progr
         "sft_parse_fraction": parse["fraction"],
         "sft_parse_n": parse["n"],
         "sft_stopped": parse["stopped"],
+        "sft_im_end": parse["im_end"],
+        "sft_parse_and_im_end_fraction": parse["parsed_and_im_end"] / max(1, parse["n"]),
+        "sft_doctest_passed": parse["doctests"]["passed"],
+        "sft_doctest_n": parse["doctests"]["n"],
         "sft_checkpoint": str(ckpt_path),
     }
 
@@ -229,8 +235,8 @@ def body_parse_rate(model, tok: Tokenizer, items: Sequence[dict], max_new_tokens
     body, even when the cut happens to leave valid Python.
 
     `items`: records of sft_val.jsonl with `messages` (user prompt first), `signature`.
-    Returns {"fraction", "parsed", "stopped", "n", "max_new_tokens",
-    "examples": [{name, body, stopped, parses}]}.
+    Returns {"fraction", "parsed", "stopped", "n", "im_end" (ended with <|im_end|>),
+    "parsed_and_im_end", "max_new_tokens", "examples": [{name, body, stopped, parses, im_end}]}.
     """
     sampling = SamplingConfig(max_new_tokens=max_new_tokens, greedy=True)
     results = []
@@ -246,10 +252,13 @@ def body_parse_rate(model, tok: Tokenizer, items: Sequence[dict], max_new_tokens
                 ok = stopped
             except (SyntaxError, ValueError):
                 ok = False
-            results.append({"name": r["name"], "body": body, "stopped": stopped, "parses": ok})
+            results.append({"name": r["name"], "body": body, "stopped": stopped, "parses": ok,
+                            "im_end": bool(ids) and ids[-1] == tok.im_end_id})
     parsed = sum(r["parses"] for r in results)
     return {"fraction": parsed / max(1, len(results)), "parsed": parsed,
             "stopped": sum(r["stopped"] for r in results), "n": len(results),
+            "im_end": sum(r["im_end"] for r in results),
+            "parsed_and_im_end": sum(r["parses"] and r["im_end"] for r in results),
             "max_new_tokens": max_new_tokens, "examples": results}
 
 
@@ -276,4 +285,9 @@ def sft_rows(s: dict) -> list[tuple[str, str]]:
         ("SFT bodies that parse", f"{s['sft_parse_fraction']:.0%} of {s['sft_parse_n']} held-out prompts "
                                   f"(greedy, ended with <|im_end|> within {SFT_EVAL_MAX_NEW_TOKENS} tokens: "
                                   f"{s['sft_stopped']})"),
+        ("SFT bodies that parse and end with <|im_end|>",
+         f"{s.get('sft_parse_and_im_end_fraction', float('nan')):.0%} (<|im_end|>: {s.get('sft_im_end', '-')} of "
+         f"{s['sft_parse_n']})"),
+        ("SFT docstring examples (>>>) passed", f"{s.get('sft_doctest_passed', '-')} of {s.get('sft_doctest_n', '-')} "
+                                                f"functions whose reference passes them"),
     ]

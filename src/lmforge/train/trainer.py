@@ -60,7 +60,14 @@ def seed_everything(seed: int) -> None:
 
 
 def build_optimizer(model: torch.nn.Module, cfg: Config) -> torch.optim.Optimizer:
-    """AdamW (Loshchilov & Hutter 2019); weight decay on matrices only, not on norms."""
+    """AdamW (Loshchilov & Hutter 2019); weight decay on matrices only, not on norms.
+    train.optimizer = "muon": lmforge.train.optim.MuonAdamW (Muon for the blocks' matrices)."""
+    if cfg.train.optimizer == "muon":
+        from lmforge.train.optim import build_muon_adamw
+
+        device = next(model.parameters()).device
+        bf16 = resolve_precision(cfg.train.precision, device) is not None
+        return build_muon_adamw(model, cfg.train, "bfloat16" if bf16 else "float32")
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
     t = cfg.train

@@ -1,0 +1,308 @@
+"""Quality per CPU minute: lmforge's recipe against a GPT-2 / nanoGPT reference, side by side.
+
+On the same prepared shards (the speedrun's tokenizer and data: stdlib, vocab 8192,
+val_fraction 0.02 -> 15 held-out modules, 260,698 bytes), in one process, one after the
+other:
+
+  (a) lmforge: the recipe of `--config` (default configs/stdlib-tiny.toml) through
+      lmforge's own Trainer (pretraining exactly as `lmforge pretrain` runs it);
+  (b) reference: transformers' GPT2LMHeadModel (tied embeddings, learned positions, the
+      same width and depth as lmforge's model, 4x MLP, LayerNorm with biases) with the
+      classic nanoGPT recipe (Karpathy, github.com/karpathy/nanoGPT): AdamW betas (0.9, 0.99),
+      lr 1e-3, 100 warm-up steps, cosine to 1e-4, weight decay 0.1 on matrices, clip 1.0,
+      random 256-token windows of the training stream, batch 16, bf16 autocast where the
+      CPU has bf16 units.
+
+Both are scored by the same scorer: `lmforge.evaluate.evaluate_shard`'s batches (every
+target once, each document in pieces of at most seq_len targets, each piece from its own
+start, bits per byte over the split's UTF-8 bytes); the reference reads them one document
+segment at a time with its own positions. Beside it (never instead) a sliding-window score
+(`sliding_window_bits_per_byte`, window seq_len, stride seq_len/2).
+
+Budgets: `--steps N` trains both for N steps (equal tokens; the ablation mode);
+`--mode quick` / `--mode full` train lmforge for its config's steps (quick: 150) and
+the reference for the same wall-clock seconds (its cosine length fixed from its measured
+step time after 10 steps, during warm-up). The machine may be shared: step times are
+measured per arm and printed; compare at equal tokens x measured step-time ratio when noisy.
+
+Ablations: `--arm NAME=section.key=value,section.key=value` (repeatable) adds lmforge arms
+with overrides on top of the recipe; `--seeds 1337,1` repeats each lmforge arm per seed;
+`--no-reference` skips (b).
+
+    python bench/quality.py --mode quick
+    python bench/quality.py --mode full
+    python bench/quality.py --steps 150 --no-reference --arm base= --arm muon=train.optimizer=muon
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent
+ROOT = BENCH.parent
+sys.path.insert(0, str(BENCH))
+sys.path.insert(0, str(ROOT / "src"))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import common  # noqa: E402
+from lmforge.config import Config, apply_overrides, load_config  # noqa: E402
+from lmforge.contract import CONTRACT_FILE  # noqa: E402
+from lmforge.data.packing import shard_stream  # noqa: E402
+from lmforge.data.shards import Shard  # noqa: E402
+from lmforge.evaluate import evaluate_shard, shard_batches, sliding_window_bits_per_byte  # noqa: E402
+from lmforge.model import Transformer  # noqa: E402
+from lmforge.model.transformer import resolve_model_config  # noqa: E402
+from lmforge.tokenizer import Tokenizer  # noqa: E402
+from lmforge.runtime import autocast, resolve_precision  # noqa: E402
+from lmforge.train.trainer import Trainer, seed_everything  # noqa: E402
+
+QUICK_STEPS = 150
+CACHE = ROOT / "runs" / "bench-quality"
+
+
+# -- data -----------------------------------------------------------------------------------
+def prepared(cfg: Config, log=print) -> tuple[Path, Path]:
+    """(tokenizer dir, data dir) for cfg's tokenizer/data settings, made once under runs/."""
+    from lmforge.stages import prepare_stage, train_tokenizer_stage
+
+    key = f"{cfg.data.source.replace('/', '_')}-v{cfg.tokenizer.vocab_size}-f{cfg.data.val_fraction}"
+    tok_dir, data_dir = CACHE / f"tok-{key}", CACHE / f"data-{key}"
+    c = replace(cfg, tokenizer=replace(cfg.tokenizer, dir=str(tok_dir)), data=replace(cfg.data, dir=str(data_dir)))
+    if not (tok_dir / CONTRACT_FILE).is_file():
+        log(f"quality: training the tokenizer -> {tok_dir}")
+        train_tokenizer_stage(c, progress=False)
+    if not (data_dir / CONTRACT_FILE).is_file():
+        log(f"quality: preparing the shards -> {data_dir}")
+        prepare_stage(c, progress=False)
+    return tok_dir, data_dir
+
+
+# -- (a) lmforge ----------------------------------------------------------------------------
+def train_lmforge(cfg: Config, steps: int, sliding: bool = True, log=print) -> dict:
+    tok_dir, data_dir = prepared(cfg, log)
+    cfg = replace(cfg, tokenizer=replace(cfg.tokenizer, dir=str(tok_dir)), data=replace(cfg.data, dir=str(data_dir)),
+                  train=replace(cfg.train, steps=steps, checkpoint_every=0, eval_every=0, data_parallel="ddp"))
+    tok = Tokenizer.load(tok_dir)
+    train = Shard.open(data_dir, "train", tok.contract)
+    val = Shard.open(data_dir, "val", tok.contract)
+    seed_everything(cfg.train.seed)
+    model = Transformer(resolve_model_config(cfg.model, tok.contract))
+    model.set_attention("sdpa")
+    model.reset_parameters(seed=cfg.train.seed, zero_init=cfg.train.zero_init)
+    d, t = cfg.data, cfg.train
+    stream = shard_stream(train, d.seq_len, t.micro_batch_size, t.seed, d.document_masking)
+    with tempfile.TemporaryDirectory(prefix="lmforge-quality-") as tmp:
+        trainer = Trainer(cfg, Path(tmp) / "run", tok_dir, model, stream, None, progress=False, log=log)
+        last = trainer.fit()
+        if last.get("interrupted"):
+            raise KeyboardInterrupt  # SIGINT/SIGTERM: stop the benchmark, not just this arm
+        rows = [json.loads(x) for x in (Path(tmp) / "run" / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    dts = np.array([r["elapsed_s"] for r in rows])
+    per_step = np.diff(np.concatenate([[0.0], dts]))
+    dtype = resolve_precision(t.precision, torch.device("cpu"))
+    res = evaluate_shard(trainer.raw_model, val, d.seq_len, 16, "cpu", dtype, d.document_masking)
+    sl = sliding_window_bits_per_byte(lambda x, p: trainer.raw_model(x, p), val, d.seq_len, 0, 16, "cpu", dtype) \
+        if sliding else {"bits_per_byte": float("nan")}
+    return {"bits_per_byte": res["bits_per_byte"], "sliding_bits_per_byte": sl["bits_per_byte"],
+            "val_loss": res["loss"], "tokens": last["tokens"], "train_s": float(dts[-1]),
+            "tokens_per_s": last["tokens"] / float(dts[-1]), "ms_per_step": 1000 * float(np.median(per_step[5:] if len(per_step) > 10 else per_step)),
+           
+            "final_train_loss": last["loss"], "params": model.num_parameters(), "steps": steps}
+
+
+def interleaved_step_ms(cfgs: dict[str, Config], warmup: int = 3, repeat: int = 10, log=print) -> dict[str, float]:
+    """Median ms per optimizer step of each lmforge arm, the arms' steps interleaved round by
+    round in one process (a busy neighbour slows every arm alike): the step-time ratio that
+    turns an equal-token comparison into an equal-wall-clock one."""
+    trainers = {}
+    tmp = tempfile.TemporaryDirectory(prefix="lmforge-quality-steps-")
+    for name, cfg in cfgs.items():
+        tok_dir, data_dir = prepared(cfg, log)
+        tok = Tokenizer.load(tok_dir)
+        train = Shard.open(data_dir, "train", tok.contract)
+        cfg = replace(cfg, train=replace(cfg.train, steps=10**6, data_parallel="ddp"))
+        model = Transformer(resolve_model_config(cfg.model, tok.contract))
+        model.set_attention("sdpa")
+        model.reset_parameters(seed=cfg.train.seed, zero_init=cfg.train.zero_init)
+        stream = shard_stream(train, cfg.data.seq_len, cfg.train.micro_batch_size, cfg.train.seed,
+                              cfg.data.document_masking)
+        trainers[name] = Trainer(cfg, Path(tmp.name) / name, tok_dir, model, stream, None, progress=False, log=log)
+    times: dict[str, list[float]] = {n: [] for n in trainers}
+    for i in range(warmup + repeat):
+        for name, tr in trainers.items():
+            t0 = time.perf_counter()
+            tr.train_step()
+            if i >= warmup:
+                times[name].append(time.perf_counter() - t0)
+    tmp.cleanup()
+    return {n: 1000 * float(np.median(t)) for n, t in times.items()}
+
+
+# -- (b) the GPT-2 / nanoGPT reference ------------------------------------------------------
+class SegmentScorer(torch.nn.Module):
+    """Reads lmforge's scorer batches with a model that has no document mask: each row's
+    document segments run one at a time from their own positions; returns summed nats."""
+
+    def __init__(self, hf_model):
+        super().__init__()
+        self.m = hf_model
+
+    def forward(self, tokens, positions, document_ids, targets, loss_mask):
+        total = torch.zeros((), dtype=torch.float32)
+        for r in range(tokens.shape[0]):
+            ids = document_ids[r]
+            cuts = [0] + (torch.nonzero(ids[1:] != ids[:-1]).flatten() + 1).tolist() + [len(ids)]
+            for a, b in zip(cuts[:-1], cuts[1:]):
+                if not bool(loss_mask[r, a:b].any()):
+                    continue
+                logits = self.m(input_ids=tokens[r:r + 1, a:b], position_ids=positions[r:r + 1, a:b]).logits[0]
+                nll = F.cross_entropy(logits.float(), targets[r, a:b], reduction="none")
+                total = total + nll[loss_mask[r, a:b]].sum()
+        return total
+
+
+def gpt2_model(vocab: int, dim: int, n_layers: int, n_heads: int, seq_len: int):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    conf = GPT2Config(vocab_size=vocab, n_positions=seq_len, n_embd=dim, n_layer=n_layers, n_head=n_heads,
+                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=True)
+    conf._attn_implementation = "sdpa"
+    return GPT2LMHeadModel(conf)
+
+
+def train_reference(cfg: Config, steps: int | None, seconds: float | None, seed: int, log=print) -> dict:
+    """nanoGPT's recipe for `steps` steps, or for `seconds` of training (the cosine's length
+    fixed from the measured step time of steps 5..15, inside the 100 warm-up steps)."""
+    tok_dir, data_dir = prepared(cfg, log)
+    tok = Tokenizer.load(tok_dir)
+    train = Shard.open(data_dir, "train", tok.contract)
+    val = Shard.open(data_dir, "val", tok.contract)
+    L, B = cfg.data.seq_len, 16
+    torch.manual_seed(seed)
+    model = gpt2_model(tok.vocab_size, cfg.model.dim, cfg.model.n_layers, cfg.model.n_heads, L)
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                            lr=1e-3, betas=(0.9, 0.99), fused=True)
+    warmup, peak, floor = 100, 1e-3, 1e-4
+    data = torch.from_numpy(np.asarray(train.tokens, dtype=np.int64))
+    gen = torch.Generator().manual_seed(seed)
+    dtype = resolve_precision(cfg.train.precision, torch.device("cpu"))
+    total = steps or 10**9
+    t_train, step, times = 0.0, 0, []
+    model.train()
+    while step < total:
+        t0 = time.perf_counter()
+        lr = peak * (step + 1) / warmup if step < warmup else \
+            floor + (peak - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total - warmup))))
+        for g in opt.param_groups:
+            g["lr"] = lr
+        ix = torch.randint(len(data) - L - 1, (B,), generator=gen)
+        xy = torch.stack([data[i: i + L + 1] for i in ix.tolist()])
+        with autocast(torch.device("cpu"), dtype):
+            logits = model(input_ids=xy[:, :-1]).logits
+        loss = F.cross_entropy(logits.float().flatten(0, 1), xy[:, 1:].flatten())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        dt = time.perf_counter() - t0
+        t_train += dt
+        times.append(dt)
+        step += 1
+        if seconds and step == 15:
+            total = max(warmup + 1, int(seconds / float(np.median(times[5:]))))
+            log(f"quality: reference: {1000 * np.median(times[5:]):.0f} ms/step -> {total} steps for {seconds:.0f}s")
+    tokens = step * B * L
+    model.eval()
+    res = evaluate_shard(SegmentScorer(model), val, L, 16, "cpu", dtype, cfg.data.document_masking)
+    sl = sliding_window_bits_per_byte(lambda x, p: model(input_ids=x, position_ids=p).logits, val, L, 0, 16, "cpu",
+                                      dtype)
+    return {"bits_per_byte": res["bits_per_byte"], "sliding_bits_per_byte": sl["bits_per_byte"],
+            "val_loss": res["loss"], "tokens": tokens, "train_s": t_train, "tokens_per_s": tokens / t_train,
+            "ms_per_step": 1000 * float(np.median(times[5:] if len(times) > 10 else times)),
+            "final_train_loss": float(loss.detach()), "params": sum(p.numel() for p in model.parameters()), "steps": step}
+
+
+# -- the table ------------------------------------------------------------------------------
+def parse_arm(text: str) -> tuple[str, list[str]]:
+    name, _, sets = text.partition("=")
+    return name, [s for s in sets.split(",") if s]
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", default=str(ROOT / "configs" / "stdlib-tiny.toml"))
+    ap.add_argument("--mode", choices=("quick", "full"), default="quick")
+    ap.add_argument("--steps", type=int, default=0, help="equal steps (tokens) for every arm instead of --mode")
+    ap.add_argument("--arm", action="append", default=[], help="NAME=section.key=value,... (repeatable)")
+    ap.add_argument("--seeds", default="", help="comma-separated train.seed values for each lmforge arm")
+    ap.add_argument("--set", action="append", default=[], help="override for every lmforge arm (and shapes)")
+    ap.add_argument("--no-reference", action="store_true")
+    ap.add_argument("--no-sliding", action="store_true", help="skip the sliding-window score of lmforge arms")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (default: every core)")
+    ap.add_argument("--step-times", action="store_true",
+                    help="only measure each arm's ms/step, interleaved (no training to the end)")
+    ap.add_argument("--json", default="", help="append each arm's result as a JSON line to this file")
+    args = ap.parse_args(argv)
+
+    torch.set_num_threads(args.threads or common.cores())
+    base = load_config(args.config, args.set)
+    arms = [parse_arm(a) for a in args.arm] or [("lmforge", [])]
+    seeds = [int(s) for s in args.seeds.split(",") if s] or [base.train.seed]
+    steps = args.steps or (QUICK_STEPS if args.mode == "quick" else base.train.steps)
+    print(f"quality: {common.machine_line()}; {steps} lmforge steps per arm; arms {[a for a, _ in arms]}; "
+          f"seeds {seeds}", flush=True)
+    if args.step_times:
+        ms = interleaved_step_ms({name: apply_overrides(base, sets) for name, sets in arms})
+        first = next(iter(ms.values()))
+        print(common.table(["arm", "ms/step (median, interleaved)", "ratio to first"],
+                           [[n, f"{v:.0f}", f"{v / first:.3f}"] for n, v in ms.items()], title="Step time"))
+        return {"step_ms": ms}
+    results = []
+    for name, sets in arms:
+        for seed in seeds:
+            cfg = apply_overrides(base, sets + [f"train.seed={seed}"])
+            t0 = time.perf_counter()
+            r = train_lmforge(cfg, steps, not args.no_sliding)
+            r.update(arm=name, seed=seed, sets=sets, wall_s=time.perf_counter() - t0)
+            results.append(r)
+            print(f"quality: {name} seed {seed}: {r['bits_per_byte']:.4f} bpb (sliding {r['sliding_bits_per_byte']:.4f})"
+                  f", {r['tokens']:,} tokens, {r['tokens_per_s']:,.0f} tok/s, {r['ms_per_step']:.0f} ms/step, "
+                  f"train {r['train_s']:.0f}s", flush=True)
+            if args.json:
+                with open(args.json, "a") as f:
+                    f.write(json.dumps(r) + "\n")
+    ref = None
+    if not args.no_reference:
+        seconds = None if args.steps else results[0]["train_s"]
+        ref = train_reference(base, args.steps or None, seconds, base.train.seed)
+        ref.update(arm="reference (GPT-2, nanoGPT recipe)", seed=base.train.seed, sets=[])
+        if args.json:
+            with open(args.json, "a") as f:
+                f.write(json.dumps(ref) + "\n")
+    rows = []
+    for r in results + ([ref] if ref else []):
+        ratio = r["bits_per_byte"] / ref["bits_per_byte"] if ref else float("nan")
+        rows.append([r["arm"], r["seed"], f"{r['bits_per_byte']:.4f}", f"{r['sliding_bits_per_byte']:.4f}",
+                     f"{r['tokens']:,}", f"{r['train_s']:.0f}", f"{r['tokens_per_s']:,.0f}", f"{r['ms_per_step']:.0f}",
+                     f"{ratio:.3f}" if ref else "-"])
+    print(common.table(["arm", "seed", "bits/byte", "sliding bpb", "tokens", "train s", "tok/s", "ms/step",
+                        "bpb / reference"], rows, title="Held-out bits per byte (15 stdlib modules, 260,698 bytes)"))
+    how = "equal steps" if args.steps else "equal wall clock (reference: lmforge's training seconds)"
+    print(f"- budget: {how}; machine possibly shared: compare ms/step within one run.")
+    return {"arms": results, "reference": ref, "steps": steps}
+
+
+if __name__ == "__main__":
+    main()

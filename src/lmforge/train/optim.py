@@ -1,0 +1,176 @@
+"""lmforge's Muon + AdamW: one optimizer, two update rules, state keyed per parameter.
+
+Muon (Jordan et al. 2024, github.com/KellerJordan/Muon; the modded-nanogpt speedrun
+records) updates each 2-D hidden matrix (attention and MLP projections) with Nesterov
+momentum whose update is orthogonalised by a few quintic Newton-Schulz iterations;
+embeddings, the output head and the norm weights stay on AdamW (Loshchilov & Hutter 2019).
+
+Why not `torch.optim.Muon` (torch 2.13): it runs one Newton-Schulz chain per matrix, and
+on this 2-core CPU that made a training step ~26% slower (RECIPE-NOTES.md). Here the
+matrices of one shape (wide orientation: a tall matrix is transposed) are stacked and
+orthogonalised in one batched bf16 chain (nanochat's `nanochat/optim.py` does the same on
+GPU), so the 28 hidden matrices of the default model cost 3 batched chains.
+
+The update size follows Moonlight (Liu et al. 2025, arXiv 2502.16982, torch's
+`adjust_lr_fn="match_rms_adamw"`): the orthogonalised update is scaled by
+0.2 * sqrt(max(rows, cols)), so Muon's matrices take the same learning rate as AdamW's.
+
+Param groups carry `kind` ("muon" or "adamw") and `lr_scale`: the trainer sets one `lr`
+for every group (the schedule) and each group steps with lr * lr_scale. Per-parameter
+state is plain tensors (`momentum_buffer`; `step`, `exp_avg`, `exp_avg_sq`), so
+`torch.distributed.checkpoint.state_dict.get_optimizer_state_dict` keys it by parameter
+name like torch's AdamW and resume is bit-exact. Under FSDP2 a Muon matrix's gradient is a
+DTensor shard: it is gathered (`full_tensor`), orthogonalised whole, and each rank keeps its
+own shard of the update, so the result equals one process.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+
+import torch
+
+#: quintic Newton-Schulz coefficients (Jordan et al. 2024): steep near 0, converge to ~[0.7, 1.2]
+NS_COEFFS = (3.4445, -4.7750, 2.0315)
+
+
+def newton_schulz(g: torch.Tensor, steps: int = 5, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Approximately orthogonalise a batch of matrices `g` (..., m, n) with m <= n: returns
+    ~U V^T of each matrix's SVD in `dtype` (Muon's zeroth power, Jordan et al. 2024)."""
+    a, b, c = NS_COEFFS
+    x = g.to(dtype)
+    x = x / (x.float().norm(dim=(-2, -1), keepdim=True) + 1e-7).to(dtype)
+    for _ in range(steps):
+        s = x @ x.mT
+        x = a * x + (b * s + c * (s @ s)) @ x
+    return x
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+class MuonAdamW(torch.optim.Optimizer):
+    """Muon for the groups with kind="muon" (2-D parameters), AdamW for the rest.
+
+    Group keys: lr, lr_scale, weight_decay, kind; muon groups: momentum, nesterov, ns_steps,
+    ns_dtype ("bfloat16", or "float32" for an fp32 run: a CPU without bf16 units, and exact
+    comparisons); adamw groups: betas, eps.
+    """
+
+    def __init__(self, groups: list[dict], lr: float = 3e-3):
+        defaults = dict(lr=lr, lr_scale=1.0, weight_decay=0.0, kind="adamw", betas=(0.9, 0.95), eps=1e-8,
+                        momentum=0.95, nesterov=True, ns_steps=5, ns_dtype="bfloat16")
+        super().__init__(groups, defaults)
+        for g in self.param_groups:
+            if g["kind"] not in ("muon", "adamw"):
+                raise ValueError(f"param group kind {g['kind']!r}: expected 'muon' or 'adamw'")
+            if g["kind"] == "muon" and any(p.dim() != 2 for p in g["params"]):
+                raise ValueError("Muon groups take 2-D parameters only")
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            if group["kind"] == "muon":
+                self._muon(group)
+            else:
+                self._adamw(group)
+        return loss
+
+    def _adamw(self, group: dict) -> None:
+        params = [p for p in group["params"] if p.grad is not None]
+        if not params:
+            return
+        lr = group["lr"] * group["lr_scale"]
+        b1, b2 = group["betas"]
+        for p in params:
+            st = self.state[p]
+            if not st:
+                st["step"] = torch.zeros((), dtype=torch.float32)
+                st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        states = [self.state[p] for p in params]
+        grads = [p.grad for p in params]
+        m = [s["exp_avg"] for s in states]
+        v = [s["exp_avg_sq"] for s in states]
+        for s in states:
+            s["step"] += 1
+        step = float(states[0]["step"])  # every parameter of a group steps together
+        if group["weight_decay"]:
+            torch._foreach_mul_(params, 1 - lr * group["weight_decay"])
+        torch._foreach_lerp_(m, grads, 1 - b1)
+        torch._foreach_mul_(v, b2)
+        torch._foreach_addcmul_(v, grads, grads, value=1 - b2)
+        bc1, bc2 = 1 - b1 ** step, 1 - b2 ** step
+        denom = torch._foreach_sqrt(v)
+        torch._foreach_div_(denom, math.sqrt(bc2))
+        torch._foreach_add_(denom, group["eps"])
+        torch._foreach_addcdiv_(params, m, denom, value=-lr / bc1)
+
+    def _muon(self, group: dict) -> None:
+        params = [p for p in group["params"] if p.grad is not None]
+        if not params:
+            return
+        lr = group["lr"] * group["lr_scale"]
+        mom = group["momentum"]
+        # momentum per parameter (the state the checkpoint holds), then the Nesterov update
+        by_shape: dict[tuple[int, int], list[tuple[torch.Tensor, torch.Tensor]]] = defaultdict(list)
+        for p in params:
+            st = self.state[p]
+            if "momentum_buffer" not in st:
+                st["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            buf = st["momentum_buffer"]
+            buf.lerp_(p.grad, 1 - mom)
+            u = p.grad.lerp(buf, mom) if group["nesterov"] else buf
+            u = u.full_tensor() if hasattr(u, "full_tensor") else u  # FSDP2: the whole matrix
+            rows, cols = u.shape
+            by_shape[(min(rows, cols), max(rows, cols))].append((p, u if rows <= cols else u.mT))
+        for (rows, cols), items in by_shape.items():
+            ortho = newton_schulz(torch.stack([u for _, u in items]), group["ns_steps"],
+                                  getattr(torch, group["ns_dtype"]))
+            scale = 0.2 * math.sqrt(cols)  # Moonlight: match AdamW's update RMS
+            for (p, u), o in zip(items, ortho.unbind(0)):
+                o = o if p.shape[0] <= p.shape[1] else o.mT
+                if hasattr(p, "device_mesh"):  # FSDP2: this rank's shard of the full update
+                    from torch.distributed.tensor import distribute_tensor
+
+                    # every rank computed the same full update: keep the local chunk, no collective
+                    o = distribute_tensor(o.to(p.dtype).contiguous(), p.device_mesh, p.placements,
+                                          src_data_rank=None)
+                if group["weight_decay"]:
+                    p.mul_(1 - lr * group["weight_decay"])
+                _local(p).add_(_local(o).to(p.dtype), alpha=-lr * scale)
+
+
+def is_hidden_matrix(name: str, p: torch.nn.Parameter) -> bool:
+    """The parameters Muon takes: 2-D matrices inside the blocks (not embeddings or the head)."""
+    return p.dim() == 2 and name.startswith("layers.")
+
+
+
+
+def build_muon_adamw(model: torch.nn.Module, t, ns_dtype: str = "bfloat16") -> MuonAdamW:
+    """Groups for `model` from a TrainConfig `t`: Muon for the blocks' matrices (no weight
+    decay: best for short runs in the modded-nanogpt records), AdamW for the embedding
+    (lr x embed_lr_scale), the head (lr x head_lr_scale; weight decay) and the norms."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    hidden = [p for n, p in named if is_hidden_matrix(n, p)]
+    embed = [p for n, p in named if n.startswith("tok_embeddings.")]
+    head = [p for n, p in named if n.startswith("output.")]
+    taken = {id(p) for p in hidden + embed + head}
+    rest = [p for n, p in named if id(p) not in taken]
+    adam = dict(kind="adamw", betas=(t.beta1, t.beta2), eps=1e-8)
+    groups = [dict(params=hidden, kind="muon", lr_scale=t.muon_lr_scale, weight_decay=0.0,
+                   momentum=t.muon_momentum, nesterov=True, ns_steps=t.muon_ns_steps, ns_dtype=ns_dtype),
+              dict(params=embed, lr_scale=t.embed_lr_scale, weight_decay=0.0, **adam),
+              dict(params=head, lr_scale=t.head_lr_scale, weight_decay=t.weight_decay, **adam),
+              dict(params=rest, lr_scale=1.0, weight_decay=0.0, **adam)]
+    return MuonAdamW([g for g in groups if g["params"]], lr=t.lr)
+
+
+__all__ = ["MuonAdamW", "newton_schulz", "is_hidden_matrix", "build_muon_adamw", "NS_COEFFS"]
