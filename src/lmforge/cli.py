@@ -39,7 +39,7 @@ def _common(p: argparse.ArgumentParser, out_help: str | None = None) -> None:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override a config value; repeatable, e.g. --set train.steps=100")
     if out_help:
-        p.add_argument("--out", metavar="DIR", help=out_help)
+        p.add_argument("--out", metavar="DIR", type=_path_arg, help=out_help)
 
 
 def _progress(p: argparse.ArgumentParser) -> None:
@@ -80,6 +80,13 @@ def _seed(text: str) -> int:
     if not 0 <= value < 2**63:
         raise argparse.ArgumentTypeError(f"{value} is out of range: expected 0 <= seed < 2**63")
     return value
+
+
+def _path_arg(text: str) -> str:
+    """A path on the command line: not empty (an empty --out would silently mean the config's folder)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("empty path; give a path")
+    return _text_arg(text)
 
 
 def _text_arg(text: str) -> str:

@@ -42,7 +42,7 @@ from lmforge.data.packing import Batch, RowStream
 from lmforge.errors import CheckpointError, LmforgeError, TrainingError
 from lmforge.evaluate import batch_loss, evaluate_batches
 from lmforge.fileio import write_text
-from lmforge.model.io import (MODEL_FILE, OPTIMIZER_FILE, is_sharded, latest_checkpoint, load_weights,
+from lmforge.model.io import (MODEL_FILE, OPTIMIZER_FILE, STEP_RE, is_sharded, latest_checkpoint, load_weights,
                               read_checkpoint_meta, step_dir_name)
 from lmforge.runtime import autocast, resolve_precision
 from lmforge.train import checkpoint as ckpt
@@ -139,8 +139,18 @@ class Trainer:
             raise CheckpointError(f"rank 0 could not write the checkpoint {path} (see its error); stopping.")
         return path
 
+    def _check_run_folder(self) -> None:
+        """A `step_NNNNNN` entry that is not a real folder (a file, a link) is not lmforge's: it
+        would be replaced by the next checkpoint of that step. Refused before any write."""
+        for p in self.run_dir.glob("step_*") if self.run_dir.is_dir() else ():
+            if STEP_RE.match(p.name) and (p.is_symlink() or not p.is_dir()):
+                raise CheckpointError(f"{p} is {'a link' if p.is_symlink() else 'not a folder'}; a run folder's "
+                                      f"step_NNNNNN entries are checkpoints lmforge wrote. Move it away, or use "
+                                      f"another --out.")
+
     def resume(self) -> bool:
         """Continue from the newest complete checkpoint in run_dir. False if there is none."""
+        self._check_run_folder()
         latest = latest_checkpoint(self.run_dir)
         if latest is None:
             return False
@@ -294,6 +304,7 @@ class Trainer:
     def fit(self) -> dict:
         """Train to cfg.train.steps (from wherever the run stands); return the last metrics."""
         cfg = self.cfg.train
+        self._check_run_folder()
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if self.dist.is_main:
             ckpt.remove_unfinished(self.run_dir)  # a killed write's leftovers (this process holds the run's lock)
