@@ -218,7 +218,7 @@ def test_existing_out_refused_unless_force(ckpt, tmp_path, capsys):
     assert main(["export", "--checkpoint", str(ckpt), "--format", "gguf", "--out", str(out), "--force",
                  "--dtype", "q8_0"]) == 0
     assert gguf.GGUFReader(str(out)).fields["general.file_type"].contents() == 7
-    with pytest.raises(ExportError, match="is a folder"):
+    with pytest.raises(OutputError, match="is a folder"):
         export_gguf(ckpt, tmp_path)
     assert main(["export", "--checkpoint", str(ckpt), "--out", str(tmp_path / "hf"), "--dtype", "q8_0"]) == 2
     assert "--format gguf" in capsys.readouterr().err

@@ -92,7 +92,7 @@ def _is_cwd_or_parent(path: Path) -> bool:
     return target == here or target in here.parents
 
 
-def check_output(out: Path, command: str, what: str | None = None) -> None:
+def check_output(out: Path, command: str, what: str | None = None, replace_whole: bool = False) -> None:
     """Raise OutputError unless `command` may write the folder `out`: absent, empty, or
     carrying `command`'s own marker.
 
@@ -120,6 +120,10 @@ def check_output(out: Path, command: str, what: str | None = None) -> None:
     except OSError as exc:
         raise OutputError(f"--out {out}: cannot be examined ({exc.strerror or exc}). Choose another path.") from None
     if marker is not None and marker["command"] == command:
+        if replace_whole and not isinstance(marker.get("files"), list):
+            raise OutputError(f"--out {out} carries a marker of {what} without the list of the files it wrote, so "
+                              f"lmforge cannot tell its files from yours; it is left untouched. Choose a new folder "
+                              f"(or remove this one yourself).")
         extra = sorted(_unlisted(out, marker))
         if extra:
             raise OutputError(f"--out {out} is an earlier result of {what}, but it now also holds files lmforge "
@@ -298,7 +302,7 @@ def atomic_dir(out: str | Path, command: str, fsync: bool = False, what: str | N
     """
     out = Path(out)
     if check:
-        check_output(out, command, what)
+        check_output(out, command, what, replace_whole=True)
     make_parent(out)
     with output_lock(out) if check else contextlib.nullcontext():
         try:
@@ -374,10 +378,14 @@ def check_user_file(path: str | Path, force: bool = False) -> None:
     path = Path(path)
     if not str(path):
         raise OutputError("--out is empty; give a file path.")
-    if path.is_dir():
+    try:
+        is_dir = path.is_dir()
+        exists = path.exists() or path.is_symlink()
+    except OSError as exc:  # a name too long for the file system, a parent that is a file
+        raise OutputError(f"--out {str(path)[:80]}: cannot be written ({exc.strerror}). Choose another path.") from None
+    if is_dir:
         raise OutputError(f"--out {path} is a folder; one file is written there. Give a file path.")
     check_not_inside_output(path)
-    exists = path.exists() or path.is_symlink()
     if exists and read_marker(path.parent) is not None:
         raise OutputError(f"{path} belongs to {describe(path.parent)}; it is never replaced by another command's "
                           f"output. Choose another file name.")

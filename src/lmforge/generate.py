@@ -46,9 +46,9 @@ def filter_logits(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
     """Temperature, then top-k, then top-p (the order transformers uses): (B, V) float ->
     (B, V) float32 with filtered-out tokens at -inf. Not for greedy decoding."""
     logits = logits.float()
-    # shift so the best logit is 0 before dividing: a tiny temperature then sends the others to
-    # -inf (greedy in the limit) instead of overflowing to inf - inf = NaN in the softmax
-    logits = (logits - logits.amax(-1, keepdim=True)) / cfg.temperature
+    # shift so the best logit is 0 before dividing, in float64: a tiny temperature (even one that
+    # is 0 in float32) then sends the others to -inf, greedy in the limit, never inf - inf = NaN
+    logits = ((logits - logits.amax(-1, keepdim=True)).double() / cfg.temperature).float()
     if cfg.top_k and cfg.top_k < logits.shape[-1]:
         kth = torch.topk(logits, cfg.top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -82,6 +82,9 @@ def sample_next(logits: torch.Tensor, cfg: SamplingConfig, history: torch.Tensor
             logits = apply_repetition_penalty(logits, seen, cfg.repetition_penalty)
     if cfg.greedy or cfg.temperature == 0:
         return logits.argmax(dim=-1)
+    if not bool(torch.isfinite(logits).all()):
+        raise LmforgeError("the model produced non-finite logits (NaN or infinity): its weights are too large or "
+                           "damaged for sampling. Use another checkpoint, or --greedy to see what it predicts.")
     probs = filter_logits(logits, cfg).softmax(-1)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 

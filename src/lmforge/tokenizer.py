@@ -134,7 +134,7 @@ def train_tokenizer(
         LmforgeError: vocab_size too small, or no text.
     The folder is written atomically (a temporary folder, then a rename).
     """
-    check_output(Path(out_dir), TOKENIZER_OUTPUT, "the tokenizer stage")  # before the training time
+    check_output(Path(out_dir), TOKENIZER_OUTPUT, "the tokenizer stage", replace_whole=True)  # before the work
     specials = list(special_tokens or SPECIAL_TOKENS.values())
     if sorted(specials) != sorted(SPECIAL_TOKENS.values()):
         raise LmforgeError(f"special_tokens {specials} must be a permutation of {list(SPECIAL_TOKENS.values())}.")
@@ -537,7 +537,7 @@ def import_tokenizer(src_dir: str | Path, out_dir: str | Path,
         )
     if out.resolve() == src.resolve():
         raise LmforgeError(f"--out {out} is the --from folder; the source is never modified. Choose another --out.")
-    check_output(out, TOKENIZER_OUTPUT, "import-tokenizer")  # before any work
+    check_output(out, TOKENIZER_OUTPUT, "import-tokenizer", replace_whole=True)  # before any work
     try:
         hf = HFTokenizer.from_file(str(path))
     except Exception as exc:  # the Rust library raises plain Exception subclasses

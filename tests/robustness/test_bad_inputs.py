@@ -452,7 +452,8 @@ add("importhf-missing-folder", ("import-hf", "nothere", "--out", "newimp"), r"no
 GGUF = ("export", "--checkpoint", "run", "--format", "gguf", "--out", "model.gguf")
 add("gguf-out-existing-file", (*GGUF[:-1], "notes.txt"), r"notes\.txt already exists.*--force")
 add("gguf-out-folder", (*GGUF[:-1], "mine"), r"mine is a folder")
-add("gguf-out-no-parent", (*GGUF[:-1], "nodir/model.gguf"), r"does not exist")
+add("gguf-out-parent-is-file", (*GGUF[:-1], "notes.txt/model.gguf"), r"cannot be (written|created)")
+add("gguf-out-name-too-long", (*GGUF[:-1], "m" * 300), r"cannot be written \(File name too long\)")
 add("gguf-verify", (*GGUF, "--verify"), r"--verify compares with transformers")
 add("gguf-nan-weights", GGUF, r"NaN or infinite", nan_weights("run/step_000002/model.safetensors"))
 add("gguf-pad-edited", GGUF, r"contract|special|pad",
@@ -529,6 +530,20 @@ add("hunt-user-file-in-own-output", ("prepare", *C, "--out", "data", "--no-progr
     r"also holds files lmforge did not write \(my_notes\.txt\)", write("data/my_notes.txt", "mine"))
 add("hunt-copied-marker", ("prepare", *C, "--out", "mine", "--no-progress"), r"thesis\.tex",
     lambda p: shutil.copy(p / "data" / ".lmforge-output", p / "mine" / ".lmforge-output"))
+
+add("hunt-marker-without-manifest", ("prepare", *C, "--out", "mine", "--no-progress"),
+    r"without the list of the files it wrote", write("mine/.lmforge-output", '{"command": "prepare"}'))
+add("hunt-huge-finite-weights", GENERATE, r"non-finite logits",
+    lambda p: _scale_weights(p / "run/step_000002/model.safetensors", 1e30))
+
+
+def _scale_weights(path: Path, factor: float) -> None:
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(str(path))
+    save_file({k: (v * factor if k.endswith("wq.weight") or k.startswith("output") or k.startswith("tok_") else v)
+               for k, v in state.items()}, str(path))
+
 
 # 13. generation inputs
 add("generate-prompt-too-long", (*GENERATE[:-2], "--max-new-tokens", "4", "--prompt", "x " * 400),

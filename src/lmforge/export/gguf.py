@@ -403,11 +403,9 @@ def export_gguf(checkpoint: str | Path, out: str | Path, dtype: str = "float32",
     if dtype not in GGUF_DTYPES:
         raise ExportError(f"--dtype {dtype!r}: GGUF export writes one of {', '.join(GGUF_DTYPES)}.")
     out = Path(out)
+    check_user_file(out, force)  # a name too long, inside an lmforge output, an existing file without --force
     if out.is_dir():
         raise ExportError(f"--out {out} is a folder; GGUF export writes one file. Give a file name such as {out / 'model.gguf'}.")
-    check_user_file(out, force)  # inside an lmforge output, an existing file without --force: refused
-    if not out.parent.is_dir():
-        raise ExportError(f"--out {out}: the folder {out.parent} does not exist; create it first.")
     path = resolve_checkpoint(checkpoint)
     tok = Tokenizer.load(path)  # the contract's special ids checked against the tokenizer, as every stage does
     model, cfg, contract, path = load_model(path, "cpu", tok.contract, path / CONTRACT_FILE)

@@ -323,7 +323,7 @@ def export_hf(checkpoint: str | Path, out: str | Path, dtype: str = "float32", v
     if dtype not in DTYPES:
         raise ExportError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}.")
     out = Path(out)
-    check_output(out, EXPORT_OUTPUT, "`lmforge export`")  # before any work
+    check_output(out, EXPORT_OUTPUT, "`lmforge export`", replace_whole=True)  # before any work
     path = resolve_checkpoint(checkpoint)
     tok = Tokenizer.load(path)  # the contract's special ids checked against the tokenizer, as every stage does
     model, cfg, contract, path = load_model(path, "cpu", tok.contract, path / CONTRACT_FILE)
