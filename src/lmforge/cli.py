@@ -17,7 +17,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from lmforge.errors import Interrupted, LmforgeError
+from lmforge.errors import Interrupted, LmforgeError, request_stop
 
 EPILOG = """\
 stages, in order:
@@ -325,9 +325,11 @@ def run(args: argparse.Namespace) -> int:
     return COMMANDS[args.command][3](args)
 
 
-def _sigterm(signum, frame):
-    """SIGTERM outside a training loop (which handles it itself, finishing the step): unwind
-    like Ctrl-C, so every writer removes its temporary and its lock; exit 143."""
+def _on_signal(signum, frame):
+    """SIGINT / SIGTERM outside a training loop (which handles them itself, finishing the step):
+    unwind, so every writer removes its temporary and its lock; exit 130 / 143. Recorded too,
+    for native code that swallows the exception (`errors.raise_if_stopped`)."""
+    request_stop(signum)
     raise Interrupted(signum)
 
 
@@ -336,9 +338,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     import threading
 
-    previous = None
+    previous = {}
     if threading.current_thread() is threading.main_thread():
-        previous = signal.signal(signal.SIGTERM, _sigterm)
+        previous = {s: signal.signal(s, _on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         return run(args)
     except LmforgeError as exc:
@@ -357,8 +359,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"interrupted: {hint}", file=sys.stderr)
         return 130
     finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 if __name__ == "__main__":

@@ -36,3 +36,18 @@ class Interrupted(Exception):
     def __init__(self, signum: int, message: str = ""):
         super().__init__(message or f"stopped by signal {signum}")
         self.signum = signum
+
+
+#: Signals received by the command line's handler (lmforge.cli). Native code that runs Python
+#: callbacks (the Rust BPE trainer) can swallow the exception a handler raises; it calls
+#: `raise_if_stopped()` when it returns, so the stop is never lost.
+_STOP_REQUESTS: list[int] = []
+
+
+def request_stop(signum: int) -> None:
+    _STOP_REQUESTS.append(signum)
+
+
+def raise_if_stopped() -> None:
+    if _STOP_REQUESTS:
+        raise Interrupted(_STOP_REQUESTS[-1])

@@ -40,7 +40,7 @@ from lmforge.contract import (
     padded_vocab_size,
     token_dtype_for,
 )
-from lmforge.errors import ContractError, LmforgeError
+from lmforge.errors import ContractError, LmforgeError, raise_if_stopped
 from lmforge.fileio import atomic_dir, check_output
 
 #: Special tokens by name (the one place they are spelled). Order = id order when
@@ -154,13 +154,21 @@ def train_tokenizer(
         min_frequency=2,
     )
     seen = {"n": 0}
+    raised: list[BaseException] = []
 
     def counted() -> Iterable[str]:
-        for t in texts:
-            seen["n"] += 1
-            yield from bounded_words(t)
+        try:
+            for t in texts:
+                seen["n"] += 1
+                yield from bounded_words(t)
+        except BaseException as exc:  # the Rust trainer swallows an exception raised in its iterator
+            raised.append(exc)  # (Ctrl-C, SIGTERM, a DataError) and would train on part of the corpus
+            raise
 
     tok.train_from_iterator(counted(), trainer=trainer)
+    if raised:
+        raise raised[0]
+    raise_if_stopped()  # a signal whose exception the trainer swallowed
     if seen["n"] == 0:
         raise LmforgeError("no text to train the tokenizer on: the corpus yielded no documents.")
     return save_tokenizer(tok, out_dir, extra_files=extra_files)
