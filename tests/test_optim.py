@@ -22,18 +22,23 @@ def test_newton_schulz_orthogonalises_a_batch_of_matrices():
     assert s.min() > 0.5 and s.max() < 1.3  # quintic NS: singular values pushed into ~[0.7, 1.2]
 
 
+def step_both(ours, ref, a, b, steps: int) -> None:
+    """`steps` optimizer steps of both, with the same random gradients."""
+    for _ in range(steps):
+        grads = [torch.randn_like(p) for p in a]
+        for p, q, g in zip(a, b, grads):
+            p.grad, q.grad = g.clone(), g.clone()
+        ours.step()
+        ref.step()
+
+
 def test_adamw_groups_equal_torch_adamw():
     torch.manual_seed(0)
     a = [torch.nn.Parameter(torch.randn(5, 3)), torch.nn.Parameter(torch.randn(7))]
     b = [torch.nn.Parameter(p.detach().clone()) for p in a]
     ours = MuonAdamW([dict(params=a, kind="adamw", weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8)], lr=1e-2)
     ref = torch.optim.AdamW(b, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
-    for _ in range(5):
-        grads = [torch.randn_like(p) for p in a]
-        for p, q, g in zip(a, b, grads):
-            p.grad, q.grad = g.clone(), g.clone()
-        ours.step()
-        ref.step()
+    step_both(ours, ref, a, b, 5)
     for p, q in zip(a, b):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
 
@@ -49,12 +54,7 @@ def test_muon_groups_match_torch_muon():
                      lr=1e-2)
     ref = torch.optim.Muon(b, lr=1e-2, weight_decay=0.0, momentum=0.95, nesterov=True, ns_steps=5,
                            adjust_lr_fn="match_rms_adamw")
-    for _ in range(3):
-        grads = [torch.randn_like(p) for p in a]
-        for p, q, g in zip(a, b, grads):
-            p.grad, q.grad = g.clone(), g.clone()
-        ours.step()
-        ref.step()
+    step_both(ours, ref, a, b, 3)
     for p, q in zip(a, b):
         torch.testing.assert_close(p, q, rtol=0, atol=2e-3)  # bf16 Newton-Schulz on both sides
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from lmforge.config import CONFIG_FILE, Config
 from lmforge.contract import CONTRACT_FILE
 from lmforge.evaluate import batch_loss
-from lmforge.fileio import open_run_dir, output_lock
+from lmforge.fileio import open_run_dir, output_lock, write_text
 from lmforge.model import Transformer, load_model
 from lmforge.model.transformer import check_fits_in_memory
 from lmforge.model.attention import resolve_backend
@@ -121,8 +121,6 @@ def run_training(session: TrainingSession, contract_dir: Path, model: Transforme
     if resume and not trainer.resume():  # before any write: a refused --resume leaves the run folder as it was
         log(f"--resume: no checkpoint in {out} yet; starting from step 0")
     if info.is_main:
-        from lmforge.fileio import write_text
-
         copy_contract_files(Path(contract_dir), out)
         cfg.save(out / CONFIG_FILE)
         for name, text in (side_files or {}).items():
