@@ -1,7 +1,7 @@
 """The import graph of `src/lmforge`: layered, arrows pointing down, no cycle.
 
 Every import counts, the ones inside functions included (a lazy import is still a
-dependency). Layers, lowest first (DESIGN.md, "Layout"):
+dependency). Layers, lowest first (docs/design.md, "Layers"):
 
     errors                    0  the error family
     fileio                    0.5  the one writer

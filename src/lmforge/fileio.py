@@ -1,6 +1,6 @@
 """The one writer for every output lmforge makes: folders and files, atomically.
 
-Rules (DESIGN.md, "Errors"), enforced here for every command:
+Rules (docs/design.md, "Outputs and errors"), enforced here for every command:
 - An output folder is written only if it is absent, empty, or holds what the *same*
   command wrote before, recognised by lmforge's own marker file (`MARKER_FILE`, a small
   JSON naming the command) — never by file names other tools also use. An existing file,

@@ -282,12 +282,9 @@ def sft_rows(s: dict) -> list[tuple[str, str]]:
                                         f"{tr['dropped_all_cut']} dropped), {s['sft_steps']} steps"),
         ("SFT held-out loss", f"{s['sft_val_loss']:.4f} nats/supervised token" if s["sft_val_loss"] is not None
          else "-"),
-        ("SFT bodies that parse", f"{s['sft_parse_fraction']:.0%} of {s['sft_parse_n']} held-out prompts "
-                                  f"(greedy, ended with <|im_end|> within {SFT_EVAL_MAX_NEW_TOKENS} tokens: "
-                                  f"{s['sft_stopped']})"),
         ("SFT bodies that parse and end with <|im_end|>",
-         f"{s.get('sft_parse_and_im_end_fraction', float('nan')):.0%} (<|im_end|>: {s.get('sft_im_end', '-')} of "
-         f"{s['sft_parse_n']})"),
+         f"{s.get('sft_parse_and_im_end_fraction', float('nan')):.0%} of {s['sft_parse_n']} held-out prompts "
+         f"(greedy, within {SFT_EVAL_MAX_NEW_TOKENS} tokens; {s.get('sft_im_end', '-')} ended with <|im_end|>)"),
         ("SFT docstring examples (>>>) passed", f"{s.get('sft_doctest_passed', '-')} of {s.get('sft_doctest_n', '-')} "
                                                 f"functions whose reference passes them"),
     ]

@@ -6,7 +6,7 @@ momentum whose update is orthogonalised by a few quintic Newton-Schulz iteration
 embeddings, the output head and the norm weights stay on AdamW (Loshchilov & Hutter 2019).
 
 Why not `torch.optim.Muon` (torch 2.13): it runs one Newton-Schulz chain per matrix, and
-on this 2-core CPU that made a training step ~26% slower (RECIPE-NOTES.md). Here the
+on this 2-core CPU that made a training step ~26% slower (docs/recipe.md). Here the
 matrices of one shape (wide orientation: a tall matrix is transposed) are stacked and
 orthogonalised in one batched bf16 chain (nanochat's `nanochat/optim.py` does the same on
 GPU), so the 28 hidden matrices of the default model cost 3 batched chains.
