@@ -311,10 +311,10 @@ def smoke_texts(n_docs: int = 60, max_chars: int = 4000) -> list[str]:
     return out
 
 
-def smoke_corpus(folder: Path, n_docs: int = 60) -> Path:
+def smoke_corpus(folder: Path, n_docs: int = 60, max_chars: int = 4000) -> Path:
     """`smoke_texts` written as a folder of .py files (a `data.source` for prepare); returns `folder`."""
     folder.mkdir(parents=True, exist_ok=True)
-    for i, text in enumerate(smoke_texts(n_docs)):
+    for i, text in enumerate(smoke_texts(n_docs, max_chars)):
         (folder / f"doc_{i:03d}.py").write_text(text, encoding="utf-8")
     return folder
 
