@@ -263,7 +263,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args([] if argv is None else argv)
     with tempfile.TemporaryDirectory(prefix="lmforge-quality-smoke-") as tmp:
         if args.smoke:  # 3 steps of each side on a tiny corpus, everything under tmp
-            args.steps = 3
+            args.steps, args.threads = 3, args.threads or 1
             args.set = [*SMOKE_SETS, f"data.source={common.smoke_corpus(Path(tmp) / 'corpus', 30, 1000)}", *args.set]
         return _main(args, Path(tmp) if args.smoke else CACHE)
 

@@ -46,7 +46,9 @@ def cache_files() -> set[Path]:
 
 
 def smoke_env() -> dict:
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    """One torch thread: tiny ops on a shared 2-core machine only wait for each other with two."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
+            "OMP_NUM_THREADS": "1"}
 
 
 # -- each benchmark's smoke mode ---------------------------------------------------------------
