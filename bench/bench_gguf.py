@@ -55,24 +55,28 @@ def llama_child_argv(gguf: Path, threads: int, kv_f32: bool) -> list[str]:
 def serve_llama(gguf: str, threads: int, kv_f32: bool) -> None:
     """The child: load `gguf` in llama.cpp, then answer {"prompts": [[id, ...], ...], "new_tokens": n}
     with {"ids": [[n greedy ids], ...]} (one prompt after another, batch 1) until stdin closes."""
-    import llama_cpp
 
-    kv = {"type_k": GGML_TYPE_F32, "type_v": GGML_TYPE_F32} if kv_f32 else {}
-    llm = llama_cpp.Llama(model_path=gguf, n_ctx=N_CTX, n_batch=N_CTX, n_threads=threads, n_threads_batch=threads,
-                          verbose=False, flash_attn=False, **kv)
+    def setup():
+        import llama_cpp
 
-    def handle(request: dict) -> dict:
-        out = []
-        for p in request["prompts"]:
-            ids: list[int] = []
-            for t in llm.generate(p, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=True):
-                ids.append(int(t))
-                if len(ids) == request["new_tokens"]:
-                    break
-            out.append(ids)
-        return {"ids": out}
+        kv = {"type_k": GGML_TYPE_F32, "type_v": GGML_TYPE_F32} if kv_f32 else {}
+        llm = llama_cpp.Llama(model_path=gguf, n_ctx=N_CTX, n_batch=N_CTX, n_threads=threads,
+                              n_threads_batch=threads, verbose=False, flash_attn=False, **kv)
 
-    common.serve_requests(handle)
+        def handle(request: dict) -> dict:
+            out = []
+            for p in request["prompts"]:
+                ids: list[int] = []
+                for t in llm.generate(p, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=True):
+                    ids.append(int(t))
+                    if len(ids) == request["new_tokens"]:
+                        break
+                out.append(ids)
+            return {"ids": out}
+
+        return handle
+
+    common.serve_requests(setup)
 
 
 def build_checkpoint(tmp: Path, tok, smoke: bool = False):

@@ -391,7 +391,7 @@ class Child:
     """A Python child process that answers JSON requests, one line each way, so that a runtime
     it hosts can crash (SIGSEGV, SIGILL, abort) without taking the benchmark with it.
 
-    `argv` starts the child; it sets itself up and calls `serve_requests(handler)`.
+    `argv` starts the child, which calls `serve_requests(setup)`.
     `request(obj)` sends `obj` and returns the handler's answer. Whenever the child ends or
     does not answer within `timeout` seconds, `request` raises `ChildFailed` (the child is
     gone by then; later calls raise the same). Its stderr is kept in a temporary file and the
@@ -460,14 +460,17 @@ class Child:
         self.close()
 
 
-def serve_requests(handler: Callable[[object], object]) -> None:
-    """The child's side of `Child`: answer `handler(request)` for each JSON line on stdin until
-    stdin closes. The answers go to the original stdout; anything else that writes to stdout
-    (the hosted runtime's logs) is sent to stderr, so it cannot corrupt them. An exception in
-    `handler` ends the child (exit 1, its traceback on stderr)."""
+def serve_requests(setup: Callable[[], Callable[[object], object]]) -> None:
+    """The child's side of `Child`: `setup()` (load the runtime) returns a handler; answer
+    `handler(request)` for each JSON line on stdin until stdin closes. The answers go to the
+    original stdout; stdout itself is sent to stderr before `setup` runs, so nothing the
+    hosted runtime prints, while loading or later, can corrupt them. An exception ends the
+    child (exit 1, its traceback on stderr)."""
     answers = os.fdopen(os.dup(1), "w", encoding="utf-8")
+    sys.stdout.flush()
     os.dup2(2, 1)
     sys.stdout = sys.stderr
+    handler = setup()
     for line in sys.stdin:  # bounded: ends when the parent closes stdin
         if line.strip():
             answers.write(json.dumps(handler(json.loads(line))) + "\n")

@@ -128,7 +128,7 @@ def test_a_child_answers_then_crashes_midway():
             if len(seen) == 3:
                 os.kill(os.getpid(), signal.SIGSEGV)
             return {"sum": sum(req["xs"]), "n": len(seen)}
-        common.serve_requests(handle)
+        common.serve_requests(lambda: (print("setup: another one"), handle)[1])
     """)
     with common.Child(PYTHON_CHILD + [code]) as child:
         assert child.request({"xs": [1, 2, 3]}) == {"sum": 6, "n": 1}
@@ -136,7 +136,7 @@ def test_a_child_answers_then_crashes_midway():
         with pytest.raises(common.ChildFailed) as err:
             child.request({"xs": []})
         assert err.value.status == "crashed: SIGSEGV"
-        assert "a runtime's log line on stdout" in err.value.detail
+        assert "a runtime's log line on stdout" in err.value.detail and "setup: another one" in err.value.detail
 
 
 def test_a_child_that_hangs_times_out_and_is_killed():
@@ -180,7 +180,7 @@ def test_bench_gguf_reports_a_llama_crash_as_a_row(monkeypatch, capsys):
             if len(seen) == 2:
                 os.kill(os.getpid(), signal.SIGILL)
             return {"ids": [[0] * req["new_tokens"] for _ in req["prompts"]]}
-        common.serve_requests(handle)
+        common.serve_requests(lambda: handle)
     """)
     at_load = "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)"
     monkeypatch.setattr(bench_gguf, "llama_installed", lambda: True)
@@ -193,6 +193,42 @@ def test_bench_gguf_reports_a_llama_crash_as_a_row(monkeypatch, capsys):
     assert results["lmforge"]["tok_s"] > 0 and results["lmforge"]["agree"] == results["lmforge"]["of"]
     assert re.search(r"^\| llama\.cpp f32 +\| crashed: SIGSEGV +\|", out, re.M), out
     assert re.search(r"^\| llama\.cpp q8_0 +\| crashed: SIGILL +\|", out, re.M), out
+
+
+FAKE_LLAMA_CPP = """
+import os, signal
+
+class Llama:  # llama-cpp-python's Llama, as far as bench_gguf uses it
+    def __init__(self, model_path, **kwargs):
+        self.path = model_path
+        print("llama.cpp log line on stdout")  # the real one logs too; the answers must survive it
+
+    def generate(self, tokens, **kwargs):
+        if "q8_0" in self.path:  # its quantized kernels on a CPU that lacks an instruction
+            os.kill(os.getpid(), signal.SIGILL)
+        i = 0
+        while True:
+            yield 5 + i % 7
+            i += 1
+"""
+
+
+@pytest.mark.slow
+def test_bench_gguf_smoke_with_a_llama_cpp_that_crashes_on_q8_0(tmp_path):
+    """The real child command (bench_gguf.py --serve-llama) under a stand-in `llama_cpp` module
+    that decodes the f32 file and dies with SIGILL on the q8_0 one: exit 0, the f32 row has
+    figures, the q8_0 row says crashed: SIGILL."""
+    fake = tmp_path / "fake" / "llama_cpp"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text(FAKE_LLAMA_CPP)
+    env = smoke_env()
+    env["PYTHONPATH"] = os.pathsep.join([str(fake.parent), env["PYTHONPATH"]])
+    res = subprocess.run([sys.executable, str(BENCH / "bench_gguf.py"), "--smoke"], capture_output=True, text=True,
+                         timeout=300, env=env)
+    assert res.returncode == 0, res.stderr[-4000:]
+    assert re.search(r"^\| llama\.cpp f32 +\| [\d.]+ +\| [\d.]+-[\d.]+ +\| [\d.]+x +\| \d+/16 ", res.stdout, re.M), res.stdout
+    assert re.search(r"^\| llama\.cpp q8_0 +\| crashed: SIGILL +\|", res.stdout, re.M), res.stdout
+    assert re.search(r"^\| lmforge +\| [\d.]+ ", res.stdout, re.M), res.stdout
 
 
 # -- run_all.py --------------------------------------------------------------------------------
