@@ -86,14 +86,13 @@ import numpy as np
 import torch
 
 from lmforge.config import ModelConfig
-from lmforge.contract import CONTRACT_FILE, Contract
-from lmforge.errors import LmforgeError, require_package
+from lmforge.contract import Contract
+from lmforge.errors import require_package
 from lmforge.export.options import EXPORT_DTYPES, ExportError, check_export_options
 from lmforge.fileio import check_user_file, user_file
 from lmforge.loading import load_checkpoint
 from lmforge.model.io import model_state
-from lmforge.tokenizer import (CHAT_TEMPLATE, MAX_TOKEN_BYTES, SPLIT_PATTERN, TOKENIZER_FILE, Tokenizer,
-                               byte_decoder)
+from lmforge.tokenizer import CHAT_TEMPLATE, MAX_TOKEN_BYTES, SPLIT_PATTERN, TOKENIZER_FILE, byte_decoder
 
 GGUF_DTYPES = EXPORT_DTYPES["gguf"]
 

@@ -40,13 +40,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from lmforge.config import Config, ModelConfig, from_dict, validate
-from lmforge.contract import CONTRACT_FILE, Contract, padded_vocab_size
-from lmforge.errors import CheckpointError, ConfigError, LmforgeError, require_package
+from lmforge.contract import Contract, padded_vocab_size
+from lmforge.errors import CheckpointError, ConfigError, require_package
 from lmforge.export.options import ExportError, check_export_options
 from lmforge.fileio import atomic_dir, check_output
 from lmforge.loading import load_checkpoint
-from lmforge.model.io import MODEL_FILE, load_weights, model_state, resolve_checkpoint, write_model_files
-from lmforge.tokenizer import CHAT_TEMPLATE, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, Tokenizer
+from lmforge.model.io import MODEL_FILE, load_weights, model_state, write_model_files
+from lmforge.tokenizer import CHAT_TEMPLATE, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE
 
 HF_CONFIG_FILE = "config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
