@@ -88,6 +88,9 @@ def speedrun_stage(cfg: Config, out: str | Path, resume: bool = False, progress:
     cfg = replace(cfg, tokenizer=replace(cfg.tokenizer, dir=str(out / "tokenizer")),
                   data=replace(cfg.data, dir=str(out / "data")))
     times: dict[str, float] = {}
+    # decided once: the held-out loss is scored as training computes it, samples and SFT bodies
+    # are decoded as `lmforge generate` decodes (pretrain and sft decide their own, as commands)
+    score_rt, decode_rt = training_runtime(cfg.train.precision), decode_runtime()
 
     # (step, command, folder, its marker = its key in times): what an earlier run finished is kept on --resume
     for step, command, folder, marker, stage in ((1, "train-tokenizer", "tokenizer", "tokenizer", train_tokenizer_stage),
@@ -110,8 +113,6 @@ def speedrun_stage(cfg: Config, out: str | Path, resume: bool = False, progress:
 
     t0 = time.perf_counter()
     log("== 4/5 evaluate and sample")
-    # the loss is scored as training computed it, the samples decoded as `lmforge generate` does
-    score_rt, decode_rt = training_runtime(cfg.train.precision), decode_runtime()
     model, tok, _, ckpt_path = load_checkpoint(run_dir, device=score_rt.device)
     val = Shard.open(cfg.data.dir, "val", tok.contract, ckpt_path / CONTRACT_FILE)
     res = evaluate_shard(model, val, cfg.data.seq_len, cfg.train.micro_batch_size, score_rt,
@@ -126,7 +127,7 @@ def speedrun_stage(cfg: Config, out: str | Path, resume: bool = False, progress:
     times["eval"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
-    sft_summary = sft_speedrun(cfg, out, ckpt_path, resume, progress)
+    sft_summary = sft_speedrun(cfg, out, ckpt_path, decode_rt, resume, progress)
     times["sft"] = time.perf_counter() - t0
 
     rows = [json.loads(line) for line in (run_dir / METRICS_FILE).read_text().splitlines() if line.strip()]
@@ -184,13 +185,14 @@ SFT_EVAL_PROMPTS = 64
 SFT_EVAL_MAX_NEW_TOKENS = 160
 
 
-def sft_speedrun(cfg: Config, out: Path, init: Path, resume: bool = False, progress: bool = True) -> dict:
+def sft_speedrun(cfg: Config, out: Path, init: Path, runtime: Runtime, resume: bool = False,
+                 progress: bool = True) -> dict:
     """SFT from the pretrained checkpoint `init` on the standard-library function set (the
     [sft] keys of `cfg`; sft.data is forced to "stdlib"), into OUT/sft. Then, on held-out
     modules: the SFT validation loss (nats per supervised token) and the fraction of greedy
     bodies (at most SFT_EVAL_MAX_NEW_TOKENS tokens, for SFT_EVAL_PROMPTS prompts whose
-    reference body fits in that budget) that parse with ast.parse under their signature.
-    The bodies go to OUT/sft_samples.json."""
+    reference body fits in that budget) that parse with ast.parse under their signature,
+    decoded under `runtime` (the speedrun's decoding runtime). The bodies go to OUT/sft_samples.json."""
     log("== 5/5 sft")
     run_dir = out / "sft"
     scfg = replace(cfg, sft=replace(cfg.sft, init=str(init), data="stdlib"))
@@ -201,10 +203,9 @@ def sft_speedrun(cfg: Config, out: Path, init: Path, resume: bool = False, progr
     val_loss = last.get("val_loss")
     if val_loss is None:  # a resumed run that had already finished: its last validation
         val_loss = next((r["val_loss"] for r in reversed(rows) if r.get("val_loss") is not None), None)
-    rt = decode_runtime()
-    model, tok, _, ckpt_path = load_checkpoint(run_dir, device=rt.device)
+    model, tok, _, ckpt_path = load_checkpoint(run_dir, device=runtime.device)
     items = held_out_prompts(run_dir / SFT_VAL_FILE, tok, SFT_EVAL_PROMPTS, SFT_EVAL_MAX_NEW_TOKENS - 1)
-    parse = body_parse_rate(model, tok, items, SFT_EVAL_MAX_NEW_TOKENS, runtime=rt)
+    parse = body_parse_rate(model, tok, items, SFT_EVAL_MAX_NEW_TOKENS, runtime=runtime)
     parse["doctests"] = doctest_pass_rate(items, parse["examples"])
     write_json(out / "sft_samples.json", parse)
     data = json.loads((run_dir / SFT_DATA_FILE).read_text(encoding="utf-8"))
