@@ -104,3 +104,12 @@ def test_trainer_steps_under_the_runtime_it_is_given(tiny_run, tmp_path, runtime
     assert seen and {on for on, _ in seen} == {runtime.dtype is not None}
     ns = {g["ns_dtype"] for g in trainer.optimizer.param_groups if g["kind"] == "muon"}
     assert ns == {"float32" if runtime.dtype is None else "bfloat16"}  # Muon follows the same runtime
+
+
+def test_the_compute_dtype_is_read_in_one_place():
+    """Only runtime.py asks torch for the autocast dtype; the model, the loss, the decode path and
+    generation call `compute_dtype` (the serve engine goes through the model)."""
+    src = Path(__file__).resolve().parents[1] / "src" / "lmforge"
+    asking = sorted(str(p.relative_to(src)) for p in src.rglob("*.py")
+                    if "get_autocast_dtype" in p.read_text(encoding="utf-8"))
+    assert asking == ["runtime.py"], asking
