@@ -98,7 +98,7 @@ def loader_share(data_dir: Path, tok, warmup: int, repeat: int, smoke: bool = Fa
     load = common.Stats([t / per_call for t in times["next_batch x10"].samples])
     step = times["train_step"]
     return {"next_batch_s": load.as_dict(), "train_step_s": step.as_dict(),
-            "share": load.median / step.median, "precision": str(trainer.dtype or "fp32"),
+            "share": load.median / step.median, "precision": trainer.runtime.label,
             "padding_fraction": stream.last_padding_fraction}
 
 

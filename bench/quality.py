@@ -66,7 +66,7 @@ from lmforge.data.shards import Shard  # noqa: E402
 from lmforge.evaluate import evaluate_shard, shard_batches, sliding_window_bits_per_byte  # noqa: E402
 from lmforge.model import Transformer, resolve_model_config  # noqa: E402
 from lmforge.tokenizer import Tokenizer  # noqa: E402
-from lmforge.runtime import autocast, resolve_precision  # noqa: E402
+from lmforge.runtime import training_runtime  # noqa: E402
 from lmforge.train.trainer import Trainer, seed_everything  # noqa: E402
 
 QUICK_STEPS = 150
@@ -112,9 +112,9 @@ def train_lmforge(cfg: Config, steps: int, sliding: bool = True, log=print, cach
         rows = [json.loads(x) for x in (Path(tmp) / "run" / "metrics.jsonl").read_text().splitlines() if x.strip()]
     dts = np.array([r["elapsed_s"] for r in rows])
     per_step = np.diff(np.concatenate([[0.0], dts]))
-    dtype = resolve_precision(t.precision, torch.device("cpu"))
-    res = evaluate_shard(trainer.raw_model, val, d.seq_len, 16, "cpu", dtype, d.document_masking)
-    sl = sliding_window_bits_per_byte(lambda x, p: trainer.raw_model(x, p), val, d.seq_len, 0, 16, "cpu", dtype) \
+    runtime = training_runtime(t.precision, "cpu")
+    res = evaluate_shard(trainer.raw_model, val, d.seq_len, 16, runtime, d.document_masking)
+    sl = sliding_window_bits_per_byte(lambda x, p: trainer.raw_model(x, p), val, d.seq_len, 0, 16, runtime) \
         if sliding else {"bits_per_byte": float("nan")}
     return {"bits_per_byte": res["bits_per_byte"], "sliding_bits_per_byte": sl["bits_per_byte"],
             "val_loss": res["loss"], "tokens": last["tokens"], "train_s": float(dts[-1]),
@@ -202,7 +202,7 @@ def train_reference(cfg: Config, steps: int | None, seconds: float | None, seed:
     warmup, peak, floor = 100, 1e-3, 1e-4
     data = torch.from_numpy(np.asarray(train.tokens, dtype=np.int64))
     gen = torch.Generator().manual_seed(seed)
-    dtype = resolve_precision(cfg.train.precision, torch.device("cpu"))
+    runtime = training_runtime(cfg.train.precision, "cpu")
     total = steps or 10**9
     t_train, step, times = 0.0, 0, []
     model.train()
@@ -214,7 +214,7 @@ def train_reference(cfg: Config, steps: int | None, seconds: float | None, seed:
             g["lr"] = lr
         ix = torch.randint(len(data) - L - 1, (B,), generator=gen)
         xy = torch.stack([data[i: i + L + 1] for i in ix.tolist()])
-        with autocast(torch.device("cpu"), dtype):
+        with runtime.autocast():
             logits = model(input_ids=xy[:, :-1]).logits
         loss = F.cross_entropy(logits.float().flatten(0, 1), xy[:, 1:].flatten())
         loss.backward()
@@ -230,9 +230,9 @@ def train_reference(cfg: Config, steps: int | None, seconds: float | None, seed:
             log(f"quality: reference: {1000 * np.median(times[5:]):.0f} ms/step -> {total} steps for {seconds:.0f}s")
     tokens = step * B * L
     model.eval()
-    res = evaluate_shard(SegmentScorer(model), val, L, 16, "cpu", dtype, cfg.data.document_masking)
-    sl = sliding_window_bits_per_byte(lambda x, p: model(input_ids=x, position_ids=p).logits, val, L, 0, 16, "cpu",
-                                      dtype)
+    res = evaluate_shard(SegmentScorer(model), val, L, 16, runtime, cfg.data.document_masking)
+    sl = sliding_window_bits_per_byte(lambda x, p: model(input_ids=x, position_ids=p).logits, val, L, 0, 16,
+                                      runtime)
     return {"bits_per_byte": res["bits_per_byte"], "sliding_bits_per_byte": sl["bits_per_byte"],
             "val_loss": res["loss"], "tokens": tokens, "train_s": t_train, "tokens_per_s": tokens / t_train,
             "ms_per_step": 1000 * float(np.median(times[5:] if len(times) > 10 else times)),
