@@ -50,7 +50,8 @@ def main(argv: list[str] | None = None) -> dict:
         for _ in range(repeats):
             for name, dtype in (("fp32", None), ("bf16", torch.bfloat16)):  # each precision explicitly
                 t0 = time.perf_counter()
-                ids[name] = generate(model, prompts, [], cfg, contract.pad_id, runtime=Runtime(torch.device("cpu"), dtype))
+                runtime = Runtime(torch.device("cpu"), dtype)
+                ids[name] = generate(model, prompts, [], cfg, contract.pad_id, runtime=runtime)
                 rate = batch * cfg.max_new_tokens / (time.perf_counter() - t0)
                 best[name] = max(best.get(name, 0.0), rate)
         same = sum(a == b for r1, r2 in zip(ids["fp32"], ids["bf16"]) for a, b in zip(r1, r2))

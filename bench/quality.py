@@ -63,7 +63,7 @@ from lmforge.config import Config, apply_overrides, load_config  # noqa: E402
 from lmforge.contract import CONTRACT_FILE  # noqa: E402
 from lmforge.data.packing import shard_stream  # noqa: E402
 from lmforge.data.shards import Shard  # noqa: E402
-from lmforge.evaluate import evaluate_shard, shard_batches, sliding_window_bits_per_byte  # noqa: E402
+from lmforge.evaluate import evaluate_shard, sliding_window_bits_per_byte  # noqa: E402
 from lmforge.model import Transformer, resolve_model_config  # noqa: E402
 from lmforge.tokenizer import Tokenizer  # noqa: E402
 from lmforge.runtime import training_runtime  # noqa: E402

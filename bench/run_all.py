@@ -229,9 +229,9 @@ def main(argv: list[str] | None = None) -> dict:
     if heads:
         print("\n## Headlines\n\n" + "\n".join(f"- {h}" for h in heads), flush=True)
     failed = [n for n, r in runs.items() if r["error"]]
-    print("\n" + common.table(["benchmark", "seconds", "status"],
-                              [[bench_path(n).stem, f"{r['seconds']:.0f}", "FAILED: " + r["error"].strip().splitlines()[-1]
-                                if r["error"] else "ok"] for n, r in runs.items()],
+    summary = [[bench_path(n).stem, f"{r['seconds']:.0f}",
+                "FAILED: " + r["error"].strip().splitlines()[-1] if r["error"] else "ok"] for n, r in runs.items()]
+    print("\n" + common.table(["benchmark", "seconds", "status"], summary,
                               title="Summary" + (" (smoke runs)" if args.smoke else "")), flush=True)
     print(f"\nall benchmarks: {total / 60:.1f} min" + (f"; FAILED: {', '.join(failed)}" if failed else ""), flush=True)
     config = ("smoke" if args.smoke else "quick" if args.quick else "default") + \

@@ -226,7 +226,8 @@ def test_bench_gguf_smoke_with_a_llama_cpp_that_crashes_on_q8_0(tmp_path):
     res = subprocess.run([sys.executable, str(BENCH / "bench_gguf.py"), "--smoke"], capture_output=True, text=True,
                          timeout=300, env=env)
     assert res.returncode == 0, res.stderr[-4000:]
-    assert re.search(r"^\| llama\.cpp f32 +\| [\d.]+ +\| [\d.]+-[\d.]+ +\| [\d.]+x +\| \d+/16 ", res.stdout, re.M), res.stdout
+    f32_row = r"^\| llama\.cpp f32 +\| [\d.]+ +\| [\d.]+-[\d.]+ +\| [\d.]+x +\| \d+/16 "
+    assert re.search(f32_row, res.stdout, re.M), res.stdout
     assert re.search(r"^\| llama\.cpp q8_0 +\| crashed: SIGILL +\|", res.stdout, re.M), res.stdout
     assert re.search(r"^\| lmforge +\| [\d.]+ ", res.stdout, re.M), res.stdout
 
@@ -235,8 +236,8 @@ def test_bench_gguf_smoke_with_a_llama_cpp_that_crashes_on_q8_0(tmp_path):
 FAKE_BENCHES = {
     "bench_boom.py": "import os, signal\ndef main(argv):\n    print('boom starts')\n"
                      "    os.kill(os.getpid(), signal.SIGSEGV)\n",
-    "bench_ok.py": "import common\ndef main(argv):\n    print(common.table(['smoke', 'x'], [[str('--smoke' in argv), 1]]))\n"
-                   "    return {'x': 1}\n",
+    "bench_ok.py": "import common\ndef main(argv):\n"
+                   "    print(common.table(['smoke', 'x'], [[str('--smoke' in argv), 1]]))\n    return {'x': 1}\n",
     "bench_raises.py": "def main(argv):\n    raise ValueError('a broken benchmark')\n",
 }
 
