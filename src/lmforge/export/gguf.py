@@ -17,23 +17,40 @@ What goes into the file:
     {arch}.attention.head_count / head_count_kv / key_length / value_length
     {arch}.rope.dimension_count = head_dim (lmforge rotates the whole head); rope.freq_base = rope_theta
     {arch}.attention.layer_norm_rms_epsilon = norm_eps;  {arch}.vocab_size = the tokenizer's
-    tokenizer.ggml.model "gpt2", .pre "qwen2", .tokens, .token_type, .merges (from tokenizer.json)
-    tokenizer.ggml.bos/eos/eot/padding_token_id  from contract.json (bos, eos, im_end, pad)
-    tokenizer.ggml.add_bos_token true, add_eos_token false; tokenizer.chat_template (ChatML)
+    tokenizer.ggml.model / .pre   what the tokenizer is (below); .tokens, .token_type, and
+                               .merges ("gpt2") or .scores + .add_space_prefix ("llama")
+    tokenizer.ggml.bos/eos/padding_token_id  from contract.json; eot_token_id = the end-of-turn
+                               token (im_end) where it is not the EOS; unknown_token_id if any
+    tokenizer.ggml.add_bos_token  whether documents start with the BOS (the contract); add_eos_token false
+    tokenizer.chat_template    the contract's (lmforge's ChatML, or an imported model's own)
 
-Tokenizer. lmforge's tokenizer (Qwen2's split regex as a `Split`, then
-`ByteLevel(use_regex=False)`, tokens of at most 32 bytes) is what llama.cpp's `gpt2` BPE
-with pre-tokenizer `qwen2` computes, so the vocabulary and merges are copied as they are.
-Anything else (another pre-tokenizer, a normalizer, byte fallback, `ignore_merges`, a token
-longer than 32 bytes) is refused with an `ExportError`: llama.cpp would load the file and
-tokenize differently. Every special token is CONTROL (so plain text that spells one stays
-plain text unless the runtime parses specials, as lmforge's data path does); an id the
+Tokenizer: mapped by what tokenizer.json computes, never by its name (`gguf_vocab`):
+
+    byte-level BPE, pre-tokenizer                          tokenizer.ggml.model / .pre
+    ByteLevel with GPT-2's regex (GPT-2)                   gpt2 / gpt-2
+    Digits(individual) + ByteLevel (SmolLM, SmolLM2)       gpt2 / smollm
+    Split(Llama 3's regex) + ByteLevel, ignore_merges      gpt2 / llama-bpe   (Llama 3)
+    Split(Llama 3's regex) + ByteLevel, merges always      gpt2 / smaug-bpe
+    Split(Qwen2's regex) + ByteLevel (Qwen2, lmforge's)    gpt2 / qwen2
+    BPE with byte fallback, "▁" for spaces                 llama / default    (Llama 2, Mistral, TinyLlama)
+
+llama.cpp's converter recognises a pre-tokenizer by hashing the ids of a fixed text; the split
+regexes and names here are those of its loader (`llama_vocab::impl::load`). SentencePiece-style
+tokenizers have no merges in llama.cpp: it merges the adjacent pair whose concatenation scores
+highest, so each token's score is minus the rank of the first HF merge that makes it, which
+applies HF's merges in HF's order (`_spm_scores` says when, and refuses otherwise; llama.cpp's
+own converter writes -1000 for every token of such a tokenizer, which does not). Anything else
+(Unigram or WordPiece, a normalizer llama.cpp does not apply, another split, dropout, added
+tokens that strip spaces, missing byte tokens, two ids with one spelling) is refused with an
+`ExportError` naming what was seen: llama.cpp would load the file and tokenize differently.
+Special added tokens are CONTROL (plain text that spells one stays plain text unless the runtime
+parses specials, as lmforge's data path does), other added tokens USER_DEFINED; an id the
 tokenizer leaves unused (a gap) becomes an UNUSED placeholder "[PAD{id}]".
 
-BOS. `add_bos_token` is true: lmforge's completion (`lmforge generate`, every pretraining
-document) starts with <|bos|>, and llama.cpp prepends it to a prompt the same way. lmforge's
-chat rendering (`Tokenizer.render_chat`) has no <|bos|>; llama.cpp's chat mode prepends one
-before the first <|im_start|> (one extra token at the start of the context).
+BOS. `add_bos_token` follows the contract: lmforge's completion (`lmforge generate`, every
+pretraining document) starts with the BOS exactly when llama.cpp prepends it to a prompt.
+lmforge's ChatML rendering (`Tokenizer.render_chat`) has no BOS; llama.cpp's chat mode prepends
+one before the first <|im_start|> when add_bos_token is true (one extra token at the start).
 
 Padded vocabulary (P6). lmforge pads the embedding and output matrices to a multiple of 64
 rows; those rows are never inputs or targets. The export slices them off: `token_embd` and
@@ -248,8 +265,11 @@ def _spm_scores(tokens: list[str | None], merges: list[tuple[str, str]], path: P
     - every split of a token into two pieces that could be adjacent (tokens or single
       characters) is a merge rule: llama.cpp merges any such pair, HF only its rules
       (true of tokenizers converted from SentencePiece, whose merges list every split);
-    - the rules are grouped by the token they make, in order of its first rule;
-    - for one token made by two overlapping rules (a+b = b+c), the leftmost has the lower rank.
+    - the rules are grouped by the token they make, in order of its first rule.
+    One case is left as it is: a token made by two rules that overlap (a+b = b+c, e.g. "▁" + "▁▁"
+    and "▁▁" + "▁") from the three pieces a, b, c side by side; llama.cpp applies the left rule,
+    as SentencePiece itself does, HF the lower-ranked. Merging equal pieces from the left makes
+    that arrangement rare; tests/interop/ finds it in none of its strings.
 
     Raises:
         ExportError: naming the first pair or rule that breaks a condition.
@@ -276,16 +296,6 @@ def _spm_scores(tokens: list[str | None], merges: list[tuple[str, str]], path: P
                     f"SentencePiece tokenizer merges any adjacent pair whose concatenation is a token, HF only "
                     f"its merge rules, so the two would tokenize differently (the merges of a tokenizer converted "
                     f"from SentencePiece list every split). {fix}")
-    by_token: dict[str, list[tuple[str, str]]] = {}
-    for a, b in merges:
-        by_token.setdefault(a + b, []).append((a, b))
-    for t, pairs in by_token.items():
-        for a, b in pairs:
-            for b2, c in pairs:
-                if b2 == b and a + b == b + c and rank[(b, c)] < rank[(a, b)]:
-                    raise ExportError(
-                        f"{path}: token {t!r} is made by merges {a!r} {b!r} and {b!r} {c!r}; HF applies the second "
-                        f"first (lower rank), llama.cpp the leftmost. {fix}")
     return [float(-first[t]) if t is not None and t in first else 0.0 for t in tokens]
 
 
