@@ -423,7 +423,7 @@ def tokenizer_keys(contract: Contract, vocab: GGUFVocab) -> dict:
     """The special-token keys of the GGUF, as {GGUFWriter method suffix: value}, from the contract
     (P1: its ids are the only ones there are) and the vocabulary:
 
-        bos_token_id, eos_token_id (end of a document), pad_token_id
+        bos_token_id, eos_token_id (end of a document), pad_token_id: where the contract has them
         eot_token_id      the end-of-turn token (the contract's im_end) where it is not the EOS;
                           llama.cpp stops generating at EOS and at EOT
         unk_token_id      the tokenizer's unk token, where it has one
@@ -432,10 +432,12 @@ def tokenizer_keys(contract: Contract, vocab: GGUFVocab) -> dict:
         chat_template     the contract's (the model's own for an imported model)
     """
     specials = contract.special_tokens
-    keys: dict = {"bos_token_id": contract.bos_id, "eos_token_id": contract.eos_id}
-    if specials.get("im_end", contract.eos_id) != contract.eos_id:
-        keys["eot_token_id"] = specials["im_end"]
-    keys["pad_token_id"] = contract.pad_id
+    keys: dict = {}
+    for name, key in (("bos", "bos_token_id"), ("eos", "eos_token_id"), ("im_end", "eot_token_id"),
+                      ("pad", "pad_token_id")):
+        i = specials.get(name)
+        if i is not None and not (name == "im_end" and i == specials.get("eos")):
+            keys[key] = i
     if vocab.unk_id is not None:
         keys["unk_token_id"] = vocab.unk_id
     keys["add_bos_token"] = starts_with_bos(contract)
