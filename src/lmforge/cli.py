@@ -194,7 +194,8 @@ def _export(args) -> int:
 def _import_hf(args) -> int:
     from lmforge.stages import import_hf_stage
 
-    print(import_hf_stage(args.folder, _need_out(args, "DIR (the lmforge checkpoint folder to write)")))
+    print(import_hf_stage(args.folder, _need_out(args, "DIR (the lmforge checkpoint folder to write)"),
+                          eos_token=_config(args).tokenizer.eos_token))
     return 0
 
 

@@ -29,6 +29,7 @@ def export_stage(checkpoint: str | Path, out: str | Path, fmt: str = "hf", dtype
     return export_hf(checkpoint, out, dtype=dtype, verify=verify)
 
 
-def import_hf_stage(folder: str | Path, out: str | Path) -> Path:
-    """A Hugging Face Llama folder -> an lmforge checkpoint folder."""
-    return import_hf(folder, out, log=lambda msg: log(f"import-hf: {msg}"))
+def import_hf_stage(folder: str | Path, out: str | Path, eos_token: str = "") -> Path:
+    """A Hugging Face Llama-family folder -> an lmforge checkpoint folder (`eos_token`: the
+    setting tokenizer.eos_token, the document terminator where the folder's is not found)."""
+    return import_hf(folder, out, log=lambda msg: log(f"import-hf: {msg}"), eos_token=eos_token)
