@@ -96,8 +96,11 @@ def test_family_metadata(imported, family, tmp_path):
         assert sum(t == T.BYTE for t in kv["tokenizer.ggml.token_type"]) == 256
 
     ids = contract.special_tokens
-    assert kv["tokenizer.ggml.bos_token_id"] == ids["bos"] and kv["tokenizer.ggml.eos_token_id"] == ids["eos"]
-    assert kv["tokenizer.ggml.padding_token_id"] == ids["pad"] and kv["tokenizer.ggml.eot_token_id"] == ids["im_end"]
+    for name, key in (("bos", "bos_token_id"), ("eos", "eos_token_id"), ("pad", "padding_token_id"),
+                      ("im_end", "eot_token_id")):
+        present = ids.get(name) is not None and not (name == "im_end" and ids["im_end"] == ids["eos"])
+        assert kv.get(f"tokenizer.ggml.{key}") == (ids[name] if present else None), key
+    assert kv["tokenizer.ggml.eos_token_id"] == ids["eos"]
     assert kv["tokenizer.ggml.add_bos_token"] is starts_with_bos(contract)
     assert kv["tokenizer.ggml.add_eos_token"] is False
     assert kv["tokenizer.chat_template"] == contract.chat_template
