@@ -23,7 +23,7 @@ import pytest
 from gguf_helpers import FAMILIES, hf_family_folder
 from lmforge.contract import Contract
 from lmforge.export import ExportError, export_gguf
-from lmforge.export.gguf import GPT2_PATTERN, LLAMA3_PATTERN, gguf_vocab, starts_with_bos
+from lmforge.export.gguf import GPT2_PATTERN, LLAMA3_PATTERN, gguf_vocab
 from lmforge.export.hf import import_hf
 from lmforge.tokenizer import Tokenizer
 
@@ -96,12 +96,12 @@ def test_family_metadata(imported, family, tmp_path):
         assert sum(t == T.BYTE for t in kv["tokenizer.ggml.token_type"]) == 256
 
     ids = contract.special_tokens
-    for name, key in (("bos", "bos_token_id"), ("eos", "eos_token_id"), ("pad", "padding_token_id"),
-                      ("im_end", "eot_token_id")):
+    assert kv["tokenizer.ggml.bos_token_id"] == (ids["eos"] if ids.get("bos") is None else ids["bos"])
+    for name, key in (("eos", "eos_token_id"), ("pad", "padding_token_id"), ("im_end", "eot_token_id")):
         present = ids.get(name) is not None and not (name == "im_end" and ids["im_end"] == ids["eos"])
         assert kv.get(f"tokenizer.ggml.{key}") == (ids[name] if present else None), key
     assert kv["tokenizer.ggml.eos_token_id"] == ids["eos"]
-    assert kv["tokenizer.ggml.add_bos_token"] is starts_with_bos(contract)
+    assert kv["tokenizer.ggml.add_bos_token"] is contract.add_bos
     assert kv["tokenizer.ggml.add_eos_token"] is False
     assert kv["tokenizer.chat_template"] == contract.chat_template
     assert kv["llama.vocab_size"] == V

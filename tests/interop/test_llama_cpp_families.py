@@ -34,7 +34,6 @@ from test_llama_cpp import (CONVERSATIONS, LOGIT_TOL, all_strings, held_out_text
                             load_llama, train_texts)
 
 from lmforge.export import export_gguf  # noqa: E402
-from lmforge.export.gguf import starts_with_bos  # noqa: E402
 from lmforge.export.hf import import_hf  # noqa: E402
 from lmforge.generate import SamplingConfig, generate  # noqa: E402
 from lmforge.model import load_model  # noqa: E402
@@ -60,7 +59,7 @@ def family(request, tmp_path_factory):
 
 def prompt_ids(tok: Tokenizer, text: str) -> list[int]:
     """What `lmforge generate` feeds the model: the BOS first where the model's documents start with one."""
-    return ([tok.bos_id] if starts_with_bos(tok.contract) else []) + tok.encode(text)
+    return [*tok.contract.document_start, *tok.encode(text)]
 
 
 def pieces(llm, ids: list[int], strip_first_space: bool) -> bytes:
@@ -98,7 +97,7 @@ def test_special_tokens_and_bos(family):
     name, _, tok, llm, _ = family
     vocab = llama_cpp.llama_model_get_vocab(llm.model)
     assert llm.n_vocab() == tok.vocab_size
-    assert llm.token_bos() == tok.bos_id and llm.token_eos() == tok.eos_id
+    assert llm.token_bos() == (tok.eos_id if tok.bos_id is None else tok.bos_id) and llm.token_eos() == tok.eos_id
     assert llama_cpp.llama_vocab_eot(vocab) == tok.im_end_id
     assert llama_cpp.llama_vocab_is_eog(vocab, tok.eos_id) and llama_cpp.llama_vocab_is_eog(vocab, tok.im_end_id)
     assert llm.tokenize(b"def f(x):", add_bos=True) == prompt_ids(tok, "def f(x):")

@@ -413,34 +413,30 @@ def gguf_vocab(tokenizer_json: str | Path, vocab_size: int) -> GGUFVocab:
     return GGUFVocab(kind, pre, names, types, [f"{a} {b}" for a, b in pairs], unk_id=unk_id)
 
 
-def starts_with_bos(contract: Contract) -> bool:
-    """Whether the model's documents and prompts start with its BOS token (the contract's
-    `add_bos`; lmforge's own tokenizers, and contracts written before the field existed: yes)."""
-    return bool(getattr(contract, "add_bos", True))
-
-
 def tokenizer_keys(contract: Contract, vocab: GGUFVocab) -> dict:
     """The special-token keys of the GGUF, as {GGUFWriter method suffix: value}, from the contract
     (P1: its ids are the only ones there are) and the vocabulary:
 
-        bos_token_id, eos_token_id (end of a document), pad_token_id: where the contract has them
+        bos_token_id      the BOS; for a model without one, the EOS (never prepended)
+        eos_token_id (end of a document), pad_token_id
         eot_token_id      the end-of-turn token (the contract's im_end) where it is not the EOS;
                           llama.cpp stops generating at EOS and at EOT
         unk_token_id      the tokenizer's unk token, where it has one
-        add_bos_token     `starts_with_bos`: llama.cpp prepends the BOS to a prompt exactly when
-                          lmforge starts a document with it; add_eos_token false
+        add_bos_token     the contract's add_bos: llama.cpp prepends the BOS to a prompt exactly
+                          when lmforge starts a document with it; add_eos_token false
         chat_template     the contract's (the model's own for an imported model)
     """
     specials = contract.special_tokens
-    keys: dict = {}
-    for name, key in (("bos", "bos_token_id"), ("eos", "eos_token_id"), ("im_end", "eot_token_id"),
-                      ("pad", "pad_token_id")):
+    # a model without a BOS (Qwen, SmolLM2): the document terminator, never prepended (add_bos_token
+    # false), rather than llama.cpp's default id for a gpt2 vocabulary (11, a plain token)
+    keys: dict = {"bos_token_id": specials["eos"] if specials.get("bos") is None else specials["bos"]}
+    for name, key in (("eos", "eos_token_id"), ("im_end", "eot_token_id"), ("pad", "pad_token_id")):
         i = specials.get(name)
         if i is not None and not (name == "im_end" and i == specials.get("eos")):
             keys[key] = i
     if vocab.unk_id is not None:
         keys["unk_token_id"] = vocab.unk_id
-    keys["add_bos_token"] = starts_with_bos(contract)
+    keys["add_bos_token"] = contract.add_bos
     keys["add_eos_token"] = False
     keys["chat_template"] = contract.chat_template or CHAT_TEMPLATE
     return keys
@@ -637,4 +633,4 @@ def export_gguf(checkpoint: str | Path, out: str | Path, dtype: str = "float32",
 
 
 __all__ = ["GGUF_DTYPES", "GGUFVocab", "export_gguf", "gguf_arch", "gguf_tensors", "gguf_vocab", "require_gguf",
-           "starts_with_bos", "tokenizer_keys", "write_gguf"]
+           "tokenizer_keys", "write_gguf"]
