@@ -19,6 +19,7 @@ import sysconfig
 from pathlib import Path
 
 import pytest
+import torch
 
 from gguf_helpers import FAMILIES, hf_family_folder
 from lmforge.contract import Contract
@@ -289,3 +290,65 @@ def test_long_tokens_are_written_as_they_are(imported, tmp_path):
 
     v = gguf_vocab(edited(ckpt, tmp_path, long_token), Contract.load(ckpt).vocab_size)
     assert "Ġ" * 64 in v.tokens
+
+
+# -- the import families (tests/hf_families.py): architecture, Llama 3.1 RoPE scaling, Qwen2 biases --
+IMPORT_FAMILIES = {"smollm": "llama", "llama3": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+
+
+@pytest.fixture(scope="module")
+def imported_models(tmp_path_factory) -> dict:
+    """family -> (HF model, lmforge checkpoint) for each family of tests/hf_families.py."""
+    from hf_families import build_folder
+
+    out = {}
+    for family in IMPORT_FAMILIES:
+        root = tmp_path_factory.mktemp(f"imp-{family}")
+        model, _ = build_folder(family, root / "hf")
+        out[family] = (model, import_hf(root / "hf", root / "ckpt"))
+    return out
+
+
+@pytest.mark.parametrize("family", list(IMPORT_FAMILIES))
+def test_import_family_architecture(imported_models, family, tmp_path):
+    import numpy as np
+    from hf_families import TOKENIZERS
+
+    hf, ckpt = imported_models[family]
+    contract = Contract.load(ckpt)
+    out = export_gguf(ckpt, tmp_path / "m.gguf")
+    r = gguf.GGUFReader(str(out))
+    kv = {k: f.contents() for k, f in r.fields.items() if not k.startswith("GGUF.")}
+    t = {x.name: np.asarray(x.data) for x in r.tensors}
+    arch = IMPORT_FAMILIES[family]
+    assert kv["general.architecture"] == arch
+    assert kv["tokenizer.chat_template"] == TOKENIZERS[family][3] == contract.chat_template  # the model's own
+    assert kv["tokenizer.ggml.add_bos_token"] is (TOKENIZERS[family][2] is not None) is contract.add_bos
+    assert ("output.weight" in t) is (family != "smollm")  # tied: llama.cpp reuses token_embd
+    assert ("rope_freqs.weight" in t) is (family == "llama3")
+    if family == "llama3":  # each frequency's divisor, against transformers' own llama3 inverse frequencies
+        hd = hf.config.hidden_size // hf.config.num_attention_heads
+        plain = 1.0 / (5000.0 ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
+        want = (plain / hf.model.rotary_emb.inv_freq.double()).float().numpy()
+        np.testing.assert_allclose(t["rope_freqs.weight"], want, rtol=1e-6)
+        assert want.max() > 1.5  # the scaling is on: a mapping that ignored it would fail
+    if family == "qwen2":  # q/k/v biases, unpermuted (qwen2 rotates half-split, as HF does)
+        for i in range(hf.config.num_hidden_layers):
+            for proj, name in (("q_proj", "attn_q"), ("k_proj", "attn_k"), ("v_proj", "attn_v")):
+                want = getattr(hf.model.layers[i].self_attn, proj).bias.detach().numpy()
+                np.testing.assert_array_equal(t[f"blk.{i}.{name}.bias"], want)
+    else:
+        assert not any(name.endswith(".bias") for name in t)
+
+
+def test_qk_norm_with_biases_refused(imported_models):
+    import dataclasses
+
+    from lmforge.export.gguf import gguf_arch
+    from lmforge.model import load_model
+
+    m = load_model(imported_models["qwen2"][1])[0].config
+    with pytest.raises(ExportError, match=r"qk_norm = true with model\.qkv_bias = true"):
+        gguf_arch(dataclasses.replace(m, qk_norm=True))
+    with pytest.raises(ExportError, match=r"rope_scaling = 'llama3' with model\.qkv_bias"):
+        gguf_arch(dataclasses.replace(m, rope_scaling="llama3"))

@@ -128,7 +128,7 @@ def test_same_greedy_tokens(family):
         theirs = []
         for t in llm.generate(ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=True):
             theirs.append(t)
-            if len(theirs) == len(ours) or t in (tok.eos_id, tok.im_end_id):
+            if len(theirs) == len(ours):  # lmforge stops at its EOS; llama.cpp's generator runs on
                 break
         assert theirs == ours, f"{name}, prompt {p!r}: llama.cpp {theirs} vs lmforge {ours}"
         agree += len(ours)
@@ -144,4 +144,73 @@ def test_chat_template_same_prompt_ids(family):
     for messages in CONVERSATIONS:
         ours = tok.render_chat(messages, add_generation_prompt=True).ids
         theirs = llm.tokenize(llama_cpp_builtin_chat(llm, messages).encode("utf-8"), add_bos=False, special=True)
+        assert theirs == ours, f"{name}: {messages}: {theirs} vs lmforge {ours}"
+
+
+# -- the import families (tests/hf_families.py): each architecture, its own template and BOS convention --
+@pytest.fixture(scope="module", params=["smollm", "llama3", "mistral", "qwen2", "qwen3"])
+def imported(request, tmp_path_factory):
+    """(name, HF model, original vocab, lmforge model, tokenizer, llama_cpp.Llama on the f32 GGUF)."""
+    from hf_families import build_folder
+
+    name = request.param
+    root = tmp_path_factory.mktemp(f"imp-{name}")
+    hf, fast = build_folder(name, root / "hf")
+    ckpt = import_hf(root / "hf", root / "ckpt")
+    out = export_gguf(ckpt, root / "model-f32.gguf")
+    return name, hf, len(fast), load_model(ckpt)[0].float().eval(), Tokenizer.load(ckpt), load_llama(out)
+
+
+def test_imported_logits_match_lmforge_and_transformers(imported):
+    """llama.cpp's logits on the GGUF = lmforge's on the imported checkpoint = transformers' on
+    the original folder (f32; the original vocabulary's columns)."""
+    name, hf, n_orig, model, tok, llm = imported
+    ids = prompt_ids(tok, held_out_texts()[4][:1500])[:120]
+    llm.reset()
+    llm.eval(ids)
+    theirs = np.array(llm.scores[: len(ids)], dtype=np.float32)
+    with torch.inference_mode():
+        ours = model(torch.tensor([ids]))[0].numpy()
+        ref = hf(torch.tensor([ids])).logits[0, :, :n_orig].numpy()
+    d_lmforge = float(np.abs(theirs - ours).max())
+    d_hf = float(np.abs(theirs[:, :n_orig] - ref).max())
+    assert d_lmforge <= LOGIT_TOL and d_hf <= LOGIT_TOL, f"{name}: {d_lmforge:.3g} (lmforge), {d_hf:.3g} (transformers)"
+    print(f"{name} ({llm.metadata['general.architecture']}): max abs logit difference vs lmforge {d_lmforge:.2e}, "
+          f"vs transformers {d_hf:.2e} ({len(ids)} tokens)")
+
+
+def test_imported_greedy_and_bos(imported):
+    name, _, _, model, tok, llm = imported
+    assert llm.tokenize(b"def f(x):", add_bos=True) == prompt_ids(tok, "def f(x):")
+    assert llm.token_eos() == tok.eos_id and llama_cpp.llama_vocab_is_eog(llama_cpp.llama_model_get_vocab(llm.model),
+                                                                         tok.im_end_id)
+    cfg = SamplingConfig(max_new_tokens=GREEDY, temperature=0.0, greedy=True)
+    agree = 0
+    for p in ["def ", "Hello, world! The", "12345 café"]:
+        ids = prompt_ids(tok, p)
+        ours = generate(model, [ids], [], cfg, tok.pad_id)[0]
+        theirs = []
+        for t in llm.generate(ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=True):
+            theirs.append(t)
+            if len(theirs) == len(ours):  # lmforge stops at its EOS; llama.cpp's generator runs on
+                break
+        assert theirs == ours, f"{name}, prompt {p!r}: llama.cpp {theirs} vs lmforge {ours}"
+        agree += len(ours)
+    print(f"{name}: greedy {agree}/{agree} tokens identical")
+
+
+def test_imported_chat_template(imported):
+    """The model's own template, stored in the GGUF and rendered with Jinja (as llama-server --jinja
+    and llama-cpp-python do), tokenized by llama.cpp with specials parsed: lmforge's render_chat ids."""
+    from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+    name, _, _, _, tok, llm = imported
+    template = llm.metadata["tokenizer.chat_template"]
+    assert template == tok.contract.chat_template
+    text = lambda i: llama_cpp.llama_token_get_text(llama_cpp.llama_model_get_vocab(llm.model), i).decode()  # noqa: E731
+    fmt = Jinja2ChatFormatter(template, eos_token=text(llm.token_eos()), bos_token=text(llm.token_bos()))
+    talks = [c for c in CONVERSATIONS if name != "mistral" or all(m["role"] != "system" for m in c)]
+    for messages in talks:
+        ours = tok.render_chat(messages, add_generation_prompt=True).ids
+        theirs = llm.tokenize(fmt(messages=messages).prompt.encode("utf-8"), add_bos=False, special=True)
         assert theirs == ours, f"{name}: {messages}: {theirs} vs lmforge {ours}"

@@ -70,16 +70,20 @@ them reversed):
     layers.{i}.feed_forward.w1/w3/w2  blk.{i}.ffn_gate / ffn_up / ffn_down
     norm.weight                     output_norm.weight         (dim,)  always float32
     output.weight                   output.weight              (vocab, dim); absent when tied
+    layers.{i}.attention.wq/wk/wv.bias  blk.{i}.attn_q/k/v.bias  qwen2 only (model.qkv_bias)
+    (computed)                      rope_freqs.weight          (head_dim/2,)  Llama 3.1 RoPE scaling only
 
 Rotary layout. lmforge's `apply_rope` is the half-split ("rotate_half") layout of HF Llama.
 llama.cpp's `llama` architecture rotates adjacent pairs (ROPE_TYPE_NORM), so the rows of
 Q and K are permuted within each head exactly as `LlamaModel.permute` in
-convert_hf_to_gguf.py does (rows [0..hd/2) and [hd/2..hd) interleaved). The `qwen3`
-architecture uses the half-split layout itself (ROPE_TYPE_NEOX): no permutation there.
+convert_hf_to_gguf.py does (rows [0..hd/2) and [hd/2..hd) interleaved). The `qwen3` and
+`qwen2` architectures use the half-split layout themselves (ROPE_TYPE_NEOX): no permutation.
 
 Model options beyond Llama. `model.qk_norm = true` (RMSNorm over each head of q and k
 before RoPE, one weight of head_dim per layer) maps to llama.cpp's `qwen3` architecture,
-which is Llama plus exactly that. Any other model option with a non-default value, or any
+which is Llama plus exactly that; `model.qkv_bias = true` (an imported Qwen2) to `qwen2`,
+Llama plus q/k/v biases; `model.rope_scaling = "llama3"` (an imported Llama 3.1/3.2) to the
+llama architecture's `rope_freqs` tensor. Any other model option with a non-default value, or any
 weight this mapping does not know, is refused with an `ExportError` naming it: never a file
 that loads and computes something else.
 
@@ -115,7 +119,8 @@ GGUF_DTYPES = ("float32", "float16", "bfloat16", "q8_0")
 
 #: Model options lmforge's Llama mapping knows; any other field must sit at its default.
 _LLAMA_FIELDS = {"dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_dim", "norm_eps", "rope_theta",
-                 "max_seq_len", "tie_embeddings", "attention", "qk_norm"}
+                 "max_seq_len", "tie_embeddings", "attention", "qk_norm", "qkv_bias", "rope_scaling", "rope_factor",
+                 "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_seq_len"}
 
 
 def require_gguf():
@@ -444,7 +449,9 @@ def tokenizer_keys(contract: Contract, vocab: GGUFVocab) -> dict:
 
 # -- model ---------------------------------------------------------------------------------
 def gguf_arch(model: ModelConfig) -> str:
-    """"llama", or "qwen3" when model.qk_norm is on (llama.cpp's Llama-with-QK-norm).
+    """"llama"; "qwen3" when model.qk_norm is on (llama.cpp's Llama with QK-norm); "qwen2" when
+    model.qkv_bias is on (Llama with q/k/v biases). Llama 3.1 RoPE scaling (model.rope_scaling =
+    "llama3") is llama's rope_freqs tensor (`gguf_tensors`).
 
     Raises:
         ExportError: a model option no llama.cpp architecture computes (named, with its value).
@@ -462,7 +469,17 @@ def gguf_arch(model: ModelConfig) -> str:
                 f"file would compute something else. Export with --format hf if transformers supports it, "
                 f"or train with model.{f.name} = {default!r}."
             )
-    return "qwen3" if getattr(model, "qk_norm", False) else "llama"
+    qk_norm, qkv_bias = bool(getattr(model, "qk_norm", False)), bool(getattr(model, "qkv_bias", False))
+    scaling = getattr(model, "rope_scaling", "none")
+    if qk_norm and qkv_bias:
+        raise ExportError("config.toml model.qk_norm = true with model.qkv_bias = true: llama.cpp has Qwen3 "
+                          "(QK-norm, no biases) and Qwen2 (q/k/v biases, no QK-norm), no architecture with both. "
+                          "Export with --format hf.")
+    if scaling != "none" and (qk_norm or qkv_bias):
+        raise ExportError(f"config.toml model.rope_scaling = {scaling!r} with model.{'qk_norm' if qk_norm else 'qkv_bias'} "
+                          f"= true: llama.cpp reads Llama 3.1's RoPE scaling (rope_freqs) for its llama architecture "
+                          f"only. Export with --format hf.")
+    return "qwen3" if qk_norm else "qwen2" if qkv_bias else "llama"
 
 
 def _permute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -470,6 +487,19 @@ def _permute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     `LlamaModel.permute` in convert_hf_to_gguf.py."""
     hd = w.shape[0] // n_heads
     return w.reshape(n_heads, 2, hd // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def llama3_rope_factors(model: ModelConfig) -> np.ndarray:
+    """Llama 3.1 RoPE scaling as llama.cpp reads it: `rope_freqs.weight`, (head_dim/2,) float32,
+    each rotary frequency's divisor (plain inverse frequency / scaled one, the scaling being
+    lmforge.model's `llama3_inv_freq`); `LlamaModel.generate_extra_tensors` in llama.cpp's converter."""
+    from lmforge.model.transformer import llama3_inv_freq
+
+    hd = model.head_dim
+    inv = 1.0 / (model.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
+    scaled = llama3_inv_freq(inv, model.rope_factor, model.rope_low_freq_factor, model.rope_high_freq_factor,
+                             model.rope_original_max_seq_len)
+    return (inv / scaled).to(torch.float32).numpy()
 
 
 def gguf_tensors(state: dict[str, torch.Tensor], model: ModelConfig, vocab_size: int,
@@ -480,7 +510,8 @@ def gguf_tensors(state: dict[str, torch.Tensor], model: ModelConfig, vocab_size:
         state: lmforge weights (`model_state`: a tied output weight is absent); embedding and
             output rows = the padded model vocab (sliced to `vocab_size` here).
         model: the model config (head counts for the rotary permutation, tie_embeddings).
-        arch: "llama" (Q/K rows permuted) or "qwen3" (half-split RoPE kept; q/k norms mapped).
+        arch: "llama" (Q/K rows permuted; rope_freqs with Llama 3.1 scaling), "qwen3" (half-split
+            RoPE kept; q/k norms mapped) or "qwen2" (half-split RoPE kept; q/k/v biases mapped).
     Raises:
         ExportError: a weight with no GGUF counterpart (named), or a missing one.
     """
@@ -493,6 +524,8 @@ def gguf_tensors(state: dict[str, torch.Tensor], model: ModelConfig, vocab_size:
     }
     if arch == "qwen3":
         per_layer.update({"attention.q_norm.weight": T.ATTN_Q_NORM, "attention.k_norm.weight": T.ATTN_K_NORM})
+    if arch == "qwen2":
+        per_layer.update({"attention.wq.bias": T.ATTN_Q, "attention.wk.bias": T.ATTN_K, "attention.wv.bias": T.ATTN_V})
     top = {"tok_embeddings.weight": T.TOKEN_EMBD, "norm.weight": T.OUTPUT_NORM, "output.weight": T.OUTPUT}
     layer_re = re.compile(r"^layers\.(\d+)\.(.+)$")
     out = []
@@ -515,8 +548,10 @@ def gguf_tensors(state: dict[str, torch.Tensor], model: ModelConfig, vocab_size:
             a = _permute_rope_rows(a, model.n_heads)
         elif arch == "llama" and kind == T.ATTN_K:
             a = _permute_rope_rows(a, model.n_kv_heads)
-        gname = gguf.TENSOR_NAMES[kind].format(bid=bid) + ".weight"
+        gname = gguf.TENSOR_NAMES[kind].format(bid=bid) + "." + name.rsplit(".", 1)[1]  # .weight or .bias
         out.append((gname, np.ascontiguousarray(a)))
+    if getattr(model, "rope_scaling", "none") == "llama3":
+        out.append((gguf.TENSOR_NAMES[T.ROPE_FREQS] + ".weight", llama3_rope_factors(model)))
     names = {n for n, _ in out}
     need = ["token_embd.weight", "output_norm.weight"] + ([] if model.tie_embeddings else ["output.weight"])
     for missing in [n for n in need if n not in names]:
@@ -632,5 +667,5 @@ def export_gguf(checkpoint: str | Path, out: str | Path, dtype: str = "float32",
     return out
 
 
-__all__ = ["GGUF_DTYPES", "GGUFVocab", "export_gguf", "gguf_arch", "gguf_tensors", "gguf_vocab", "require_gguf",
-           "tokenizer_keys", "write_gguf"]
+__all__ = ["GGUF_DTYPES", "GGUFVocab", "export_gguf", "gguf_arch", "gguf_tensors", "gguf_vocab", "llama3_rope_factors",
+           "require_gguf", "tokenizer_keys", "write_gguf"]
