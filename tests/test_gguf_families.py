@@ -352,3 +352,78 @@ def test_qk_norm_with_biases_refused(imported_models):
         gguf_arch(dataclasses.replace(m, qk_norm=True))
     with pytest.raises(ExportError, match=r"rope_scaling = 'llama3' with model\.qkv_bias"):
         gguf_arch(dataclasses.replace(m, rope_scaling="llama3"))
+
+
+# -- import-gguf: back from GGUF ----------------------------------------------------------------------
+def _round_trip(ckpt: Path, tmp: Path, dtype: str = "float32") -> Path:
+    from lmforge.export import import_gguf
+
+    return import_gguf(export_gguf(ckpt, tmp / f"m-{dtype}.gguf", dtype=dtype), tmp / f"back-{dtype}")
+
+
+def _same_checkpoint(a: Path, b: Path, strings: list[str]) -> float:
+    """Contracts equal but for the tokenizer file's hash; the same ids on `strings`; returns the
+    largest weight difference."""
+    from lmforge.model import load_model
+
+    ca, cb = Contract.load(a), Contract.load(b)
+    for field in ("special_tokens", "vocab_size", "model_vocab_size", "add_bos", "chat_template", "token_dtype"):
+        assert getattr(ca, field) == getattr(cb, field), field
+    ta, tb = Tokenizer.load(a), Tokenizer.load(b)
+    assert [ta.encode(s) for s in strings] == [tb.encode(s) for s in strings]
+    sa, sb = load_model(a)[0].state_dict(), load_model(b)[0].state_dict()
+    assert sa.keys() == sb.keys()
+    return max(float((sa[k] - sb[k]).abs().max()) for k in sa)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_import_gguf_round_trip(imported, family, tmp_path):
+    """export --format gguf then import-gguf: the same checkpoint (weights bit-equal in f32, the
+    same contract and ids): the tokenizer is rebuilt from the file's vocabulary, merges or scores."""
+    assert _same_checkpoint(imported[family], _round_trip(imported[family], tmp_path), adversarial_strings(120)) == 0.0
+
+
+@pytest.mark.parametrize("family", ["smollm", "mistral", "qwen2", "qwen3"])
+def test_import_gguf_round_trip_import_families(imported_models, family, tmp_path):
+    ckpt = imported_models[family][1]
+    assert _same_checkpoint(ckpt, _round_trip(ckpt, tmp_path), adversarial_strings(60)) == 0.0
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1", "Q5_0"])
+def test_import_gguf_dequantizes(imported, tmp_path, monkeypatch, qtype):
+    """A file whose 2-D weights are `qtype` imports as exactly gguf's dequantization of them."""
+    import numpy as np
+
+    import lmforge.export.gguf as mod
+    from lmforge.model import load_model
+
+    Q = gguf.GGMLQuantizationType[qtype]
+    monkeypatch.setattr(mod, "_encode", lambda g, a, name, dtype: (a.astype(np.float32), None) if a.ndim == 1
+                        else (g.quants.quantize(a, Q), Q))
+    ckpt = imported["qwen2"]
+    back = _round_trip(ckpt, tmp_path, "q8_0")
+    r = gguf.GGUFReader(str(tmp_path / "m-q8_0.gguf"))
+    assert {t.tensor_type.name for t in r.tensors if len(t.shape) == 2} == {qtype}
+    original, imported_back = load_model(ckpt)[0].state_dict(), load_model(back)[0].state_dict()
+    V = Contract.load(ckpt).vocab_size
+    w = original["layers.0.feed_forward.w1.weight"].numpy()
+    want = gguf.quants.dequantize(gguf.quants.quantize(w, Q), Q)
+    np.testing.assert_array_equal(imported_back["layers.0.feed_forward.w1.weight"].numpy(), want)
+    emb = original["tok_embeddings.weight"][:V].numpy()
+    np.testing.assert_array_equal(imported_back["tok_embeddings.weight"][:V].numpy(),
+                                  gguf.quants.dequantize(gguf.quants.quantize(emb, Q), Q))
+
+
+def test_import_gguf_refusals(imported_models, tmp_path):
+    from lmforge.export import import_gguf
+
+    ckpt = imported_models["llama3"][1]
+    out = export_gguf(ckpt, tmp_path / "l3.gguf")
+    with pytest.raises(ExportError, match=r"tensor 'rope_freqs\.weight' has no lmforge counterpart"):
+        import_gguf(out, tmp_path / "back")
+    w = gguf.GGUFWriter(str(tmp_path / "phi.gguf"), "phi2")
+    w.add_tensor("token_embd.weight", __import__("numpy").zeros((4, 8), "float32"))
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    with pytest.raises(ExportError, match=r"general\.architecture = 'phi2'; lmforge imports llama, qwen2, qwen3"):
+        import_gguf(tmp_path / "phi.gguf", tmp_path / "back")
+    assert not (tmp_path / "back").exists()

@@ -458,6 +458,9 @@ add("gguf-verify", (*GGUF, "--verify"), r"--verify compares with transformers")
 add("gguf-nan-weights", GGUF, r"NaN or infinite", nan_weights("run/step_000002/model.safetensors"))
 add("gguf-pad-edited", GGUF, r"contract|special|pad",
     edit_json("run/step_000002/contract.json", lambda c: c["special_tokens"].update(pad=9)))
+add("import-gguf-not-gguf", ("import-gguf", "notes.txt", "--out", "newimp"), r"notes\.txt: cannot read it as GGUF")
+add("import-gguf-missing", ("import-gguf", "nope.gguf", "--out", "newimp"), r"nope\.gguf is not a file")
+add("import-gguf-folder", ("import-gguf", "mine", "--out", "newimp"), r"mine is not a file")
 add("hf-q8", (*EXPORT, "--dtype", "q8_0"), r"--dtype q8_0 is for --format gguf")
 
 def retokenized(ckpt: str, fn: Callable) -> Callable[[Path], None]:
@@ -613,5 +616,5 @@ def test_the_table_is_large_and_covers_every_command():
     assert len(ROWS) >= 150, len(ROWS)
     commands = {r.argv[0] for r in ROWS}
     assert commands >= {"train-tokenizer", "import-tokenizer", "prepare", "pretrain", "sft", "generate", "chat",
-                        "eval", "export", "import-hf", "speedrun", "serve"}, commands
+                        "eval", "export", "import-hf", "import-gguf", "speedrun", "serve"}, commands
     assert len({r.id for r in ROWS}) == len(ROWS)

@@ -1,11 +1,11 @@
-"""`lmforge export` and `lmforge import-hf`: to and from other runtimes (lmforge.export)."""
+"""`lmforge export`, `lmforge import-hf` and `lmforge import-gguf`: to and from other runtimes (lmforge.export)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from lmforge.errors import LmforgeError
-from lmforge.export import export_gguf, export_hf, import_hf
+from lmforge.export import export_gguf, export_hf, import_gguf, import_hf
 from lmforge.stages.common import log
 
 
@@ -33,3 +33,8 @@ def import_hf_stage(folder: str | Path, out: str | Path, eos_token: str = "") ->
     """A Hugging Face Llama-family folder -> an lmforge checkpoint folder (`eos_token`: the
     setting tokenizer.eos_token, the document terminator where the folder's is not found)."""
     return import_hf(folder, out, log=lambda msg: log(f"import-hf: {msg}"), eos_token=eos_token)
+
+
+def import_gguf_stage(path: str | Path, out: str | Path, eos_token: str = "") -> Path:
+    """A GGUF file (llama, qwen2, qwen3) -> an lmforge checkpoint folder (through import-hf's checks)."""
+    return import_gguf(path, out, log=lambda msg: log(f"import-gguf: {msg}"), eos_token=eos_token)
