@@ -214,3 +214,31 @@ def test_imported_chat_template(imported):
         ours = tok.render_chat(messages, add_generation_prompt=True).ids
         theirs = llm.tokenize(fmt(messages=messages).prompt.encode("utf-8"), add_bos=False, special=True)
         assert theirs == ours, f"{name}: {messages}: {theirs} vs lmforge {ours}"
+
+
+# -- import-gguf: a file quantized by llama.cpp itself, back into lmforge ------------------------------
+@pytest.mark.parametrize("ftype", ["MOSTLY_Q8_0", "MOSTLY_Q4_0", "MOSTLY_Q4_K_M"])
+def test_import_gguf_matches_llama_cpp(family, tmp_path, ftype):
+    """llama.cpp quantizes the f32 GGUF (llama_model_quantize); `lmforge import-gguf` dequantizes that
+    file; lmforge's logits on the result are close to llama.cpp's on the same file (which also rounds
+    its activations to 8 bits) and closer than the original f32 model's: the dequantization is right."""
+    from lmforge.export import import_gguf
+
+    name, model, tok, _, f32 = family
+    quantized = tmp_path / f"{ftype}.gguf"
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_{ftype}")
+    params.nthread = 2
+    assert llama_cpp.llama_model_quantize(str(f32).encode(), str(quantized).encode(), ctypes.byref(params)) == 0
+    back = load_model(import_gguf(quantized, tmp_path / "back"))[0].float().eval()
+    llm = load_llama(quantized)
+    ids = prompt_ids(tok, held_out_texts()[6][:1500])[:100]
+    llm.eval(ids)
+    theirs = np.array(llm.scores[: len(ids)], dtype=np.float32)
+    with torch.inference_mode():
+        ours, original = back(torch.tensor([ids]))[0].numpy(), model(torch.tensor([ids]))[0].numpy()
+    d_back, d_orig = float(np.abs(theirs - ours).max()), float(np.abs(theirs - original).max())
+    scale = float(np.abs(original).max())
+    assert d_back <= 0.05 * scale and d_back < d_orig, f"{name} {ftype}: {d_back:.3g} vs original {d_orig:.3g}"
+    print(f"{name} {ftype}: import-gguf vs llama.cpp max abs logit difference {d_back:.2e} "
+          f"(the original f32 model: {d_orig:.2e}; logit scale {scale:.1f})")
