@@ -447,10 +447,10 @@ def generation_config(g, contract: Contract) -> dict:
 
 def _tokenizer_config(tok: Tokenizer, max_seq_len: int) -> dict:
     """The checkpoint's tokenizer_config.json (its special-token spellings kept), with the
-    contract's chat template (lmforge's ChatML, or an imported model's own), no automatic EOS,
-    and model_max_length = max_seq_len. lmforge's own tokenizers say add_bos_token = false
-    (their tokenizer.json adds nothing; lmforge's chat rendering has no BOS); an imported
-    model's keeps its own convention (the contract's add_bos)."""
+    contract's chat template (lmforge's ChatML, or an imported model's own), add_bos_token =
+    the contract's add_bos (what lmforge's documents start with; transformers 5's generic
+    tokenizer does not act on it, and chat rendering never adds a BOS the template lacks),
+    no automatic EOS, and model_max_length = max_seq_len."""
     path = tok.folder / TOKENIZER_CONFIG_FILE
     cfg = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
     spell = tok.spellings
@@ -461,7 +461,7 @@ def _tokenizer_config(tok: Tokenizer, max_seq_len: int) -> dict:
     own = tok.contract.chat_template == CHAT_TEMPLATE
     if own:
         cfg.setdefault("additional_special_tokens", [spell["im_start"], spell["im_end"]])
-    cfg.update({"add_bos_token": False if own else tok.contract.add_bos, "add_eos_token": False,
+    cfg.update({"add_bos_token": tok.contract.add_bos, "add_eos_token": False,
                 "chat_template": tok.contract.chat_template, "model_max_length": max_seq_len})
     return cfg
 
