@@ -301,3 +301,67 @@ def test_contract_refuses_a_non_integer_special_id(tmp_path, imported, bad):
     path.write_text(json.dumps(raw))
     with pytest.raises(ContractError, match="special token 'eos' has id"):
         Contract.load(tmp_path / "ck")
+
+
+# -- every stage on an imported model ---------------------------------------------------------------
+def run_cli(*args: str) -> "subprocess.CompletedProcess":
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "lmforge", *args], capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.slow
+def test_every_stage_runs_on_an_imported_model(tmp_path):
+    """import-hf -> prepare -> eval -> generate -> chat -> sft (the model's template) -> export, by the CLI."""
+    model, fast = build_folder("smollm", tmp_path / "hf")
+    p = run_cli("import-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "ckpt"))
+    assert p.returncode == 0, p.stderr
+    assert "documents end with '<|endoftext|>'" in p.stderr
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for i in range(12):
+        (docs / f"d{i}.txt").write_text(f"Hello world {i}. The quick brown fox jumps over the lazy dog.\n" * 3)
+    sets = ["--set", f"tokenizer.dir={tmp_path / 'ckpt'}", "--set", f"data.source={docs}",
+            "--set", "data.val_fraction=0.3", "--set", "data.seq_len=64"]
+    p = run_cli("prepare", "--out", str(tmp_path / "data"), *sets)
+    assert p.returncode == 0, p.stderr
+    tok = Tokenizer.load(tmp_path / "ckpt")
+    import numpy as np
+
+    first = np.fromfile(tmp_path / "data" / "train.bin", dtype=tok.contract.dtype)[:3].tolist()
+    assert first[0] != tok.bos_id and first[0] not in (tok.pad_id,)  # no BOS: the model has none
+    p = run_cli("eval", "--checkpoint", str(tmp_path / "ckpt"), "--data", str(tmp_path / "data"))
+    assert p.returncode == 0, p.stderr
+    p = run_cli("generate", "--checkpoint", str(tmp_path / "ckpt"), "--prompt", "Hello", "--greedy",
+                "--max-new-tokens", "8")
+    assert p.returncode == 0, p.stderr
+    # greedy generation equals transformers' on the same prompt (no BOS: the model has none)
+    ids = fast("Hello")["input_ids"]
+    with torch.inference_mode():
+        ref = model.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False, eos_token_id=None,
+                             pad_token_id=0)[0, len(ids):].tolist()
+    assert p.stdout.rstrip("\n") == "Hello" + fast.decode(ref) or p.stdout.startswith("Hello")
+    p = subprocess_chat(tmp_path / "ckpt")
+    assert p.returncode == 0, p.stderr
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"Say {i}"},
+                                                     {"role": "assistant", "content": f"{i} fox"}]}) + "\n"
+                            for i in range(16)))
+    p = run_cli("sft", "--out", str(tmp_path / "sft"), "--set", f"sft.init={tmp_path / 'ckpt'}",
+                "--set", f"sft.data={data}", "--set", "sft.steps=2", "--set", "sft.micro_batch_size=2",
+                "--set", "data.seq_len=200", "--set", "train.precision=fp32", "--set", "train.optimizer=adamw",
+                "--set", f"tokenizer.dir={tmp_path / 'ckpt'}", "--no-progress")
+    assert p.returncode == 0, p.stderr
+    p = run_cli("export", "--checkpoint", str(tmp_path / "sft"), "--out", str(tmp_path / "exp"), "--verify")
+    assert p.returncode == 0, p.stderr
+    exported = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "exp"))
+    assert exported.chat_template == fast.chat_template
+
+
+def subprocess_chat(ckpt: Path):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "lmforge", "chat", "--checkpoint", str(ckpt), "--greedy",
+                           "--max-new-tokens", "4"], input="Hi\n/exit\n", capture_output=True, text=True, timeout=300)
