@@ -270,13 +270,15 @@ def _rope_settings(cfg: dict, where: str) -> dict:
     Raises:
         ExportError: another scaling (linear, dynamic, yarn, longrope, ...), partial rotation.
     """
-    rope = cfg.get("rope_parameters")
-    if rope is None:
-        rope = cfg.get("rope_scaling")
-    if rope is None:
-        rope = {}
-    if not isinstance(rope, dict):
-        raise ExportError(f"{where}: rope_parameters / rope_scaling = {rope!r}: expected an object or null.")
+    source, rope = "rope_parameters", {}
+    for key in ("rope_parameters", "rope_scaling"):  # both may be present: a scaling in either counts
+        value = cfg.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, dict):
+            raise ExportError(f"{where}: {key} = {value!r}: expected an object or null.")
+        if not rope or value.get("rope_type", value.get("type")) not in PLAIN_ROPE:
+            source, rope = key, {**rope, **value} if key == "rope_scaling" else value
     kind = rope.get("rope_type", rope.get("type"))
     theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
     out: dict = {"rope_theta": _number(theta, "rope_theta", float, where)}
@@ -290,7 +292,7 @@ def _rope_settings(cfg: dict, where: str) -> dict:
     if kind in PLAIN_ROPE:
         return out
     if kind != "llama3":
-        raise ExportError(f"{where}: rope_type = {kind!r}: lmforge implements plain RoPE (\"default\") and Llama "
+        raise ExportError(f"{where}: {source} has rope_type = {kind!r}: lmforge implements plain RoPE (\"default\") and Llama "
                           f"3.1's \"llama3\" scaling only; this model cannot be imported.")
     out.update(rope_scaling="llama3",
                rope_factor=_number(rope.get("factor"), "rope factor", float, where),
