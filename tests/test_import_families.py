@@ -365,3 +365,71 @@ def subprocess_chat(ckpt: Path):
 
     return subprocess.run([sys.executable, "-m", "lmforge", "chat", "--checkpoint", str(ckpt), "--greedy",
                            "--max-new-tokens", "4"], input="Hi\n/exit\n", capture_output=True, text=True, timeout=300)
+
+
+def hf_greedy(hf, ids: list[int], n: int, stops=()) -> list[int]:
+    """Greedy ids by full `transformers` forwards, the reference (HF's `generate` would infer an
+    attention mask from a pad id, and id 0 is a real token here: Llama 3's BOS)."""
+    out: list[int] = []
+    with torch.inference_mode():
+        for _ in range(n):
+            out.append(int(hf(torch.tensor([ids + out])).logits[0, -1].argmax()))
+            if out[-1] in stops:
+                break
+    return out
+
+
+def test_greedy_generation_equals_transformers(imported):
+    """The KV-cache decode path (fused decode step: q/k/v biases, QK-norm, scaled RoPE) as HF's generate."""
+    from lmforge.generate import SamplingConfig, generate
+
+    family, hf, fast, _, ckpt, _ = imported
+    ours = load_model(ckpt)[0]
+    ids = fast("Hello world, the quick")["input_ids"]
+    got = generate(ours, [ids], [], SamplingConfig(max_new_tokens=16, greedy=True), 0)[0]
+    assert got == hf_greedy(hf, ids, 16), family
+
+
+def test_serve_renders_with_the_models_template(imported):
+    """`lmforge serve`'s chat route: the model's own template, its turn end as the stop token."""
+    import urllib.request
+
+    pytest.importorskip("starlette")
+    from lmforge.serve import Running, build_server
+    from lmforge.stages import load_for_inference
+
+    family, hf, fast, _, ckpt, _ = imported
+    model, tok, _ = load_for_inference(ckpt)
+    messages = [{"role": "user", "content": "Hello there"}]
+    prompt = list(fast.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False))
+    assert tok.render_chat(messages, add_generation_prompt=True).ids == prompt
+    out = hf_greedy(hf, prompt, 8, stops=(tok.im_end_id, tok.eos_id))
+    if out and out[-1] in (tok.im_end_id, tok.eos_id):
+        out = out[:-1]
+    run = Running(build_server(model, tok, "m", max_batch=4, max_queue=8, max_tokens=8))
+    try:
+        body = json.dumps({"messages": messages, "max_tokens": 8, "temperature": 0}).encode()
+        req = urllib.request.Request(run.url + "/v1/chat/completions", body, {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as r:
+            reply = json.loads(r.read())
+    finally:
+        run.stop()
+    assert reply["choices"][0]["message"]["content"] == fast.decode(out), family
+    assert reply["usage"]["prompt_tokens"] == len(prompt)
+
+
+@pytest.mark.slow
+def test_sft_dry_run_reports_the_template(tmp_path):
+    build_folder("llama3", tmp_path / "hf")
+    assert run_cli("import-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "ckpt")).returncode == 0
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"Say {i}"},
+                                                     {"role": "assistant", "content": f"{i} fox"}]}) + "\n"
+                            for i in range(8)))
+    p = run_cli("sft", "--dry-run", "--out", str(tmp_path / "sft"), "--set", f"sft.init={tmp_path / 'ckpt'}",
+                "--set", f"sft.data={data}", "--set", "data.seq_len=64", "--set", "train.precision=fp32",
+                "--set", f"tokenizer.dir={tmp_path / 'ckpt'}")
+    assert p.returncode == 0, p.stderr
+    assert "chat template: the model's own" in p.stderr and "'<|eot_id|>'" in p.stderr
+    assert "start with '<|begin_of_text|>'" in p.stderr and "parameters" in p.stderr
+    assert not (tmp_path / "sft").exists()
