@@ -9,6 +9,7 @@ render chat exactly as lmforge does; export -> import must give back the same we
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -79,8 +80,9 @@ def test_map_name_covers_both_models_both_ways(exported):
     for n in ours.state_dict():
         assert map_name(map_name(n), to_hf=False) == n
     assert map_name("layers.11.feed_forward.w1.weight") == "model.layers.11.mlp.gate_proj.weight"
-    for bad in ("model.layers.0.self_attn.q_proj.bias", "layers.0.attention.wq.bias", "lm_head"):
-        with pytest.raises(ExportError, match="no biases"):
+    assert map_name("model.layers.0.self_attn.q_proj.bias", to_hf=False) == "layers.0.attention.wq.bias"  # Qwen2
+    for bad in ("model.layers.0.self_attn.o_proj.bias", "layers.0.feed_forward.w1.bias", "lm_head"):
+        with pytest.raises(ExportError, match="biases on q, k and v only"):
             map_name(bad, to_hf=bad.startswith("layers"))
 
 
@@ -282,9 +284,10 @@ def test_import_adds_rows_for_tokens_the_tokenizer_gains(tmp_path, tiny_corpus):
     lines = []
     back = import_hf(src, tmp_path / "ours", log=lines.append)
     m = Transformer.from_checkpoint(back)
-    assert m.vocab_size == V0 + 4 and any("mean" in line for line in lines)
+    # no BOS of its own (none added), no chat template (ChatML's two markers added), and a pad
+    assert m.vocab_size == V0 + 3 and any("mean" in line for line in lines)
     emb = m.tok_embeddings.weight
-    assert torch.allclose(emb[V0:V0 + 4], hf.model.embed_tokens.weight.mean(0).expand(4, -1))
+    assert torch.allclose(emb[V0:V0 + 3], hf.model.embed_tokens.weight.mean(0).expand(3, -1))
     x = torch.randint(0, V0, (1, 30))
     with torch.inference_mode():
         assert float((m(x)[..., :V0] - hf(x).logits).abs().max()) < 1e-4
@@ -303,12 +306,12 @@ def _hf_folder(tmp_path: Path, exported, name: str = "edited", **changes) -> Pat
 
 
 @pytest.mark.parametrize("changes, message", [
-    ({"model_type": "mistral", "architectures": ["MistralForCausalLM"]}, "model_type = 'mistral'"),
+    ({"model_type": "phi3", "architectures": ["Phi3ForCausalLM"]}, "model_type = 'phi3'"),
     ({"attention_bias": True}, "attention_bias = True"),
     ({"mlp_bias": True}, "mlp_bias = True"),
     ({"hidden_act": "gelu"}, "hidden_act = 'gelu'"),
-    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_scaling"),
-    ({"rope_parameters": {"rope_type": "yarn", "factor": 2.0}}, "rope_type \"default\""),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}, "rope_parameters": None}, "low_freq_factor"),
+    ({"rope_parameters": {"rope_type": "yarn", "factor": 2.0}}, "rope_type = 'yarn'"),
     ({"head_dim": 32}, "head_dim = 32"),
     ({"vocab_size": 100}, "vocab_size = 100"),
 ])
@@ -426,3 +429,44 @@ def test_qk_norm_exports_as_qwen3_with_equal_logits_and_imports_back(tmp_path, t
     assert again.config.qk_norm
     with torch.inference_mode():
         assert torch.equal(again(x), a)
+
+
+# -- the export options: one check (lmforge.export.check_export_options) -------------------------
+@pytest.mark.parametrize("fmt, dtype, verify, force, message", [
+    ("onnx", "float32", False, False, "--format 'onnx': expected one of hf, gguf."),
+    ("gguf", "float32", True, False, "--verify compares with transformers (--format hf); for GGUF run `make interop`."),
+    ("hf", "q8_0", False, False, "--dtype q8_0 is for --format gguf; a Hugging Face export is float32, bfloat16 or "
+                                 "float16."),
+    ("hf", "float32", False, True, "--force is for --format gguf; a Hugging Face export replaces only an earlier "
+                                   "export folder, never anything else."),
+    ("hf", "int8", False, False, "--dtype 'int8': --format hf writes one of float32, bfloat16, float16."),
+    ("gguf", "int4", False, False, "--dtype 'int4': --format gguf writes one of float32, float16, bfloat16, q8_0."),
+])
+def test_export_options_are_checked_in_one_place(fmt, dtype, verify, force, message, tmp_path):
+    from lmforge.export import check_export_options, export_gguf
+    from lmforge.stages import export_stage
+
+    with pytest.raises(ExportError) as exc:
+        check_export_options(fmt, dtype, verify, force)
+    assert str(exc.value) == message
+    # the stage and the writers refuse with that same check, before reading the checkpoint
+    with pytest.raises(ExportError) as exc:
+        export_stage(tmp_path / "no-checkpoint", tmp_path / "out", fmt, dtype, verify, force)
+    assert str(exc.value) == message
+    writer = {"hf": export_hf, "gguf": export_gguf}.get(fmt)
+    if writer is not None:
+        with pytest.raises(ExportError, match="^" + re.escape(message)):
+            writer(tmp_path / "no-checkpoint", tmp_path / "out", dtype=dtype, verify=verify, force=force)
+    assert not (tmp_path / "out").exists()
+    for dt in ("float32", "bfloat16", "float16"):
+        check_export_options("hf", dt)
+    for dt in ("float32", "bfloat16", "float16", "q8_0"):
+        check_export_options("gguf", dt, force=True)
+
+
+def test_cli_refuses_an_unknown_format_with_one_error_line(tmp_path, capsys):
+    from lmforge.cli import main
+
+    assert main(["export", "--checkpoint", str(tmp_path), "--format", "onnx", "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == "error: --format 'onnx': expected one of hf, gguf."

@@ -301,3 +301,135 @@ def test_contract_refuses_a_non_integer_special_id(tmp_path, imported, bad):
     path.write_text(json.dumps(raw))
     with pytest.raises(ContractError, match="special token 'eos' has id"):
         Contract.load(tmp_path / "ck")
+
+
+# -- every stage on an imported model ---------------------------------------------------------------
+def run_cli(*args: str) -> "subprocess.CompletedProcess":
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "lmforge", *args], capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.slow
+def test_every_stage_runs_on_an_imported_model(tmp_path):
+    """import-hf -> prepare -> eval -> generate -> chat -> sft (the model's template) -> export, by the CLI."""
+    model, fast = build_folder("smollm", tmp_path / "hf")
+    p = run_cli("import-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "ckpt"))
+    assert p.returncode == 0, p.stderr
+    assert "documents end with '<|endoftext|>'" in p.stderr
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for i in range(12):
+        (docs / f"d{i}.txt").write_text(f"Hello world {i}. The quick brown fox jumps over the lazy dog.\n" * 3)
+    sets = ["--set", f"tokenizer.dir={tmp_path / 'ckpt'}", "--set", f"data.source={docs}",
+            "--set", "data.val_fraction=0.3", "--set", "data.seq_len=64"]
+    p = run_cli("prepare", "--out", str(tmp_path / "data"), *sets)
+    assert p.returncode == 0, p.stderr
+    tok = Tokenizer.load(tmp_path / "ckpt")
+    import numpy as np
+
+    first = np.fromfile(tmp_path / "data" / "train.bin", dtype=tok.contract.dtype)[:3].tolist()
+    assert first[0] != tok.bos_id and first[0] not in (tok.pad_id,)  # no BOS: the model has none
+    p = run_cli("eval", "--checkpoint", str(tmp_path / "ckpt"), "--data", str(tmp_path / "data"))
+    assert p.returncode == 0, p.stderr
+    p = run_cli("generate", "--checkpoint", str(tmp_path / "ckpt"), "--prompt", "Hello", "--greedy",
+                "--max-new-tokens", "8")
+    assert p.returncode == 0, p.stderr
+    # greedy generation equals transformers' on the same prompt (no BOS: the model has none)
+    ids = fast("Hello")["input_ids"]
+    with torch.inference_mode():
+        ref = model.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False, eos_token_id=None,
+                             pad_token_id=0)[0, len(ids):].tolist()
+    assert p.stdout.rstrip("\n") == "Hello" + fast.decode(ref) or p.stdout.startswith("Hello")
+    p = subprocess_chat(tmp_path / "ckpt")
+    assert p.returncode == 0, p.stderr
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"Say {i}"},
+                                                     {"role": "assistant", "content": f"{i} fox"}]}) + "\n"
+                            for i in range(16)))
+    p = run_cli("sft", "--out", str(tmp_path / "sft"), "--set", f"sft.init={tmp_path / 'ckpt'}",
+                "--set", f"sft.data={data}", "--set", "sft.steps=2", "--set", "sft.micro_batch_size=2",
+                "--set", "data.seq_len=200", "--set", "train.precision=fp32", "--set", "train.optimizer=adamw",
+                "--set", f"tokenizer.dir={tmp_path / 'ckpt'}", "--no-progress")
+    assert p.returncode == 0, p.stderr
+    p = run_cli("export", "--checkpoint", str(tmp_path / "sft"), "--out", str(tmp_path / "exp"), "--verify")
+    assert p.returncode == 0, p.stderr
+    exported = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "exp"))
+    assert exported.chat_template == fast.chat_template
+
+
+def subprocess_chat(ckpt: Path):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "lmforge", "chat", "--checkpoint", str(ckpt), "--greedy",
+                           "--max-new-tokens", "4"], input="Hi\n/exit\n", capture_output=True, text=True, timeout=300)
+
+
+def hf_greedy(hf, ids: list[int], n: int, stops=()) -> list[int]:
+    """Greedy ids by full `transformers` forwards, the reference (HF's `generate` would infer an
+    attention mask from a pad id, and id 0 is a real token here: Llama 3's BOS)."""
+    out: list[int] = []
+    with torch.inference_mode():
+        for _ in range(n):
+            out.append(int(hf(torch.tensor([ids + out])).logits[0, -1].argmax()))
+            if out[-1] in stops:
+                break
+    return out
+
+
+def test_greedy_generation_equals_transformers(imported):
+    """The KV-cache decode path (fused decode step: q/k/v biases, QK-norm, scaled RoPE) as HF's generate."""
+    from lmforge.generate import SamplingConfig, generate
+
+    family, hf, fast, _, ckpt, _ = imported
+    ours = load_model(ckpt)[0]
+    ids = fast("Hello world, the quick")["input_ids"]
+    got = generate(ours, [ids], [], SamplingConfig(max_new_tokens=16, greedy=True), 0)[0]
+    assert got == hf_greedy(hf, ids, 16), family
+
+
+def test_serve_renders_with_the_models_template(imported):
+    """`lmforge serve`'s chat route: the model's own template, its turn end as the stop token."""
+    import urllib.request
+
+    pytest.importorskip("starlette")
+    from lmforge.serve import Running, build_server
+    from lmforge.stages import load_for_inference
+
+    family, hf, fast, _, ckpt, _ = imported
+    model, tok, _ = load_for_inference(ckpt)
+    messages = [{"role": "user", "content": "Hello there"}]
+    prompt = list(fast.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False))
+    assert tok.render_chat(messages, add_generation_prompt=True).ids == prompt
+    out = hf_greedy(hf, prompt, 8, stops=(tok.im_end_id, tok.eos_id))
+    if out and out[-1] in (tok.im_end_id, tok.eos_id):
+        out = out[:-1]
+    run = Running(build_server(model, tok, "m", max_batch=4, max_queue=8, max_tokens=8))
+    try:
+        body = json.dumps({"messages": messages, "max_tokens": 8, "temperature": 0}).encode()
+        req = urllib.request.Request(run.url + "/v1/chat/completions", body, {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as r:
+            reply = json.loads(r.read())
+    finally:
+        run.stop()
+    assert reply["choices"][0]["message"]["content"] == fast.decode(out), family
+    assert reply["usage"]["prompt_tokens"] == len(prompt)
+
+
+@pytest.mark.slow
+def test_sft_dry_run_reports_the_template(tmp_path):
+    build_folder("llama3", tmp_path / "hf")
+    assert run_cli("import-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "ckpt")).returncode == 0
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"Say {i}"},
+                                                     {"role": "assistant", "content": f"{i} fox"}]}) + "\n"
+                            for i in range(8)))
+    p = run_cli("sft", "--dry-run", "--out", str(tmp_path / "sft"), "--set", f"sft.init={tmp_path / 'ckpt'}",
+                "--set", f"sft.data={data}", "--set", "data.seq_len=64", "--set", "train.precision=fp32",
+                "--set", f"tokenizer.dir={tmp_path / 'ckpt'}")
+    assert p.returncode == 0, p.stderr
+    assert "chat template: the model's own" in p.stderr and "'<|eot_id|>'" in p.stderr
+    assert "start with '<|begin_of_text|>'" in p.stderr and "parameters" in p.stderr
+    assert not (tmp_path / "sft").exists()

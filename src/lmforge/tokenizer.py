@@ -448,9 +448,19 @@ class Tokenizer:
                 f"the ids in {path}: {ids} (spellings {spellings}). "
                 f"Re-create the folder with `lmforge train-tokenizer` or `lmforge import-tokenizer`."
             )
-        check_prefix_space(_read_json(path), _read_json(folder / TOKENIZER_CONFIG_FILE)
-                           if (folder / TOKENIZER_CONFIG_FILE).is_file() else {}, path,
-                           folder / TOKENIZER_CONFIG_FILE)
+        config = _read_json(folder / TOKENIZER_CONFIG_FILE) if (folder / TOKENIZER_CONFIG_FILE).is_file() else {}
+        check_prefix_space(_read_json(path), config, path, folder / TOKENIZER_CONFIG_FILE)
+        # tokenizer_config.json names the same tokens (an imported model's eos_token may be its turn end)
+        agree = {"eos_token": {spellings["eos"], spellings["im_end"]}, "pad_token": {spellings["pad"]}}
+        if contract.add_bos:
+            agree["bos_token"] = {spellings["bos"]}
+        for key, allowed in agree.items():
+            text = _token_text(config.get(key))
+            if text is not None and text not in allowed:
+                raise ContractError(
+                    f"{folder / TOKENIZER_CONFIG_FILE}: {key} = {text!r}, but the special_tokens of "
+                    f"{folder / CONTRACT_FILE} name {sorted(allowed)}. One of the files was edited; re-create the "
+                    f"folder with `lmforge train-tokenizer` or `lmforge import-tokenizer`.")
         tok = cls(hf, contract, folder)
         tok.spellings = spellings
         return tok
@@ -781,7 +791,8 @@ def import_tokenizer(src_dir: str | Path, out_dir: str | Path,
     if pad is None or pad in spell.values() or pad == unk or pad not in specials:
         added = SPECIAL_TOKENS["pad"] not in vocab
         say(f"pad: {'pad_token ' + repr(pad) + ' is also EOS/BOS/UNK/end of turn' if pad else 'no pad_token'}; "
-            f"using {SPECIAL_TOKENS['pad']!r}{' (one added token; it pads, never a real token)' if added else ''}")
+            f"using {SPECIAL_TOKENS['pad']!r}{' (one added token)' if added else ''}; it only pads (labels are "
+            f"masked by loss_mask, never by pad id)")
         pad = SPECIAL_TOKENS["pad"]
     spell["pad"] = pad
     spell = {name: spell[name] for name in SPECIAL_TOKENS}

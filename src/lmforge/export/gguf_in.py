@@ -30,7 +30,7 @@ from safetensors.torch import save_file
 
 from lmforge.export.gguf import LLAMA3_PATTERN, QWEN2_PATTERN, SPM_SPACE, require_gguf
 from lmforge.export.hf import import_hf
-from lmforge.export.hf import ExportError
+from lmforge.export.options import ExportError
 
 #: llama.cpp architecture -> (HF architectures entry, model_type)
 ARCHS = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2"),

@@ -40,23 +40,20 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from lmforge.config import Config, ModelConfig, from_dict, validate
-from lmforge.contract import CONTRACT_FILE, Contract, padded_vocab_size
-from lmforge.errors import CheckpointError, ConfigError, LmforgeError
+from lmforge.contract import Contract, padded_vocab_size
+from lmforge.errors import CheckpointError, ConfigError, require_package
+from lmforge.export.options import ExportError, check_export_options
 from lmforge.fileio import atomic_dir, check_output
-from lmforge.model import load_model
-from lmforge.model.io import MODEL_FILE, load_weights, model_state, resolve_checkpoint, write_model_files
-from lmforge.tokenizer import CHAT_TEMPLATE, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, Tokenizer
+from lmforge.loading import load_checkpoint
+from lmforge.model.io import MODEL_FILE, load_weights, model_state, write_model_files
+from lmforge.tokenizer import CHAT_TEMPLATE, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE
 
 HF_CONFIG_FILE = "config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
 WEIGHTS_FILE = "model.safetensors"  # Hugging Face's name (it happens to equal lmforge's MODEL_FILE)
 WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
 EXPORT_OUTPUT, IMPORT_OUTPUT = "export", "import-hf"  # the marker commands (lmforge.fileio)
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class ExportError(LmforgeError):
-    """A folder cannot be exported to, or imported from, the Hugging Face format."""
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # EXPORT_DTYPES["hf"]
 
 
 # -- names: the one place lmforge and Hugging Face names meet --------------------------
@@ -270,13 +267,15 @@ def _rope_settings(cfg: dict, where: str) -> dict:
     Raises:
         ExportError: another scaling (linear, dynamic, yarn, longrope, ...), partial rotation.
     """
-    rope = cfg.get("rope_parameters")
-    if rope is None:
-        rope = cfg.get("rope_scaling")
-    if rope is None:
-        rope = {}
-    if not isinstance(rope, dict):
-        raise ExportError(f"{where}: rope_parameters / rope_scaling = {rope!r}: expected an object or null.")
+    source, rope = "rope_parameters", {}
+    for key in ("rope_parameters", "rope_scaling"):  # both may be present: a scaling in either counts
+        value = cfg.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, dict):
+            raise ExportError(f"{where}: {key} = {value!r}: expected an object or null.")
+        if not rope or value.get("rope_type", value.get("type")) not in PLAIN_ROPE:
+            source, rope = key, {**rope, **value} if key == "rope_scaling" else value
     kind = rope.get("rope_type", rope.get("type"))
     theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
     out: dict = {"rope_theta": _number(theta, "rope_theta", float, where)}
@@ -290,7 +289,7 @@ def _rope_settings(cfg: dict, where: str) -> dict:
     if kind in PLAIN_ROPE:
         return out
     if kind != "llama3":
-        raise ExportError(f"{where}: rope_type = {kind!r}: lmforge implements plain RoPE (\"default\") and Llama "
+        raise ExportError(f"{where}: {source} has rope_type = {kind!r}: lmforge implements plain RoPE (\"default\") and Llama "
                           f"3.1's \"llama3\" scaling only; this model cannot be imported.")
     out.update(rope_scaling="llama3",
                rope_factor=_number(rope.get("factor"), "rope factor", float, where),
@@ -393,7 +392,8 @@ def short_repr(value, limit: int = 60) -> str:
 
 
 # -- export ------------------------------------------------------------------------------
-def export_hf(checkpoint: str | Path, out: str | Path, dtype: str = "float32", verify: bool = False) -> Path:
+def export_hf(checkpoint: str | Path, out: str | Path, dtype: str = "float32", verify: bool = False,
+              force: bool = False) -> Path:
     """Write a checkpoint as a Hugging Face `LlamaForCausalLM` folder (atomically).
 
     Args:
@@ -402,19 +402,19 @@ def export_hf(checkpoint: str | Path, out: str | Path, dtype: str = "float32", v
         dtype: "float32" (default), "bfloat16" or "float16" for the weights.
         verify: load the result with `transformers` and compare logits with lmforge's
             (max abs difference below 1e-4 in float32; needs `pip install "lmforge[hf]"`).
+        force: refused (an export replaces only an earlier export folder).
     Returns:
         `out`.
     Raises:
         CheckpointError / ContractError: the checkpoint is incomplete or inconsistent.
-        ExportError: `out` holds other files, an unknown dtype, or verification failed.
+        ExportError: an option that does not apply (`check_export_options`), `out` holds other
+            files, or verification failed.
     """
-    if dtype not in DTYPES:
-        raise ExportError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}.")
+    check_export_options("hf", dtype, verify, force)
     out = Path(out)
     check_output(out, EXPORT_OUTPUT, "`lmforge export`", replace_whole=True)  # before any work
-    path = resolve_checkpoint(checkpoint)
-    tok = Tokenizer.load(path)  # the contract's special ids checked against the tokenizer, as every stage does
-    model, cfg, contract, path = load_model(path, "cpu", tok.contract, path / CONTRACT_FILE)
+    model, tok, cfg, path = load_checkpoint(checkpoint)
+    contract = tok.contract
     with atomic_dir(out, EXPORT_OUTPUT, what="`lmforge export`") as tmp:
         torch_dtype = DTYPES[dtype]
         hf = to_hf_state(model_state(model), contract.vocab_size, cfg.model.tie_embeddings, torch_dtype)
@@ -447,10 +447,10 @@ def generation_config(g, contract: Contract) -> dict:
 
 def _tokenizer_config(tok: Tokenizer, max_seq_len: int) -> dict:
     """The checkpoint's tokenizer_config.json (its special-token spellings kept), with the
-    contract's chat template (lmforge's ChatML, or an imported model's own), no automatic EOS,
-    and model_max_length = max_seq_len. lmforge's own tokenizers say add_bos_token = false
-    (their tokenizer.json adds nothing; lmforge's chat rendering has no BOS); an imported
-    model's keeps its own convention (the contract's add_bos)."""
+    contract's chat template (lmforge's ChatML, or an imported model's own), add_bos_token =
+    the contract's add_bos (what lmforge's documents start with; transformers 5's generic
+    tokenizer does not act on it, and chat rendering never adds a BOS the template lacks),
+    no automatic EOS, and model_max_length = max_seq_len."""
     path = tok.folder / TOKENIZER_CONFIG_FILE
     cfg = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
     spell = tok.spellings
@@ -461,7 +461,7 @@ def _tokenizer_config(tok: Tokenizer, max_seq_len: int) -> dict:
     own = tok.contract.chat_template == CHAT_TEMPLATE
     if own:
         cfg.setdefault("additional_special_tokens", [spell["im_start"], spell["im_end"]])
-    cfg.update({"add_bos_token": False if own else tok.contract.add_bos, "add_eos_token": False,
+    cfg.update({"add_bos_token": tok.contract.add_bos, "add_eos_token": False,
                 "chat_template": tok.contract.chat_template, "model_max_length": max_seq_len})
     return cfg
 
@@ -471,19 +471,12 @@ def _write_json(path: Path, obj: dict) -> None:
 
 
 def require_transformers():
-    """Import `transformers`, or explain how to install it.
+    """The `transformers` package.
 
     Raises:
-        LmforgeError: transformers is not installed.
+        LmforgeError: transformers is not installed (`errors.require_package`).
     """
-    try:
-        import transformers
-    except ImportError:
-        raise LmforgeError(
-            "this needs the `transformers` package, which is not installed. Install the extra: "
-            "pip install \"lmforge[hf]\"."
-        ) from None
-    return transformers
+    return require_package("transformers", "hf", "comparing with transformers")
 
 
 def verify_export(model: torch.nn.Module, folder: str | Path, tol: float | None = 1e-4, seq_len: int = 64) -> float:

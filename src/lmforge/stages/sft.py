@@ -21,16 +21,15 @@ from dataclasses import replace
 from pathlib import Path
 
 from lmforge.config import Config
-from lmforge.contract import CONTRACT_FILE, TOKENIZER_FILE
+from lmforge.contract import TOKENIZER_FILE
 from lmforge.data.conversations import (Conversation, cap_examples, read_conversations, render_samples, sft_batches,
                                         sft_stream, split_conversations)
 from lmforge.data.stdlib_functions import StdlibStats, stdlib_examples
 from lmforge.errors import ConfigError, DataError, LmforgeError
 from lmforge.fileio import check_output
-from lmforge.model import load_model
+from lmforge.loading import load_checkpoint
 from lmforge.model.io import latest_checkpoint, read_checkpoint_meta, resolve_checkpoint
 from lmforge.stages.common import log, run_training, startup_report, training_session
-from lmforge.tokenizer import Tokenizer
 
 SFT_DATA_FILE = "sft_data.json"
 SFT_VAL_FILE = "sft_val.jsonl"
@@ -50,10 +49,10 @@ def sft_config(cfg: Config, init_cfg: Config) -> Config:
     return replace(cfg, model=init_cfg.model, train=train).validate()
 
 
-def sft_tokenizer(cfg: Config, init: Path) -> Tokenizer:
-    """The tokenizer in tokenizer.dir when that folder holds one, else the checkpoint's own copy."""
+def sft_tokenizer_dir(cfg: Config) -> Path | None:
+    """tokenizer.dir when that folder holds a tokenizer, else None: the checkpoint's own copy."""
     tok_dir = Path(cfg.tokenizer.dir)
-    return Tokenizer.load(tok_dir if (tok_dir / TOKENIZER_FILE).is_file() else init)
+    return tok_dir if (tok_dir / TOKENIZER_FILE).is_file() else None
 
 
 # -- data ---------------------------------------------------------------------------------
@@ -124,8 +123,7 @@ def sft_stage(cfg: Config, out: str | Path, resume: bool = False, dry_run: bool 
     _refuse_init_as_out(Path(out), Path(cfg.sft.init), init)
     if resume:
         _check_same_init(Path(out), init)
-    tok = sft_tokenizer(cfg, init)
-    model, init_cfg, _, _ = load_model(init, "cpu", tok.contract, tok.folder / CONTRACT_FILE)
+    model, tok, init_cfg, _ = load_checkpoint(init, sft_tokenizer_dir(cfg))
     cfg = sft_config(replace(cfg, tokenizer=replace(cfg.tokenizer, dir=str(tok.folder))), init_cfg)
     with training_session(cfg, out, "sft", resume, dry_run) as session:
         info = session.info
@@ -153,6 +151,7 @@ def sft_stage(cfg: Config, out: str | Path, resume: bool = False, dry_run: bool 
                       for split, smp in samples.items()}
             log(f"sft: init {init}; data {s.data!r}, {'packed with document masking' if s.packing else 'right-padded'}")
             log(startup_report(model, tok, report, cfg, info.world_size, session.runtime))
+            log(f"sft: {chat_template_line(tok)}")
             for split, c in counts.items():
                 log(f"sft data {split}: {c['conversations']} conversations, {c['truncated']} truncated to "
                     f"seq_len {d.seq_len} (tail cut), {c['dropped_all_cut']} dropped (every supervised token "
@@ -164,6 +163,19 @@ def sft_stage(cfg: Config, out: str | Path, resume: bool = False, dry_run: bool 
                 SFT_VAL_FILE: val_records(convs["val"], functions.get("val", []))}
         return run_training(session, tok.folder, model, stream, val_batches if val.ids else None,
                             resume=resume, dry_run=dry_run, progress=progress, side_files=side)
+
+
+def chat_template_line(tok: Tokenizer) -> str:
+    """What conversations are rendered with: lmforge's ChatML, or the imported model's own template."""
+    from lmforge.tokenizer import CHAT_TEMPLATE
+
+    ends = f"replies end with {tok.spellings['im_end']!r}"
+    if tok.contract.chat_template == CHAT_TEMPLATE:
+        return f"chat template: lmforge's ChatML; {ends}"
+    first = tok.contract.chat_template.strip().splitlines()[0][:60] if tok.contract.chat_template.strip() else ""
+    return (f"chat template: the model's own ({len(tok.contract.chat_template):,} characters, from "
+            f"{tok.folder / 'tokenizer_config.json'}: {first!r}…); {ends}; documents "
+            f"{'start with ' + repr(tok.spellings['bos']) if tok.contract.add_bos else 'have no BOS'}")
 
 
 def _check_same_init(out: Path, init: Path) -> None:
