@@ -167,9 +167,10 @@ def hf_folder_from_gguf(path: str | Path, folder: Path) -> None:
         m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", t.name) or re.fullmatch(r"(\w+)\.(weight|bias)", t.name)
         base = _LAYER.get(m.group(2)) if m and m.lastindex == 3 else _TOP.get(m.group(1)) if m else None
         if base is None:
-            raise ExportError(f"{path}: tensor {t.name!r} has no lmforge counterpart (rope_freqs = Llama 3.1 RoPE "
-                              f"scaling, whose parameters a GGUF does not keep); import the model's Hugging Face "
-                              f"folder with `lmforge import-hf` instead.")
+            why = ("Llama 3.1 RoPE scaling, whose four parameters a GGUF does not keep" if t.name.startswith("rope_freqs")
+                   else f"known: token_embd, output_norm, output, blk.N.{{{', '.join(_LAYER)}}}")
+            raise ExportError(f"{path}: tensor {t.name!r} has no lmforge counterpart ({why}); import the model's "
+                              f"Hugging Face folder with `lmforge import-hf` instead.")
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
         a = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32).reshape(shape)
         kind = m.group(2) if m.lastindex == 3 else m.group(1)
