@@ -242,3 +242,34 @@ def test_import_gguf_matches_llama_cpp(family, tmp_path, ftype):
     assert d_back <= 0.05 * scale and d_back < d_orig, f"{name} {ftype}: {d_back:.3g} vs original {d_orig:.3g}"
     print(f"{name} {ftype}: import-gguf vs llama.cpp max abs logit difference {d_back:.2e} "
           f"(the original f32 model: {d_orig:.2e}; logit scale {scale:.1f})")
+
+
+@pytest.mark.parametrize("family", ["smollm", "qwen2"])
+def test_import_gguf_k_quants(tmp_path, family):
+    """K-quants need rows of 256: a 256-wide model quantized by llama.cpp to Q4_K_M (Q4_K and Q6_K
+    tensors), imported back; logits against llama.cpp's on the same file, as above."""
+    import gguf
+
+    from hf_families import build_folder
+    from lmforge.export import import_gguf
+
+    build_folder(family, tmp_path / "hf", hidden_size=256, intermediate_size=512,
+                 **({} if family == "qwen2" else {"head_dim": 64}))
+    ckpt = import_hf(tmp_path / "hf", tmp_path / "ckpt")
+    f32, quantized = export_gguf(ckpt, tmp_path / "f32.gguf"), tmp_path / "q4km.gguf"
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype, params.nthread = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M, 2
+    assert llama_cpp.llama_model_quantize(str(f32).encode(), str(quantized).encode(), ctypes.byref(params)) == 0
+    assert {"Q4_K", "Q6_K"} <= {t.tensor_type.name for t in gguf.GGUFReader(str(quantized)).tensors}
+    model, tok = load_model(ckpt)[0].float().eval(), Tokenizer.load(ckpt)
+    back = load_model(import_gguf(quantized, tmp_path / "back"))[0].float().eval()
+    llm = load_llama(quantized)
+    ids = prompt_ids(tok, held_out_texts()[6][:1500])[:100]
+    llm.eval(ids)
+    theirs = np.array(llm.scores[: len(ids)], dtype=np.float32)
+    with torch.inference_mode():
+        ours, original = back(torch.tensor([ids]))[0].numpy(), model(torch.tensor([ids]))[0].numpy()
+    d_back, d_orig = float(np.abs(theirs - ours).max()), float(np.abs(theirs - original).max())
+    assert d_back < d_orig / 3, f"{family} Q4_K_M: {d_back:.3g} vs original {d_orig:.3g}"
+    print(f"{family} Q4_K_M (256 wide): import-gguf vs llama.cpp max abs logit difference {d_back:.2e} "
+          f"(the original f32 model: {d_orig:.2e})")
