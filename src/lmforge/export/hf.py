@@ -16,12 +16,17 @@ uses, so q/k weights map without a permutation (tests/test_export.py proves it b
 logit parity with `LlamaForCausalLM`). Hugging Face names appear in this module only,
 and every lmforge <-> HF weight name goes through one function, `map_name`, both ways.
 
-Import reads a Llama-architecture folder saved by `transformers` (config.json,
-model.safetensors or its shards, tokenizer.json) and writes a plain lmforge checkpoint
-folder (config.toml, model.safetensors, contract.json, tokenizer files) that
-`Transformer.from_checkpoint`, `lmforge generate/eval` and `sft.init` accept. It
-refuses anything lmforge's model cannot represent exactly (another architecture,
-biases, rope scaling, another activation) rather than load it approximately.
+A model with `model.qkv_bias` is written as a `Qwen2ForCausalLM`, and Llama 3.1 RoPE scaling
+(`model.rope_scaling = "llama3"`) as config.json's `rope_scaling`.
+
+Import reads a folder of the Llama family saved by `transformers` (FAMILIES: Llama, Mistral,
+Qwen2, Qwen3; config.json, model.safetensors or its shards, tokenizer files) and writes a
+plain lmforge checkpoint folder (config.toml, model.safetensors, contract.json, tokenizer
+files) that `Transformer.from_checkpoint`, every stage and `sft.init` accept. It reads only
+files inside the folder (`confined`), states every conversion it makes, and refuses anything
+lmforge's model cannot represent exactly (another architecture, MLP or output biases, another
+RoPE scaling, a sliding window that slides, another activation, integer weights) rather than
+load it approximately.
 
 Neither direction needs `transformers`; only `export_hf(..., verify=True)` (the
 `--verify` flag) imports it, lazily, to compare logits (`pip install "lmforge[hf]"`).
