@@ -533,13 +533,7 @@ class Tokenizer:
         """What `transformers` passes a chat template besides the messages: tokenizer_config.json's
         special-token strings (bos_token, eos_token, unk_token, pad_token), where set."""
         path = self.folder / TOKENIZER_CONFIG_FILE
-        config = _read_json(path) if path.is_file() else {}
-        out = {}
-        for name in ("bos_token", "eos_token", "unk_token", "pad_token"):
-            text = _token_text(config.get(name))
-            if text:
-                out[name] = text
-        return out
+        return _template_vars(_read_json(path) if path.is_file() else {})
 
     def render_chat(self, messages: Sequence[dict], add_generation_prompt: bool = False) -> ChatRendering:
         """The conversation's ids and the assistant-only loss mask, rendered with the contract's

@@ -51,7 +51,7 @@ from lmforge.export.options import ExportError, check_export_options
 from lmforge.fileio import atomic_dir, check_output
 from lmforge.loading import load_checkpoint
 from lmforge.model.io import MODEL_FILE, load_weights, model_state, write_model_files
-from lmforge.tokenizer import CHAT_TEMPLATE, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE
+from lmforge.tokenizer import CHAT_TEMPLATE, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, Tokenizer, short_repr
 
 HF_CONFIG_FILE = "config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
@@ -389,11 +389,6 @@ def model_config_from_hf(cfg: dict, where: str, log=None) -> ModelConfig:
             f"derives head_dim = dim / n_heads, so this model cannot be imported."
         )
     return model
-
-
-def short_repr(value, limit: int = 60) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit] + "…"
 
 
 # -- export ------------------------------------------------------------------------------
