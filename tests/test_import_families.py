@@ -265,10 +265,6 @@ def test_sharded_weights_inside_the_folder_import(tmp_path, llama_folder):
 
 
 def test_no_terminator_is_refused_naming_the_setting_that_supplies_one(tmp_path):
-    from hf_families import build_tokenizer
-
-    import shutil
-
     build_folder("qwen2", tmp_path / "hf")
     # rename <|endoftext|> away: the vocabulary then has no document terminator
     tj = json.loads((tmp_path / "hf" / "tokenizer.json").read_text())
@@ -283,9 +279,15 @@ def test_no_terminator_is_refused_naming_the_setting_that_supplies_one(tmp_path)
         if v["content"] == "<|endoftext|>":
             v["content"] = "<|fim_pad|>"
     (tmp_path / "hf" / "tokenizer_config.json").write_text(json.dumps(cfg))
+    before = tree_hash(tmp_path / "hf")
     with pytest.raises(ContractError, match="--set tokenizer.eos_token=TOKEN"):
         import_hf(tmp_path / "hf", tmp_path / "out")
-    assert not (tmp_path / "out").exists()
+    assert not (tmp_path / "out").exists() and tree_hash(tmp_path / "hf") == before
+    p = run_cli("import-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "out"))
+    assert p.returncode == 2 and p.stderr.count("error:") == 1 and "--set tokenizer.eos_token" in p.stderr
+    p = run_cli("import-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "cli"), "--set",
+                "tokenizer.eos_token=<|fim_pad|>")
+    assert p.returncode == 0, p.stderr
     import_hf(tmp_path / "hf", tmp_path / "out", eos_token="<|fim_pad|>")
     assert Tokenizer.load(tmp_path / "out").spellings["eos"] == "<|fim_pad|>"
 
@@ -338,10 +340,10 @@ def test_every_stage_runs_on_an_imported_model(tmp_path):
     assert p.returncode == 0, p.stderr
     # greedy generation equals transformers' on the same prompt (no BOS: the model has none)
     ids = fast("Hello")["input_ids"]
-    with torch.inference_mode():
-        ref = model.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False, eos_token_id=None,
-                             pad_token_id=0)[0, len(ids):].tolist()
-    assert p.stdout.rstrip("\n") == "Hello" + fast.decode(ref) or p.stdout.startswith("Hello")
+    assert ids == tok.encode_prompt("Hello")
+    ref = hf_greedy(model, ids, 8, stops=(tok.eos_id,))
+    ref = ref[:-1] if ref and ref[-1] == tok.eos_id else ref
+    assert p.stdout[: -1] == "Hello" + fast.decode(ref)
     p = subprocess_chat(tmp_path / "ckpt")
     assert p.returncode == 0, p.stderr
     data = tmp_path / "chat.jsonl"

@@ -12,11 +12,13 @@ text that spells a special token is plain text (`encode_special_tokens = True`);
 only `render_chat` emits real special tokens.
 
 Bring your own tokenizer: `import_tokenizer` (the `lmforge import-tokenizer` command)
-turns a Hugging Face tokenizer folder into an lmforge one. It keeps the foreign
-spellings (e.g. EOS "</s>"), which tokenizer_config.json records and `Tokenizer.load`
-reads back; it adds a distinct <|pad|> when the foreign PAD equals EOS (labels are
-masked by the batch's loss mask, never by comparing ids with pad_id) and the ChatML
-tokens when missing, and it refuses a tokenizer without an end-of-text token.
+turns a Hugging Face tokenizer folder into an lmforge one that follows the model's own
+conventions: its document terminator (the vocabulary's <|endoftext|> / <|end_of_text|> / </s>
+where eos_token ends a chat turn), its BOS or none (`add_bos`), its chat template and the
+token that ends a turn; it adds a distinct <|pad|> when the foreign PAD is another special
+token (labels are masked by the batch's loss mask, never by comparing ids with pad_id), and
+ChatML's tokens only for a folder without a chat template. A foreign template is rendered by
+`ChatTemplate` as `transformers` renders it.
 """
 
 from __future__ import annotations
@@ -531,13 +533,7 @@ class Tokenizer:
         """What `transformers` passes a chat template besides the messages: tokenizer_config.json's
         special-token strings (bos_token, eos_token, unk_token, pad_token), where set."""
         path = self.folder / TOKENIZER_CONFIG_FILE
-        config = _read_json(path) if path.is_file() else {}
-        out = {}
-        for name in ("bos_token", "eos_token", "unk_token", "pad_token"):
-            text = _token_text(config.get(name))
-            if text:
-                out[name] = text
-        return out
+        return _template_vars(_read_json(path) if path.is_file() else {})
 
     def render_chat(self, messages: Sequence[dict], add_generation_prompt: bool = False) -> ChatRendering:
         """The conversation's ids and the assistant-only loss mask, rendered with the contract's
@@ -674,17 +670,23 @@ def import_tokenizer(src_dir: str | Path, out_dir: str | Path,
     (tokenizer.json, tokenizer_config.json, contract.json), written atomically.
 
     Special tokens, by name:
-        eos       tokenizer_config.json's `eos_token` (required: a tokenizer without an
-                  end-of-text token is refused; it may not be a chat-turn token).
-        bos       `bos_token`; when absent or equal to another special token (GPT-2's
-                  bos = eos), a new `<|bos|>` is added.
-        pad       `pad_token`; when absent, or equal to EOS, BOS or UNK (many Llama
-                  tokenizers set pad = eos), a new `<|pad|>` is added, so PAD is its own
-                  token (P4). Labels are masked by the batch's `loss_mask`, never by
-                  comparing ids with `pad_id`, so the EOS a document ends with is still learned.
-        im_start, im_end   `<|im_start|>` / `<|im_end|>` if the tokenizer has them, else added.
-    Every one of them becomes a special added token (plain text that spells it stays plain
-    text). The chat template is lmforge's ChatML (CHAT_TEMPLATE); a foreign template is dropped.
+        eos       the document terminator: tokenizer_config.json's `eos_token`, or, where that
+                  ends a chat turn (TURN_END_SPELLINGS: <|im_end|>, <|eot_id|>, ...), the first of
+                  TERMINATOR_SPELLINGS the vocabulary holds as a special token (said in one
+                  line); `eos_token` (the setting tokenizer.eos_token) names it where none exists.
+        bos       `bos_token` when the tokenizer prepends it (tokenizer_config.json's
+                  add_bos_token, else tokenizer.json's post-processor): `add_bos` true; else
+                  null unless it is a distinct special token (SmolLM2 names <|im_start|>).
+        im_end    the special token the model's chat template closes a reply with (found by
+                  rendering a probe conversation; may equal eos); im_start <|im_start|> where the
+                  vocabulary has it, else null. A folder without a template gets lmforge's
+                  ChatML and its two tokens (added when missing).
+        pad       `pad_token` when it is a distinct special token; otherwise a new `<|pad|>`,
+                  so PAD is its own token (P4). Labels are masked by the batch's `loss_mask`,
+                  never by comparing ids with `pad_id`.
+    Every one of them is a special added token (plain text that spells it stays plain text).
+    tokenizer_config.json keeps the model's own bos_token / eos_token (what transformers and
+    the template see); the contract holds lmforge's ids.
     Padding and truncation stored in tokenizer.json are switched off.
 
     Args:

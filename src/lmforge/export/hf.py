@@ -16,12 +16,17 @@ uses, so q/k weights map without a permutation (tests/test_export.py proves it b
 logit parity with `LlamaForCausalLM`). Hugging Face names appear in this module only,
 and every lmforge <-> HF weight name goes through one function, `map_name`, both ways.
 
-Import reads a Llama-architecture folder saved by `transformers` (config.json,
-model.safetensors or its shards, tokenizer.json) and writes a plain lmforge checkpoint
-folder (config.toml, model.safetensors, contract.json, tokenizer files) that
-`Transformer.from_checkpoint`, `lmforge generate/eval` and `sft.init` accept. It
-refuses anything lmforge's model cannot represent exactly (another architecture,
-biases, rope scaling, another activation) rather than load it approximately.
+A model with `model.qkv_bias` is written as a `Qwen2ForCausalLM`, and Llama 3.1 RoPE scaling
+(`model.rope_scaling = "llama3"`) as config.json's `rope_scaling`.
+
+Import reads a folder of the Llama family saved by `transformers` (FAMILIES: Llama, Mistral,
+Qwen2, Qwen3; config.json, model.safetensors or its shards, tokenizer files) and writes a
+plain lmforge checkpoint folder (config.toml, model.safetensors, contract.json, tokenizer
+files) that `Transformer.from_checkpoint`, every stage and `sft.init` accept. It reads only
+files inside the folder (`confined`), states every conversion it makes, and refuses anything
+lmforge's model cannot represent exactly (another architecture, MLP or output biases, another
+RoPE scaling, a sliding window that slides, another activation, integer weights) rather than
+load it approximately.
 
 Neither direction needs `transformers`; only `export_hf(..., verify=True)` (the
 `--verify` flag) imports it, lazily, to compare logits (`pip install "lmforge[hf]"`).
@@ -46,7 +51,7 @@ from lmforge.export.options import ExportError, check_export_options
 from lmforge.fileio import atomic_dir, check_output
 from lmforge.loading import load_checkpoint
 from lmforge.model.io import MODEL_FILE, load_weights, model_state, write_model_files
-from lmforge.tokenizer import CHAT_TEMPLATE, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE
+from lmforge.tokenizer import CHAT_TEMPLATE, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, Tokenizer, short_repr
 
 HF_CONFIG_FILE = "config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
@@ -384,11 +389,6 @@ def model_config_from_hf(cfg: dict, where: str, log=None) -> ModelConfig:
             f"derives head_dim = dim / n_heads, so this model cannot be imported."
         )
     return model
-
-
-def short_repr(value, limit: int = 60) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit] + "…"
 
 
 # -- export ------------------------------------------------------------------------------
