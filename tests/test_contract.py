@@ -458,3 +458,18 @@ def test_pretrain_dry_run_reports_and_writes_nothing(capsys, tiny_run, tmp_path,
     res = json.loads(out.strip().splitlines()[-1])
     assert res["dry_run"] is True and abs(res["loss"] - math.log(c.vocab_size)) < 1.0
     assert "all checks passed" in err and "error:" not in err
+
+
+def test_tokenizer_json_that_is_json_but_not_a_tokenizer_is_a_contract_error(tiny_tokenizer, tmp_path):
+    """Valid JSON, the contract's hash updated to match, yet not a tokenizer: a ContractError naming
+    the file, not the `tokenizers` library's bare Exception."""
+    from lmforge.tokenizer import Tokenizer
+
+    folder = tmp_path / "tok"
+    shutil.copytree(tiny_tokenizer.folder, folder)
+    (folder / TOKENIZER_FILE).write_text('{"version": "1.0", "model": {"type": "nothing"}}', encoding="utf-8")
+    contract = json.loads((folder / CONTRACT_FILE).read_text())
+    contract["tokenizer_sha256"] = file_sha256(folder / TOKENIZER_FILE)
+    (folder / CONTRACT_FILE).write_text(json.dumps(contract))
+    with pytest.raises(ContractError, match=r"tokenizer\.json is not a tokenizer the `tokenizers` library can read"):
+        Tokenizer.load(folder)

@@ -435,7 +435,13 @@ class Tokenizer:
             )
         contract = Contract.load(folder, what="tokenizer folder")
         check_tokenizer_hash(contract, folder / CONTRACT_FILE, path)
-        hf = HFTokenizer.from_file(str(path))
+        try:
+            hf = HFTokenizer.from_file(str(path))
+        except Exception as exc:  # the tokenizers library raises a bare Exception on a file it cannot parse
+            raise ContractError(
+                f"{path} is not a tokenizer the `tokenizers` library can read ({str(exc).splitlines()[0][:200]}). "
+                f"Re-create the folder with `lmforge train-tokenizer` or `lmforge import-tokenizer`."
+            ) from None
         vocab = vocab_size_of(hf)
         if vocab != contract.vocab_size:
             raise ContractError(
