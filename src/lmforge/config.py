@@ -40,6 +40,10 @@ class TokenizerConfig:
     """Folder of the trained tokenizer (tokenizer.json, tokenizer_config.json, contract.json)."""
     max_train_bytes: int = 0
     """Train the BPE on at most this many bytes of text (0 = all)."""
+    eos_token: str = ""
+    """import-tokenizer / import-hf: the token that ends a document, for a tokenizer whose
+    eos_token ends a chat turn and whose vocabulary has no known document terminator ("" =
+    derived: the declared eos_token, or <|endoftext|>, <|end_of_text|>, </s>, <eos>)."""
 
 
 @dataclass
@@ -79,6 +83,16 @@ class ModelConfig:
     qk_norm: bool = True
     """RMSNorm over each head's q and k before the rotary embedding (Qwen3's layout; exported
     as Qwen3ForCausalLM)."""
+    qkv_bias: bool = False
+    """Biases on the q, k and v projections (Qwen2's layout; imported models only)."""
+    rope_scaling: str = "none"
+    """"none" (plain RoPE) or "llama3" (Llama 3.1's frequency scaling, the four rope_* keys
+    below; imported models only)."""
+    rope_factor: float = 8.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_seq_len: int = 8192
+    """llama3 scaling: the context length the model was first trained for."""
     attention: str = "auto"
     """"auto" (flex on CUDA, sdpa elsewhere), "sdpa" or "flex"."""
 
@@ -441,6 +455,13 @@ def validate(cfg: Config) -> Config:
             f"model.dim / model.n_heads = {m.head_dim} is odd; rotary embeddings need an even head size."
         )
     _choice("model.attention", m.attention, ("auto", "sdpa", "flex"))
+    _choice("model.rope_scaling", m.rope_scaling, ("none", "llama3"))
+    if m.rope_scaling == "llama3":
+        for name in ("rope_factor", "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_seq_len"):
+            _positive(f"model.{name}", getattr(m, name))
+        if not m.rope_high_freq_factor > m.rope_low_freq_factor:
+            raise ConfigError(f"model.rope_high_freq_factor = {m.rope_high_freq_factor} must exceed "
+                              f"model.rope_low_freq_factor = {m.rope_low_freq_factor} (llama3 rope scaling).")
     if d.seq_len < 1:
         raise ConfigError(f"data.seq_len = {d.seq_len}: expected at least 1.")
     if d.seq_len > m.max_seq_len:

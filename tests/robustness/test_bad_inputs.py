@@ -458,7 +458,30 @@ add("gguf-verify", (*GGUF, "--verify"), r"--verify compares with transformers")
 add("gguf-nan-weights", GGUF, r"NaN or infinite", nan_weights("run/step_000002/model.safetensors"))
 add("gguf-pad-edited", GGUF, r"contract|special|pad",
     edit_json("run/step_000002/contract.json", lambda c: c["special_tokens"].update(pad=9)))
+add("import-gguf-not-gguf", ("import-gguf", "notes.txt", "--out", "newimp"), r"notes\.txt: cannot read it as GGUF")
+add("import-gguf-missing", ("import-gguf", "nope.gguf", "--out", "newimp"), r"nope\.gguf is not a file")
+add("import-gguf-folder", ("import-gguf", "mine", "--out", "newimp"), r"mine is not a file")
 add("hf-q8", (*EXPORT, "--dtype", "q8_0"), r"--dtype q8_0 is for --format gguf")
+
+def retokenized(ckpt: str, fn: Callable) -> Callable[[Path], None]:
+    """Edit a checkpoint's tokenizer.json and re-hash it into its contract: a consistent checkpoint
+    whose tokenizer GGUF export must judge (tests/test_gguf_families.py has the full set)."""
+    def f(p: Path) -> None:
+        from lmforge.contract import file_sha256
+
+        edit_json(f"{ckpt}/tokenizer.json", fn)(p)
+        edit_json(f"{ckpt}/contract.json", lambda c: c.update(tokenizer_sha256=file_sha256(p / ckpt / "tokenizer.json")))(p)
+    return f
+
+
+add("gguf-tokenizer-normalizer", GGUF, r"normalizer = \{\"type\": \"NFKC\"\}.*does not normalize",
+    retokenized("run/step_000002", lambda tj: tj.update(normalizer={"type": "NFKC"})))
+add("gguf-tokenizer-whitespace-split", GGUF, r"pre_tokenizer = \{\"type\": \"WhitespaceSplit\"\}.*no byte-level",
+    retokenized("run/step_000002", lambda tj: tj.update(pre_tokenizer={"type": "WhitespaceSplit"})))
+add("gguf-tokenizer-lstrip", GGUF, r"added token '<\|im_end\|>' .* has lstrip = true",
+    retokenized("run/step_000002", lambda tj: next(a for a in tj["added_tokens"]
+                                                    if a["content"] == "<|im_end|>").update(lstrip=True)))
+
 add("hf-force", (*EXPORT, "--force"), r"--force is for --format gguf")
 
 # 11. serve: refused before it listens
@@ -593,5 +616,5 @@ def test_the_table_is_large_and_covers_every_command():
     assert len(ROWS) >= 150, len(ROWS)
     commands = {r.argv[0] for r in ROWS}
     assert commands >= {"train-tokenizer", "import-tokenizer", "prepare", "pretrain", "sft", "generate", "chat",
-                        "eval", "export", "import-hf", "speedrun", "serve"}, commands
+                        "eval", "export", "import-hf", "import-gguf", "speedrun", "serve"}, commands
     assert len({r.id for r in ROWS}) == len(ROWS)
