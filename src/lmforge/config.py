@@ -210,8 +210,10 @@ class SamplingConfig:
         given keep the config's value)."""
         return dataclasses.replace(self, **{k: v for k, v in values.items() if v is not None})
 
-    def validate(self) -> "SamplingConfig":
-        """Raises LmforgeError naming the field, the value and the valid range."""
+    def validate(self, prefix: str = "generate.", names: dict[str, str] | None = None) -> "SamplingConfig":
+        """Raises ConfigError naming the field (`prefix` + its name, or `names[name]`:
+        "generate.top_p" for the config; "top_p", "max_tokens" for a server request), the
+        value and the valid range; the error's `field` attribute is the name shown."""
         checks = [
             ("max_new_tokens", self.max_new_tokens >= 1, ">= 1"),
             ("temperature", math.isfinite(self.temperature) and self.temperature >= 0, ">= 0"),
@@ -222,8 +224,11 @@ class SamplingConfig:
         ]
         for name, ok, want in checks:
             if not ok:
-                raise ConfigError(f"generate.{name} = {getattr(self, name)!r}: expected a value {want} "
-                                  f"(default {getattr(SamplingConfig(), name)!r}).")
+                shown = (names or {}).get(name, name)
+                default = f" (default {getattr(SamplingConfig(), name)!r})" if prefix == "generate." else ""
+                err = ConfigError(f"{prefix}{shown} = {getattr(self, name)!r}: expected a value {want}{default}.")
+                err.field = shown
+                raise err
         return self
 
 
