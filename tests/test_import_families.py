@@ -397,8 +397,9 @@ def test_serve_renders_with_the_models_template(imported):
     import urllib.request
 
     pytest.importorskip("starlette")
-    from lmforge.serve import Running, build_server
+    from lmforge.serve import build_server
     from lmforge.stages import load_for_inference
+    from serve_harness import Running
 
     family, hf, fast, _, ckpt, _ = imported
     model, tok, _ = load_for_inference(ckpt)

@@ -24,7 +24,8 @@ pytest.importorskip("uvicorn")
 from lmforge.cli import main  # noqa: E402
 from lmforge.generate import SamplingConfig, generate  # noqa: E402
 from lmforge.model import Transformer, resolve_model_config  # noqa: E402
-from lmforge.serve import Running, build_server  # noqa: E402
+from lmforge.serve import build_server  # noqa: E402
+from serve_harness import Running  # noqa: E402
 from lmforge.serve.api import Server  # noqa: E402
 from lmforge.serve.engine import Engine, QueueFull, Request  # noqa: E402
 from lmforge.stages import load_for_inference  # noqa: E402
@@ -170,15 +171,15 @@ def test_seeded_sampling_repeats(client):
 
 # -- errors ---------------------------------------------------------------------------------------
 @pytest.mark.parametrize("kw, param", [
-    (dict(messages=[{"role": "robot", "content": "hi"}]), "messages[0].role"),
+    (dict(messages=[{"role": "robot", "content": "hi"}]), "messages[0]"),
     (dict(messages=[]), "messages"),
-    (dict(messages=[{"role": "user", "content": 3}]), "messages[0].content"),
+    (dict(messages=[{"role": "user", "content": 3}]), "messages[0]"),
     (dict(messages=USER, max_tokens=0), "max_tokens"),
     (dict(messages=USER, max_tokens=65), "max_tokens"),  # above the server's --max-tokens 64
     (dict(messages=USER, max_tokens=-1), "max_tokens"),
     (dict(messages=[{"role": "user", "content": "x " * 400}]), "messages"),  # longer than the context
     (dict(messages=USER, temperature="hot"), "temperature"),
-    (dict(messages=USER, temperature=3), "temperature"),
+    (dict(messages=USER, temperature=-0.5), "temperature"),  # the limits of SamplingConfig.validate
     (dict(messages=USER, top_p=0), "top_p"),
     (dict(messages=USER, n=2), "n"),
     (dict(messages=USER, stop=[1]), "stop"),
