@@ -28,7 +28,7 @@ from lmforge.serve import build_server  # noqa: E402
 from serve_harness import Running  # noqa: E402
 from lmforge.serve.api import Server  # noqa: E402
 from lmforge.serve.engine import Engine, QueueFull, Request  # noqa: E402
-from lmforge.stages import load_for_inference  # noqa: E402
+from lmforge.loading import load_checkpoint  # noqa: E402
 from lmforge.train.checkpoint import save_checkpoint  # noqa: E402
 
 USER = [{"role": "user", "content": "def value(self):"}]
@@ -47,7 +47,7 @@ def ckpt(tiny_run, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def loaded(ckpt):
-    model, tok, _ = load_for_inference(ckpt)
+    model, tok, _, _ = load_checkpoint(ckpt)
     return model, tok
 
 
@@ -171,9 +171,9 @@ def test_seeded_sampling_repeats(client):
 
 # -- errors ---------------------------------------------------------------------------------------
 @pytest.mark.parametrize("kw, param", [
-    (dict(messages=[{"role": "robot", "content": "hi"}]), "messages[0]"),
+    (dict(messages=[{"role": "robot", "content": "hi"}]), "messages"),
     (dict(messages=[]), "messages"),
-    (dict(messages=[{"role": "user", "content": 3}]), "messages[0]"),
+    (dict(messages=[{"role": "user", "content": 3}]), "messages"),
     (dict(messages=USER, max_tokens=0), "max_tokens"),
     (dict(messages=USER, max_tokens=65), "max_tokens"),  # above the server's --max-tokens 64
     (dict(messages=USER, max_tokens=-1), "max_tokens"),

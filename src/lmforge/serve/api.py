@@ -91,24 +91,36 @@ def _short(v: Any, limit: int = 80) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
-def _no_constant(name: str):
-    raise BadRequest(f"the request body holds the literal {name}, which JSON does not allow: send a finite number.",
-                     None, "invalid_json")
+class _Literal:
+    """A JSON literal the API refuses (NaN, Infinity, an integer of too many digits), kept in
+    the parsed tree so the walk that follows can name the field holding it."""
+
+    def __init__(self, text: str, why: str):
+        self.text, self.why = text, why
 
 
-def _int_literal(text: str) -> int:
-    if len(text.lstrip("-")) > MAX_INT_DIGITS:
-        raise BadRequest(f"the request body holds an integer of {len(text.lstrip('-'))} digits: expected at most "
-                         f"{MAX_INT_DIGITS}.", None, "invalid_json")
+class _Object(dict):
+    """A parsed JSON object; `repeated`: a key given twice in it (named by the walk)."""
+
+    repeated: str | None = None
+
+
+def _constant(name: str) -> _Literal:
+    return _Literal(name, "a literal JSON does not allow: send a finite number")
+
+
+def _int_literal(text: str):
+    digits = len(text.lstrip("-"))
+    if digits > MAX_INT_DIGITS:
+        return _Literal(f"{text[:12]}... ({digits} digits)", f"an integer longer than {MAX_INT_DIGITS} digits")
     return int(text)
 
 
-def _no_duplicates(pairs: list) -> dict:
-    out = {}
+def _object(pairs: list) -> _Object:
+    out = _Object()
     for k, v in pairs:
-        if k in out:
-            raise BadRequest(f"the request body repeats the key {json.dumps(k)} in one object: give each key once.",
-                             None, "invalid_json")
+        if k in out and out.repeated is None:
+            out.repeated = k
         out[k] = v
     return out
 
@@ -117,9 +129,10 @@ def parse_body(raw: bytes) -> dict:
     """The request body as a JSON object (run off the event loop: it is linear in the body).
 
     Raises:
-        BadRequest: empty; not UTF-8; not JSON (NaN/Infinity literals, an integer longer than
-        MAX_INT_DIGITS, a repeated key); nested deeper than MAX_DEPTH; a string (key or value)
-        with a lone surrogate (named by its path); not an object.
+        BadRequest: empty; not UTF-8; not JSON; nested deeper than the parser's stack; not an
+        object; and, naming the field: a NaN/Infinity literal, an integer longer than
+        MAX_INT_DIGITS, a non-finite number (1e999), a repeated key, nesting deeper than
+        MAX_DEPTH, a string (key or value) holding a lone surrogate.
     """
     if not raw.strip():
         raise BadRequest("the request body is empty: send a JSON object.", None, "invalid_json")
@@ -129,14 +142,13 @@ def parse_body(raw: bytes) -> dict:
         raise BadRequest(f"the request body is not UTF-8 (byte {raw[exc.start]:#04x} at offset {exc.start}): "
                          f"send UTF-8 JSON.", None, "invalid_json") from None
     try:
-        body = json.loads(text, parse_constant=_no_constant, parse_int=_int_literal,
-                          object_pairs_hook=_no_duplicates)
+        body = json.loads(text, parse_constant=_constant, parse_int=_int_literal, object_pairs_hook=_object)
     except json.JSONDecodeError as exc:
         raise BadRequest(f"the request body is not valid JSON ({exc}); send a JSON object.", None,
                          "invalid_json") from None
-    except (RecursionError, ValueError) as exc:  # nesting beyond the parser's stack; int(str) limits
-        raise BadRequest(f"the request body cannot be parsed ({type(exc).__name__}): nested deeper than "
-                         f"{MAX_DEPTH} or a number too long.", None, "invalid_json") from None
+    except RecursionError:
+        raise BadRequest(f"the request body is nested too deeply to parse: expected at most {MAX_DEPTH} levels.",
+                         None, "invalid_json") from None
     if not isinstance(body, dict):
         raise BadRequest(f"the request body is {_type_name(body)}: expected a JSON object.", None, "invalid_json")
     _check_tree(body)
@@ -144,33 +156,47 @@ def parse_body(raw: bytes) -> dict:
 
 
 def _check_tree(body: dict) -> None:
-    """Depth at most MAX_DEPTH and no lone surrogate in any string, walked without recursion."""
+    """Refuse, naming the field, what `parse_body` kept for here (see its docstring); walked
+    without recursion."""
     todo: list[tuple[Any, str, int]] = [(body, "", 1)]
     while todo:
         v, path, depth = todo.pop()
+        field = path or None
+        where = path or "the request body"
         if isinstance(v, (dict, list)):
             if depth > MAX_DEPTH:
-                raise BadRequest(f"{path or 'the request body'} is nested {depth} levels deep: expected at most "
-                                 f"{MAX_DEPTH}.", path.split(".")[0].split("[")[0] or None, "invalid_value")
+                top = path.split(".")[0].split("[")[0]
+                raise BadRequest(f"{top} holds arrays/objects nested {depth} levels deep: expected at most "
+                                 f"{MAX_DEPTH}.", top, "invalid_value")
+            if isinstance(v, _Object) and v.repeated is not None:
+                key = json.dumps(v.repeated)
+                raise BadRequest(f"{where} gives the key {key} twice: give each key once.",
+                                 f"{path}.{v.repeated}" if path else v.repeated, "invalid_value")
             items = v.items() if isinstance(v, dict) else enumerate(v)
             for k, x in items:
                 if isinstance(k, str):
-                    _check_text(k, f"{path} (a key)" if path else "a key")
+                    _check_text(k, f"a key of {where}", field)
                     sub = f"{path}.{k}" if path else k
                 else:
                     sub = f"{path}[{k}]"
                 todo.append((x, sub, depth + 1))
         elif isinstance(v, str):
-            _check_text(v, path)
+            _check_text(v, where, field)
+        elif isinstance(v, _Literal):
+            raise BadRequest(f"{where} = {v.text}: {v.why}.", field, "invalid_value")
+        elif isinstance(v, float) and not math.isfinite(v):
+            raise BadRequest(f"{where} is a number too large for a double ({v}): send a finite number.", field,
+                             "invalid_value")
 
 
-def _check_text(s: str, path: str) -> None:
+def _check_text(s: str, where: str, field: str | None) -> None:
     try:
         s.encode("utf-8")
     except UnicodeEncodeError as exc:
-        where = path.encode("ascii", "backslashreplace").decode()
+        where = where.encode("ascii", "backslashreplace").decode()
+        field = field.encode("ascii", "backslashreplace").decode() if field else None
         raise BadRequest(f"{where} holds a lone surrogate ({s[exc.start]!a} at character {exc.start}), which is "
-                         f"not text: send valid Unicode.", where.split(" ")[0] or None, "invalid_value") from None
+                         f"not text: send valid Unicode.", field, "invalid_value") from None
 
 
 # -- the fields ---------------------------------------------------------------------------------
@@ -220,34 +246,32 @@ def check_fields(body: dict, chat: bool) -> None:
 
 
 def parse_messages(body: dict) -> list[dict]:
-    """The chat messages, checked by the SFT path's validator (roles, text content) one by one
-    so the error names the message; content given as text parts is joined first.
+    """The chat messages, checked by the SFT path's validator (`validate_messages`: roles,
+    text content) after content given as text parts is joined and keys other than role and
+    content are refused.
 
     Raises:
-        BadRequest: naming `messages` or `messages[i]`.
+        BadRequest: naming `messages` (the validator's message names the message) or
+        `messages[i].<key>`.
     """
     msgs = body.get("messages")
-    if not isinstance(msgs, list) or not msgs:
-        try:
-            validate_messages(msgs, "messages", require_reply=False)
-        except LmforgeError as exc:
-            raise BadRequest(str(exc), "messages", "missing_required_parameter" if msgs is None else
-                             "invalid_value") from None
-    out = []
-    for i, m in enumerate(msgs):
-        where = f"messages[{i}]"
-        if isinstance(m, dict):
-            extra = sorted(k for k in m if k not in MESSAGE_KEYS)
-            if extra:
-                raise BadRequest(f"{where} has {', '.join(map(json.dumps, extra))}: this server reads only "
-                                 f"{' and '.join(MESSAGE_KEYS)}; leave the rest out.", f"{where}.{extra[0]}",
-                                 "unsupported_parameter")
-            m = {**m, "content": _content(m.get("content"), where)}
-        try:
-            out.extend(validate_messages([m], where, require_reply=False))
-        except LmforgeError as exc:
-            raise BadRequest(str(exc), where, "invalid_value") from None
-    return out
+    if isinstance(msgs, list):
+        flat = []
+        for i, m in enumerate(msgs):
+            if isinstance(m, dict):
+                extra = sorted(k for k in m if k not in MESSAGE_KEYS)
+                if extra:
+                    raise BadRequest(f"messages[{i}] has {', '.join(map(json.dumps, extra))}: this server reads "
+                                     f"only {' and '.join(MESSAGE_KEYS)}; leave the rest out.",
+                                     f"messages[{i}].{extra[0]}", "unsupported_parameter")
+                m = {**m, "content": _content(m.get("content"), f"messages[{i}]")}
+            flat.append(m)
+        msgs = flat
+    try:
+        return list(validate_messages(msgs, "messages", require_reply=False))
+    except LmforgeError as exc:
+        raise BadRequest(str(exc), "messages", "missing_required_parameter" if msgs is None else
+                         "invalid_value") from None
 
 
 def _content(c: Any, where: str) -> Any:
@@ -333,13 +357,13 @@ class HostCheck:
         if "*" in self.names:
             return True
         host = dict(scope["headers"]).get(b"host", b"").decode("latin-1").lower()
-        if host in self.names:
-            return True
-        name, _, port = host.rpartition(":") if not host.endswith("]") else (host, "", "")
-        if not name:
-            name, port = host, ""
+        name, colon, port = host.rpartition(":")
+        if not colon or name.startswith("[") and not name.endswith("]") or host.endswith("]"):
+            name, port = host, ""  # no port ("[::1]" has colons of its own)
         served = scope.get("server") or (None, None)
-        return name in self.names and (port == str(served[1]) or (port == "" and served[1] == 80))
+        if name in self.names and (port == str(served[1]) or (port == "" and served[1] == 80)):
+            return True
+        return bool(port) and host in self.names  # an entry "name:port" given as is
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and not self.allowed(scope):
@@ -460,7 +484,7 @@ class Server:
             try:
                 return body, self.tok.render_chat(msgs, add_generation_prompt=True).ids
             except LmforgeError as exc:  # the template refuses, a special token spelled out
-                raise BadRequest(str(exc), "messages", "invalid_value") from None
+                raise BadRequest(f"messages: {exc}", "messages", "invalid_value") from None
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
             prompt = prompt[0]
@@ -470,7 +494,7 @@ class Server:
         try:
             return body, self.tok.encode_prompt(check_text(prompt, "prompt", "the text"))
         except LmforgeError as exc:
-            raise BadRequest(str(exc), "prompt", "invalid_value") from None
+            raise BadRequest(f"prompt: {exc}", "prompt", "invalid_value") from None
 
     async def _generate(self, request, chat: bool):
         from starlette.requests import ClientDisconnect

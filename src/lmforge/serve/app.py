@@ -21,7 +21,7 @@ import json
 import socket
 import sys
 
-from lmforge.errors import LmforgeError
+from lmforge.errors import LmforgeError, require_package
 from lmforge.runtime import Runtime, decode_runtime
 
 #: Host names a loopback server answers to by default.
@@ -40,12 +40,10 @@ class ServeError(LmforgeError):
 
 
 def require_server_packages() -> None:
-    try:
-        import starlette  # noqa: F401
-        import uvicorn  # noqa: F401
-    except ImportError as exc:
-        raise ServeError(f"lmforge serve needs starlette and uvicorn ({exc.name} is not installed): "
-                         f"pip install 'lmforge[serve]'.") from None
+    """Raises ServeError naming the missing package (starlette or uvicorn) and the extra that
+    installs it (`lmforge.errors.require_package`)."""
+    for module in ("starlette", "uvicorn"):
+        require_package(module, "serve", "lmforge serve", ServeError)
 
 
 def is_loopback(host: str) -> bool:
