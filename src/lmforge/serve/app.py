@@ -141,9 +141,10 @@ def guarded_protocol(io_timeout_s: float):
     """uvicorn's h11 protocol with two timers (an h11 subclass: uvicorn itself bounds only the
     idle time between keep-alive requests):
 
-      - request timer, armed when the connection opens and after each response: the request's
-        headers and body must be in within `io_timeout_s`, else a 408 (OpenAI error body) and
-        the connection is closed (slowloris: headers or body trickled);
+      - request timer, armed when the connection opens and at the first byte of each later
+        request: the request's headers and body must be in within `io_timeout_s`, else a 408
+        (OpenAI error body) and the connection is closed (slowloris: headers or body trickled;
+        a connection that sent nothing is closed silently);
       - write timer, armed while the transport's buffer is above its high-water mark: a client
         that reads nothing for `io_timeout_s` is cut (the streaming handler sees the disconnect
         and cancels its request, freeing the engine's row).
@@ -188,8 +189,16 @@ def guarded_protocol(io_timeout_s: float):
             if self.cycle is not None and self.cycle.response_started and not self.cycle.response_complete:
                 self.transport.abort()
                 return
+            if self.conn.their_state is h11.IDLE and not self.conn.trailing_data[0]:
+                self.transport.close()  # a connection that never said anything: nobody to answer
+                return
             self.transport.write(timeout_response)
             self.transport.close()
+
+        def data_received(self, data: bytes) -> None:
+            if self._request_timer is None and self.conn.their_state is h11.IDLE:
+                self._arm_request()  # the first bytes of a keep-alive connection's next request
+            super().data_received(data)
 
         def handle_events(self) -> None:
             super().handle_events()
@@ -197,9 +206,9 @@ def guarded_protocol(io_timeout_s: float):
                 self._disarm("_request_timer")
 
         def on_response_complete(self) -> None:
-            super().on_response_complete()
-            if not self.transport.is_closing():
-                self._arm_request()  # the next request (or the rest of this one's body) must come in time
+            super().on_response_complete()  # idle keep-alive connections: uvicorn's own timer
+            if not self.transport.is_closing() and self.conn.their_state is h11.SEND_BODY:
+                self._arm_request()  # answered early (413, 415): the rest of the body must come in time
 
         def pause_writing(self) -> None:
             super().pause_writing()
