@@ -223,8 +223,8 @@ MALFORMED = [  # (name, raw body, status, param)
      400, "seed"),
     ("seed-100-digits", b'{"messages": [{"role": "user", "content": "a"}], "seed": ' + b"9" * 100 + b"}", 400,
      "seed"),
-    ("max-tokens-beyond-64-bits", b'{"messages": [{"role": "user", "content": "a"}], "max_tokens": 36893488147419103232}',
-     400, "max_tokens"),
+    ("max-tokens-beyond-64-bits", b'{"messages": [{"role": "user", "content": "a"}], '
+                                  b'"max_tokens": 36893488147419103232}', 400, "max_tokens"),
     ("include-usage-string", b'{"messages": [{"role": "user", "content": "a"}], "stream": true, '
                              b'"stream_options": {"include_usage": "yes"}}', 400, "stream_options.include_usage"),
     ("stream-string", b'{"messages": [{"role": "user", "content": "a"}], "stream": "yes"}', 400, "stream"),
@@ -263,6 +263,17 @@ def test_malformed_requests_get_4xx_json_naming_the_field(served, raw, status, p
     assert err["param"] == param, err
     if param:
         assert param.split("[")[0].split(".")[0] in err["message"]
+
+
+@pytest.mark.parametrize("raw", [b"GARBAGE\r\n\r\n", b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\nX: " + b"a" * 20000,
+                                 b"GET / HTTP/1.1\r\nBad Header\r\n\r\n"], ids=["request-line", "huge-headers",
+                                                                              "bad-header"])
+def test_invalid_http_gets_a_json_400(served, raw):
+    with socket.create_connection(("127.0.0.1", served.port), timeout=20) as s:
+        s.sendall(raw)
+        status, headers, body = read_response(s)
+    assert status == 400 and headers["content-type"] == "application/json"
+    assert error_of(status, body)["code"] == "invalid_http"
 
 
 def test_the_nesting_limit_is_the_documented_one(served):

@@ -152,11 +152,19 @@ def guarded_protocol(io_timeout_s: float):
     import h11
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
-    body = json.dumps({"error": {"message": f"the request was not received within the server's I/O timeout of "
-                                            f"{io_timeout_s:g} s (--io-timeout); send it at once.",
-                                 "type": "invalid_request_error", "param": None, "code": "request_timeout"}})
-    timeout_response = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
-                        b"content-length: %d\r\n\r\n%s" % (len(body), body.encode()))
+    def raw_response(status: str, message: str, code: str) -> bytes:
+        """A complete HTTP/1.1 response with the OpenAI error body, closing the connection
+        (written straight to the transport: h11 cannot answer a request it has not parsed)."""
+        body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None,
+                                     "code": code}}).encode()
+        return (b"HTTP/1.1 %s\r\ncontent-type: application/json\r\nconnection: close\r\ncontent-length: %d\r\n"
+                b"\r\n%s" % (status.encode(), len(body), body))
+
+    timeout_response = raw_response("408 Request Timeout", f"the request was not received within the server's I/O "
+                                    f"timeout of {io_timeout_s:g} s (--io-timeout); send it at once.",
+                                    "request_timeout")
+    invalid_response = raw_response("400 Bad Request", "the request is not valid HTTP/1.1 (request line or headers "
+                                    "malformed, or headers over 16 KiB).", "invalid_http")
 
     class GuardedH11Protocol(H11Protocol):
         _request_timer = None
@@ -193,6 +201,10 @@ def guarded_protocol(io_timeout_s: float):
                 self.transport.close()  # a connection that never said anything: nobody to answer
                 return
             self.transport.write(timeout_response)
+            self.transport.close()
+
+        def send_400_response(self, msg: str) -> None:  # uvicorn's is plain text
+            self.transport.write(invalid_response)
             self.transport.close()
 
         def data_received(self, data: bytes) -> None:
