@@ -86,7 +86,7 @@ def validate_messages(messages: object, where: str) -> tuple[dict, ...]:
             raise DataError(f"{where}: message {i} has no \"role\" (keys: {keys}); expected "
                             f"{{\"role\": one of {ROLES}, \"content\": str}}. Fix or remove the record.")
         role = m["role"]
-        if role not in ROLES:
+        if not isinstance(role, str) or role not in ROLES:  # a list or an object is never a role
             raise DataError(f"{where}: message {i} has role {short(role)}; expected one of {ROLES}. "
                             f"Rename the role or remove the record.")
         content = check_text(m.get("content"), where, f"message {i} ({role}) content")
@@ -119,7 +119,7 @@ def conversation_from_record(record: object, where: str) -> Conversation:
                 keys = sorted(t) if isinstance(t, dict) else type(t).__name__
                 raise DataError(f"{where}: turn {i} has no \"from\" (keys: {keys}); expected "
                                 f"{{\"from\": one of {sorted(SHAREGPT_ROLES)}, \"value\": str}}.")
-            if t["from"] not in SHAREGPT_ROLES:
+            if not isinstance(t["from"], str) or t["from"] not in SHAREGPT_ROLES:  # (a list is unhashable)
                 raise DataError(f"{where}: turn {i} has \"from\" = {short(t['from'])}; expected one of "
                                 f"{sorted(SHAREGPT_ROLES)}. Rename it or remove the record.")
             converted.append({"role": SHAREGPT_ROLES[t["from"]], "content": t.get("value")})

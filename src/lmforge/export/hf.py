@@ -59,6 +59,40 @@ class ExportError(LmforgeError):
     """A folder cannot be exported to, or imported from, the Hugging Face format."""
 
 
+# -- the range of an export dtype: one check for every exporter (HF here, GGUF in gguf.py) ------
+#: dtype -> (the type a value is stored as, the divisor applied first). q8_0 (GGUF) stores blocks of
+#: 32 values as int8 times one float16 scale |block max| / 127 (ggml's quantize_row_q8_0).
+_NARROW_DTYPES = {"float16": (torch.float16, 1.0), "bfloat16": (torch.bfloat16, 1.0), "q8_0": (torch.float16, 127.0)}
+
+
+def check_dtype_range(name: str, values: object, dtype: str, note: str = "") -> None:
+    """Refuse to store `values` (a float tensor or array) as `dtype` when the largest magnitude
+    would round to infinity there: float16 holds |x| <= 65504, bfloat16 |x| <= 3.39e38, q8_0
+    |x| <= 127 x 65504 (its float16 block scale). float32 (and any other name) passes.
+    Exact: the largest |x| is converted the way the writer converts it (float32 arithmetic,
+    round to nearest), and conversion is monotonic.
+
+    Raises:
+        ExportError: naming the tensor, its largest magnitude, the dtype's range and the
+        dtypes that would hold it.
+    """
+    if dtype not in _NARROW_DTYPES:
+        return
+    t = torch.as_tensor(values).detach()
+    if t.numel() == 0 or not t.is_floating_point():
+        return
+    peak = t.abs().max().to(torch.float32)
+    target, divisor = _NARROW_DTYPES[dtype]
+    if bool(torch.isfinite((peak / divisor).to(target))):
+        return
+    limit = torch.finfo(target).max * divisor
+    fits = [d for d in ("bfloat16", "float32") if d != dtype and (
+        d == "float32" or bool(torch.isfinite((peak / _NARROW_DTYPES[d][1]).to(_NARROW_DTYPES[d][0]))))]
+    raise ExportError(f"weight {name!r} holds a value of magnitude {float(peak):.6g}, beyond what {dtype} stores "
+                      f"(|x| <= {limit:.6g}{note}): it would be written as infinity. Export with --dtype "
+                      f"{' or '.join(fits)}, which holds it.")
+
+
 # -- names: the one place lmforge and Hugging Face names meet --------------------------
 #: (lmforge name, HF name) with "{i}" for the layer index.
 _NAME_PAIRS = (
@@ -120,6 +154,8 @@ def to_hf_state(state: dict[str, torch.Tensor], vocab_size: int, tie_embeddings:
         dtype: cast floating tensors to this dtype (default: keep).
     Returns:
         {HF name: contiguous tensor}.
+    Raises:
+        ExportError: a weight beyond `dtype`'s range (`check_dtype_range`).
     """
     out = {}
     for name, t in state.items():
@@ -128,6 +164,7 @@ def to_hf_state(state: dict[str, torch.Tensor], vocab_size: int, tie_embeddings:
         if name in ("tok_embeddings.weight", "output.weight"):
             t = t[:vocab_size]
         if dtype is not None and t.is_floating_point():
+            check_dtype_range(name, t, str(dtype).removeprefix("torch."))  # never an infinity in the file
             t = t.to(dtype)
         out[map_name(name, to_hf=True)] = t.detach().contiguous().cpu()
     return out
@@ -318,7 +355,8 @@ def export_hf(checkpoint: str | Path, out: str | Path, dtype: str = "float32", v
         `out`.
     Raises:
         CheckpointError / ContractError: the checkpoint is incomplete or inconsistent.
-        ExportError: `out` holds other files, an unknown dtype, or verification failed.
+        ExportError: `out` holds other files, an unknown dtype, a weight beyond the dtype's range
+            (`check_dtype_range`), or verification failed.
     """
     if dtype not in DTYPES:
         raise ExportError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}.")
@@ -327,9 +365,9 @@ def export_hf(checkpoint: str | Path, out: str | Path, dtype: str = "float32", v
     path = resolve_checkpoint(checkpoint)
     tok = Tokenizer.load(path)  # the contract's special ids checked against the tokenizer, as every stage does
     model, cfg, contract, path = load_model(path, "cpu", tok.contract, path / CONTRACT_FILE)
+    torch_dtype = DTYPES[dtype]
+    hf = to_hf_state(model_state(model), contract.vocab_size, cfg.model.tie_embeddings, torch_dtype)  # before a write
     with atomic_dir(out, EXPORT_OUTPUT, what="`lmforge export`") as tmp:
-        torch_dtype = DTYPES[dtype]
-        hf = to_hf_state(model_state(model), contract.vocab_size, cfg.model.tie_embeddings, torch_dtype)
         save_file(hf, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
         config = hf_config(model.config, contract, torch_dtype)
         _write_json(tmp / HF_CONFIG_FILE, config)
