@@ -112,6 +112,14 @@ def test_pretrain_resume_refuses_another_data_folder(run_copy, tmp_path):
     refused(pretrain_stage, _set(cfg, "data.dir", str(tmp_path / "data2")), run, r"data\.dir = ")
 
 
+def test_the_same_data_folder_spelled_another_way_is_the_same(run_copy, monkeypatch):
+    cfg, run = run_copy
+    data = Path(cfg.data.dir)
+    monkeypatch.chdir(data.parent)
+    last = pretrain_stage(_set(cfg, "data.dir", f"./{data.name}/../{data.name}"), run, resume=True, progress=False)
+    assert last["step"] == 4
+
+
 def test_the_schedule_refusal_names_the_step_and_both_rates(run_copy):
     cfg, run = run_copy
     refused(pretrain_stage, _set(cfg, "train.steps", 3), run,

@@ -19,6 +19,7 @@ Each refusal is a `CheckpointError` naming the file, the field and what to do.
 
 from __future__ import annotations
 
+import os
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -47,6 +48,7 @@ class ResumeRule:
     times the data-parallel ranks (accumulation: the rows of an optimizer step are micro-batch
     x accumulation x ranks, `RowStream`). `when`: the rule applies only to runs (saved
     configs) for which it holds. `elsewhere`: compared by another check, named in `why`.
+    `path`: a path, compared resolved (`runs/x/data` and `./runs/x/data` are one folder).
     """
 
     field: str
@@ -56,6 +58,7 @@ class ResumeRule:
     per_rank: bool = False
     when: Callable[[Config], bool] | None = None
     elsewhere: bool = False
+    path: bool = False
 
 
 def _muon(cfg: Config) -> bool:
@@ -85,7 +88,7 @@ RESUME_RULES: tuple[ResumeRule, ...] = (
       "first; the same tokenizer in another folder is the same tokenizer"),
     R("tokenizer.max_train_bytes", (), "read by train-tokenizer only"),
     R("data.source", (), "read by prepare only: pretraining reads the shards in data.dir, SFT reads sft.data"),
-    R("data.dir", PRE, "the shards the rows come from; SFT does not read it"),
+    R("data.dir", PRE, "the shards the rows come from; SFT does not read it", path=True),
     R("data.seq_len", BOTH, "the length of every row, so which tokens share a row and the data position"),
     R("data.document_masking", PRE, "the attention mask and positions of every row; SFT does not read it "
       "(sft.packing decides)"),
@@ -134,7 +137,7 @@ RESUME_RULES: tuple[ResumeRule, ...] = (
     R("train.time_limit_s", (), "when to stop with a checkpoint; elapsed_s counts the whole run"),
     R("sft.init", SFT, "the checkpoint fine-tuned; compared as a resolved path by stages/sft.py "
       "(_check_same_init), before the model is loaded", elsewhere=True),
-    R("sft.data", SFT, "the conversations trained on; " + _NO_PRE),
+    R("sft.data", SFT, "the conversations trained on; " + _NO_PRE, path=True),
     R("sft.packing", SFT, "how conversations are laid out in rows (and their attention); " + _NO_PRE),
     R("sft.steps", SFT, _SCHEDULE + "; " + _NO_PRE, schedule=True),
     R("sft.micro_batch_size", SFT, "the rows of every micro-batch and the order of the loss sum; " + _NO_PRE),
@@ -182,7 +185,7 @@ def check_resume_config(saved: Config, new: Config, stage: str, step: int, where
                       f"set {rule.field} = {old * old_dp / new_dp:g} to keep its global batch, if it divides)")
             refused.append(f"{change}: {rule.why}")
             continue
-        if old == now:
+        if old == now or (rule.path and os.path.realpath(old) == os.path.realpath(now)):
             continue
         change = f"{rule.field} = {now!r} (the run has {old!r})"
         if rule.schedule:
