@@ -34,7 +34,7 @@ from lmforge.config import Config  # noqa: E402
 from lmforge.errors import CheckpointError  # noqa: E402
 from lmforge.stages import pretrain_stage, sft_stage  # noqa: E402
 from lmforge.train import checkpoint as ckpt  # noqa: E402
-from lmforge.train.resume import RESUME_RULES, check_resume_config  # noqa: E402
+from lmforge.train.resume import RESUME_RULES, STAGES, check_resume_config  # noqa: E402
 
 
 def test_every_config_field_has_exactly_one_rule():
@@ -44,6 +44,9 @@ def test_every_config_field_has_exactly_one_rule():
     assert len(ruled) == len(set(ruled))
     assert sorted(ruled) == sorted(fields)
     assert all(r.why.strip() for r in RESUME_RULES)
+    # a field refused in one stage only, or only for some runs, says why a change is safe elsewhere
+    partial = [r.field for r in RESUME_RULES if (r.refused_in and set(r.refused_in) != set(STAGES)) or r.when]
+    assert partial and all(r.otherwise.strip() for r in RESUME_RULES if r.field in partial)
 
 
 def _set(cfg: Config, field: str, value) -> Config:

@@ -42,7 +42,9 @@ class ResumeRule:
     """One config field under `--resume`.
 
     `refused_in`: the stages (commands) in which another value is refused; in the others
-    a change is allowed. `why`: why it is refused, or why a change is safe. `schedule`: the
+    a change is allowed. `why`: why it is refused (the message says it), or, for a field
+    refused nowhere, why a change is safe. `otherwise`: why a change is safe where the
+    field is not refused (another stage, or a run `when` does not hold for). `schedule`: the
     field shapes the learning-rate schedule; another value is refused only when it changes
     the learning rate of a step already taken (`lr_at`, step by step). `per_rank`: compared
     times the data-parallel ranks (accumulation: the rows of an optimizer step are micro-batch
@@ -54,6 +56,7 @@ class ResumeRule:
     field: str
     refused_in: tuple[str, ...]
     why: str
+    otherwise: str = ""
     schedule: bool = False
     per_rank: bool = False
     when: Callable[[Config], bool] | None = None
@@ -75,9 +78,9 @@ _SCHEDULE = ("shapes the learning-rate schedule: refused when it changes the lea
              "taken, allowed when it only moves what is still ahead (e.g. more steps while a wsd run has not "
              "begun its decay)")
 _NO_PRE = "pretraining does not read [sft]"
-_SFT_OWN = "SFT trains with the [sft] value (compared as sft.{key}); pretraining: "
+_SFT_OWN = "SFT trains with the [sft] value and compares that (sft.{key})"
 _OPT = "an optimizer setting applied at every step, the steps taken included"
-_MUON_ONLY = "; AdamW runs do not read it"
+_MUON_ONLY = "AdamW runs (train.optimizer = 'adamw') do not read it"
 _ACCUM = ("the rows of every optimizer step: compared as accumulation x data-parallel ranks, so a run continued "
           "on another number of ranks keeps its global batch (up to the float order of the sums)")
 #: Every field of every config section, once (tests/test_resume_checks.py holds this).
@@ -88,38 +91,38 @@ RESUME_RULES: tuple[ResumeRule, ...] = (
       "first; the same tokenizer in another folder is the same tokenizer"),
     R("tokenizer.max_train_bytes", (), "read by train-tokenizer only"),
     R("data.source", (), "read by prepare only: pretraining reads the shards in data.dir, SFT reads sft.data"),
-    R("data.dir", PRE, "the shards the rows come from; SFT does not read it", path=True),
+    R("data.dir", PRE, "the shards the rows come from", "SFT does not read it", path=True),
     R("data.seq_len", BOTH, "the length of every row, so which tokens share a row and the data position"),
-    R("data.document_masking", PRE, "the attention mask and positions of every row; SFT does not read it "
-      "(sft.packing decides)"),
-    R("data.val_fraction", SFT, "SFT: which conversations are trained on; pretraining: read by prepare only "
-      "(the split is in the shards)"),
-    R("data.include_tests", SFT, "SFT on the standard library: which functions are trained on; pretraining: "
-      "read by prepare only", when=_stdlib_sft),
+    R("data.document_masking", PRE, "the attention mask and positions of every row",
+      "SFT does not read it (sft.packing decides)"),
+    R("data.val_fraction", SFT, "which conversations are trained on",
+      "pretraining: read by prepare only (the split is in the shards)"),
+    R("data.include_tests", SFT, "which standard-library functions are trained on",
+      "pretraining: read by prepare only; SFT on a file does not read it", when=_stdlib_sft),
     R("data.on_bad_utf8", (), "read by prepare only"),
     *(R(f"model.{k}", BOTH, _MODEL) for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_dim",
                                                "norm_eps", "rope_theta", "max_seq_len", "tie_embeddings", "qk_norm")),
     R("model.attention", BOTH, "the attention backends agree within float tolerance, not bit for bit"),
-    R("train.steps", PRE, _SFT_OWN.format(key="steps") + _SCHEDULE, schedule=True),
-    R("train.micro_batch_size", PRE, _SFT_OWN.format(key="micro_batch_size") + "the rows of every micro-batch and "
-      "the order of the loss sum"),
-    R("train.grad_accum_steps", PRE, _SFT_OWN.format(key="grad_accum_steps") + _ACCUM, per_rank=True),
-    R("train.lr", PRE, _SFT_OWN.format(key="lr") + _SCHEDULE, schedule=True),
+    R("train.steps", PRE, _SCHEDULE, _SFT_OWN.format(key="steps"), schedule=True),
+    R("train.micro_batch_size", PRE, "the rows of every micro-batch and the order of the loss sum",
+      _SFT_OWN.format(key="micro_batch_size")),
+    R("train.grad_accum_steps", PRE, _ACCUM, _SFT_OWN.format(key="grad_accum_steps"), per_rank=True),
+    R("train.lr", PRE, _SCHEDULE, _SFT_OWN.format(key="lr"), schedule=True),
     R("train.min_lr_ratio", BOTH, _SCHEDULE, schedule=True),
-    R("train.warmup_steps", PRE, _SFT_OWN.format(key="warmup_steps") + _SCHEDULE, schedule=True),
+    R("train.warmup_steps", PRE, _SCHEDULE, _SFT_OWN.format(key="warmup_steps"), schedule=True),
     R("train.schedule", BOTH, _SCHEDULE, schedule=True),
     R("train.decay_fraction", BOTH, _SCHEDULE, schedule=True),
     R("train.weight_decay", BOTH, _OPT),
     R("train.beta1", BOTH, _OPT),
     R("train.beta2", BOTH, _OPT),
     R("train.grad_clip", BOTH, _OPT + " (the norms of the steps taken are not known)"),
-    R("train.zero_init", PRE, "the initial weights of the run; SFT starts from sft.init"),
+    R("train.zero_init", PRE, "the initial weights of the run", "SFT starts from sft.init's weights"),
     R("train.optimizer", BOTH, "another optimizer has another state"),
-    R("train.muon_lr_scale", BOTH, _OPT + _MUON_ONLY, when=_muon),
-    R("train.muon_momentum", BOTH, _OPT + _MUON_ONLY, when=_muon),
-    R("train.muon_ns_steps", BOTH, _OPT + _MUON_ONLY, when=_muon),
-    R("train.embed_lr_scale", BOTH, _OPT + _MUON_ONLY, when=_muon),
-    R("train.head_lr_scale", BOTH, _OPT + _MUON_ONLY, when=_muon),
+    R("train.muon_lr_scale", BOTH, _OPT, _MUON_ONLY, when=_muon),
+    R("train.muon_momentum", BOTH, _OPT, _MUON_ONLY, when=_muon),
+    R("train.muon_ns_steps", BOTH, _OPT, _MUON_ONLY, when=_muon),
+    R("train.embed_lr_scale", BOTH, _OPT, _MUON_ONLY, when=_muon),
+    R("train.head_lr_scale", BOTH, _OPT, _MUON_ONLY, when=_muon),
     R("train.seed", BOTH, "the initial weights and the order of the rows"),
     R("train.precision", BOTH, "the compute dtype of every step (and Muon's Newton-Schulz dtype)"),
     R("train.data_parallel", (), "how ranks share the same arithmetic: the checkpoint holds the full state by "
@@ -136,17 +139,18 @@ RESUME_RULES: tuple[ResumeRule, ...] = (
     R("train.log_every", (), "how often the progress bar prints"),
     R("train.time_limit_s", (), "when to stop with a checkpoint; elapsed_s counts the whole run"),
     R("sft.init", SFT, "the checkpoint fine-tuned; compared as a resolved path by stages/sft.py "
-      "(_check_same_init), before the model is loaded", elsewhere=True),
-    R("sft.data", SFT, "the conversations trained on; " + _NO_PRE, path=True),
-    R("sft.packing", SFT, "how conversations are laid out in rows (and their attention); " + _NO_PRE),
-    R("sft.steps", SFT, _SCHEDULE + "; " + _NO_PRE, schedule=True),
-    R("sft.micro_batch_size", SFT, "the rows of every micro-batch and the order of the loss sum; " + _NO_PRE),
-    R("sft.grad_accum_steps", SFT, _ACCUM + "; " + _NO_PRE, per_rank=True),
-    R("sft.lr", SFT, _SCHEDULE + "; " + _NO_PRE, schedule=True),
-    R("sft.warmup_steps", SFT, _SCHEDULE + "; " + _NO_PRE, schedule=True),
-    R("sft.max_examples", SFT, "which conversations are trained on; " + _NO_PRE),
+      "(_check_same_init), before the model is loaded", _NO_PRE, elsewhere=True),
+    R("sft.data", SFT, "the conversations trained on", _NO_PRE, path=True),
+    R("sft.packing", SFT, "how conversations are laid out in rows (and their attention)", _NO_PRE),
+    R("sft.steps", SFT, _SCHEDULE, _NO_PRE, schedule=True),
+    R("sft.micro_batch_size", SFT, "the rows of every micro-batch and the order of the loss sum", _NO_PRE),
+    R("sft.grad_accum_steps", SFT, _ACCUM, _NO_PRE, per_rank=True),
+    R("sft.lr", SFT, _SCHEDULE, _NO_PRE, schedule=True),
+    R("sft.warmup_steps", SFT, _SCHEDULE, _NO_PRE, schedule=True),
+    R("sft.max_examples", SFT, "which conversations are trained on", _NO_PRE),
     R("sft.val_examples", (), "the held-out conversations validated on (val_loss rows and sft_val.jsonl only)"),
-    R("sft.max_chars", SFT, "which standard-library functions are trained on; " + _NO_PRE, when=_stdlib_sft),
+    R("sft.max_chars", SFT, "which standard-library functions are trained on",
+      _NO_PRE + "; SFT on a file does not read it", when=_stdlib_sft),
     *(R(f"generate.{k}", (), "sampling only (generate, chat, serve, the speedrun's samples)")
       for k in ("max_new_tokens", "temperature", "top_k", "top_p", "repetition_penalty", "greedy")),
 )
@@ -202,7 +206,7 @@ def check_resume_config(saved: Config, new: Config, stage: str, step: int, where
         if before != after:
             raise CheckpointError(
                 f"--resume: {where}: {'; '.join(schedule)}: step {s + 1} of the run already took learning rate "
-                f"{before:.6g}, and with the new value{'s' if len(schedule) > 1 else ''} it would be {after:.6g}. "
+                f"{before:.8g}, and with the new value{'s' if len(schedule) > 1 else ''} it would be {after:.8g}. "
                 f"A schedule change continues exactly only when it leaves the {step} steps taken as they were (e.g. "
                 f"more train.steps before a wsd decay begins). Resume with the run's values, or use another --out.")
     return [f"{'; '.join(schedule)}: the learning rates of the {step} steps taken are unchanged, so the run "
@@ -281,7 +285,8 @@ def check_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimiz
                     raise bad(f"{name!r} {key} has shape {tuple(t.shape)} and dtype {t.dtype}, expected shape {shape} "
                               f"and dtype {dtype or 'a float'} (the parameter's)")
                 if not bool(torch.isfinite(t).all()) or (key == "step" and float(t) < 0):
-                    raise bad(f"{name!r} {key} holds {'a negative step' if key == 'step' else 'NaN or infinite values'}")
+                    what = "a negative step" if key == "step" else "NaN or infinite values"
+                    raise bad(f"{name!r} {key} holds {what}")
     extra = sorted(set(map(str, saved_state)) - set(names.values()))
     if extra:
         raise bad(f"state for parameters this model does not have: {extra[:5]}")
