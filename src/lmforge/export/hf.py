@@ -40,57 +40,20 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from lmforge.config import Config, ModelConfig, from_dict, validate
-from lmforge.contract import CONTRACT_FILE, Contract, padded_vocab_size
-from lmforge.errors import CheckpointError, ConfigError, LmforgeError
+from lmforge.contract import Contract, padded_vocab_size
+from lmforge.errors import CheckpointError, ConfigError, require_package
+from lmforge.export.options import ExportError, check_dtype_range, check_export_options
 from lmforge.fileio import atomic_dir, check_output
-from lmforge.model import load_model
-from lmforge.model.io import MODEL_FILE, load_weights, model_state, resolve_checkpoint, write_model_files
-from lmforge.tokenizer import CHAT_TEMPLATE, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, Tokenizer
+from lmforge.loading import load_checkpoint
+from lmforge.model.io import MODEL_FILE, load_weights, model_state, write_model_files
+from lmforge.tokenizer import CHAT_TEMPLATE, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE
 
 HF_CONFIG_FILE = "config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
 WEIGHTS_FILE = "model.safetensors"  # Hugging Face's name (it happens to equal lmforge's MODEL_FILE)
 WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
 EXPORT_OUTPUT, IMPORT_OUTPUT = "export", "import-hf"  # the marker commands (lmforge.fileio)
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class ExportError(LmforgeError):
-    """A folder cannot be exported to, or imported from, the Hugging Face format."""
-
-
-# -- the range of an export dtype: one check for every exporter (HF here, GGUF in gguf.py) ------
-#: dtype -> (the type a value is stored as, the divisor applied first). q8_0 (GGUF) stores blocks of
-#: 32 values as int8 times one float16 scale |block max| / 127 (ggml's quantize_row_q8_0).
-_NARROW_DTYPES = {"float16": (torch.float16, 1.0), "bfloat16": (torch.bfloat16, 1.0), "q8_0": (torch.float16, 127.0)}
-
-
-def check_dtype_range(name: str, values: object, dtype: str, note: str = "") -> None:
-    """Refuse to store `values` (a float tensor or array) as `dtype` when the largest magnitude
-    would round to infinity there: float16 holds |x| <= 65504, bfloat16 |x| <= 3.39e38, q8_0
-    |x| <= 127 x 65504 (its float16 block scale). float32 (and any other name) passes.
-    Exact: the largest |x| is converted the way the writer converts it (float32 arithmetic,
-    round to nearest), and conversion is monotonic.
-
-    Raises:
-        ExportError: naming the tensor, its largest magnitude, the dtype's range and the
-        dtypes that would hold it.
-    """
-    if dtype not in _NARROW_DTYPES:
-        return
-    t = torch.as_tensor(values).detach()
-    if t.numel() == 0 or not t.is_floating_point():
-        return
-    peak = t.abs().max().to(torch.float32)
-    target, divisor = _NARROW_DTYPES[dtype]
-    if bool(torch.isfinite((peak / divisor).to(target))):
-        return
-    limit = torch.finfo(target).max * divisor
-    fits = [d for d in ("bfloat16", "float32") if d != dtype and (
-        d == "float32" or bool(torch.isfinite((peak / _NARROW_DTYPES[d][1]).to(_NARROW_DTYPES[d][0]))))]
-    raise ExportError(f"weight {name!r} holds a value of magnitude {float(peak):.6g}, beyond what {dtype} stores "
-                      f"(|x| <= {limit:.6g}{note}): it would be written as infinity. Export with --dtype "
-                      f"{' or '.join(fits)}, which holds it.")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # EXPORT_DTYPES["hf"]
 
 
 # -- names: the one place lmforge and Hugging Face names meet --------------------------
@@ -342,7 +305,8 @@ def model_config_from_hf(cfg: dict, where: str) -> ModelConfig:
 
 
 # -- export ------------------------------------------------------------------------------
-def export_hf(checkpoint: str | Path, out: str | Path, dtype: str = "float32", verify: bool = False) -> Path:
+def export_hf(checkpoint: str | Path, out: str | Path, dtype: str = "float32", verify: bool = False,
+              force: bool = False) -> Path:
     """Write a checkpoint as a Hugging Face `LlamaForCausalLM` folder (atomically).
 
     Args:
@@ -351,20 +315,19 @@ def export_hf(checkpoint: str | Path, out: str | Path, dtype: str = "float32", v
         dtype: "float32" (default), "bfloat16" or "float16" for the weights.
         verify: load the result with `transformers` and compare logits with lmforge's
             (max abs difference below 1e-4 in float32; needs `pip install "lmforge[hf]"`).
+        force: refused (an export replaces only an earlier export folder).
     Returns:
         `out`.
     Raises:
         CheckpointError / ContractError: the checkpoint is incomplete or inconsistent.
-        ExportError: `out` holds other files, an unknown dtype, a weight beyond the dtype's range
-            (`check_dtype_range`), or verification failed.
+        ExportError: an option that does not apply (`check_export_options`), `out` holds other
+            files, a weight beyond the dtype's range (`check_dtype_range`), or verification failed.
     """
-    if dtype not in DTYPES:
-        raise ExportError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}.")
+    check_export_options("hf", dtype, verify, force)
     out = Path(out)
     check_output(out, EXPORT_OUTPUT, "`lmforge export`", replace_whole=True)  # before any work
-    path = resolve_checkpoint(checkpoint)
-    tok = Tokenizer.load(path)  # the contract's special ids checked against the tokenizer, as every stage does
-    model, cfg, contract, path = load_model(path, "cpu", tok.contract, path / CONTRACT_FILE)
+    model, tok, cfg, path = load_checkpoint(checkpoint)
+    contract = tok.contract
     torch_dtype = DTYPES[dtype]
     hf = to_hf_state(model_state(model), contract.vocab_size, cfg.model.tie_embeddings, torch_dtype)  # before a write
     with atomic_dir(out, EXPORT_OUTPUT, what="`lmforge export`") as tmp:
@@ -418,19 +381,12 @@ def _write_json(path: Path, obj: dict) -> None:
 
 
 def require_transformers():
-    """Import `transformers`, or explain how to install it.
+    """The `transformers` package.
 
     Raises:
-        LmforgeError: transformers is not installed.
+        LmforgeError: transformers is not installed (`errors.require_package`).
     """
-    try:
-        import transformers
-    except ImportError:
-        raise LmforgeError(
-            "this needs the `transformers` package, which is not installed. Install the extra: "
-            "pip install \"lmforge[hf]\"."
-        ) from None
-    return transformers
+    return require_package("transformers", "hf", "comparing with transformers")
 
 
 def verify_export(model: torch.nn.Module, folder: str | Path, tol: float | None = 1e-4, seq_len: int = 64) -> float:
