@@ -89,7 +89,9 @@ that loads and computes something else.
 
 Weights: "float32", "float16", "bfloat16", or "q8_0" (`gguf.quants`; 2-D weights whose rows are
 a multiple of 32 long, others fall back to float16 as llama.cpp's converter does). Norm weights
-stay float32 in every case.
+stay float32 in every case. A weight beyond the range of the type it is stored as (float16:
+|x| <= 65504; q8_0: its float16 block scale |max| / 127) is refused with its name and the range
+(`lmforge.export.options.check_dtype_range`, shared with the HF export), never written as infinity.
 
 The file is written to a unique temporary name beside `out` and renamed into place when
 complete: an interrupted export leaves no partial `.gguf`.
@@ -109,7 +111,7 @@ import torch
 from lmforge.config import ModelConfig
 from lmforge.contract import Contract
 from lmforge.errors import require_package
-from lmforge.export.options import EXPORT_DTYPES, ExportError, check_export_options
+from lmforge.export.options import EXPORT_DTYPES, ExportError, check_dtype_range, check_export_options
 from lmforge.fileio import check_user_file, user_file
 from lmforge.loading import load_checkpoint
 from lmforge.model.io import model_state
@@ -553,17 +555,27 @@ def gguf_tensors(state: dict[str, torch.Tensor], model: ModelConfig, vocab_size:
 
 
 def _encode(gguf, array: np.ndarray, name: str, dtype: str) -> tuple[np.ndarray, object]:
-    """(data, raw_dtype or None) for one tensor in the requested `dtype` (norms: float32)."""
+    """(data, raw_dtype or None) for one tensor in the requested `dtype` (norms: float32).
+
+    Raises:
+        ExportError: a value beyond the range of the type it is stored as (`check_dtype_range`):
+        never an infinity in the file.
+    """
     Q = gguf.GGMLQuantizationType
     if array.ndim == 1 or dtype == "float32":
         return array.astype(np.float32), None
     if dtype == "float16":
+        check_dtype_range(name, array, "float16")
         return array.astype(np.float16), None
     if dtype == "bfloat16":
+        check_dtype_range(name, array, "bfloat16")
         return gguf.quants.quantize(array, Q.BF16), Q.BF16
     # q8_0: blocks of 32 along each row; a row of another length stays float16 (as the converter does)
     if array.shape[-1] % gguf.GGML_QUANT_SIZES[Q.Q8_0][0] == 0:
+        check_dtype_range(name, array, "q8_0", note=": each block of 32 values shares a float16 scale |max| / 127")
         return gguf.quants.quantize(array, Q.Q8_0), Q.Q8_0
+    check_dtype_range(name, array, "float16", note=f"; with --dtype q8_0 its rows of {array.shape[-1]} values, not a "
+                                                   f"multiple of 32, are stored as float16")
     return array.astype(np.float16), None
 
 
@@ -577,7 +589,8 @@ def write_gguf(out: str | Path, model: ModelConfig, contract: Contract, state: d
         tokenizer_json: the checkpoint's tokenizer.json (checked by `gguf_vocab`).
         dtype: one of GGUF_DTYPES.
     Raises:
-        ExportError: see `gguf_arch`, `gguf_vocab`, `gguf_tensors`; an unknown dtype.
+        ExportError: see `gguf_arch`, `gguf_vocab`, `gguf_tensors`; an unknown dtype; a weight
+            beyond the range of `dtype` (`check_dtype_range`; checked before the file is opened).
     """
     gguf = require_gguf()
     if dtype not in GGUF_DTYPES:
@@ -588,6 +601,7 @@ def write_gguf(out: str | Path, model: ModelConfig, contract: Contract, state: d
     file_type = {"float32": gguf.LlamaFileType.ALL_F32, "float16": gguf.LlamaFileType.MOSTLY_F16,
                  "bfloat16": gguf.LlamaFileType.MOSTLY_BF16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[dtype]
 
+    encoded = [(tname, *_encode(gguf, array, tname, dtype)) for tname, array in tensors]  # refused before a write
     w = gguf.GGUFWriter(str(out), arch)
     w.add_name(name)
     w.add_file_type(int(file_type))
@@ -618,8 +632,7 @@ def write_gguf(out: str | Path, model: ModelConfig, contract: Contract, state: d
     for key, value in tokenizer_keys(contract, vocab).items():
         getattr(w, f"add_{key}")(value)
 
-    for tname, array in tensors:
-        data, raw = _encode(gguf, array, tname, dtype)
+    for tname, data, raw in encoded:
         w.add_tensor(tname, data, raw_dtype=raw)
     try:
         w.write_header_to_file()

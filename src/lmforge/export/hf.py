@@ -47,7 +47,7 @@ from safetensors.torch import load_file, save_file
 from lmforge.config import Config, ModelConfig, from_dict, validate
 from lmforge.contract import Contract, padded_vocab_size
 from lmforge.errors import CheckpointError, ConfigError, require_package
-from lmforge.export.options import ExportError, check_export_options
+from lmforge.export.options import ExportError, check_dtype_range, check_export_options
 from lmforge.fileio import atomic_dir, check_output
 from lmforge.loading import load_checkpoint
 from lmforge.model.io import MODEL_FILE, load_weights, model_state, write_model_files
@@ -125,6 +125,8 @@ def to_hf_state(state: dict[str, torch.Tensor], vocab_size: int, tie_embeddings:
         dtype: cast floating tensors to this dtype (default: keep).
     Returns:
         {HF name: contiguous tensor}.
+    Raises:
+        ExportError: a weight beyond `dtype`'s range (`check_dtype_range`).
     """
     out = {}
     for name, t in state.items():
@@ -133,6 +135,7 @@ def to_hf_state(state: dict[str, torch.Tensor], vocab_size: int, tie_embeddings:
         if name in ("tok_embeddings.weight", "output.weight"):
             t = t[:vocab_size]
         if dtype is not None and t.is_floating_point():
+            check_dtype_range(name, t, str(dtype).removeprefix("torch."))  # never an infinity in the file
             t = t.to(dtype)
         out[map_name(name, to_hf=True)] = t.detach().contiguous().cpu()
     return out
@@ -408,16 +411,16 @@ def export_hf(checkpoint: str | Path, out: str | Path, dtype: str = "float32", v
     Raises:
         CheckpointError / ContractError: the checkpoint is incomplete or inconsistent.
         ExportError: an option that does not apply (`check_export_options`), `out` holds other
-            files, or verification failed.
+            files, a weight beyond the dtype's range (`check_dtype_range`), or verification failed.
     """
     check_export_options("hf", dtype, verify, force)
     out = Path(out)
     check_output(out, EXPORT_OUTPUT, "`lmforge export`", replace_whole=True)  # before any work
     model, tok, cfg, path = load_checkpoint(checkpoint)
     contract = tok.contract
+    torch_dtype = DTYPES[dtype]
+    hf = to_hf_state(model_state(model), contract.vocab_size, cfg.model.tie_embeddings, torch_dtype)  # before a write
     with atomic_dir(out, EXPORT_OUTPUT, what="`lmforge export`") as tmp:
-        torch_dtype = DTYPES[dtype]
-        hf = to_hf_state(model_state(model), contract.vocab_size, cfg.model.tie_embeddings, torch_dtype)
         save_file(hf, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
         config = hf_config(model.config, contract, torch_dtype)
         _write_json(tmp / HF_CONFIG_FILE, config)
