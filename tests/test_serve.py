@@ -180,6 +180,7 @@ def test_seeded_sampling_repeats(client):
     (dict(messages=[{"role": "user", "content": "x " * 400}]), "messages"),  # longer than the context
     (dict(messages=USER, temperature="hot"), "temperature"),
     (dict(messages=USER, temperature=-0.5), "temperature"),  # the limits of SamplingConfig.validate
+    (dict(messages=USER, temperature=5000), "temperature"),  # its upper bound (config.BOUNDS)
     (dict(messages=USER, top_p=0), "top_p"),
     (dict(messages=USER, n=2), "n"),
     (dict(messages=USER, stop=[1]), "stop"),
