@@ -419,3 +419,37 @@ def test_the_engine_decodes_under_the_runtime_it_is_given(loaded):
     dtype16, _ = reply(Runtime(torch.device("cpu"), torch.bfloat16))
     assert (dtype32, dtype_default, dtype16) == (torch.float32, torch.float32, torch.bfloat16)
     assert text32 == text_default
+
+
+# -- the command line ---------------------------------------------------------------------------------
+def test_serve_command_wires_the_flags(loaded, tiny_run, tmp_path):
+    """The real `lmforge serve` process: --max-body-bytes, --cors-origin and --allowed-hosts
+    reach the server, and the start-up line names the Host names served."""
+    import re
+    import subprocess
+    import sys
+
+    from lmforge.train.checkpoint import save_checkpoint
+
+    cfg, _ = tiny_run
+    model, tok = loaded
+    ckpt = save_checkpoint(tmp_path / "run", 1, model, cfg, tok.folder)
+    proc = subprocess.Popen([sys.executable, "-m", "lmforge", "serve", "--checkpoint", str(ckpt), "--port", "0",
+                             "--max-body-bytes", "2048", "--cors-origin", "http://a.example", "--allowed-hosts",
+                             "box.lan", "--io-timeout", "5"], stderr=subprocess.PIPE, text=True)
+    try:
+        port = None
+        for _ in range(200):  # bounded: the start-up line
+            line = proc.stderr.readline()
+            if m := re.search(r"http://127\.0\.0\.1:(\d+)/", line):
+                port = int(m.group(1))
+                break
+        assert port and "box.lan" in line and "[::1]" in line, line
+        status, _, body = http(port, body=json.dumps({"prompt": "x" * 3000}).encode(), path="/v1/completions")
+        assert status == 413 and "2048" in error_of(status, body)["message"]
+        status, headers, _ = http(port, body=chat_body(), headers={"Origin": "http://a.example",
+                                                                   "Host": f"box.lan:{port}"})
+        assert status == 200 and headers["access-control-allow-origin"] == "http://a.example"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
