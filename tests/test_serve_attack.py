@@ -125,6 +125,32 @@ def test_oversize_body_gets_413_and_the_server_serves_others(served, client):
     assert status == 413 and error_of(status, body)["code"] == "request_too_large"
 
 
+def test_tokenizing_a_prompt_does_not_stall_other_requests(served, monkeypatch):
+    """The prompt is tokenized off the event loop: while one request's tokenization is held,
+    /health is answered (tokenized inline, the loop would be stuck and /health would time out)."""
+    tok = served.server.tok
+    real, entered, release = tok.encode_prompt, threading.Event(), threading.Event()
+
+    def held(text):
+        entered.set()
+        release.wait(timeout=20)
+        return real(text)
+
+    monkeypatch.setattr(tok, "encode_prompt", held)
+    result: dict = {}
+    body = json.dumps({"prompt": "def", "max_tokens": 2, "temperature": 0}).encode()
+    slow = threading.Thread(target=lambda: result.update(r=http(served.port, body=body, path="/v1/completions")))
+    slow.start()
+    try:
+        assert entered.wait(timeout=10)
+        status, _, _ = http(served.port, "GET", "/health", headers={"Content-Length": None}, timeout=3)
+        assert status == 200
+    finally:
+        release.set()
+        slow.join(timeout=30)
+    assert result["r"][0] == 200
+
+
 def trickle_until_cut(port: int, first: bytes, byte: bytes) -> tuple[float, bytes]:
     """Send `first`, then one `byte` every 0.1 s until the server answers or closes:
     (seconds taken, what came back)."""
