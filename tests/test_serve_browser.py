@@ -1,7 +1,9 @@
 """The chat page of `lmforge serve` in a real browser: headless Chromium (Debian's `chromium`
 package) driven by Playwright types a message and sees the reply stream in, with tokens/s,
 then resets. Skipped where Playwright or Chromium is missing; `make test-browser` installs
-both and runs this file. Set LMFORGE_SCREENSHOT=path.png to keep a screenshot of the page."""
+both and runs this file. Set LMFORGE_SCREENSHOT=path.png to keep a screenshot of the page, and
+LMFORGE_SCREENSHOT_CHECKPOINT=runs/speedrun/sft to serve a trained checkpoint instead of the
+random-weight tiny model (the README's picture: the speedrun's SFT model, greedy)."""
 
 from __future__ import annotations
 
@@ -27,14 +29,27 @@ from lmforge.serve import build_server  # noqa: E402
 from serve_harness import Running  # noqa: E402
 
 
+#: The first message typed into the page: an SFT-style prompt (signature and docstring).
+PROMPT = os.environ.get("LMFORGE_SCREENSHOT_PROMPT", "def value(self):")
+
+
 @pytest.fixture(scope="module")
 def served(tiny_run):
-    cfg, tok = tiny_run
-    model = Transformer(resolve_model_config(cfg.model, tok.contract))
-    model.reset_parameters(seed=0)
-    with torch.no_grad():
-        model.output.weight.mul_(20)
-    run = Running(build_server(model.eval(), tok, "tiny-chat", max_tokens=48))
+    checkpoint = os.environ.get("LMFORGE_SCREENSHOT_CHECKPOINT")
+    if checkpoint:  # a trained model, for the README's screenshot
+        from lmforge.loading import load_checkpoint
+
+        ckpt = load_checkpoint(checkpoint)
+        run = Running(build_server(ckpt.model.eval(), ckpt.tokenizer, Path(checkpoint).name, max_tokens=160))
+        run.model_name = Path(checkpoint).name
+    else:
+        cfg, tok = tiny_run
+        model = Transformer(resolve_model_config(cfg.model, tok.contract))
+        model.reset_parameters(seed=0)
+        with torch.no_grad():
+            model.output.weight.mul_(20)
+        run = Running(build_server(model.eval(), tok, "tiny-chat", max_tokens=48))
+        run.model_name = "tiny-chat"
     yield run
     run.stop()
 
@@ -55,10 +70,12 @@ def page(served):
 
 def test_chat_page_streams_a_reply_and_resets(served, page):
     page.goto(served.url + "/")
-    sync_api.expect(page.locator("#model")).to_contain_text("tiny-chat")
-    page.fill("#input", "def value(self):")
+    sync_api.expect(page.locator("#model")).to_contain_text(served.model_name)
+    if os.environ.get("LMFORGE_SCREENSHOT_CHECKPOINT"):
+        page.fill("#temperature", "0")  # greedy: the trained model's best reply
+    page.fill("#input", PROMPT)
     page.press("#input", "Enter")
-    sync_api.expect(page.locator(".msg.user")).to_have_text("def value(self):")
+    sync_api.expect(page.locator(".msg.user")).to_have_text(PROMPT)
     reply = page.locator(".msg.assistant[data-done='1']")
     reply.wait_for()
     assert reply.inner_text().strip(), "the reply is empty"
@@ -68,7 +85,7 @@ def test_chat_page_streams_a_reply_and_resets(served, page):
     import json
     import urllib.request
 
-    body = json.dumps({"messages": [{"role": "user", "content": "def value(self):"}]}).encode()
+    body = json.dumps({"messages": [{"role": "user", "content": PROMPT}]}).encode()
     with urllib.request.urlopen(urllib.request.Request(served.url + "/v1/chat/completions", body,
                                                        {"Content-Type": "application/json"}), timeout=30) as r:
         api = json.loads(r.read())
@@ -85,3 +102,22 @@ def test_chat_page_shows_server_errors(served, page):
     page.fill("#input", "x " * 400)  # longer than the tiny model's context: a 400 the page reports
     page.press("#input", "Enter")
     sync_api.expect(page.locator(".msg.error")).to_contain_text("context")
+
+
+def test_temperature_field_reaches_the_request(served, page):
+    """Temperature 0 in the page's field: the streamed reply is the API's greedy reply, token for token."""
+    import json
+    import urllib.request
+
+    page.goto(served.url + "/")
+    page.fill("#temperature", "0")
+    page.fill("#input", PROMPT)
+    page.press("#input", "Enter")
+    reply = page.locator(".msg.assistant[data-done='1']")
+    reply.wait_for()
+    body = json.dumps({"messages": [{"role": "user", "content": PROMPT}], "temperature": 0}).encode()
+    with urllib.request.urlopen(urllib.request.Request(served.url + "/v1/chat/completions", body,
+                                                       {"Content-Type": "application/json"}), timeout=30) as r:
+        api = json.loads(r.read())
+    assert reply.text_content() == api["choices"][0]["message"]["content"]
+    page.click("#reset")
