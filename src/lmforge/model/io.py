@@ -28,7 +28,7 @@ from safetensors.torch import load_file, save_file
 from lmforge.config import CONFIG_FILE, Config, load_config
 from lmforge.contract import (CONTRACT_FILE, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, Contract,
                               check_tokenizer_hash)
-from lmforge.errors import CheckpointError, LmforgeError
+from lmforge.errors import CheckpointError, LmforgeError, os_error
 
 MODEL_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.pt"
@@ -128,6 +128,11 @@ def read_weights(model: torch.nn.Module, path: Path) -> dict[str, torch.Tensor]:
     if not path.is_file():
         raise CheckpointError(f"{path} is not a regular file (a folder, a link to nothing, a pipe); the checkpoint "
                               f"is damaged. Use another checkpoint (or delete this step folder).")
+    try:
+        with open(path, "rb"):  # the operating system's refusal in its own words (safetensors says "not found")
+            pass
+    except OSError as exc:
+        raise os_error(exc, path, "read") from None
     try:
         state = load_file(str(path))
     except (SafetensorError, OSError, ValueError) as exc:
