@@ -49,11 +49,22 @@ class OutputError(LmforgeError):
 
 # -- what is at a path -----------------------------------------------------------------------
 def read_marker(folder: Path) -> dict | None:
-    """The marker of a folder lmforge wrote ({"command": ...}), or None (absent or unreadable)."""
+    """The marker of a folder lmforge wrote ({"command": ...}), or None (absent, or not a marker).
+
+    Raises:
+        FileSystemError: the marker is there but the system refuses to read it (permission
+        denied, an I/O error): lmforge cannot tell whose folder it is, so it touches nothing.
+    """
+    path = Path(folder) / MARKER_FILE
     try:
-        data = json.loads((Path(folder) / MARKER_FILE).read_text(encoding="utf-8"))
-    except (OSError, ValueError, UnicodeDecodeError):
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (FileNotFoundError, NotADirectoryError, IsADirectoryError, ValueError, UnicodeDecodeError):
         return None
+    except OSError as exc:
+        if exc.errno in (errno.ENAMETOOLONG, errno.ELOOP, errno.ENXIO):
+            return None
+        raise os_error(exc, path, "read", "lmforge cannot tell whose output the folder is; nothing was changed.") \
+            from None
     return data if isinstance(data, dict) and isinstance(data.get("command"), str) else None
 
 
@@ -274,8 +285,9 @@ def output_lock(out: Path) -> Iterator[None]:
     try:
         yield
     finally:
-        with contextlib.suppress(OSError):  # a lock left behind is taken over by the next run (its pid is gone)
-            lock.unlink(missing_ok=True)
+        for _ in range(2):  # once more after a transient failure; a lock left behind is taken over by the
+            with contextlib.suppress(OSError):  # next run (its process is gone)
+                lock.unlink(missing_ok=True)
 
 
 # -- durable renames ---------------------------------------------------------------------------
@@ -350,7 +362,8 @@ def replace_dir(new: Path, out: Path) -> None:
                 old.rename(out)
                 raise
     if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+        for _ in range(2):  # once more after a transient failure (EIO, EINTR, a busy file system)
+            shutil.rmtree(old, ignore_errors=True)
         if old.exists():
             raise FileSystemError(f"{out} is written, but its previous version could not be removed completely; "
                                   f"what is left of it is in {old}. Remove that folder yourself.")
@@ -375,9 +388,10 @@ def write_failure(exc: BaseException, folder: Path) -> OSError | None:
     """
     if isinstance(exc, OSError) and exc.errno:
         return exc
-    if not isinstance(exc, (OSError, RuntimeError, ValueError)) and type(exc).__module__ == "builtins" \
-            and type(exc) is not Exception:
-        return None  # TypeError, KeyError...: a bug, not the disk
+    package = type(exc).__module__.split(".")[0]
+    if not (isinstance(exc, (OSError, RuntimeError)) or type(exc) is Exception
+            or package not in ("builtins", "lmforge")):
+        return None  # TypeError, KeyError, Interrupted, an LmforgeError...: not the disk's doing
     m = _OS_ERROR_IN_TEXT.search(str(exc))
     if m:
         code = int(m.group(1) or m.group(2))
@@ -564,11 +578,46 @@ def check_user_file(path: str | Path, force: bool = False) -> None:
                           f"or choose another path.")
 
 
-def write_text(path: str | Path, text: str, fsync: bool = False) -> Path:
-    """Write `text` (UTF-8) to `path` atomically."""
+def write_text(path: str | Path, text: str, fsync: bool = False, skip_same: bool = False) -> Path:
+    """Write `text` (UTF-8) to `path` atomically; with `skip_same`, a regular file that already
+    holds exactly these bytes is left as it is (not even its time stamps change).
+
+    Raises:
+        FileSystemError / OutputError: see `atomic_file`.
+    """
+    data = text.encode("utf-8")
+    if skip_same and _holds(Path(path), data):
+        return Path(path)
     with atomic_file(path, fsync=fsync) as tmp:
-        tmp.write_text(text, encoding="utf-8")
+        tmp.write_bytes(data)
     return Path(path)
+
+
+def copy_file(src: str | Path, dst: str | Path) -> Path:
+    """Copy `src` to `dst` atomically (a temporary beside `dst`, then renamed); a `dst` that
+    already holds the same bytes is left as it is.
+
+    Raises:
+        FileSystemError: reading `src` or writing `dst` was refused (naming the path).
+    """
+    src, dst = Path(src), Path(dst)
+    try:
+        data = src.read_bytes()
+    except OSError as exc:
+        raise os_error(exc, src, "read") from None
+    if _holds(dst, data):
+        return dst
+    with atomic_file(dst) as tmp:
+        tmp.write_bytes(data)
+    return dst
+
+
+def _holds(path: Path, data: bytes) -> bool:
+    try:
+        return path.is_file() and not path.is_symlink() and path.stat().st_size == len(data) \
+            and path.read_bytes() == data
+    except OSError:
+        return False
 
 
 def write_json(path: str | Path, obj, fsync: bool = False) -> Path:
@@ -695,7 +744,7 @@ def make_folder(out: Path, command: str) -> None:
         raise
 
 
-__all__ = ["MARKER_FILE", "OutputError", "AppendFile", "open_append", "check_path_text", "make_folder", "special_kind",
+__all__ = ["MARKER_FILE", "OutputError", "AppendFile", "open_append", "copy_file", "check_path_text", "make_folder", "special_kind",
            "write_failure", "atomic_dir", "atomic_file", "check_output", "check_not_inside_output",
            "check_user_file", "describe", "make_parent", "open_run_dir", "user_file",
            "output_lock", "read_marker", "replace_dir", "write_json", "write_marker", "write_text", "fsync_tree"]

@@ -32,7 +32,7 @@ from lmforge.stages.sft_checks import doctest_pass_rate
 from lmforge.errors import Interrupted
 from lmforge.fileio import OutputError
 from lmforge.evaluate import evaluate_shard, split_texts, xz_bits_per_byte
-from lmforge.fileio import check_output, read_marker, write_json, write_marker, write_text
+from lmforge.fileio import atomic_file, check_output, make_folder, read_marker, write_json, write_text
 from lmforge.generate import generate
 from lmforge.model import load_model
 from lmforge.runtime import training_runtime
@@ -71,8 +71,11 @@ def plot_loss(run_dir: Path, out: Path) -> Path | None:
     ax.legend()
     ax.set_title("lmforge speedrun")
     fig.tight_layout()
-    fig.savefig(out)
-    plt.close(fig)
+    try:
+        with atomic_file(out) as tmp:  # the one writer: no half-written plot after a full disk
+            fig.savefig(tmp, format="png")
+    finally:
+        plt.close(fig)
     return out
 
 
@@ -83,8 +86,7 @@ def speedrun_stage(cfg: Config, out: str | Path, resume: bool = False, progress:
     if read_marker(out) is not None and not resume:
         raise OutputError(f"--out {out} holds an earlier speedrun. Pass --resume to continue it, or choose "
                           f"another --out.")
-    out.mkdir(parents=True, exist_ok=True)
-    write_marker(out, SPEEDRUN_OUTPUT)
+    make_folder(out, SPEEDRUN_OUTPUT)
     cfg = replace(cfg, tokenizer=replace(cfg.tokenizer, dir=str(out / "tokenizer")),
                   data=replace(cfg.data, dir=str(out / "data")))
     times: dict[str, float] = {}
