@@ -9,6 +9,7 @@ render chat exactly as lmforge does; export -> import must give back the same we
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -426,3 +427,44 @@ def test_qk_norm_exports_as_qwen3_with_equal_logits_and_imports_back(tmp_path, t
     assert again.config.qk_norm
     with torch.inference_mode():
         assert torch.equal(again(x), a)
+
+
+# -- the export options: one check (lmforge.export.check_export_options) -------------------------
+@pytest.mark.parametrize("fmt, dtype, verify, force, message", [
+    ("onnx", "float32", False, False, "--format 'onnx': expected one of hf, gguf."),
+    ("gguf", "float32", True, False, "--verify compares with transformers (--format hf); for GGUF run `make interop`."),
+    ("hf", "q8_0", False, False, "--dtype q8_0 is for --format gguf; a Hugging Face export is float32, bfloat16 or "
+                                 "float16."),
+    ("hf", "float32", False, True, "--force is for --format gguf; a Hugging Face export replaces only an earlier "
+                                   "export folder, never anything else."),
+    ("hf", "int8", False, False, "--dtype 'int8': --format hf writes one of float32, bfloat16, float16."),
+    ("gguf", "int4", False, False, "--dtype 'int4': --format gguf writes one of float32, float16, bfloat16, q8_0."),
+])
+def test_export_options_are_checked_in_one_place(fmt, dtype, verify, force, message, tmp_path):
+    from lmforge.export import check_export_options, export_gguf
+    from lmforge.stages import export_stage
+
+    with pytest.raises(ExportError) as exc:
+        check_export_options(fmt, dtype, verify, force)
+    assert str(exc.value) == message
+    # the stage and the writers refuse with that same check, before reading the checkpoint
+    with pytest.raises(ExportError) as exc:
+        export_stage(tmp_path / "no-checkpoint", tmp_path / "out", fmt, dtype, verify, force)
+    assert str(exc.value) == message
+    writer = {"hf": export_hf, "gguf": export_gguf}.get(fmt)
+    if writer is not None:
+        with pytest.raises(ExportError, match="^" + re.escape(message)):
+            writer(tmp_path / "no-checkpoint", tmp_path / "out", dtype=dtype, verify=verify, force=force)
+    assert not (tmp_path / "out").exists()
+    for dt in ("float32", "bfloat16", "float16"):
+        check_export_options("hf", dt)
+    for dt in ("float32", "bfloat16", "float16", "q8_0"):
+        check_export_options("gguf", dt, force=True)
+
+
+def test_cli_refuses_an_unknown_format_with_one_error_line(tmp_path, capsys):
+    from lmforge.cli import main
+
+    assert main(["export", "--checkpoint", str(tmp_path), "--format", "onnx", "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == "error: --format 'onnx': expected one of hf, gguf."

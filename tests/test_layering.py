@@ -9,6 +9,7 @@ dependency). Layers, lowest first (docs/design.md, "Layers"):
     contract                  2
     tokenizer                 3
     model, data               4  the model sits at the bottom: it imports only layers 0-2
+    loading                   4.5  a checkpoint with its tokenizer, the contract checked
     evaluate, generate        5  running a model over batches; decoding
     train, export             6
     serve                     7
@@ -31,6 +32,7 @@ LAYERS = {
     "contract": 2,
     "tokenizer": 3,
     "model": 4, "data": 4,
+    "loading": 4.5,
     "evaluate": 5, "generate": 5,
     "train": 6, "export": 6,
     "serve": 7,

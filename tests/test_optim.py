@@ -115,3 +115,24 @@ def test_zero_init_zeroes_residual_projections_and_keeps_other_draws(tiny_run):
             assert not q.any(), n
         else:
             assert torch.equal(p, q), n
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_one_builder_one_weight_decay_rule(tiny_run, optimizer):
+    """`build_optimizer` gives train.weight_decay to exactly the parameters `decays` names:
+    AdamW: every matrix (embedding, blocks, head), no vector; Muon: the head only."""
+    from lmforge.runtime import CPU_FP32
+    from lmforge.train.optim import build_optimizer, decays
+
+    cfg, tok = tiny_run
+    t = replace(cfg.train, optimizer=optimizer, weight_decay=0.1)
+    model = Transformer(resolve_model_config(cfg.model, tok.contract))
+    opt = build_optimizer(model, t, CPU_FP32)
+    assert isinstance(opt, MuonAdamW if optimizer == "muon" else torch.optim.AdamW)
+    wd = {id(p): g["weight_decay"] for g in opt.param_groups for p in g["params"]}
+    named = dict(model.named_parameters())
+    assert {n: wd[id(p)] for n, p in named.items()} == {n: 0.1 if decays(n, p, optimizer) else 0.0
+                                                         for n, p in named.items()}
+    decayed = {n for n, p in named.items() if decays(n, p, optimizer)}
+    matrices = {n for n, p in named.items() if p.dim() == 2}
+    assert decayed == (matrices if optimizer == "adamw" else {"output.weight"})

@@ -148,3 +148,30 @@ def test_cli_stops_with_the_message_before_any_work(monkeypatch, tmp_path, capsy
     assert "error: train.global_batch_size = 4 is not divisible by train.micro_batch_size x data-parallel " \
            "degree = 4 x 2 = 8" in err
     assert not out.exists()  # nothing was written, not even the run folder
+
+
+def test_the_parallel_degrees_have_one_check_run_once_at_start_up(monkeypatch):
+    """`config.check_parallel` (validate_parallel, then what is not implemented) is the one
+    check; `init_distributed` is its only caller (the trainer and `validate` do not repeat it)."""
+    import ast
+    from pathlib import Path
+
+    from lmforge.config import check_parallel
+
+    cfg = cfg_with("train.context_parallel=2", "train.global_batch_size=8")
+    validate_parallel(cfg, 4)  # a valid configuration ...
+    with pytest.raises(ConfigError, match="train.context_parallel = 2: the configuration is valid, but context "
+                                          "parallelism is not implemented yet"):
+        check_parallel(cfg, 4)  # ... that lmforge does not run yet
+    with pytest.raises(ConfigError, match="world size 3 .* is not divisible by train.context_parallel = 2"):
+        check_parallel(cfg, 3)
+    assert check_parallel(cfg_with(), 1) is not None
+    src = Path(__file__).resolve().parents[1] / "src" / "lmforge"
+    callers = {}
+    for path in src.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) in (
+                    "check_parallel", "validate_parallel"):
+                callers.setdefault(str(path.relative_to(src)), []).append(node.func.id if hasattr(node.func, "id")
+                                                                          else node.func.attr)
+    assert callers == {"train/distributed.py": ["check_parallel"], "config.py": ["validate_parallel"]}, callers

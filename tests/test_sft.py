@@ -533,6 +533,7 @@ def test_sft_stage_on_the_stdlib_set(tiny_run, init_ckpt, tmp_path):
 
 # -- chat -----------------------------------------------------------------------------------------
 def test_chat_cli_renders_history_and_stops_at_exit(init_ckpt, monkeypatch, capsys):
+    from lmforge.runtime import decode_runtime
     from lmforge.stages import generate as sft_mod
     from lmforge.tokenizer import Tokenizer
 
@@ -540,7 +541,8 @@ def test_chat_cli_renders_history_and_stops_at_exit(init_ckpt, monkeypatch, caps
     seen = []
     replies = iter(["first reply", "second reply"])
 
-    def fake_generate(model, prompts, stop_ids, sampling, pad_id, truncate=False, generator=None):
+    def fake_generate(model, prompts, stop_ids, sampling, pad_id, truncate=False, generator=None, runtime=None):
+        assert runtime == decode_runtime()  # the command's decoding runtime, passed down
         seen.append((list(prompts[0]), list(stop_ids), sampling.max_new_tokens, sampling.greedy))
         return [tok.encode(next(replies)) + [tok.im_end_id]]
 
@@ -608,7 +610,7 @@ def test_body_parse_rate_counts_bodies_that_parse(tiny_tokenizer, monkeypatch):
     ends = iter([True, True, True, False])
     items.append(dict(items[0], name="m:f3"))
 
-    def fake_generate(model, prompts, stop_ids, sampling, pad_id, truncate=False, generator=None):
+    def fake_generate(model, prompts, stop_ids, sampling, pad_id, truncate=False, generator=None, runtime=None):
         assert sampling.greedy and list(stop_ids) == [tok.im_end_id, tok.eos_id]
         return [tok.encode(next(bodies)) + ([tok.im_end_id] if next(ends) else []) for _ in prompts]
 

@@ -270,9 +270,10 @@ def _args_eval(p):
 
 def _args_export(p):
     _checkpoint(p, tokenizer=False)
-    p.add_argument("--format", default="hf", choices=("hf", "gguf"),
+    # the values are checked in one place, lmforge.export.check_export_options
+    p.add_argument("--format", default="hf", metavar="{hf,gguf}",
                    help="hf: a transformers folder (default); gguf: one file for llama.cpp / Ollama")
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16", "q8_0"),
+    p.add_argument("--dtype", default="float32", metavar="{float32,bfloat16,float16,q8_0}",
                    help="weight type (q8_0: --format gguf only)")
     p.add_argument("--verify", action="store_true", help="compare logits with transformers (needs lmforge[hf])")
     p.add_argument("--force", action="store_true", help="--format gguf: replace an existing --out file")

@@ -232,10 +232,10 @@ class Config:
         """Write the resolved config as TOML (atomically)."""
         write_text(path, self.to_toml())
 
-    def validate(self, world_size: int | None = None) -> "Config":
-        """Check shapes and choices before any work (P7); with `world_size`, the parallel
-        degrees too (see `validate_parallel`). Returns self."""
-        validate(self, world_size)
+    def validate(self) -> "Config":
+        """Check shapes and choices before any work (P7). Returns self. (The parallel degrees,
+        which need the world size, are checked by `check_parallel` at start-up.)"""
+        validate(self)
         return self
 
 
@@ -406,12 +406,9 @@ def _in_range(name: str, value: float, low: float, high: float, high_open: bool 
                           f"(default {_default(section, key)!r}).")
 
 
-def validate(cfg: Config, world_size: int | None = None) -> Config:
-    """Validate shapes and choices (P7): every error says what to change.
-
-    `world_size` (the number of ranks) adds the checks that depend on it
-    (`validate_parallel`); None leaves them to the training start-up, which knows it.
-    """
+def validate(cfg: Config) -> Config:
+    """Validate shapes and choices (P7): every error says what to change. The checks that
+    depend on the number of ranks are `check_parallel`'s, run by the training start-up."""
     m, d, t = cfg.model, cfg.data, cfg.train
     for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "max_seq_len", "norm_eps", "rope_theta"):
         _positive(f"model.{name}", getattr(m, name))
@@ -479,8 +476,6 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
             f"Set data.seq_len to a multiple of {unit} (for example {max(unit, d.seq_len // unit * unit)}) "
             f"or lower train.context_parallel."
         )
-    if world_size is not None:
-        validate_parallel(cfg, world_size)
     for name in ("steps", "micro_batch_size", "grad_accum_steps", "lr"):
         _positive(f"sft.{name}", getattr(cfg.sft, name))
     for name in ("warmup_steps", "max_examples", "val_examples", "max_chars"):
@@ -509,6 +504,25 @@ def world_size_from_env() -> int:
         raise ConfigError(f"environment variable WORLD_SIZE = {raw!r}: expected a positive integer "
                           f"(torchrun sets it). Unset it to run one process.")
     return world
+
+
+def check_parallel(cfg: Config, world_size: int) -> Config:
+    """The one check of the parallel degrees against the number of ranks, run once at start-up
+    (`lmforge.train.distributed.init_distributed`) before any process group or any work:
+    `validate_parallel`, then what a valid configuration asks that lmforge does not run yet.
+
+    Raises:
+        ConfigError: see `validate_parallel`; train.context_parallel > 1 (not implemented).
+    """
+    validate_parallel(cfg, world_size)
+    cp = cfg.train.context_parallel
+    if cp > 1:
+        raise ConfigError(
+            f"train.context_parallel = {cp}: the configuration is valid, but context parallelism is not "
+            f"implemented yet (torch's context-parallel API needs CUDA). Set train.context_parallel = 1; "
+            f"every rank then does data parallelism (world size = data-parallel degree)."
+        )
+    return cfg
 
 
 def validate_parallel(cfg: Config, world_size: int) -> Config:

@@ -93,6 +93,29 @@ def _shown(path: object) -> str:
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
+def require_package(module: str, extra: str | None, purpose: str, error: type[LmforgeError] = LmforgeError,
+                    package: str | None = None):
+    """Import the optional `module` and return it, or explain how to install it: the one
+    handling of a missing optional package.
+
+    `extra` is the pyproject extra that installs it (None: the package alone), `purpose` what
+    needs it ("GGUF export"), `package` its name on PyPI when not the module's top name.
+
+    Raises:
+        `error` (an LmforgeError): the module cannot be imported; the message names the package
+        and the command that installs it.
+    """
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        name = package or module.split(".")[0]
+        how = (f'pip install "lmforge[{extra}]" (in a clone of lmforge: pip install -e ".[{extra}]")' if extra
+               else f"pip install {name}")
+        raise error(f"{purpose} needs the {name} package: {name} is not installed. Install it: {how}.") from None
+
+
 class Interrupted(Exception):
     """A command stopped by SIGINT/SIGTERM after saving what it could; the command line
     exits 128 + `signum` (130 for SIGINT, 143 for SIGTERM)."""

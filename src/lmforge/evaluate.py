@@ -18,7 +18,7 @@ import torch
 from lmforge.data.packing import Batch, shard_stream
 from lmforge.data.shards import Shard
 from lmforge.model.loss import cross_entropy_sum
-from lmforge.runtime import autocast
+from lmforge.runtime import CPU_FP32, Runtime
 
 
 def batch_loss(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
@@ -29,16 +29,16 @@ def batch_loss(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
 
 
 @torch.no_grad()
-def evaluate_batches(model: torch.nn.Module, batches: Iterable[Batch], device: torch.device,
-                     dtype: torch.dtype | None) -> tuple[float, int]:
-    """(sum of nats, supervised targets) over `batches`, with the training loss function;
-    `dtype` is the autocast dtype (None = fp32). The model's train/eval mode is restored."""
+def evaluate_batches(model: torch.nn.Module, batches: Iterable[Batch], runtime: Runtime) -> tuple[float, int]:
+    """(sum of nats, supervised targets) over `batches`, with the training loss function, on
+    `runtime.device` under `runtime.autocast()` (the command's `training_runtime`). The
+    model's train/eval mode is restored."""
     was_training = model.training
     model.eval()
     total, count = torch.zeros((), dtype=torch.float64), 0
     for b in batches:
-        b = b.to(device)
-        with autocast(device, dtype):
+        b = b.to(runtime.device)
+        with runtime.autocast():
             nats = batch_loss(model, b)
         total += nats.double().cpu()
         count += b.n_supervised
@@ -55,21 +55,19 @@ def shard_batches(shard: Shard, seq_len: int, batch_size: int, max_tokens: int =
 
 
 def evaluate_shard(model: torch.nn.Module, shard: Shard, seq_len: int, batch_size: int = 16,
-                   device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
-                   document_masking: bool = True) -> dict:
-    """Evaluate `model` on every document of `shard`, each target once.
+                   runtime: Runtime = CPU_FP32, document_masking: bool = True) -> dict:
+    """Evaluate `model` (on `runtime.device`) on every document of `shard`, each target once,
+    under `runtime.autocast()`.
 
     Documents are packed `seq_len` pairs to a row with document masking (a document longer
-    than `seq_len` is scored in pieces, each from its own start); `dtype` is an autocast
-    dtype or None for fp32. Returns a dict:
+    than `seq_len` is scored in pieces, each from its own start). Returns a dict:
         loss           float, mean nats per predicted token (the closing <|eos|> included)
         perplexity     exp(loss)
         bits_per_byte  total nats / ln 2 / `bytes` (NaN when the shard records no bytes)
         tokens         int, targets scored (= shard tokens - documents)
         bytes          int, UTF-8 bytes of the split's text (from the shard's meta.json)
     """
-    nats, count = evaluate_batches(model, shard_batches(shard, seq_len, batch_size, 0, document_masking),
-                                   torch.device(device), dtype)
+    nats, count = evaluate_batches(model, shard_batches(shard, seq_len, batch_size, 0, document_masking), runtime)
     loss = nats / max(count, 1)
     nbytes = shard.n_bytes
     return {
@@ -83,13 +81,14 @@ def evaluate_shard(model: torch.nn.Module, shard: Shard, seq_len: int, batch_siz
 
 @torch.no_grad()
 def sliding_window_bits_per_byte(logits_fn, shard: Shard, window: int, stride: int = 0, batch_size: int = 16,
-                                 device: torch.device | str = "cpu", dtype: torch.dtype | None = None) -> dict:
+                                 runtime: Runtime = CPU_FP32) -> dict:
     """Bits per byte with a sliding window: every target once, each with up to `window`
     tokens of its own document as context (parameter-golf's second score; report it beside
     `evaluate_shard`, never instead). Windows of `window` tokens start every `stride`
     (default window // 2) tokens of a document, the last one aligned to its end; a window
     scores only the targets no earlier window scored. `logits_fn(tokens (B, T), positions
-    (B, T)) -> logits (B, T, V)`: any model (lmforge's, or a Hugging Face reference).
+    (B, T)) -> logits (B, T, V)`: any model (lmforge's, or a Hugging Face reference), called on
+    `runtime.device` under `runtime.autocast()`.
     Returns {"loss", "bits_per_byte", "tokens", "bytes", "window", "stride"}."""
     stride = stride or max(1, window // 2)
     jobs: list[tuple[np.ndarray, int]] = []  # (window tokens incl. the last target, first scored target)
@@ -105,7 +104,7 @@ def sliding_window_bits_per_byte(logits_fn, shard: Shard, window: int, stride: i
             jobs.append((doc[s: s + window + 1], done - s))
             done = s + window
     total, count = 0.0, 0
-    dev = torch.device(device)
+    dev = runtime.device
     pad = shard.contract.pad_id
     for i in range(0, len(jobs), batch_size):
         chunk = jobs[i: i + batch_size]
@@ -119,7 +118,7 @@ def sliding_window_bits_per_byte(logits_fn, shard: Shard, window: int, stride: i
             targets[r, : len(w) - 1] = t[1:]
             mask[r, first: len(w) - 1] = True  # right padding never influences real tokens (causal)
         positions = torch.arange(T).expand(len(chunk), T)
-        with autocast(dev, dtype):
+        with runtime.autocast():
             logits = logits_fn(tokens.to(dev), positions.to(dev))
         total += float(cross_entropy_sum(logits, targets.to(dev), mask.to(dev)))
         count += int(mask.sum())

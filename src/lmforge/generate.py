@@ -7,23 +7,22 @@ top-k, top-p (nucleus; Holtzman et al. 2020), repetition penalty (CTRL; Keskar e
 2019), or greedy. A sequence stops at any of `stop_ids` (from the contract: <|eos|>,
 and <|im_end|> in chat) or after `max_new_tokens`.
 
-Decode steps go through `Transformer.decode_step` (fused weights, the same path
-`lmforge serve` batches requests on). The decode loop stays on tensors: new ids go into a preallocated (B, max_new_tokens)
+Decode steps go through `Transformer.decode_step` (`lmforge.model.decode`: fused weights, the
+same path `lmforge serve` batches requests on), under the `Runtime` the command decided. The decode loop stays on tensors: new ids go into a preallocated (B, max_new_tokens)
 buffer, the repetition penalty keeps a (B, V) "seen" mask updated in place, and the
 only host synchronisation per step is the all-rows-stopped check.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 
 import torch
 
 from lmforge.config import SamplingConfig
 from lmforge.errors import LmforgeError
-from lmforge.runtime import decode_runtime
 from lmforge.model import Transformer
+from lmforge.runtime import Runtime, compute_dtype, decode_runtime
 
 
 def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
@@ -163,29 +162,14 @@ def output_projection(model: Transformer):
     Elsewhere it is `model.logits` itself.
     """
     w = model.output.weight[: model.vocab_size]
-    dev = w.device.type
-    dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else w.dtype
-    if dev != "cpu" or w.numel() * dtype.itemsize > HEAD_COPY_LIMIT:
+    dtype = compute_dtype(w.device, w.dtype)
+    if w.device.type != "cpu" or w.numel() * dtype.itemsize > HEAD_COPY_LIMIT:
         return model.logits
     dw = model.decode_weights(dtype)  # made once per parameter version, shared with decode_step
     head = dw.head if dw.head_t else w.to(dtype).t().contiguous()  # (dim, V)
     return lambda h: h @ head
 
 
-def decode_policy(fn):
-    """Run a decoding function under the one decoding policy (`runtime.decode_runtime` for
-    the model's device: fp32 on a CPU, bf16 autocast on CUDA), whatever the caller's context."""
-
-    @functools.wraps(fn)
-    def wrapped(model, *args, **kwargs):
-        with decode_runtime(next(model.parameters()).device).autocast():
-            return fn(model, *args, **kwargs)
-
-    return wrapped
-
-
-@decode_policy
-@torch.inference_mode()
 def generate(
     model: Transformer,
     prompts: Sequence[Sequence[int]],
@@ -194,6 +178,7 @@ def generate(
     pad_id: int,
     truncate: bool = False,
     generator: torch.Generator | None = None,
+    runtime: Runtime | None = None,
 ) -> list[list[int]]:
     """Continue each prompt; return the new ids of each (the stop id included when reached).
 
@@ -206,11 +191,22 @@ def generate(
         pad_id: the contract's pad id (fills padding; never attended to).
         truncate: keep the last tokens of a prompt too long for max_seq_len instead of failing.
         generator: for reproducible sampling.
+        runtime: the precision to decode in (its `autocast()` is entered, whatever the caller's
+            context), decided by the command (`runtime.decode_runtime`: fp32 on a CPU, bf16
+            autocast on CUDA). None: `decode_runtime` for the model's device.
     Returns:
         B lists of new ids, each at most cfg.max_new_tokens long.
     Raises:
         LmforgeError: see `check_prompts` and `SamplingConfig.validate`.
     """
+    runtime = runtime or decode_runtime(model.output.weight.device)
+    with runtime.autocast(), torch.inference_mode():
+        return _generate(model, prompts, stop_ids, cfg, pad_id, truncate, generator)
+
+
+def _generate(model, prompts, stop_ids, cfg: SamplingConfig, pad_id: int, truncate: bool,
+              generator: torch.Generator | None) -> list[list[int]]:
+    """`generate`'s body, run under its runtime's autocast and inference mode."""
     cfg.validate()
     model.eval()
     device = model.output.weight.device

@@ -15,9 +15,11 @@ from dataclasses import dataclass
 import torch
 
 
-def default_device() -> torch.device:
-    """The first CUDA device when there is one, else the CPU."""
-    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+def default_device(index: int | None = None) -> torch.device:
+    """CUDA when there is a CUDA device (`index`: which one, e.g. torchrun's LOCAL_RANK), else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda") if index is None else torch.device("cuda", index)
+    return torch.device("cpu")
 
 
 def bf16_supported(device: torch.device) -> bool:
@@ -44,8 +46,20 @@ def autocast(device: torch.device, dtype: torch.dtype | None):
     return torch.autocast(device.type, dtype=dtype)
 
 
+def compute_dtype(device: torch.device | str, default: torch.dtype) -> torch.dtype:
+    """The dtype matmuls run in on `device` at this point: the autocast dtype while autocast is
+    on for the device's type (what `Runtime.autocast` switched on), else `default` (the
+    parameters' dtype). The model's rotary tables, masks, KV cache and decode weights follow it."""
+    kind = device.type if isinstance(device, torch.device) else str(device)
+    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else default
+
+
 @dataclass(frozen=True)
 class Runtime:
+    """Where and in what precision a stage's model runs: decided once per command (by
+    `training_runtime` or `decode_runtime`) and passed down to the trainer, evaluation and
+    generation, which enter `autocast()` around the model's calls and decide nothing."""
+
     device: torch.device
     dtype: torch.dtype | None
     """autocast dtype (torch.bfloat16), or None for fp32."""
@@ -59,6 +73,10 @@ class Runtime:
     @property
     def label(self) -> str:
         return f"{self.device}, {'bf16 autocast' if self.dtype else 'fp32'}"
+
+
+#: fp32 on the CPU: the default of library functions that take a Runtime (commands decide theirs).
+CPU_FP32 = Runtime(torch.device("cpu"), None)
 
 
 def training_runtime(precision: str, device: torch.device | str | None = None) -> Runtime:
@@ -85,5 +103,5 @@ def decode_runtime(device: torch.device | str | None = None) -> Runtime:
     return Runtime(device, None)
 
 
-__all__ = ["Runtime", "autocast", "bf16_supported", "decode_runtime", "default_device", "resolve_precision",
-           "training_runtime"]
+__all__ = ["CPU_FP32", "Runtime", "autocast", "bf16_supported", "compute_dtype", "decode_runtime", "default_device",
+           "resolve_precision", "training_runtime"]

@@ -68,6 +68,23 @@ class Conversation:
 
 
 # -- files -------------------------------------------------------------------------------
+def _speaker(turn: object, where: str, key: str, choices: Sequence[str], text_key: str, seen_as: str) -> str:
+    """`turn[key]` (who speaks: an OpenAI "role", a ShareGPT "from") when `turn` is an object
+    holding it with a value in `choices`.
+
+    Raises:
+        DataError naming `where` (file:line and the turn), the keys or value seen, and `choices`.
+    """
+    if not isinstance(turn, dict) or key not in turn:
+        keys = sorted(turn) if isinstance(turn, dict) else type(turn).__name__
+        raise DataError(f"{where} has no \"{key}\" (keys: {keys}); expected {{\"{key}\": one of {choices}, "
+                        f"\"{text_key}\": str}}. Fix or remove the record.")
+    if turn[key] not in choices:
+        raise DataError(f"{where} has {seen_as} {short(turn[key])}; expected one of {choices}. Rename it or "
+                        f"remove the record.")
+    return turn[key]
+
+
 def validate_messages(messages: object, where: str) -> tuple[dict, ...]:
     """Check an OpenAI-style message list and return it as clean {"role", "content"} dicts.
 
@@ -81,14 +98,7 @@ def validate_messages(messages: object, where: str) -> tuple[dict, ...]:
                         f"got {short(messages)}. Fix or remove the record.")
     out = []
     for i, m in enumerate(messages):
-        if not isinstance(m, dict) or "role" not in m:
-            keys = sorted(m) if isinstance(m, dict) else type(m).__name__
-            raise DataError(f"{where}: message {i} has no \"role\" (keys: {keys}); expected "
-                            f"{{\"role\": one of {ROLES}, \"content\": str}}. Fix or remove the record.")
-        role = m["role"]
-        if role not in ROLES:
-            raise DataError(f"{where}: message {i} has role {short(role)}; expected one of {ROLES}. "
-                            f"Rename the role or remove the record.")
+        role = _speaker(m, f"{where}: message {i}", "role", ROLES, "content", "role")
         content = check_text(m.get("content"), where, f"message {i} ({role}) content")
         out.append({"role": role, "content": content})
     if out[-1]["role"] != "assistant":
@@ -115,14 +125,8 @@ def conversation_from_record(record: object, where: str) -> Conversation:
                             f"objects, got {short(turns)}.")
         converted = []
         for i, t in enumerate(turns):
-            if not isinstance(t, dict) or "from" not in t:
-                keys = sorted(t) if isinstance(t, dict) else type(t).__name__
-                raise DataError(f"{where}: turn {i} has no \"from\" (keys: {keys}); expected "
-                                f"{{\"from\": one of {sorted(SHAREGPT_ROLES)}, \"value\": str}}.")
-            if t["from"] not in SHAREGPT_ROLES:
-                raise DataError(f"{where}: turn {i} has \"from\" = {short(t['from'])}; expected one of "
-                                f"{sorted(SHAREGPT_ROLES)}. Rename it or remove the record.")
-            converted.append({"role": SHAREGPT_ROLES[t["from"]], "content": t.get("value")})
+            speaker = _speaker(t, f"{where}: turn {i}", "from", sorted(SHAREGPT_ROLES), "value", '"from" =')
+            converted.append({"role": SHAREGPT_ROLES[speaker], "content": t.get("value")})
         messages = validate_messages(converted, where)
     elif "instruction" in record or "output" in record:
         instruction, inp, output = record.get("instruction"), record.get("input", ""), record.get("output")

@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from lmforge.errors import LmforgeError
+from lmforge.errors import LmforgeError, require_package
 from lmforge.tokenizer import SPLIT_PATTERN, TOKENIZER_FILE, byte_decoder
 
 BatchEncoder = Callable[[Sequence[str]], list[list[int]]]
@@ -146,12 +146,7 @@ def tiktoken_encoding(tokenizer_json: str | Path | dict, name: str = "lmforge"):
         FastEncodeUnsupported: tiktoken is not installed, or the tokenizer is not lmforge's
             byte-level BPE in merge order (see `mergeable_ranks`).
     """
-    try:
-        import tiktoken
-    except ImportError:
-        raise FastEncodeUnsupported(
-            "tiktoken is not installed; install it (pip install tiktoken) for faster pretokenizing."
-        ) from None
+    tiktoken = require_package("tiktoken", None, "faster pretokenizing", FastEncodeUnsupported)
     where = "tokenizer.json"
     if not isinstance(tokenizer_json, dict):
         path = Path(tokenizer_json)

@@ -14,7 +14,7 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
-from lmforge.errors import DataError
+from lmforge.errors import DataError, require_package
 
 RECORD_SUFFIXES = (".jsonl", ".parquet")
 
@@ -90,10 +90,7 @@ def _jsonl(path: Path) -> Iterator[tuple[str, object]]:
 
 
 def _parquet(path: Path, columns: list[str] | None) -> Iterator[tuple[str, object]]:
-    try:
-        import pyarrow.parquet as pq
-    except ImportError:
-        raise DataError(f"{path}: reading Parquet needs pyarrow. Install it: pip install 'lmforge[parquet]'.") from None
+    pq = require_package("pyarrow.parquet", "parquet", f"{path}: reading Parquet", DataError)
     try:
         pf = pq.ParquetFile(path)
         names = pf.schema_arrow.names

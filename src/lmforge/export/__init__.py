@@ -2,8 +2,9 @@
 llama.cpp (`gguf`)."""
 
 from lmforge.export.gguf import GGUF_DTYPES, export_gguf
+from lmforge.export.options import EXPORT_DTYPES, check_export_options
 from lmforge.export.hf import (ExportError, export_hf, generation_config, hf_config, import_hf, map_name,
                                require_transformers, to_hf_state, verify_export)
 
-__all__ = ["ExportError", "GGUF_DTYPES", "export_gguf", "export_hf", "generation_config", "hf_config", "import_hf",
+__all__ = ["EXPORT_DTYPES", "ExportError", "GGUF_DTYPES", "check_export_options", "export_gguf", "export_hf", "generation_config", "hf_config", "import_hf",
            "map_name", "require_transformers", "to_hf_state", "verify_export"]

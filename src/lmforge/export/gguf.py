@@ -86,16 +86,15 @@ import numpy as np
 import torch
 
 from lmforge.config import ModelConfig
-from lmforge.contract import CONTRACT_FILE, Contract
-from lmforge.errors import LmforgeError
-from lmforge.export.hf import ExportError
+from lmforge.contract import Contract
+from lmforge.errors import require_package
+from lmforge.export.options import EXPORT_DTYPES, ExportError, check_export_options
 from lmforge.fileio import check_user_file, user_file
-from lmforge.model import load_model
-from lmforge.model.io import model_state, resolve_checkpoint
-from lmforge.tokenizer import (CHAT_TEMPLATE, MAX_TOKEN_BYTES, SPLIT_PATTERN, TOKENIZER_FILE, Tokenizer,
-                               byte_decoder)
+from lmforge.loading import load_checkpoint
+from lmforge.model.io import model_state
+from lmforge.tokenizer import CHAT_TEMPLATE, MAX_TOKEN_BYTES, SPLIT_PATTERN, TOKENIZER_FILE, byte_decoder
 
-GGUF_DTYPES = ("float32", "float16", "bfloat16", "q8_0")
+GGUF_DTYPES = EXPORT_DTYPES["gguf"]
 
 #: Model options lmforge's Llama mapping knows; any other field must sit at its default.
 _LLAMA_FIELDS = {"dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_dim", "norm_eps", "rope_theta",
@@ -103,19 +102,12 @@ _LLAMA_FIELDS = {"dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_
 
 
 def require_gguf():
-    """Import the `gguf` package, or explain how to install it.
+    """The `gguf` package (maintained with llama.cpp).
 
     Raises:
-        LmforgeError: gguf is not installed.
+        LmforgeError: gguf is not installed (`errors.require_package`).
     """
-    try:
-        import gguf
-    except ImportError:
-        raise LmforgeError(
-            "GGUF export needs the `gguf` package (maintained with llama.cpp), which is not installed. "
-            "Install the extra: pip install \"lmforge[gguf]\"."
-        ) from None
-    return gguf
+    return require_package("gguf", "gguf", "GGUF export")
 
 
 # -- tokenizer ---------------------------------------------------------------------------
@@ -385,30 +377,31 @@ def write_gguf(out: str | Path, model: ModelConfig, contract: Contract, state: d
     return Path(out)
 
 
-def export_gguf(checkpoint: str | Path, out: str | Path, dtype: str = "float32", force: bool = False) -> Path:
+def export_gguf(checkpoint: str | Path, out: str | Path, dtype: str = "float32", force: bool = False,
+                verify: bool = False) -> Path:
     """Write a checkpoint as one GGUF file for llama.cpp (atomically).
 
     Args:
         checkpoint: a checkpoint folder, or a run folder (its newest checkpoint is used).
         out: the .gguf file to write. An existing file is refused unless `force`.
         dtype: "float32" (default), "float16", "bfloat16" or "q8_0".
+        verify: refused (it compares with transformers; GGUF is checked by `make interop`).
     Returns:
         `out`.
     Raises:
         CheckpointError / ContractError: the checkpoint is incomplete or inconsistent.
-        ExportError: `out` exists (without `force`) or is a folder; the tokenizer or model has
+        ExportError: an option that does not apply (`check_export_options`); `out` exists (without
+            `force`) or is a folder; the tokenizer or model has
             something llama.cpp would compute differently (see the module docstring).
     """
+    check_export_options("gguf", dtype, verify, force)
     require_gguf()
-    if dtype not in GGUF_DTYPES:
-        raise ExportError(f"--dtype {dtype!r}: GGUF export writes one of {', '.join(GGUF_DTYPES)}.")
     out = Path(out)
     check_user_file(out, force)  # a name too long, inside an lmforge output, an existing file without --force
     if out.is_dir():
         raise ExportError(f"--out {out} is a folder; GGUF export writes one file. Give a file name such as {out / 'model.gguf'}.")
-    path = resolve_checkpoint(checkpoint)
-    tok = Tokenizer.load(path)  # the contract's special ids checked against the tokenizer, as every stage does
-    model, cfg, contract, path = load_model(path, "cpu", tok.contract, path / CONTRACT_FILE)
+    model, tok, cfg, path = load_checkpoint(checkpoint)
+    contract = tok.contract
     with user_file(out, force) as tmp:  # the one writer: a unique temporary, renamed when complete
         write_gguf(tmp, model.config, contract, model_state(model), path / TOKENIZER_FILE, dtype,
                    name=path.parent.name or "lmforge")

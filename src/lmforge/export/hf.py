@@ -40,23 +40,20 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from lmforge.config import Config, ModelConfig, from_dict, validate
-from lmforge.contract import CONTRACT_FILE, Contract, padded_vocab_size
-from lmforge.errors import CheckpointError, ConfigError, LmforgeError
+from lmforge.contract import Contract, padded_vocab_size
+from lmforge.errors import CheckpointError, ConfigError, require_package
+from lmforge.export.options import ExportError, check_export_options
 from lmforge.fileio import atomic_dir, check_output
-from lmforge.model import load_model
-from lmforge.model.io import MODEL_FILE, load_weights, model_state, resolve_checkpoint, write_model_files
-from lmforge.tokenizer import CHAT_TEMPLATE, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, Tokenizer
+from lmforge.loading import load_checkpoint
+from lmforge.model.io import MODEL_FILE, load_weights, model_state, write_model_files
+from lmforge.tokenizer import CHAT_TEMPLATE, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE
 
 HF_CONFIG_FILE = "config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
 WEIGHTS_FILE = "model.safetensors"  # Hugging Face's name (it happens to equal lmforge's MODEL_FILE)
 WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
 EXPORT_OUTPUT, IMPORT_OUTPUT = "export", "import-hf"  # the marker commands (lmforge.fileio)
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class ExportError(LmforgeError):
-    """A folder cannot be exported to, or imported from, the Hugging Face format."""
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # EXPORT_DTYPES["hf"]
 
 
 # -- names: the one place lmforge and Hugging Face names meet --------------------------
@@ -305,7 +302,8 @@ def model_config_from_hf(cfg: dict, where: str) -> ModelConfig:
 
 
 # -- export ------------------------------------------------------------------------------
-def export_hf(checkpoint: str | Path, out: str | Path, dtype: str = "float32", verify: bool = False) -> Path:
+def export_hf(checkpoint: str | Path, out: str | Path, dtype: str = "float32", verify: bool = False,
+              force: bool = False) -> Path:
     """Write a checkpoint as a Hugging Face `LlamaForCausalLM` folder (atomically).
 
     Args:
@@ -314,19 +312,19 @@ def export_hf(checkpoint: str | Path, out: str | Path, dtype: str = "float32", v
         dtype: "float32" (default), "bfloat16" or "float16" for the weights.
         verify: load the result with `transformers` and compare logits with lmforge's
             (max abs difference below 1e-4 in float32; needs `pip install "lmforge[hf]"`).
+        force: refused (an export replaces only an earlier export folder).
     Returns:
         `out`.
     Raises:
         CheckpointError / ContractError: the checkpoint is incomplete or inconsistent.
-        ExportError: `out` holds other files, an unknown dtype, or verification failed.
+        ExportError: an option that does not apply (`check_export_options`), `out` holds other
+            files, or verification failed.
     """
-    if dtype not in DTYPES:
-        raise ExportError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}.")
+    check_export_options("hf", dtype, verify, force)
     out = Path(out)
     check_output(out, EXPORT_OUTPUT, "`lmforge export`", replace_whole=True)  # before any work
-    path = resolve_checkpoint(checkpoint)
-    tok = Tokenizer.load(path)  # the contract's special ids checked against the tokenizer, as every stage does
-    model, cfg, contract, path = load_model(path, "cpu", tok.contract, path / CONTRACT_FILE)
+    model, tok, cfg, path = load_checkpoint(checkpoint)
+    contract = tok.contract
     with atomic_dir(out, EXPORT_OUTPUT, what="`lmforge export`") as tmp:
         torch_dtype = DTYPES[dtype]
         hf = to_hf_state(model_state(model), contract.vocab_size, cfg.model.tie_embeddings, torch_dtype)
@@ -380,19 +378,12 @@ def _write_json(path: Path, obj: dict) -> None:
 
 
 def require_transformers():
-    """Import `transformers`, or explain how to install it.
+    """The `transformers` package.
 
     Raises:
-        LmforgeError: transformers is not installed.
+        LmforgeError: transformers is not installed (`errors.require_package`).
     """
-    try:
-        import transformers
-    except ImportError:
-        raise LmforgeError(
-            "this needs the `transformers` package, which is not installed. Install the extra: "
-            "pip install \"lmforge[hf]\"."
-        ) from None
-    return transformers
+    return require_package("transformers", "hf", "comparing with transformers")
 
 
 def verify_export(model: torch.nn.Module, folder: str | Path, tol: float | None = 1e-4, seq_len: int = 64) -> float:

@@ -1,5 +1,7 @@
-"""The lmforge model: one Llama-style Transformer and its attention backends."""
+"""The lmforge model: one Llama-style Transformer, its attention backends, and its decode path
+(`decode`: the KV cache and the fused T = 1 step)."""
 
-from lmforge.model.transformer import KVCache, Transformer, load_model, resolve_model_config
+from lmforge.model.decode import KVCache
+from lmforge.model.transformer import Transformer, load_model, resolve_model_config
 
 __all__ = ["KVCache", "Transformer", "load_model", "resolve_model_config"]

@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from lmforge.runtime import compute_dtype
+
 #: The label of positions outside the loss mask, for F.cross_entropy (defined once, here).
 IGNORE_INDEX = -100
 
@@ -103,10 +105,6 @@ def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, targets
     D = hidden.shape[-1]
     h = hidden.reshape(-1, D)
     labels = torch.where(loss_mask.reshape(-1), targets.reshape(-1), IGNORE_INDEX)
-    device_type = h.device.type
-    if torch.is_autocast_enabled(device_type):
-        compute_dtype = torch.get_autocast_dtype(device_type)
-    else:
-        compute_dtype = torch.promote_types(h.dtype, weight.dtype)
-    with torch.autocast(device_type, enabled=False):
-        return _LinearCrossEntropySum.apply(h, weight, labels, compute_dtype, chunk_rows)
+    dtype = compute_dtype(h.device, torch.promote_types(h.dtype, weight.dtype))
+    with torch.autocast(h.device.type, enabled=False):
+        return _LinearCrossEntropySum.apply(h, weight, labels, dtype, chunk_rows)

@@ -28,9 +28,12 @@ import torch.nn.functional as F
 from lmforge.config import CONFIG_FILE, Config, ModelConfig
 from lmforge.contract import CONTRACT_FILE, Contract, check_match, padded_vocab_size
 from lmforge.errors import ConfigError, ContractError
+from lmforge.model import decode
 from lmforge.model.attention import BACKENDS, AttentionMask, prepare_mask
+from lmforge.model.decode import KVCache
 from lmforge.model.io import MODEL_FILE, load_weights, read_checkpoint_meta, resolve_checkpoint
 from lmforge.model.loss import linear_cross_entropy_sum
+from lmforge.runtime import compute_dtype
 
 
 def resolve_model_config(model: ModelConfig, contract: Contract, where: str = "model.vocab_size") -> ModelConfig:
@@ -79,128 +82,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rotated * sin
-
-
-class KVCache:
-    """Per-layer key/value cache for generation.
-
-    k[l], v[l]: (B, n_kv_heads, max_len, head_dim). `length` slots are filled.
-    `key_mask` (B, max_len) bool marks real (non-padding) slots, for left-padded batches.
-    """
-
-    def __init__(self, n_layers: int, batch: int, n_kv_heads: int, max_len: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str, key_mask: torch.Tensor | None = None):
-        shape = (batch, n_kv_heads, max_len, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
-        self.length = 0
-        self.max_len = max_len
-        self.key_mask = key_mask
-        self.weights: DecodeWeights | None = None  # built by the first `Transformer.decode_step`
-
-    def rows(self, start: int, stop: int, span: int | None = None) -> "KVCache":
-        """A cache over rows [start, stop) and slots [0, span) (default: all) of this one: views
-        of the same tensors (writes go through), sharing the decode weights; `length` 0 when
-        start > 0 (a row prefilled alone), else this cache's. For a batch smaller than the
-        cache's, attending over fewer slots (serve/engine.py)."""
-        span = self.max_len if span is None else span
-        view = object.__new__(KVCache)
-        view.k, view.v = [k[start:stop, :, :span] for k in self.k], [v[start:stop, :, :span] for v in self.v]
-        view.length = self.length if start == 0 else 0
-        view.max_len, view.weights = span, self.weights
-        view.key_mask = None if self.key_mask is None else self.key_mask[start:stop]
-        return view
-
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        T = k.shape[2]
-        end = self.length + T
-        self.k[layer][:, :, self.length:end] = k
-        self.v[layer][:, :, self.length:end] = v
-        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
-
-
-class DecodeWeights:
-    """The model's weights laid out for T = 1 decode steps, computed from its parameters (which
-    keep their names and layout: checkpoints and export do not change).
-
-    Per layer, transposed and contiguous, (in, out) so a step computes `x @ w` (row-major: on CPU
-    the small-batch product is up to 3x faster than F.linear's transposed access):
-    `wqkv` (dim, H*hd + 2*KV*hd) = cat(wq, wk, wv).T and `w13` (dim, 2*ffn) = cat(w1, w3).T, so
-    one matmul gives q, k and v and one the SwiGLU's two inputs, each with the RMSNorm weight before
-    it folded into its rows (rmsnorm(x) @ W = (x @ diag(g) W) / rms(x): the norm is then one
-    per-row scale); `wo` (H*hd, dim), `w2` (ffn, dim).
-    `head` is (dim, vocab_size) likewise when its copy is at most HEAD_COPY_LIMIT bytes, else the
-    sliced output weight (vocab_size, dim) used with F.linear. `sin_signed` folds rotate_half's
-    minus sign into the sine table. Matrices are in the compute dtype (the autocast dtype under
-    autocast); norm weights stay as they are.
-
-    On CPU in float32, `packed` holds the same matrices (and the head) prepacked for oneDNN's
-    linear (`torch.ops.mkldnn._reorder_linear_weight`, the layout Inductor's CPU path uses):
-    MKL's small-batch matmul re-packs the weight on every call (the batch-8 head product costs
-    about 4x its batch-4 oneDNN one here), and oneDNN's result for a row does not depend on the
-    batch size at all, which the server needs (see `decode_step`). None where unavailable.
-
-    Made once per parameter version (`Transformer.decode_weights`): copies of the weights, valid
-    while the parameters do not change.
-    """
-
-    #: Largest output matrix (bytes) copied into the (dim, V) layout.
-    HEAD_COPY_LIMIT = 64 << 20
-
-    def __init__(self, model: "Transformer", dtype: torch.dtype):
-        def t(*ws, norm=None):  # cat along out, then (in, out) contiguous; a norm's weight folded in
-            w = torch.cat(ws).t()
-            return (w if norm is None else norm[:, None] * w).to(dtype).contiguous()
-
-        with torch.no_grad():
-            self.layers = []
-            for b in model.layers:
-                a, f = b.attention, b.feed_forward
-                self.layers.append((t(a.wq.weight, a.wk.weight, a.wv.weight, norm=b.attention_norm.weight),
-                                    t(a.wo.weight), t(f.w1.weight, f.w3.weight, norm=b.ffn_norm.weight),
-                                    t(f.w2.weight)))
-            self.norm = model.norm.weight
-            # QK-norm (Qwen3): each layer's (q_norm, k_norm) weights, (hd,) each, in the compute dtype
-            self.qk_norm = [(b.attention.q_norm.weight.to(dtype), b.attention.k_norm.weight.to(dtype))
-                            for b in model.layers] if model.config.qk_norm else None
-            w = model.output.weight[: model.vocab_size]
-            self.head_t = w.numel() * dtype.itemsize <= self.HEAD_COPY_LIMIT
-            self.head = t(w) if self.head_t else w.to(dtype)
-            half = model.config.head_dim // 2
-            sign = torch.ones(model.config.head_dim, device=w.device)
-            sign[:half] = -1
-            self.cos = model.rope_cos.to(dtype)  # (max_seq_len, hd)
-            self.sin_signed = (model.rope_sin * sign).to(dtype)
-            self.dtype = dtype
-            self.packed = self.packed_head = None
-            if w.device.type == "cpu" and dtype == torch.float32 and self.head_t:
-                self.packed, self.packed_head = _onednn_pack(self.layers, self.head)
-
-
-def _onednn_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-    """(B, in) @ a matrix prepacked by `_onednn_pack` -> (B, out)."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
-
-
-def _onednn_pack(layers: list[tuple], head: torch.Tensor):
-    """(layers, head) with every (in, out) matrix prepacked for oneDNN, or (None, None) when this
-    torch has no oneDNN linear or it disagrees with a plain matmul on a probe (these are the
-    private ops of Inductor's CPU path: checked, never trusted blindly)."""
-    try:
-        if not torch.backends.mkldnn.is_available():
-            return None, None
-
-        def pack(m):  # (in, out) -> oneDNN's blocked layout of the (out, in) weight
-            return torch.ops.mkldnn._reorder_linear_weight(m.t().contiguous())
-
-        packed = [tuple(pack(m) for m in layer) for layer in layers]
-        packed_head = pack(head)
-        probe = torch.randn(3, head.shape[0], generator=torch.Generator().manual_seed(0))
-        if not torch.allclose(_onednn_linear(probe, packed_head), probe @ head, rtol=1e-4, atol=1e-4):
-            return None, None
-        return packed, packed_head
-    except (RuntimeError, AttributeError, NotImplementedError):
-        return None, None
 
 
 class Attention(nn.Module):
@@ -368,8 +249,7 @@ class Transformer(nn.Module):
             start = cache.length if cache is not None else 0
             positions = torch.arange(start, start + T, device=tokens.device).expand(B, T)
         device = tokens.device
-        dtype = (torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type)
-                 else self.output.weight.dtype)  # the compute dtype of q, k, v
+        dtype = compute_dtype(device, self.output.weight.dtype)  # the compute dtype of q, k, v
         cos = self.rope_cos[positions][:, None].to(dtype)  # (B, 1, T, hd)
         sin = self.rope_sin[positions][:, None].to(dtype)
         # One mask for all layers (the block-diagonal document mask, or the cache's mask).
@@ -414,107 +294,19 @@ class Transformer(nn.Module):
             loss_mask = torch.ones_like(targets, dtype=torch.bool)
         return linear_cross_entropy_sum(h, self.output.weight[: self.vocab_size], targets, loss_mask)
 
-    def decode_weights(self, dtype: torch.dtype | None = None) -> DecodeWeights:
-        """The decode layout of the current parameters in `dtype` (default: theirs), made once and
-        kept until a parameter changes (its storage or version) or another dtype is asked for."""
-        dtype = dtype or self.output.weight.dtype
-        key = (dtype, tuple((p.data_ptr(), 0 if p.is_inference() else p._version)  # inference tensors: no version
-                            for p in self.parameters()))
-        w = self.__dict__.get("_decode_weights")
-        if w is None or w.key != key:
-            w = DecodeWeights(self, dtype)
-            w.key = key
-            self.__dict__["_decode_weights"] = w  # a plain attribute: not a buffer, never saved
-        return w
+    # -- the decode path (lmforge.model.decode): delegates, for the callers of these methods --
+    def new_cache(self, batch: int, max_len: int, key_mask: torch.Tensor | None = None) -> KVCache:
+        """An empty KVCache for `batch` rows of `max_len` slots (see `decode.new_cache`)."""
+        return decode.new_cache(self, batch, max_len, key_mask)
 
-    @torch.no_grad()
+    def decode_weights(self, dtype: torch.dtype | None = None) -> decode.DecodeWeights:
+        """The parameters in the decode layout (see `decode.decode_weights`)."""
+        return decode.decode_weights(self, dtype)
+
     def decode_step(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                     slots: torch.Tensor | None = None, batch_invariant: bool = False) -> torch.Tensor:
-        """One T = 1 decode step on the cache: the same model as `forward`, computed with fused
-        weights (`DecodeWeights`) and few small ops, for latency-bound generation.
-
-        Args:
-            tokens: (B,) int64, one new token per row.
-            positions: (B,) int64 rotary positions of those tokens.
-            cache: the KVCache (B rows) after a prefill through `forward`/`hidden`.
-            slots: None: every row writes cache slot `cache.length` (then length += 1) and
-                attends to slots [0, length] where `cache.key_mask` (left padding) allows;
-                (B,) int64: row b writes slot `slots[b]` and attends to slots [0, slots[b]]
-                over the whole cache (continuous batching: rows at different lengths).
-            batch_invariant: use the oneDNN matmuls (DecodeWeights.packed) at every batch size,
-                batch 1 included. A row's numbers never depend on the other rows' values (every
-                op is row-wise); with the oneDNN matmuls they do not depend on the batch size
-                either, nor on the span of masked cache slots beyond the row's own (in multiples
-                of 64; tests/test_decode_step.py). Without it, batch 1 uses MKL's faster
-                matrix-vector product, whose sums are ordered differently (about 1e-6 relative).
-        Returns:
-            logits (B, vocab_size) in the compute dtype.
-        """
-        w = cache.weights
-        dev = tokens.device
-        dtype = torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type) else self.output.weight.dtype
-        if w is None or w.dtype != dtype:
-            w = cache.weights = self.decode_weights(dtype)
-        c = self.config
-        B, H, KV, hd = tokens.shape[0], c.n_heads, c.n_kv_heads, c.head_dim
-        G, eps, scale = H // KV, c.norm_eps, 1.0 / math.sqrt(hd)
-        cos = w.cos[positions][:, None]  # (B, 1, hd), broadcast over heads
-        sin = w.sin_signed[positions][:, None]
-        if slots is None:
-            at = cache.length
-            S = at + 1
-            bias = None
-            if cache.key_mask is not None:  # (B, 1, S): 0 where attended, -inf at padding
-                bias = torch.zeros(B, 1, S, dtype=dtype, device=dev).masked_fill_(
-                    ~cache.key_mask[:, None, :S], float("-inf"))
-        else:
-            S = cache.max_len
-            rows = torch.arange(B, device=dev)
-            allowed = torch.arange(S, device=dev)[None] <= slots[:, None]  # (B, S)
-            bias = torch.zeros(B, 1, S, dtype=dtype, device=dev).masked_fill_(~allowed[:, None], float("-inf"))
-        if bias is not None:
-            bias = bias.repeat_interleave(KV, 0)  # (B*KV, 1, S), the layout of the scores below
-        if w.packed is not None and (B > 1 or batch_invariant):
-            layers, head, mm = w.packed, w.packed_head, _onednn_linear
-        else:
-            layers, head, mm = w.layers, w.head, torch.matmul
-        x = self.tok_embeddings(tokens)  # (B, dim); the residual stays in the parameters' dtype
-        def inv_rms(x):  # (B, dim) -> (B, 1): 1 / rms(x), RMSNorm without its weight
-            return torch.rsqrt(x.pow(2).mean(-1, keepdim=True).add_(eps))
-
-        for layer, (wqkv, wo, w13, w2) in enumerate(layers):
-            qkv = mm(x, wqkv).mul_(inv_rms(x)).view(B, H + 2 * KV, hd)
-            qk = qkv[:, : H + KV]
-            if w.qk_norm is not None:  # RMSNorm per head of q and of k, before the rotary embedding
-                qn, kn = w.qk_norm[layer]
-                qk = torch.cat((F.rms_norm(qk[:, :H], (hd,), qn, eps), F.rms_norm(qk[:, H:], (hd,), kn, eps)), 1)
-            # rotary on q and k at once: x cos + rotate_half(x) sin
-            qk = torch.addcmul(qk * cos, qk.roll(hd // 2, -1), sin)  # (B, H + KV, hd)
-            k, v = qk[:, H:], qkv[:, H + KV:]  # (B, KV, hd)
-            ck, cv = cache.k[layer], cache.v[layer]  # (B, KV, max_len, hd)
-            if slots is None:
-                ck[:, :, at], cv[:, :, at] = k, v
-            else:
-                ck[rows, :, slots], cv[rows, :, slots] = k, v
-            # grouped-query attention of one query: (B*KV, G, hd) @ (B*KV, hd, S); no K/V repeat
-            q = qk[:, :H].reshape(B * KV, G, hd)
-            keys = ck[:, :, :S].reshape(B * KV, S, hd)
-            scores = (torch.baddbmm(bias, q, keys.transpose(1, 2), alpha=scale) if bias is not None
-                      else torch.bmm(q, keys.transpose(1, 2)).mul_(scale))  # (B*KV, G, S)
-            y = torch.bmm(scores.softmax(-1), cv[:, :, :S].reshape(B * KV, S, hd))  # (B*KV, G, hd)
-            x = x + mm(y.view(B, H * hd), wo)
-            gate, up = mm(x, w13).mul_(inv_rms(x)).chunk(2, -1)  # (B, ffn) each
-            x = x + mm(F.silu(gate).mul_(up), w2)
-        if slots is None:
-            cache.length += 1
-        h = x * inv_rms(x) * w.norm
-        return mm(h, head) if w.head_t else F.linear(h, w.head)
-
-    def new_cache(self, batch: int, max_len: int, key_mask: torch.Tensor | None = None) -> KVCache:
-        p = self.output.weight
-        dtype = torch.get_autocast_dtype(p.device.type) if torch.is_autocast_enabled(p.device.type) else p.dtype
-        c = self.config
-        return KVCache(c.n_layers, batch, c.n_kv_heads, max_len, c.head_dim, dtype, p.device, key_mask)
+        """One fused T = 1 decode step: (B,) tokens -> (B, vocab_size) logits (see `decode.decode_step`)."""
+        return decode.decode_step(self, tokens, positions, cache, slots, batch_invariant)
 
     @classmethod
     def from_checkpoint(cls, folder: str | Path, device: str | torch.device = "cpu") -> "Transformer":

@@ -11,14 +11,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lmforge.config import CONFIG_FILE, Config
-from lmforge.contract import CONTRACT_FILE
 from lmforge.evaluate import batch_loss
 from lmforge.fileio import copy_file, open_run_dir, output_lock, write_text
-from lmforge.model import Transformer, load_model
+from lmforge.loading import load_checkpoint
+from lmforge.model import Transformer
 from lmforge.model.transformer import check_fits_in_memory
 from lmforge.model.attention import resolve_backend
-from lmforge.model.io import CONTRACT_FILES, list_checkpoints, read_checkpoint_meta, resolve_checkpoint
-from lmforge.runtime import Runtime, decode_runtime, resolve_precision
+from lmforge.model.io import CONTRACT_FILES, list_checkpoints
+from lmforge.runtime import Runtime, decode_runtime, training_runtime
 from lmforge.tokenizer import Tokenizer
 from lmforge.train.distributed import DistInfo, init_distributed, shutdown
 from lmforge.train.trainer import Trainer, seed_everything
@@ -72,7 +72,7 @@ def training_session(cfg: Config, out: str | Path, command: str, resume: bool, d
         check_fits_in_memory(replace(cfg.model, vocab_size=cfg.model.vocab_size or cfg.tokenizer.vocab_size),
                              cfg.train.micro_batch_size * cfg.data.seq_len)
         backend = resolve_backend(cfg.model.attention, info.device, training=True)
-        runtime = Runtime(info.device, resolve_precision(cfg.train.precision, info.device))
+        runtime = training_runtime(cfg.train.precision, info.device)
         with contextlib.ExitStack() as stack:
             seed_everything(cfg.train.seed)
             yield TrainingSession(cfg, Path(out), command, resume, dry_run, info, backend, runtime, stack)
@@ -117,7 +117,8 @@ def run_training(session: TrainingSession, contract_dir: Path, model: Transforme
     cfg, out, info = session.cfg, session.out, session.info
     if dry_run:
         return dry_run_step(model, stream, session.runtime)
-    trainer = Trainer(cfg, out, Path(contract_dir), model, stream, val_batches, info, progress, log)
+    trainer = Trainer(cfg, out, Path(contract_dir), model, stream, val_batches, info, progress, log,
+                      runtime=session.runtime)
     if resume and not trainer.resume():  # before any write: a refused --resume leaves the run folder as it was
         log(f"--resume: no checkpoint in {out} yet; starting from step 0")
     if info.is_main:
@@ -143,19 +144,14 @@ def dry_run_step(model: Transformer, stream, runtime: Runtime) -> dict:
 # -- inference ----------------------------------------------------------------------------------
 def load_for_inference(checkpoint: str | Path, tokenizer_dir: str | Path | None = None,
                        runtime: Runtime | None = None):
-    """(model, tokenizer, config) from a checkpoint, on the decoding runtime's device,
-    checking a separate tokenizer if given.
+    """(model, tokenizer, config): `lmforge.loading.load_checkpoint` onto `runtime.device`
+    (default: the decoding runtime's).
 
     Raises:
-        CheckpointError / ContractError: not a checkpoint, damaged or non-finite weights,
-        or a tokenizer that differs from the checkpoint's.
+        CheckpointError / ContractError: see `load_checkpoint`.
     """
     runtime = runtime or decode_runtime()
-    path = resolve_checkpoint(checkpoint)
-    read_checkpoint_meta(path)  # a checkpoint without config/contract is named as a checkpoint
-    tok_dir = Path(tokenizer_dir) if tokenizer_dir else path
-    tok = Tokenizer.load(tok_dir)
-    model, cfg, _, _ = load_model(path, runtime.device, tok.contract, tok_dir / CONTRACT_FILE)
+    model, tok, cfg, _ = load_checkpoint(checkpoint, tokenizer_dir, runtime.device)
     return model, tok, cfg
 
 

@@ -9,7 +9,7 @@ from lmforge.contract import CONTRACT_FILE
 from lmforge.data.shards import Shard, preflight
 from lmforge.evaluate import evaluate_shard
 from lmforge.fileio import check_user_file, user_file
-from lmforge.model import load_model
+from lmforge.loading import load_checkpoint
 from lmforge.runtime import training_runtime
 
 
@@ -24,13 +24,13 @@ def eval_stage(checkpoint: str | Path, data_dir: str | Path | None = None, split
     """
     if out is not None:  # refused before any work: a folder, an existing file without --force, inside an output
         check_user_file(out, force)
-    model, cfg, contract, path = load_model(checkpoint)
+    model, tok, cfg, path = load_checkpoint(checkpoint)
     data_dir = Path(data_dir or cfg.data.dir)
-    preflight(data_dir, contract, path / CONTRACT_FILE)  # contract, ids < vocab, eos ends: before any forward
-    shard = Shard.open(data_dir, split, contract, path / CONTRACT_FILE)
+    preflight(data_dir, tok.contract, path / CONTRACT_FILE)  # contract, ids < vocab, eos ends: before any forward
+    shard = Shard.open(data_dir, split, tok.contract, path / CONTRACT_FILE)
     rt = training_runtime(cfg.train.precision)
-    res = evaluate_shard(model.to(rt.device), shard, cfg.data.seq_len, cfg.train.micro_batch_size, rt.device,
-                         rt.dtype, cfg.data.document_masking)
+    res = evaluate_shard(model.to(rt.device), shard, cfg.data.seq_len, cfg.train.micro_batch_size, rt,
+                         cfg.data.document_masking)
     res.update(checkpoint=str(path), data=str(data_dir), split=split)
     if out is not None:
         with user_file(out, force) as tmp:

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from lmforge.errors import LmforgeError
-from lmforge.export import export_gguf, export_hf, import_hf
+from lmforge.export import check_export_options, export_gguf, export_hf, import_hf
 from lmforge.stages.common import log
 
 
@@ -15,18 +14,13 @@ def export_stage(checkpoint: str | Path, out: str | Path, fmt: str = "hf", dtype
     (one file for llama.cpp; `force` replaces an existing file).
 
     Raises:
-        LmforgeError: a flag that does not apply to the format; see `export_hf`, `export_gguf`.
+        ExportError: a format, weight type or flag that does not apply (the one check,
+        `lmforge.export.check_export_options`, run by each writer); see `export_hf`, `export_gguf`.
     """
-    if fmt == "gguf":
-        if verify:
-            raise LmforgeError("--verify compares with transformers (--format hf); for GGUF run `make interop`.")
-        return export_gguf(checkpoint, out, dtype=dtype, force=force)
-    if dtype == "q8_0":
-        raise LmforgeError("--dtype q8_0 is for --format gguf; a Hugging Face export is float32, bfloat16 or float16.")
-    if force:
-        raise LmforgeError("--force is for --format gguf; a Hugging Face export replaces only an earlier export "
-                           "folder, never anything else.")
-    return export_hf(checkpoint, out, dtype=dtype, verify=verify)
+    writers = {"hf": export_hf, "gguf": export_gguf}
+    if fmt not in writers:
+        check_export_options(fmt)  # an unknown format: refused with the one check's message
+    return writers[fmt](checkpoint, out, dtype=dtype, verify=verify, force=force)
 
 
 def import_hf_stage(folder: str | Path, out: str | Path) -> Path:

@@ -1,7 +1,8 @@
 """`lmforge generate` and `lmforge chat`: text from a checkpoint.
 
-Both decode through `lmforge.generate.generate` (KV cache, one sampling config, the one
-decoding policy of `lmforge.runtime.decode_runtime`), stopping at the contract's ids:
+Both load through `lmforge.loading.load_checkpoint` and decode through `lmforge.generate.generate`
+(KV cache, one sampling config) under the one decoding policy, `lmforge.runtime.decode_runtime`,
+decided once per command and passed down; stopping at the contract's ids:
 <|eos|> for a document, <|im_end|> (or <|eos|>) for a chat turn.
 """
 
@@ -15,16 +16,18 @@ import torch
 
 from lmforge.config import Config, SamplingConfig
 from lmforge.generate import generate
-from lmforge.stages.common import load_for_inference
+from lmforge.loading import load_checkpoint
+from lmforge.runtime import Runtime, decode_runtime
 from lmforge.tokenizer import Tokenizer
 
 
 def generate_text(model, tok: Tokenizer, prompt: str, sampling: SamplingConfig, seed: int | None = None,
-                  truncate: bool = False) -> str:
-    """Complete `prompt` (a document start: <|bos|> is prepended); stops at <|eos|>."""
+                  truncate: bool = False, runtime: Runtime | None = None) -> str:
+    """Complete `prompt` (a document start: <|bos|> is prepended); stops at <|eos|>. Decodes
+    under `runtime` (see `generate`)."""
     gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed) if seed is not None else None
     ids = generate(model, [[tok.bos_id, *tok.encode(prompt)]], [tok.eos_id], sampling, tok.pad_id,
-                   truncate=truncate, generator=gen)[0]
+                   truncate=truncate, generator=gen, runtime=runtime)[0]
     if ids and ids[-1] == tok.eos_id:
         ids = ids[:-1]
     return prompt + tok.decode(ids)
@@ -32,9 +35,11 @@ def generate_text(model, tok: Tokenizer, prompt: str, sampling: SamplingConfig, 
 
 def generate_stage(cfg: Config, checkpoint: str | Path, prompt: str, sampling: SamplingConfig,
                    tokenizer: str | Path | None = None, seed: int | None = None, truncate: bool = False) -> str:
-    """`lmforge generate`: load the checkpoint (and check `tokenizer` against it), complete `prompt`."""
-    model, tok, _ = load_for_inference(checkpoint, tokenizer)
-    return generate_text(model, tok, prompt, sampling.validate(), seed=seed, truncate=truncate)
+    """`lmforge generate`: load the checkpoint (and check `tokenizer` against it), complete `prompt`
+    under the decoding runtime."""
+    rt = decode_runtime()
+    model, tok, _, _ = load_checkpoint(checkpoint, tokenizer, rt.device)
+    return generate_text(model, tok, prompt, sampling.validate(), seed=seed, truncate=truncate, runtime=rt)
 
 
 # -- chat ---------------------------------------------------------------------------------------
@@ -54,11 +59,11 @@ def chat_prompt(tok: Tokenizer, messages: Sequence[dict], budget: int) -> list[i
 
 
 def chat_reply(model, tok: Tokenizer, messages: Sequence[dict], sampling: SamplingConfig,
-               generator: torch.Generator | None = None) -> str:
+               generator: torch.Generator | None = None, runtime: Runtime | None = None) -> str:
     """The assistant's next reply to `messages` (text; generation stops at <|im_end|> or <|eos|>)."""
     prompt = chat_prompt(tok, messages, model.config.max_seq_len - sampling.max_new_tokens)
     ids = generate(model, [prompt], [tok.im_end_id, tok.eos_id], sampling, tok.pad_id, truncate=True,
-                   generator=generator)[0]
+                   generator=generator, runtime=runtime)[0]
     if ids and ids[-1] in (tok.im_end_id, tok.eos_id):
         ids = ids[:-1]
     return tok.decode(ids)
@@ -83,7 +88,8 @@ def stdin_reader(prompt: str = "> ") -> Callable[[], str | None]:
 
 
 def chat_loop(model, tok: Tokenizer, sampling: SamplingConfig, read_line: Callable[[], str | None],
-              write: Callable[[str], None], system: str | None = None, seed: int | None = None) -> list[dict]:
+              write: Callable[[str], None], system: str | None = None, seed: int | None = None,
+              runtime: Runtime | None = None) -> list[dict]:
     """An interactive chat: each line read is a user turn; the reply is written. `/exit` or
     end of input quits, `/reset` clears the history. Returns the final history."""
     gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed) if seed is not None else None
@@ -107,7 +113,7 @@ def chat_loop(model, tok: Tokenizer, sampling: SamplingConfig, read_line: Callab
         if not text.strip():
             continue
         history.append({"role": "user", "content": text})
-        reply = chat_reply(model, tok, history, sampling, gen)
+        reply = chat_reply(model, tok, history, sampling, gen, runtime)
         history.append({"role": "assistant", "content": reply})
         write(reply)
     return history
@@ -115,10 +121,11 @@ def chat_loop(model, tok: Tokenizer, sampling: SamplingConfig, read_line: Callab
 
 def chat_stage(checkpoint: str | Path, sampling: SamplingConfig, tokenizer: str | Path | None = None,
                system: str | None = None, seed: int | None = None) -> list[dict]:
-    """`lmforge chat`: an interactive chat on stdin/stdout with a checkpoint."""
-    model, tok, _ = load_for_inference(checkpoint, tokenizer)
+    """`lmforge chat`: an interactive chat on stdin/stdout with a checkpoint, under the decoding runtime."""
+    rt = decode_runtime()
+    model, tok, _, _ = load_checkpoint(checkpoint, tokenizer, rt.device)
     return chat_loop(model, tok, sampling.validate(), stdin_reader(), lambda reply: print(reply, flush=True),
-                     system=system, seed=seed)
+                     system=system, seed=seed, runtime=rt)
 
 
 __all__ = ["generate_text", "generate_stage", "chat_prompt", "chat_reply", "chat_loop", "chat_stage",

@@ -21,16 +21,15 @@ from dataclasses import replace
 from pathlib import Path
 
 from lmforge.config import Config
-from lmforge.contract import CONTRACT_FILE, TOKENIZER_FILE
+from lmforge.contract import TOKENIZER_FILE
 from lmforge.data.conversations import (Conversation, cap_examples, read_conversations, render_samples, sft_batches,
                                         sft_stream, split_conversations)
 from lmforge.data.stdlib_functions import StdlibStats, stdlib_examples
 from lmforge.errors import ConfigError, DataError, LmforgeError
 from lmforge.fileio import check_output
-from lmforge.model import load_model
+from lmforge.loading import load_checkpoint
 from lmforge.model.io import latest_checkpoint, read_checkpoint_meta, resolve_checkpoint
 from lmforge.stages.common import log, run_training, startup_report, training_session
-from lmforge.tokenizer import Tokenizer
 
 SFT_DATA_FILE = "sft_data.json"
 SFT_VAL_FILE = "sft_val.jsonl"
@@ -50,10 +49,10 @@ def sft_config(cfg: Config, init_cfg: Config) -> Config:
     return replace(cfg, model=init_cfg.model, train=train).validate()
 
 
-def sft_tokenizer(cfg: Config, init: Path) -> Tokenizer:
-    """The tokenizer in tokenizer.dir when that folder holds one, else the checkpoint's own copy."""
+def sft_tokenizer_dir(cfg: Config) -> Path | None:
+    """tokenizer.dir when that folder holds a tokenizer, else None: the checkpoint's own copy."""
     tok_dir = Path(cfg.tokenizer.dir)
-    return Tokenizer.load(tok_dir if (tok_dir / TOKENIZER_FILE).is_file() else init)
+    return tok_dir if (tok_dir / TOKENIZER_FILE).is_file() else None
 
 
 # -- data ---------------------------------------------------------------------------------
@@ -124,8 +123,7 @@ def sft_stage(cfg: Config, out: str | Path, resume: bool = False, dry_run: bool 
     _refuse_init_as_out(Path(out), Path(cfg.sft.init), init)
     if resume:
         _check_same_init(Path(out), init)
-    tok = sft_tokenizer(cfg, init)
-    model, init_cfg, _, _ = load_model(init, "cpu", tok.contract, tok.folder / CONTRACT_FILE)
+    model, tok, init_cfg, _ = load_checkpoint(init, sft_tokenizer_dir(cfg))
     cfg = sft_config(replace(cfg, tokenizer=replace(cfg.tokenizer, dir=str(tok.folder))), init_cfg)
     with training_session(cfg, out, "sft", resume, dry_run) as session:
         info = session.info

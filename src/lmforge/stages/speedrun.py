@@ -30,12 +30,11 @@ from lmforge.data.shards import Shard
 from lmforge.data.stdlib_functions import place_body
 from lmforge.stages.sft_checks import doctest_pass_rate
 from lmforge.errors import Interrupted
-from lmforge.fileio import OutputError
 from lmforge.evaluate import evaluate_shard, split_texts, xz_bits_per_byte
-from lmforge.fileio import atomic_file, check_output, make_folder, read_marker, write_json, write_text
+from lmforge.fileio import atomic_file, open_run_dir, read_marker, write_json, write_text
 from lmforge.generate import generate
-from lmforge.model import load_model
-from lmforge.runtime import training_runtime
+from lmforge.loading import load_checkpoint
+from lmforge.runtime import Runtime, decode_runtime, training_runtime
 from lmforge.stages.common import log
 from lmforge.stages.generate import generate_text
 from lmforge.stages.prepare import prepare_stage
@@ -47,6 +46,12 @@ from lmforge.train.trainer import METRICS_FILE
 
 SAMPLE_PROMPTS = ("def ", "import os\n", "class ")
 SPEEDRUN_OUTPUT = "speedrun"
+STAGE_FOLDERS = ("tokenizer", "data", "pretrain", "sft")
+
+
+def has_stage_output(out: Path) -> bool:
+    """Whether a stage of the speedrun in `out` has written its folder (then only --resume reopens it)."""
+    return any((out / name).exists() for name in STAGE_FOLDERS)
 
 
 def plot_loss(run_dir: Path, out: Path) -> Path | None:
@@ -81,15 +86,14 @@ def plot_loss(run_dir: Path, out: Path) -> Path | None:
 
 def speedrun_stage(cfg: Config, out: str | Path, resume: bool = False, progress: bool = True) -> dict:
     """Run tokenizer -> prepare -> pretrain -> eval -> samples -> sft in `out`; return the summary."""
-    out = Path(out)
-    check_output(out, SPEEDRUN_OUTPUT)  # absent, empty, or an earlier speedrun: nothing else is touched
-    if read_marker(out) is not None and not resume:
-        raise OutputError(f"--out {out} holds an earlier speedrun. Pass --resume to continue it, or choose "
-                          f"another --out.")
-    make_folder(out, SPEEDRUN_OUTPUT)
+    # absent, empty, or an earlier speedrun (which needs --resume once a stage wrote into it): nothing else is touched
+    out = open_run_dir(out, SPEEDRUN_OUTPUT, resume, has_stage_output)
     cfg = replace(cfg, tokenizer=replace(cfg.tokenizer, dir=str(out / "tokenizer")),
                   data=replace(cfg.data, dir=str(out / "data")))
     times: dict[str, float] = {}
+    # decided once: the held-out loss is scored as training computes it, samples and SFT bodies
+    # are decoded as `lmforge generate` decodes (pretrain and sft decide their own, as commands)
+    score_rt, decode_rt = training_runtime(cfg.train.precision), decode_runtime()
 
     # (step, command, folder, its marker = its key in times): what an earlier run finished is kept on --resume
     for step, command, folder, marker, stage in ((1, "train-tokenizer", "tokenizer", "tokenizer", train_tokenizer_stage),
@@ -112,21 +116,21 @@ def speedrun_stage(cfg: Config, out: str | Path, resume: bool = False, progress:
 
     t0 = time.perf_counter()
     log("== 4/5 evaluate and sample")
-    model, _, contract, ckpt_path = load_model(run_dir)
-    tok = Tokenizer.load(ckpt_path)
-    val = Shard.open(cfg.data.dir, "val", contract, ckpt_path / CONTRACT_FILE)
-    rt = training_runtime(cfg.train.precision)
-    res = evaluate_shard(model.to(rt.device), val, cfg.data.seq_len, cfg.train.micro_batch_size, rt.device,
-                         rt.dtype, cfg.data.document_masking)
+    model, tok, _, ckpt_path = load_checkpoint(run_dir, device=score_rt.device)
+    val = Shard.open(cfg.data.dir, "val", tok.contract, ckpt_path / CONTRACT_FILE)
+    res = evaluate_shard(model, val, cfg.data.seq_len, cfg.train.micro_batch_size, score_rt,
+                         cfg.data.document_masking)
     xz = xz_bits_per_byte(split_texts(val, tok))
     g = cfg.generate
     sampling = g.override(max_new_tokens=min(g.max_new_tokens, 96))
-    samples = [generate_text(model, tok, p, sampling, seed=cfg.train.seed + i) for i, p in enumerate(SAMPLE_PROMPTS)]
+    model.to(decode_rt.device)
+    samples = [generate_text(model, tok, p, sampling, seed=cfg.train.seed + i, runtime=decode_rt)
+               for i, p in enumerate(SAMPLE_PROMPTS)]
     plot = plot_loss(run_dir, out / "loss.png")
     times["eval"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
-    sft_summary = sft_speedrun(cfg, out, ckpt_path, resume, progress)
+    sft_summary = sft_speedrun(cfg, out, ckpt_path, decode_rt, resume, progress)
     times["sft"] = time.perf_counter() - t0
 
     rows = [json.loads(line) for line in (run_dir / METRICS_FILE).read_text().splitlines() if line.strip()]
@@ -184,13 +188,14 @@ SFT_EVAL_PROMPTS = 64
 SFT_EVAL_MAX_NEW_TOKENS = 160
 
 
-def sft_speedrun(cfg: Config, out: Path, init: Path, resume: bool = False, progress: bool = True) -> dict:
+def sft_speedrun(cfg: Config, out: Path, init: Path, runtime: Runtime, resume: bool = False,
+                 progress: bool = True) -> dict:
     """SFT from the pretrained checkpoint `init` on the standard-library function set (the
     [sft] keys of `cfg`; sft.data is forced to "stdlib"), into OUT/sft. Then, on held-out
     modules: the SFT validation loss (nats per supervised token) and the fraction of greedy
     bodies (at most SFT_EVAL_MAX_NEW_TOKENS tokens, for SFT_EVAL_PROMPTS prompts whose
-    reference body fits in that budget) that parse with ast.parse under their signature.
-    The bodies go to OUT/sft_samples.json."""
+    reference body fits in that budget) that parse with ast.parse under their signature,
+    decoded under `runtime` (the speedrun's decoding runtime). The bodies go to OUT/sft_samples.json."""
     log("== 5/5 sft")
     run_dir = out / "sft"
     scfg = replace(cfg, sft=replace(cfg.sft, init=str(init), data="stdlib"))
@@ -201,10 +206,9 @@ def sft_speedrun(cfg: Config, out: Path, init: Path, resume: bool = False, progr
     val_loss = last.get("val_loss")
     if val_loss is None:  # a resumed run that had already finished: its last validation
         val_loss = next((r["val_loss"] for r in reversed(rows) if r.get("val_loss") is not None), None)
-    model, _, _, ckpt_path = load_model(run_dir)
-    tok = Tokenizer.load(ckpt_path)
+    model, tok, _, ckpt_path = load_checkpoint(run_dir, device=runtime.device)
     items = held_out_prompts(run_dir / SFT_VAL_FILE, tok, SFT_EVAL_PROMPTS, SFT_EVAL_MAX_NEW_TOKENS - 1)
-    parse = body_parse_rate(model, tok, items, SFT_EVAL_MAX_NEW_TOKENS)
+    parse = body_parse_rate(model, tok, items, SFT_EVAL_MAX_NEW_TOKENS, runtime=runtime)
     parse["doctests"] = doctest_pass_rate(items, parse["examples"])
     write_json(out / "sft_samples.json", parse)
     data = json.loads((run_dir / SFT_DATA_FILE).read_text(encoding="utf-8"))
@@ -230,13 +234,14 @@ def sft_speedrun(cfg: Config, out: Path, init: Path, resume: bool = False, progr
 
 # -- scoring SFT bodies -----------------------------------------------------------------------
 def body_parse_rate(model, tok: Tokenizer, items: Sequence[dict], max_new_tokens: int = 64,
-                    batch_size: int = 8) -> dict:
+                    batch_size: int = 8, runtime: Runtime | None = None) -> dict:
     """Greedy bodies for held-out stdlib prompts; the fraction that parse with `ast.parse`
     when placed under their signature. A body counts only if the model also ended its turn
     (<|im_end|> or <|eos|>) within `max_new_tokens`: a reply cut off by the budget is not a
     body, even when the cut happens to leave valid Python.
 
-    `items`: records of sft_val.jsonl with `messages` (user prompt first), `signature`.
+    `items`: records of sft_val.jsonl with `messages` (user prompt first), `signature`;
+    `runtime`: the decoding runtime (see `generate`).
     Returns {"fraction", "parsed", "stopped", "n", "im_end" (ended with <|im_end|>),
     "parsed_and_im_end", "max_new_tokens", "examples": [{name, body, stopped, parses, im_end}]}.
     """
@@ -245,7 +250,8 @@ def body_parse_rate(model, tok: Tokenizer, items: Sequence[dict], max_new_tokens
     for i in range(0, len(items), batch_size):
         chunk = items[i: i + batch_size]
         prompts = [tok.render_chat(r["messages"][:1], add_generation_prompt=True).ids for r in chunk]
-        outs = generate(model, prompts, [tok.im_end_id, tok.eos_id], sampling, tok.pad_id, truncate=True)
+        outs = generate(model, prompts, [tok.im_end_id, tok.eos_id], sampling, tok.pad_id, truncate=True,
+                        runtime=runtime)
         for r, ids in zip(chunk, outs):
             stopped = bool(ids) and ids[-1] in (tok.im_end_id, tok.eos_id)
             body = tok.decode(ids[:-1] if stopped else ids)

@@ -4,8 +4,8 @@
 
 One process without torchrun's environment is world size 1 and needs no process group.
 Data parallel only: each rank reads its own rows (`RowStream`), DDP or FSDP2 (`fully_shard`)
-reduces the gradients. The parallel degrees are validated against the world size before
-the process group starts (`init_distributed(cfg)`).
+reduces the gradients. The parallel degrees are checked against the world size before
+the process group starts (`init_distributed(cfg)`, the only caller of `config.check_parallel`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lmforge.errors import ConfigError
+from lmforge.config import check_parallel, world_size_from_env
+from lmforge.runtime import default_device
 
 
 @dataclass
@@ -36,43 +37,24 @@ class DistInfo:
         return self.world_size > 1
 
 
-def check_parallel_supported(cfg) -> None:
-    """Refuse what validation accepts but lmforge does not run yet (context parallelism).
-
-    Raises:
-        ConfigError: train.context_parallel > 1.
-    """
-    cp = cfg.train.context_parallel
-    if cp > 1:
-        raise ConfigError(
-            f"train.context_parallel = {cp}: the configuration is valid, but context parallelism is not "
-            f"implemented yet (torch's context-parallel API needs CUDA). Set train.context_parallel = 1; "
-            f"every rank then does data parallelism (world size = data-parallel degree)."
-        )
-
-
 def init_distributed(cfg=None) -> DistInfo:
     """Read torchrun's RANK / WORLD_SIZE / LOCAL_RANK; start the process group if > 1 rank.
 
-    With `cfg` (a `Config`), the parallel degrees are validated against the world size
-    first (`config.validate_parallel`), before any work or any process group.
+    With `cfg` (a `Config`), the parallel degrees are checked against the world size first
+    (`config.check_parallel`, their one check), before any work or any process group. The
+    device is `runtime.default_device(LOCAL_RANK)`.
 
     Raises:
         ConfigError: an invalid or unsupported parallel configuration for this world size.
     """
-    from lmforge.config import validate_parallel, world_size_from_env
-
     world = world_size_from_env()
     if cfg is not None:
-        validate_parallel(cfg, world)
-        check_parallel_supported(cfg)
+        check_parallel(cfg, world)
     rank = int(os.environ.get("RANK", "0"))
     local = int(os.environ.get("LOCAL_RANK", "0"))
-    if torch.cuda.is_available():
-        device = torch.device("cuda", local)
+    device = default_device(local)
+    if device.type == "cuda":
         torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
     if world > 1 and not dist.is_initialized():
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
     return DistInfo(rank, world, local, device)

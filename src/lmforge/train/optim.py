@@ -31,6 +31,8 @@ from collections import defaultdict
 
 import torch
 
+from lmforge.runtime import Runtime
+
 #: quintic Newton-Schulz coefficients (Jordan et al. 2024): steep near 0, converge to ~[0.7, 1.2]
 NS_COEFFS = (3.4445, -4.7750, 2.0315)
 
@@ -152,25 +154,57 @@ def is_hidden_matrix(name: str, p: torch.nn.Parameter) -> bool:
     return p.dim() == 2 and name.startswith("layers.")
 
 
+def decays(name: str, p: torch.nn.Parameter, optimizer: str) -> bool:
+    """The one weight-decay rule: does parameter `name` take train.weight_decay?
+
+    Never a vector (norm weights). With AdamW alone (train.optimizer = "adamw"), every matrix:
+    the embedding, the blocks' projections and the head (nanoGPT's rule). With Muon ("muon"),
+    the output head only: Muon's matrices and the embedding take none (best for short runs in
+    the modded-nanogpt records).
+    """
+    if p.dim() < 2:
+        return False
+    return optimizer == "adamw" or name.startswith("output.")
+
+
+def build_optimizer(model: torch.nn.Module, t, runtime: Runtime) -> torch.optim.Optimizer:
+    """The optimizer of a training run, from a TrainConfig `t`: train.optimizer = "adamw",
+    torch's AdamW (Loshchilov & Hutter 2019); "muon", `MuonAdamW` (see `build_muon_adamw`),
+    whose Newton-Schulz runs in bf16 under a bf16 `runtime` and in float32 otherwise. Weight
+    decay by `decays`."""
+    if t.optimizer == "muon":
+        return build_muon_adamw(model, t, "bfloat16" if runtime.dtype is not None else "float32")
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    groups = [{"params": [p for n, p in named if decays(n, p, "adamw")], "weight_decay": t.weight_decay},
+              {"params": [p for n, p in named if not decays(n, p, "adamw")], "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8, foreach=True)
 
 
 def build_muon_adamw(model: torch.nn.Module, t, ns_dtype: str = "bfloat16") -> MuonAdamW:
-    """Groups for `model` from a TrainConfig `t`: Muon for the blocks' matrices (no weight
-    decay: best for short runs in the modded-nanogpt records), AdamW for the embedding
-    (lr x embed_lr_scale), the head (lr x head_lr_scale; weight decay) and the norms."""
+    """Groups for `model` from a TrainConfig `t`: Muon for the blocks' matrices, AdamW for the
+    embedding (lr x embed_lr_scale), the head (lr x head_lr_scale) and the norms; weight decay
+    by `decays` (the head only)."""
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    hidden = [p for n, p in named if is_hidden_matrix(n, p)]
-    embed = [p for n, p in named if n.startswith("tok_embeddings.")]
-    head = [p for n, p in named if n.startswith("output.")]
-    taken = {id(p) for p in hidden + embed + head}
-    rest = [p for n, p in named if id(p) not in taken]
+    hidden = [(n, p) for n, p in named if is_hidden_matrix(n, p)]
+    embed = [(n, p) for n, p in named if n.startswith("tok_embeddings.")]
+    head = [(n, p) for n, p in named if n.startswith("output.")]
+    taken = {id(p) for _, p in hidden + embed + head}
+    rest = [(n, p) for n, p in named if id(p) not in taken]
+
+    def group(params: list[tuple[str, torch.nn.Parameter]], **kw) -> dict:
+        rule = {decays(n, p, "muon") for n, p in params}
+        if len(rule) > 1:  # a new kind of parameter: give it a group of its own
+            raise ValueError(f"param group {[n for n, _ in params]} mixes decayed and undecayed parameters")
+        return dict(params=[p for _, p in params], weight_decay=t.weight_decay if rule == {True} else 0.0, **kw)
+
     adam = dict(kind="adamw", betas=(t.beta1, t.beta2), eps=1e-8)
-    groups = [dict(params=hidden, kind="muon", lr_scale=t.muon_lr_scale, weight_decay=0.0,
-                   momentum=t.muon_momentum, nesterov=True, ns_steps=t.muon_ns_steps, ns_dtype=ns_dtype),
-              dict(params=embed, lr_scale=t.embed_lr_scale, weight_decay=0.0, **adam),
-              dict(params=head, lr_scale=t.head_lr_scale, weight_decay=t.weight_decay, **adam),
-              dict(params=rest, lr_scale=1.0, weight_decay=0.0, **adam)]
+    groups = [group(hidden, kind="muon", lr_scale=t.muon_lr_scale, momentum=t.muon_momentum, nesterov=True,
+                    ns_steps=t.muon_ns_steps, ns_dtype=ns_dtype),
+              group(embed, lr_scale=t.embed_lr_scale, **adam),
+              group(head, lr_scale=t.head_lr_scale, **adam),
+              group(rest, lr_scale=1.0, **adam)]
     return MuonAdamW([g for g in groups if g["params"]], lr=t.lr)
 
 
-__all__ = ["MuonAdamW", "newton_schulz", "is_hidden_matrix", "build_muon_adamw", "NS_COEFFS"]
+__all__ = ["MuonAdamW", "newton_schulz", "is_hidden_matrix", "decays", "build_optimizer", "build_muon_adamw",
+           "NS_COEFFS"]

@@ -44,10 +44,10 @@ from lmforge.evaluate import batch_loss, evaluate_batches
 from lmforge.fileio import open_append, write_text
 from lmforge.model.io import (MODEL_FILE, OPTIMIZER_FILE, STEP_RE, is_sharded, latest_checkpoint, load_weights,
                               read_checkpoint_meta, step_dir_name)
-from lmforge.runtime import autocast, resolve_precision
+from lmforge.runtime import Runtime, training_runtime
 from lmforge.train import checkpoint as ckpt
-from lmforge.train.distributed import (DistInfo, all_reduce_sum, check_parallel_supported, gather_to_main,
-                                       wrap_model)
+from lmforge.train.distributed import DistInfo, all_reduce_sum, gather_to_main, wrap_model
+from lmforge.train.optim import build_optimizer
 from lmforge.train.schedule import lr_at
 
 METRICS_FILE = "metrics.jsonl"
@@ -59,28 +59,15 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def build_optimizer(model: torch.nn.Module, cfg: Config) -> torch.optim.Optimizer:
-    """AdamW (Loshchilov & Hutter 2019); weight decay on matrices only, not on norms.
-    train.optimizer = "muon": lmforge.train.optim.MuonAdamW (Muon for the blocks' matrices)."""
-    if cfg.train.optimizer == "muon":
-        from lmforge.train.optim import build_muon_adamw
-
-        device = next(model.parameters()).device
-        bf16 = resolve_precision(cfg.train.precision, device) is not None
-        return build_muon_adamw(model, cfg.train, "bfloat16" if bf16 else "float32")
-    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
-    t = cfg.train
-    groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8, foreach=True)
-
-
 @dataclass
 class Trainer:
     """Runs `cfg.train.steps` optimizer steps of `model` over `stream` into `run_dir`.
 
     `contract_dir` holds contract.json + tokenizer files copied into each checkpoint.
     `val_batches()` returns the validation micro-batches (or None to skip validation).
+    `dist` comes from `init_distributed(cfg)`, which validated the parallel degrees against the
+    world size; `runtime` (the device and the autocast dtype of the steps, the validation and
+    Muon's Newton-Schulz) is the command's, default `training_runtime(train.precision, dist.device)`.
     """
 
     cfg: Config
@@ -92,20 +79,17 @@ class Trainer:
     dist: DistInfo = field(default_factory=DistInfo)
     progress: bool = True
     log: Callable[[str], None] = print
+    runtime: Runtime | None = None
 
     def __post_init__(self):
-        from lmforge.config import validate_parallel
-
-        validate_parallel(self.cfg, self.dist.world_size)  # init_distributed(cfg) did it already
-        check_parallel_supported(self.cfg)
         self.run_dir = Path(self.run_dir)
-        self.device = self.dist.device
-        self.dtype = resolve_precision(self.cfg.train.precision, self.device)
+        self.runtime = self.runtime or training_runtime(self.cfg.train.precision, self.dist.device)
+        self.device = self.runtime.device
         self.raw_model = self.model.to(self.device)
         self.model = wrap_model(self.raw_model, self.cfg.train.data_parallel, self.dist)
         if self.cfg.train.compile:
             self.model = torch.compile(self.model)
-        self.optimizer = build_optimizer(self.raw_model, self.cfg)
+        self.optimizer = build_optimizer(self.raw_model, self.cfg.train, self.runtime)
         self.step = 0
         self.tokens = 0
         self.supervised = 0
@@ -260,7 +244,7 @@ class Trainer:
             elif not sync and hasattr(self.model, "no_sync"):  # DDP: all-reduce once, likewise
                 ctx = self.model.no_sync()
             with ctx:
-                with autocast(self.device, self.dtype):
+                with self.runtime.autocast():
                     nats = batch_loss(self.model, b)
                 (nats * scale).backward()
             loss_sum += nats.detach().double().cpu()
@@ -296,7 +280,7 @@ class Trainer:
     def validate(self) -> float | None:
         if self.val_batches is None:
             return None
-        nats, count = evaluate_batches(self.model, self.val_batches(), self.device, self.dtype)
+        nats, count = evaluate_batches(self.model, self.val_batches(), self.runtime)
         totals = all_reduce_sum(torch.tensor([nats, float(count)], dtype=torch.float64, device=self.device), self.dist)
         return float(totals[0] / max(totals[1], 1.0))
 
@@ -389,4 +373,4 @@ def threading_main() -> bool:
     return threading.current_thread() is threading.main_thread()
 
 
-__all__ = ["Trainer", "seed_everything", "build_optimizer", "METRICS_FILE"]
+__all__ = ["Trainer", "seed_everything", "METRICS_FILE"]
