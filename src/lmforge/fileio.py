@@ -680,6 +680,20 @@ def open_append(path: str | Path) -> AppendFile:
     return AppendFile(path, fd)
 
 
+def check_readable(path: str | Path) -> None:
+    """Open and close `path`: a reader whose library words a refusal badly (safetensors says
+    "No such file" for permission denied) calls this first, or when it failed.
+
+    Raises:
+        FileSystemError: naming the path, the system's reason and what to do.
+    """
+    try:
+        with open(path, "rb"):
+            pass
+    except OSError as exc:
+        raise os_error(exc, path, "read") from None
+
+
 def check_path_text(text: str, what: str) -> None:
     """Refuse a path no file system call can take: a NUL character, or a character that
     cannot be encoded to the file system's bytes (a lone surrogate that is not an escaped
@@ -744,7 +758,7 @@ def make_folder(out: Path, command: str) -> None:
         raise
 
 
-__all__ = ["MARKER_FILE", "OutputError", "AppendFile", "open_append", "copy_file", "check_path_text", "make_folder", "special_kind",
+__all__ = ["MARKER_FILE", "OutputError", "AppendFile", "open_append", "copy_file", "check_path_text", "check_readable", "make_folder", "special_kind",
            "write_failure", "atomic_dir", "atomic_file", "check_output", "check_not_inside_output",
            "check_user_file", "describe", "make_parent", "open_run_dir", "user_file",
            "output_lock", "read_marker", "replace_dir", "write_json", "write_marker", "write_text", "fsync_tree"]

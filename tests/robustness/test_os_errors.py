@@ -149,6 +149,12 @@ PERMISSION_ROWS = [
     Row("input-shard", chmod("data/train.bin", 0), PRETRAIN, r"data/train\.bin: cannot access it \(" + DENIED),
     Row("input-weights", chmod("run/step_000002/model.safetensors", 0), EVAL,
         r"run/step_000002/model\.safetensors: cannot read it \(" + DENIED),
+    Row("input-newest-step-no-fallback", chmod("run/step_000002", 0),
+        ("generate", *C, "--checkpoint", "run", "--prompt", "x", "--max-new-tokens", "2"),
+        r"run/step_000002.*\(" + DENIED),  # never silently the older step_000001
+    Row("input-sft-init-newest-step", chmod("run/step_000002", 0), SFT, r"run/step_000002.*\(" + DENIED),
+    Row("input-hf-weights", chmod("hf/model.safetensors", 0), IMPORT_HF,
+        r"hf/model\.safetensors: cannot read it \(" + DENIED),
     Row("input-sft-data", chmod("chat.jsonl", 0), SFT, r"chat\.jsonl: cannot be read \(Permission denied"),
     Row("input-hf-config", chmod("hf/config.json", 0), IMPORT_HF, r"hf/config\.json: cannot access it \(" + DENIED),
     Row("input-optimizer", chmod("run/step_000002/optimizer.pt", 0), RESUME3, r"run/step_000002/optimizer\.pt"),
