@@ -363,7 +363,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         try:
             is_file = path.is_file()
         except OSError as exc:  # e.g. a name too long for the file system
-            raise ConfigError(f"config file {str(path)[:80]}...: cannot be read ({exc.strerror}).") from None
+            shown = str(path) if len(str(path)) <= 80 else str(path)[:80] + "..."
+            raise ConfigError(f"config file {shown}: cannot be read ({exc.strerror}); {os_advice(exc)}.") from None
         if not is_file:
             gone = "is a link to nothing or a symbolic link loop" if path.is_symlink() else "does not exist"
             raise ConfigError(
