@@ -76,9 +76,16 @@ class Faults:
         return call
 
 
-def _scenarios(tmp_path: Path) -> dict[str, tuple[Callable[[], object], Path]]:
-    """name -> (the write, the output it names); each starts from what `_prepare` made."""
+def _scenarios(tmp_path: Path, model=None) -> dict[str, tuple[Callable[[], object], Path]]:
+    """name -> (the write, the output it names); each starts from what `_prepare` made.
+    `model`: (Transformer, Config, tokenizer folder) for the checkpoint writer."""
     base = tmp_path / "w"
+
+    def training_checkpoint():  # weights (safetensors), RNG (torch.save), state, config, tokenizer copies
+        from lmforge.train.checkpoint import save_checkpoint
+
+        net, cfg, tok_dir = model
+        save_checkpoint(base / "old", 2, net, cfg, tok_dir, state={"tokens": 0, "data": {}})
 
     def folder_new():
         with atomic_dir(base / "out", "prepare") as tmp:
@@ -115,6 +122,7 @@ def _scenarios(tmp_path: Path) -> dict[str, tuple[Callable[[], object], Path]]:
         "user_file-force": (eval_file_force, base / "notes.json"),
         "open_run_dir-new": (lambda: open_run_dir(base / "run", "pretrain", False, lambda p: False), base / "run"),
         "metrics-append": (metrics_append, base / "metrics.jsonl"),
+        "save_checkpoint": (training_checkpoint, base / "old" / "step_000002"),
     }
 
 
@@ -128,12 +136,22 @@ def _prepare(tmp_path: Path) -> None:
         (tmp / "a.txt").write_text("old content\n")
 
 
-SCENARIOS = list(_scenarios(Path("/x")))
+SCENARIOS = [pytest.param(name, marks=pytest.mark.slow) if name == "save_checkpoint" else name
+             for name in _scenarios(Path("/x"))]  # a checkpoint makes ~100 calls: ~25 s an errno
 
 
 @pytest.mark.parametrize("code", list(KINDS), ids=[errno.errorcode[c] for c in KINDS])
 @pytest.mark.parametrize("scenario", SCENARIOS)
-def test_each_write_under_each_os_error_completes_or_changes_nothing(tmp_path, monkeypatch, scenario, code):
+def test_each_write_under_each_os_error_completes_or_changes_nothing(tmp_path, monkeypatch, scenario, code, request):
+    model = None
+    if scenario == "save_checkpoint":
+        from conftest import tiny_config
+
+        from lmforge.model import Transformer, resolve_model_config
+
+        tok = request.getfixturevalue("tiny_tokenizer")
+        cfg = tiny_config(tmp_path)
+        model = (Transformer(resolve_model_config(cfg.model, tok.contract)), cfg, tok.folder)
     # the fault-free run: how many calls, and the folder it leaves
     ref = tmp_path / "ref"
     ref.mkdir()
@@ -141,7 +159,7 @@ def test_each_write_under_each_os_error_completes_or_changes_nothing(tmp_path, m
     monkeypatch.chdir(ref)
     with monkeypatch.context() as m:
         counter = Faults(m, code, None)
-        _scenarios(ref)[scenario][0]()
+        _scenarios(ref, model)[scenario][0]()
     total, done = counter.count, tree_hash(ref / "w")
     assert total >= 2, f"{scenario}: only {total} calls seen; the injector does not reach the writer"
 
@@ -152,7 +170,7 @@ def test_each_write_under_each_os_error_completes_or_changes_nothing(tmp_path, m
         _prepare(case)
         monkeypatch.chdir(case)
         before = tree_hash(case)
-        write, out = _scenarios(case)[scenario]
+        write, out = _scenarios(case, model)[scenario]
         with monkeypatch.context() as m:
             faults = Faults(m, code, fail_at)
             try:
