@@ -95,6 +95,18 @@ def mode_bits_bind(tmp_path_factory) -> None:
         pytest.skip("running as root and setpriv could not drop CAP_DAC_OVERRIDE here: mode bits do not bind")
 
 
+#: One row per class runs in `make test`; the rest (a subprocess each, ~5 s) are marked slow.
+QUICK = {"input-config", "input-newest-step-no-fallback", "output-new-in-read-only-folder", "export-hf-ENOSPC",
+         "export-hf-EROFS", "export-hf", "config", "out-folder", "eval-fifo", "optimizer-unreadable",
+         "read-only-run"}
+
+
+def rows(items, ids) -> list:
+    """pytest params with ids; those outside QUICK marked slow."""
+    return [pytest.param(*(item if isinstance(item, tuple) else (item,)), id=i,
+                         marks=() if i in QUICK else pytest.mark.slow) for item, i in zip(items, ids)]
+
+
 def _leftovers(root: Path) -> list[str]:
     return [str(p) for p in root.rglob("*") if ".tmp-" in p.name or p.name.endswith(".lock")]
 
@@ -176,7 +188,7 @@ PERMISSION_ROWS = [
 ]
 
 
-@pytest.mark.parametrize("row", PERMISSION_ROWS, ids=[r.id for r in PERMISSION_ROWS])
+@pytest.mark.parametrize("row", rows(PERMISSION_ROWS, [r.id for r in PERMISSION_ROWS]))
 def test_permission_denied_is_refused_cleanly(row: Row, work, tmp_path, mode_bits_bind):
     row.damage(work)
     before = signature(tmp_path)
@@ -215,8 +227,8 @@ DISK_ROWS = {
 NAMES = {"export-gguf": "m.gguf", "eval-file": "e.json"}
 
 
-@pytest.mark.parametrize("kind", ["EROFS", "ENOSPC"])
-@pytest.mark.parametrize("command", list(DISK_ROWS))
+@pytest.mark.parametrize(("command", "kind"), rows([(c, k) for c in DISK_ROWS for k in ("EROFS", "ENOSPC")],
+                                                  [f"{c}-{k}" for c in DISK_ROWS for k in ("EROFS", "ENOSPC")]))
 def test_read_only_and_full_file_systems(command, kind, work, tmp_path):
     if os.geteuid() != 0:
         pytest.skip("mounting a tmpfs needs root")
@@ -246,7 +258,7 @@ EFBIG_ROWS = {  # every native writer: safetensors, torch (checkpoint), numpy (s
 }
 
 
-@pytest.mark.parametrize("command", list(EFBIG_ROWS))
+@pytest.mark.parametrize("command", rows(list(EFBIG_ROWS), list(EFBIG_ROWS)))
 def test_file_size_limit_is_reported_not_a_crash(command, work, tmp_path):
     limit = {"prepare": 2048, "tokenizer": 8192}.get(command, 20000)
     before = signature(tmp_path)
@@ -258,6 +270,7 @@ def test_file_size_limit_is_reported_not_a_crash(command, work, tmp_path):
     assert not _leftovers(tmp_path)
 
 
+@pytest.mark.slow
 def test_file_size_limit_during_training_keeps_the_last_checkpoint(work, tmp_path):
     """A checkpoint (torch.save) past `ulimit -f`: exit 2 naming it, no temporary folder, the
     previous checkpoints and metrics rows intact."""
@@ -286,7 +299,7 @@ LOOP_ROWS = [
 ]
 
 
-@pytest.mark.parametrize(("rid", "argv", "match"), LOOP_ROWS, ids=[r[0] for r in LOOP_ROWS])
+@pytest.mark.parametrize(("rid", "argv", "match"), rows(LOOP_ROWS, [r[0] for r in LOOP_ROWS]))
 def test_symlink_loop_as_input_and_output(rid, argv, match, work, tmp_path):
     (work / "loop").symlink_to("loop")
     before = signature(tmp_path)
@@ -314,7 +327,7 @@ SPECIAL_ROWS = [
 
 
 @pytest.mark.parametrize("force", [False, True], ids=["plain", "force"])
-@pytest.mark.parametrize(("rid", "kind", "argv", "match"), SPECIAL_ROWS, ids=[r[0] for r in SPECIAL_ROWS])
+@pytest.mark.parametrize(("rid", "kind", "argv", "match"), rows(SPECIAL_ROWS, [r[0] for r in SPECIAL_ROWS]))
 def test_special_file_outputs_are_refused_even_with_force(rid, kind, argv, match, force, work, tmp_path):
     if force and not (argv[0] == "eval" or "gguf" in argv):
         pytest.skip("--force is a flag of the single-file outputs only")
@@ -352,6 +365,7 @@ def test_force_replaces_a_link_never_its_target(work):
     assert signature(work / "mine") == target_before
 
 
+@pytest.mark.slow
 def test_paths_with_bytes_that_are_not_utf8_work(work):
     """A file name with a non-UTF-8 byte is a real Linux name: as --config it is read."""
     name = os.fsencode("cfg") + b"\xff.toml"
@@ -404,8 +418,8 @@ RESUME_REFUSALS = [
 ]
 
 
-@pytest.mark.parametrize(("rid", "argv", "damage", "match", "unprivileged"), RESUME_REFUSALS,
-                         ids=[r[0] for r in RESUME_REFUSALS])
+@pytest.mark.parametrize(("rid", "argv", "damage", "match", "unprivileged"),
+                         rows(RESUME_REFUSALS, [r[0] for r in RESUME_REFUSALS]))
 def test_refused_resume_leaves_the_run_folder_untouched(rid, argv, damage, match, unprivileged, work, tmp_path,
                                                         request):
     if unprivileged:
@@ -429,6 +443,7 @@ def test_accepted_resume_with_nothing_new_rewrites_no_side_file(work):
 
 
 # -- a second Ctrl-C ----------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_second_ctrl_c_during_training_shutdown_ends_quietly_with_130(work, tmp_path):
     argv = ("pretrain", *C, "--set", "train.steps=100000", "--set", "train.checkpoint_every=0", "--out", "longrun",
             "--no-progress")
