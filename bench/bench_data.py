@@ -15,7 +15,8 @@
    of 100 MB (stdlib files repeated, each copy with a distinct first line so that none is
    deduplicated): it should stay flat.
 
-Run: `python bench/bench_data.py [--repeat 3] [--sizes 10,100]`.
+Run: `python bench/bench_data.py [--repeat 3] [--sizes 10,100]`; `--smoke`: seconds, on a
+0.2 MB corpus with a 512-token tokenizer and a tiny model (proves the benchmark runs).
 """
 
 from __future__ import annotations
@@ -62,7 +63,8 @@ def encode_throughput(tok, texts: list[str], warmup: int, repeat: int) -> dict[s
     return common.interleaved(fns, warmup, repeat)
 
 
-def prepare_throughput(tok, workdir: Path, repeat: int) -> dict[str, common.Stats]:
+def prepare_throughput(tok, workdir: Path, repeat: int, source: str = "stdlib",
+                       val_fraction: float = 0.02) -> dict[str, common.Stats]:
     from lmforge.data import shards
 
     original = shards.batch_encoder
@@ -71,7 +73,7 @@ def prepare_throughput(tok, workdir: Path, repeat: int) -> dict[str, common.Stat
         def go():
             shards.batch_encoder = encoder_factory
             try:
-                shards.prepare("stdlib", tok, workdir / name, progress=False)
+                shards.prepare(source, tok, workdir / name, val_fraction=val_fraction, progress=False)
             finally:
                 shards.batch_encoder = original
         return go
@@ -80,12 +82,12 @@ def prepare_throughput(tok, workdir: Path, repeat: int) -> dict[str, common.Stat
                                "HF encode_batch": run("hf", lambda t: t.encode_batch)}, 0, repeat)
 
 
-def loader_share(data_dir: Path, tok, warmup: int, repeat: int) -> dict:
+def loader_share(data_dir: Path, tok, warmup: int, repeat: int, smoke: bool = False) -> dict:
     import bench_train
     from lmforge.data.packing import shard_stream
     from lmforge.data.shards import Shard
 
-    spec = bench_train.CONFIGS["speedrun"]
+    spec = bench_train.SMOKE_CONFIG if smoke else bench_train.CONFIGS["speedrun"]
     shard = Shard.open(data_dir, "train", tok.contract)
     stream = shard_stream(shard, spec["seq_len"], spec["batch"], seed=0, document_masking=True)
     per_call = 10
@@ -96,13 +98,13 @@ def loader_share(data_dir: Path, tok, warmup: int, repeat: int) -> dict:
     load = common.Stats([t / per_call for t in times["next_batch x10"].samples])
     step = times["train_step"]
     return {"next_batch_s": load.as_dict(), "train_step_s": step.as_dict(),
-            "share": load.median / step.median, "precision": str(trainer.dtype or "fp32"),
+            "share": load.median / step.median, "precision": trainer.runtime.label,
             "padding_fraction": stream.last_padding_fraction}
 
 
-def synthetic_corpus(folder: Path, megabytes: int, texts: list[tuple[str, str]]) -> int:
+def synthetic_corpus(folder: Path, megabytes: float, texts: list[tuple[str, str]]) -> int:
     """Write stdlib files, copy after copy (a distinct first line each), to `megabytes` MB."""
-    target, written, copy = megabytes * 1_000_000, 0, 0
+    target, written, copy = int(megabytes * 1_000_000), 0, 0
     while written < target:
         for name, text in texts:
             path = folder / f"copy{copy:03d}" / name
@@ -123,7 +125,7 @@ from lmforge.data.shards import prepare
 from lmforge.tokenizer import Tokenizer
 tok = Tokenizer.load({tok!r})
 t0 = time.perf_counter()
-meta = prepare({corpus!r}, tok, {out!r}, val_fraction=0.1, progress=False)
+meta = prepare({corpus!r}, tok, {out!r}, val_fraction={val_fraction!r}, progress=False)
 dt = time.perf_counter() - t0
 tokens = sum(m["tokens"] for m in meta["splits"].values())
 try:  # this process's own peak (ru_maxrss would include the parent's, inherited at fork)
@@ -134,7 +136,7 @@ print(json.dumps({{"seconds": dt, "tokens": tokens, "peak_rss_mb": hwm}}))
 """
 
 
-def prepare_rss(tok, sizes: list[int], workdir: Path) -> list[dict]:
+def prepare_rss(tok, sizes: list[float], workdir: Path, val_fraction: float = 0.1) -> list[dict]:
     from lmforge.data.sources import iter_documents
 
     texts = [(d.name, d.text) for d in iter_documents("stdlib")]
@@ -143,7 +145,7 @@ def prepare_rss(tok, sizes: list[int], workdir: Path) -> list[dict]:
         corpus = workdir / f"corpus-{mb}mb"
         nbytes = synthetic_corpus(corpus, mb, texts)
         code = _PREPARE_CHILD.format(src=str(common.ROOT / "src"), tok=str(tok.folder), corpus=str(corpus),
-                                     out=str(workdir / f"data-{mb}mb"))
+                                     out=str(workdir / f"data-{mb}mb"), val_fraction=val_fraction)
         res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
         if res.returncode != 0:
             raise RuntimeError(f"prepare of the {mb} MB corpus failed:\n{res.stderr[-2000:]}")
@@ -161,33 +163,38 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--repeat", type=int, default=3, help="timed encoding passes per encoder")
     ap.add_argument("--prepare-repeat", type=int, default=1, help="timed prepare() runs per encoder")
     ap.add_argument("--sizes", default="10,100", help="synthetic corpus sizes (MB) for the RSS check")
+    common.smoke_flag(ap)
     args = ap.parse_args([] if argv is None else argv)
+    if args.smoke:
+        args.warmup, args.repeat, args.prepare_repeat, args.sizes = 0, 1, 1, "0.1,0.5"
 
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
     t_start = time.perf_counter()
-    tok, _ = common.stdlib_tokenizer(8192, log)
-    texts = common.stdlib_texts()
-    mb = sum(len(t.encode("utf-8")) for t in texts) / 1e6
-
-    enc = encode_throughput(tok, texts, args.warmup, args.repeat)
-    enc_rates = {k: s.rate(mb) for k, s in enc.items()}
-    ref = enc_rates["HF encode_batch"].median
-    log(f"  encode: lmforge {enc_rates['lmforge'].median:.2f} MB/s, HF encode_batch {ref:.2f} MB/s")
-
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        prep = prepare_throughput(tok, work, args.prepare_repeat)
+        tok = common.bench_tokenizer(args.smoke, work, 8192, log)
+        texts = common.smoke_texts() if args.smoke else common.stdlib_texts()
+        source = str(common.smoke_corpus(work / "smoke-corpus")) if args.smoke else "stdlib"
+        mb = sum(len(t.encode("utf-8")) for t in texts) / 1e6
+
+        enc = encode_throughput(tok, texts, args.warmup, args.repeat)
+        enc_rates = {k: s.rate(mb) for k, s in enc.items()}
+        ref = enc_rates["HF encode_batch"].median
+        log(f"  encode: lmforge {enc_rates['lmforge'].median:.2f} MB/s, HF encode_batch {ref:.2f} MB/s")
+
+        prep = prepare_throughput(tok, work, args.prepare_repeat, source, 0.2 if args.smoke else 0.02)
         prep_rates = {k: s.rate(mb) for k, s in prep.items()}
         log(f"  prepare: lmforge {prep_rates['lmforge'].median:.2f} MB/s, "
             f"with HF encode_batch {prep_rates['HF encode_batch'].median:.2f} MB/s")
-        loader = loader_share(work / "lmforge", tok, 2, 5)
+        loader_warmup, loader_repeat = (1, 1) if args.smoke else (2, 5)
+        loader = loader_share(work / "lmforge", tok, loader_warmup, loader_repeat, args.smoke)
         log(f"  loader: {1e3 * loader['next_batch_s']['median']:.2f} ms per batch, "
             f"{100 * loader['share']:.2f}% of a step")
-        sizes = [int(s) for s in args.sizes.split(",") if s]
-        rss = prepare_rss(tok, sizes, work)
-        log("  prepare RSS: " + ", ".join(f"{r['megabytes']:.0f} MB -> {r['peak_rss_mb']:.0f} MB" for r in rss))
+        sizes = [float(s) for s in args.sizes.split(",") if s]
+        rss = prepare_rss(tok, sizes, work, 0.5 if args.smoke else 0.1)
+        log("  prepare RSS: " + ", ".join(f"{r['megabytes']:.1f} MB -> {r['peak_rss_mb']:.0f} MB" for r in rss))
 
     enc_rows = []
     for name, s in enc_rates.items():
@@ -199,7 +206,9 @@ def main(argv: list[str] | None = None) -> dict:
         label = "prepare(), lmforge" if name == "lmforge" else "prepare(), HF encode_batch swapped in"
         enc_rows.append((label, f"{s.median:.2f}", s.spread("{:.2f}"), common.fmt_ratio(ratio)))
     t1 = common.table(["encoder", "MB/s (median)", "min-max", "vs HF encode_batch"], enc_rows,
-                      title=f"Pretokenizing the stdlib corpus ({mb:.1f} MB, {len(texts)} documents, vocab 8192)")
+                      title=f"Pretokenizing the {'smoke' if args.smoke else 'stdlib'} corpus ({mb:.1f} MB, "
+                            f"{len(texts)} documents, vocab {tok.vocab_size})"
+                            + (" (SMOKE RUN: figures mean nothing)" if args.smoke else ""))
     ld = loader
     t2 = common.table(
         ["next_batch ms (min-max)", "train_step ms (min-max)", "loader share (goal < 2%)"],
@@ -208,17 +217,18 @@ def main(argv: list[str] | None = None) -> dict:
           f"{1e3 * ld['train_step_s']['median']:,.0f} ({1e3 * ld['train_step_s']['min']:,.0f}-"
           f"{1e3 * ld['train_step_s']['max']:,.0f})",
           f"{100 * ld['share']:.2f}%" + (" ok" if ld["share"] < LOADER_GOAL else " (over the goal)"))],
-        title="Data loader vs a training step (speedrun config, batch 8 x 256, packed stdlib shards)")
+        title="Data loader vs a training step (" + ("smoke config, batch 2 x 32, packed smoke shards)" if args.smoke
+                                                     else "speedrun config, batch 8 x 256, packed stdlib shards)"))
     base = rss[0]["peak_rss_mb"] if rss else 0.0
     t3 = common.table(
         ["corpus MB", "tokens", "prepare s", "MB/s", "peak RSS MB", "vs smallest"],
-        [(f"{r['megabytes']:.0f}", f"{r['tokens']:,}", f"{r['seconds']:.1f}", f"{r['mb_per_s']:.2f}",
+        [(f"{r['megabytes']:.1f}", f"{r['tokens']:,}", f"{r['seconds']:.1f}", f"{r['mb_per_s']:.2f}",
           f"{r['peak_rss_mb']:.0f}", f"{r['peak_rss_mb'] / base:.2f}x") for r in rss],
         title="Peak RSS of a prepare process as the corpus grows (synthetic: stdlib repeated)")
     notes = [
         f"encoders run in batches of 64 documents (as prepare does), interleaved, {args.repeat} repeats after "
         f"{args.warmup} warm-up; HF tokenizers and tiktoken both use all {common.cores()} cores.",
-        f"loader: {loader['precision']} step; next_batch median over {5} rounds of 10 batches; "
+        f"loader: {loader['precision']} step; next_batch median over {loader_repeat} rounds of 10 batches; "
         f"padding fraction {100 * loader['padding_fraction']:.1f}%.",
     ]
     print(t1 + "\n\n" + t2 + "\n\n" + t3 + "\n\n" + "\n".join(f"- {n}" for n in notes), flush=True)

@@ -1,66 +1,73 @@
 """Decode throughput: lmforge `generate` against `transformers`' `generate`, same weights, this CPU.
 
 A speedrun-sized model (dim 256, 4 layers, 8 query / 4 KV heads, vocab 8192, random
-weights) is built in lmforge, converted with the exporter's own `to_hf_state` /
-`hf_config` into a `LlamaForCausalLM`, and both generate greedily a fixed number of new
-tokens (stopping disabled) from the same prompts, batch 1 and batch 8. Reported:
-median new tokens per second over a few repeats (prefill included), the ratio, and
-whether both produced the same ids.
+weights, lmforge's default options: QK-norm) is built in lmforge and turned into the
+`transformers` model `lmforge export` would write (`common.hf_twin`: the exporter's own
+`hf_config` and `to_hf_state`, so a Qwen3ForCausalLM for a QK-norm model, else a
+LlamaForCausalLM). Both generate greedily a fixed number of new tokens (stopping disabled)
+from the same prompts, batch 1 and batch 8. Reported: median new tokens per second over
+a few repeats (prefill included), the ratio, and whether both produced the same ids.
+transformers is a library that raises rather than crashes: it runs in this process.
 
     python bench/bench_decode.py [--new-tokens 64] [--repeats 3] [--threads 1]
+    python bench/bench_decode.py --smoke     # seconds, a tiny model: proves it runs
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
-import torch
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from lmforge.config import ModelConfig
-from lmforge.contract import Contract, token_dtype_for
-from lmforge.export import hf_config, require_transformers, to_hf_state
-from lmforge.generate import SamplingConfig, generate
-from lmforge.model import Transformer
-from lmforge.model.io import model_state
+import torch  # noqa: E402
+
+import common  # noqa: E402
+from lmforge.config import ModelConfig  # noqa: E402
+from lmforge.export import require_transformers  # noqa: E402
+from lmforge.generate import SamplingConfig, generate  # noqa: E402
+from lmforge.model import Transformer  # noqa: E402
 
 VOCAB = 8192
-PAD, BOS, EOS, IM_START, IM_END = 0, 1, 2, 3, 4  # a synthetic contract for random weights
+SHAPE = dict(dim=256, n_layers=4, n_heads=8, n_kv_heads=4)
+SMOKE_VOCAB = 512
+SMOKE_SHAPE = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2)
 
 
-def build_models(seed: int = 0, max_seq_len: int = 512):
-    """(lmforge model, HF LlamaForCausalLM) with identical float32 weights."""
-    transformers = require_transformers()
-    cfg = ModelConfig(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, vocab_size=VOCAB, max_seq_len=max_seq_len)
+def build_models(seed: int = 0, max_seq_len: int = 512, smoke: bool = False):
+    """(lmforge model, its transformers twin) with identical float32 weights."""
+    vocab = SMOKE_VOCAB if smoke else VOCAB
+    cfg = ModelConfig(**(SMOKE_SHAPE if smoke else SHAPE), vocab_size=vocab, max_seq_len=max_seq_len)
     ours = Transformer(cfg)
     ours.reset_parameters(seed=seed)
-    contract = Contract("", VOCAB, VOCAB, {"pad": PAD, "bos": BOS, "eos": EOS, "im_start": IM_START,
-                                           "im_end": IM_END}, "", token_dtype_for(VOCAB))
-    hf_cfg = {k: v for k, v in hf_config(cfg, contract).items() if k not in ("architectures", "model_type", "torch_dtype")}
-    theirs = transformers.LlamaForCausalLM(transformers.LlamaConfig(**hf_cfg))
-    theirs.load_state_dict(to_hf_state(model_state(ours), VOCAB, cfg.tie_embeddings), strict=True)
-    return ours.eval(), theirs.float().eval()
+    contract = common.synthetic_contract(vocab)
+    return ours.eval(), common.hf_twin(ours, contract), contract
 
 
-def prompts_for(batch: int, seed: int) -> list[list[int]]:
+def prompts_for(batch: int, seed: int, contract) -> list[list[int]]:
     """`batch` prompts of 16..32 tokens (different lengths: left padding is exercised)."""
     g = torch.Generator().manual_seed(seed)
     lengths = [32 - (i * 5) % 17 for i in range(batch)]
-    return [[BOS, *torch.randint(5, VOCAB, (n - 1,), generator=g).tolist()] for n in lengths]
+    first = max(contract.special_tokens.values()) + 1
+    return [[contract.bos_id, *torch.randint(first, contract.vocab_size, (n - 1,), generator=g).tolist()]
+            for n in lengths]
 
 
-def run_lmforge(model, prompts, n_new: int) -> list[list[int]]:
-    return generate(model, prompts, [], SamplingConfig(max_new_tokens=n_new, greedy=True), PAD)
+def run_lmforge(model, prompts, n_new: int, contract) -> list[list[int]]:
+    return generate(model, prompts, [], SamplingConfig(max_new_tokens=n_new, greedy=True), contract.pad_id)
 
 
-def run_hf(model, prompts, n_new: int) -> list[list[int]]:
+def run_hf(model, prompts, n_new: int, contract) -> list[list[int]]:
     transformers = require_transformers()
     L = max(len(p) for p in prompts)
-    ids = torch.tensor([[PAD] * (L - len(p)) + p for p in prompts])
+    ids = torch.tensor([[contract.pad_id] * (L - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in prompts])
     gc = transformers.GenerationConfig(max_new_tokens=n_new, min_new_tokens=n_new, do_sample=False,
-                                       eos_token_id=None, pad_token_id=PAD, bos_token_id=BOS)
+                                       eos_token_id=None, pad_token_id=contract.pad_id,
+                                       bos_token_id=contract.bos_id)
     with torch.inference_mode():
         out = model.generate(input_ids=ids, attention_mask=mask, generation_config=gc)
     return out[:, L:].tolist()
@@ -100,7 +107,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--threads", type=int, default=1,
                     help="torch intra-op threads for both (default 1: several threads on a busy 2-core "
                          "machine spend most of their time waiting for each other)")
-    args = ap.parse_args(argv)
+    common.smoke_flag(ap)
+    args = ap.parse_args([] if argv is None else argv)
+    if args.smoke:
+        args.new_tokens, args.repeats, args.batches = 8, 1, [1, 3]
     threads_before = torch.get_num_threads()
     torch.set_num_threads(args.threads)
     try:
@@ -112,31 +122,35 @@ def main(argv: list[str] | None = None) -> dict:
 def _run(args) -> dict:
     torch.manual_seed(0)
     t0 = time.perf_counter()
-    ours, theirs = build_models()
-    results: dict = {"threads": torch.get_num_threads(), "new_tokens": args.new_tokens, "repeats": args.repeats}
+    ours, theirs, contract = build_models(smoke=args.smoke)
+    results: dict = {"threads": torch.get_num_threads(), "new_tokens": args.new_tokens, "repeats": args.repeats,
+                     "reference": type(theirs).__name__, "smoke": args.smoke}
     for batch in args.batches:
-        prompts = prompts_for(batch, seed=batch)
-        a, b, ids_ours, ids_hf = timed_pair(lambda: run_lmforge(ours, prompts, args.new_tokens),
-                                            lambda: run_hf(theirs, prompts, args.new_tokens), args.repeats)
+        prompts = prompts_for(batch, batch, contract)
+        a, b, ids_ours, ids_hf = timed_pair(lambda: run_lmforge(ours, prompts, args.new_tokens, contract),
+                                            lambda: run_hf(theirs, prompts, args.new_tokens, contract), args.repeats)
         n = batch * args.new_tokens
         results[f"batch_{batch}"] = {
             "lmforge_tok_s": n / a["wall"], "transformers_tok_s": n / b["wall"], "ratio": b["wall"] / a["wall"],
             "cpu_ratio": b["cpu"] / a["cpu"], "same_ids": ids_ours == ids_hf,
         }
     results["seconds"] = time.perf_counter() - t0
+    c = ours.config
     print(f"decode: greedy, {args.new_tokens} new tokens (no stopping), prompts of 16-32 tokens left-padded, "
-          f"dim 256 / 4 layers / 8+4 heads / vocab 8192, fp32, {results['threads']} thread(s), "
-          f"median of {args.repeats}; tokens/s = new tokens / wall time, prefill included")
-    print(f"{'batch':>5} | {'lmforge tok/s':>13} | {'transformers tok/s':>18} | {'ratio':>6} | "
-          f"{'CPU-time ratio':>14} | same ids")
-    print("-" * 81)
+          f"dim {c.dim} / {c.n_layers} layers / {c.n_heads}+{c.n_kv_heads} heads / vocab {contract.vocab_size}"
+          f"{' / QK-norm' if c.qk_norm else ''}, fp32, {results['threads']} thread(s), median of {args.repeats}; "
+          f"tokens/s = new tokens / wall time, prefill included" + (" (SMOKE RUN: figures mean nothing)"
+                                                                     if args.smoke else ""))
+    rows = []
     for batch in args.batches:
         r = results[f"batch_{batch}"]
-        print(f"{batch:>5} | {r['lmforge_tok_s']:>13.1f} | {r['transformers_tok_s']:>18.1f} | "
-              f"{r['ratio']:>5.2f}x | {r['cpu_ratio']:>13.2f}x | {r['same_ids']}")
+        rows.append([batch, f"{r['lmforge_tok_s']:.1f}", f"{r['transformers_tok_s']:.1f}", f"{r['ratio']:.2f}x",
+                     f"{r['cpu_ratio']:.2f}x", r["same_ids"]])
+    print(common.table(["batch", "lmforge tok/s", f"transformers ({results['reference']}) tok/s", "ratio",
+                        "CPU-time ratio", "same ids"], rows))
     print(f"({results['seconds']:.0f} s in all)")
     return results
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

@@ -10,15 +10,21 @@ per second (prefill included), the ratio to lmforge, and how many leading ids ag
 
 llama.cpp runs through llama-cpp-python (`make interop` installs it), f32 KV cache for
 the f32 file and llama.cpp's default f16 KV cache for q8_0; both backends get the same
-thread count. Skips with a message when llama_cpp is not installed.
+thread count. Each GGUF file is decoded in a child process of its own (`common.Child`):
+llama.cpp's quantized kernels crash on some CPUs (SIGILL, on any quantized GGUF, a
+third-party one included), and such a crash is a row of the table ("crashed: SIGILL"), not
+the end of the benchmark. The llama.cpp timings include the request to that child (a pipe
+round trip, well under a millisecond). Without llama_cpp the llama.cpp rows say
+"llama.cpp not installed"; lmforge's decode and the export still run.
 
     python bench/bench_gguf.py [--new-tokens 64] [--repeats 3] [--threads 1]
+    python bench/bench_gguf.py --smoke     # seconds, a tiny model and tokenizer: proves it runs
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
+import importlib.util
 import sys
 import tempfile
 import time
@@ -26,21 +32,63 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import torch  # noqa: E402
-
 import common  # noqa: E402
-from lmforge.config import load_config  # noqa: E402
-from lmforge.export import export_gguf  # noqa: E402
-from lmforge.generate import SamplingConfig, generate  # noqa: E402
-from lmforge.model import Transformer, resolve_model_config  # noqa: E402
-from lmforge.train.checkpoint import save_checkpoint  # noqa: E402
 
 GGML_TYPE_F32 = 0
+#: (row name, export dtype, f32 KV cache)
+BACKENDS = (("llama.cpp f32", "float32", True), ("llama.cpp q8_0", "q8_0", False))
+NOT_INSTALLED = "llama.cpp not installed"
+N_CTX = 256
 
 
-def build_checkpoint(tmp: Path, tok) -> tuple[Path, Transformer]:
-    cfg = load_config(None, [f"tokenizer.dir={tok.folder}", "model.dim=256", "model.n_layers=4", "model.n_heads=8",
-                             "model.n_kv_heads=4", "model.max_seq_len=512", "train.precision=fp32"])
+def llama_installed() -> bool:
+    """Whether llama-cpp-python is importable (found without loading its library)."""
+    return importlib.util.find_spec("llama_cpp") is not None
+
+
+def llama_child_argv(gguf: Path, threads: int, kv_f32: bool) -> list[str]:
+    """The command of the child process that decodes `gguf` in llama.cpp (`serve_llama`)."""
+    return [sys.executable, str(Path(__file__).resolve()), "--serve-llama", str(gguf), "--threads", str(threads)] \
+        + (["--kv-f32"] if kv_f32 else [])
+
+
+def serve_llama(gguf: str, threads: int, kv_f32: bool) -> None:
+    """The child: load `gguf` in llama.cpp, then answer {"prompts": [[id, ...], ...], "new_tokens": n}
+    with {"ids": [[n greedy ids], ...]} (one prompt after another, batch 1) until stdin closes."""
+
+    def setup():
+        import llama_cpp
+
+        kv = {"type_k": GGML_TYPE_F32, "type_v": GGML_TYPE_F32} if kv_f32 else {}
+        llm = llama_cpp.Llama(model_path=gguf, n_ctx=N_CTX, n_batch=N_CTX, n_threads=threads,
+                              n_threads_batch=threads, verbose=False, flash_attn=False, **kv)
+
+        def handle(request: dict) -> dict:
+            out = []
+            for p in request["prompts"]:
+                ids: list[int] = []
+                for t in llm.generate(p, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=True):
+                    ids.append(int(t))
+                    if len(ids) == request["new_tokens"]:
+                        break
+                out.append(ids)
+            return {"ids": out}
+
+        return handle
+
+    common.serve_requests(setup)
+
+
+def build_checkpoint(tmp: Path, tok, smoke: bool = False):
+    """(checkpoint folder, the model) of random weights: the speedrun's shape, or a tiny one in a smoke run."""
+    from lmforge.config import load_config
+    from lmforge.model import Transformer, resolve_model_config
+    from lmforge.train.checkpoint import save_checkpoint
+
+    shape = (["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2"] if smoke else
+             ["model.dim=256", "model.n_layers=4", "model.n_heads=8", "model.n_kv_heads=4"])
+    cfg = load_config(None, [f"tokenizer.dir={tok.folder}", *shape, "model.max_seq_len=512",
+                             "train.precision=fp32"])
     model = Transformer(resolve_model_config(cfg.model, tok.contract))
     model.reset_parameters(seed=0)
     return save_checkpoint(tmp / "run", 0, model, cfg, tok.folder), model.eval()
@@ -64,94 +112,111 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    """Run the benchmark, print the table, return {"lmforge": {...}, "llama.cpp f32": {...}, ...}
-    (each: tok_s median, min, max; agree = leading ids equal to lmforge's, of `of`), or {"skipped": why}."""
+    """Run the benchmark, print the table, return {"lmforge": {...}, "llama.cpp f32": {...}, ...}:
+    each backend that ran has tok_s median, min, max, vs_lmforge, agree (leading ids equal to
+    lmforge's, of `of`), file_mb; one that did not has only `status` ("llama.cpp not installed",
+    "crashed: SIGILL", ...)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--threads", type=int, default=1,
                     help="threads for both lmforge (torch) and llama.cpp (default 1, as bench_decode)")
-    args = ap.parse_args(argv)
-    try:
-        import llama_cpp
-    except ImportError:
-        msg = "llama_cpp is not installed (run `make interop` to build it); bench_gguf skipped"
-        print(msg)
-        return {"skipped": msg}
+    ap.add_argument("--timeout", type=float, default=600.0,
+                    help="seconds a llama.cpp child may take to answer one round before its row says it timed out")
+    ap.add_argument("--serve-llama", metavar="GGUF", help=argparse.SUPPRESS)  # the child process
+    ap.add_argument("--kv-f32", action="store_true", help=argparse.SUPPRESS)
+    common.smoke_flag(ap)
+    args = ap.parse_args([] if argv is None else argv)
+    if args.serve_llama:
+        serve_llama(args.serve_llama, args.threads, args.kv_f32)
+        return {}
+    if args.smoke:
+        args.new_tokens, args.repeats, args.prompts = 8, 1, 2
+    import torch
+
     threads_before = torch.get_num_threads()
     torch.set_num_threads(args.threads)
     try:
         with tempfile.TemporaryDirectory() as tmp:
-            return _run(args, Path(tmp), llama_cpp)
+            return _run(args, Path(tmp))
     finally:
         torch.set_num_threads(threads_before)
 
 
-def _run(args, tmp: Path, llama_cpp) -> dict:
+def _run(args, tmp: Path) -> dict:
+    from lmforge.export import export_gguf
+    from lmforge.generate import SamplingConfig, generate
+
     t0 = time.perf_counter()
-    tok, _ = common.stdlib_tokenizer(8192)
-    ckpt, model = build_checkpoint(tmp, tok)
+    tok = common.bench_tokenizer(args.smoke, tmp, 8192)
+    ckpt, model = build_checkpoint(tmp, tok, args.smoke)
     prompts = prompts_for(tok, args.prompts)
     n_new = args.new_tokens
     sampling = SamplingConfig(max_new_tokens=n_new, greedy=True)
+    files = {name: export_gguf(ckpt, tmp / f"model-{dtype}.gguf", dtype=dtype) for name, dtype, _ in BACKENDS}
+    sizes = {name: path.stat().st_size for name, path in files.items()}
+    last: dict[str, list[list[int]]] = {}
 
-    def llama(dtype: str, kv_f32: bool):
-        path = export_gguf(ckpt, tmp / f"model-{dtype}.gguf", dtype=dtype)
-        kv = {"type_k": GGML_TYPE_F32, "type_v": GGML_TYPE_F32} if kv_f32 else {}
-        return llama_cpp.Llama(model_path=str(path), n_ctx=256, n_batch=256, n_threads=args.threads,
-                               n_threads_batch=args.threads, verbose=False, flash_attn=False, **kv), path
+    def lmforge() -> None:
+        last["lmforge"] = [generate(model, [p], [], sampling, tok.pad_id)[0] for p in prompts]
 
-    runners = {"lmforge": None}
-    sizes = {}
-    for name, dtype, kv in (("llama.cpp f32", "float32", True), ("llama.cpp q8_0", "q8_0", False)):
-        runners[name], path = llama(dtype, kv)
-        sizes[name] = path.stat().st_size
+    def llama(name: str, child: common.Child):
+        def fn() -> None:
+            last[name] = child.request({"prompts": prompts, "new_tokens": n_new})["ids"]
+        return fn
 
-    def run(name: str) -> list[list[int]]:
-        if name == "lmforge":
-            return [generate(model, [p], [], sampling, tok.pad_id)[0] for p in prompts]
-        llm = runners[name]
-        out = []
-        for p in prompts:
-            ids = []
-            for t in llm.generate(p, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=True):
-                ids.append(t)
-                if len(ids) == n_new:
-                    break
-            out.append(ids)
-        return out
+    fns = {"lmforge": lmforge}
+    status: dict[str, str] = {}  # backends with no figures: why
+    children: dict[str, common.Child] = {}
+    installed = llama_installed()
+    for name, _, kv_f32 in BACKENDS:
+        if not installed:
+            status[name] = NOT_INSTALLED
+            continue
+        children[name] = common.Child(llama_child_argv(files[name], args.threads, kv_f32), timeout=args.timeout)
+        fns[name] = llama(name, children[name])
+    try:
+        times = common.interleaved(fns, 1, args.repeats, failed=status)
+    finally:
+        for child in children.values():
+            child.close()
 
-    names = list(runners)
-    results: dict = {}
-    last: dict = {}
-    times: dict = {n: [] for n in names}
-    for n in names:
-        last[n] = run(n)  # warm-up
-    for r in range(args.repeats):
-        for n in names if r % 2 == 0 else names[::-1]:
-            t = time.perf_counter()
-            last[n] = run(n)
-            times[n].append(time.perf_counter() - t)
     work = n_new * len(prompts)
-    base = statistics.median(times["lmforge"])
-    for n in names:
-        s = common.Stats(times[n]).rate(work)
-        agree = sum(_common_prefix(x, y) for x, y in zip(last[n], last["lmforge"]))
-        results[n] = {"tok_s": s.median, "min": s.min, "max": s.max, "vs_lmforge": base / statistics.median(times[n]),
-                      "agree": agree, "of": work, "file_mb": sizes.get(n, 0) / 2**20}
+    base = times["lmforge"].median
+    results: dict = {}
+    for name in fns.keys() | status.keys():
+        if name in status:
+            results[name] = {"status": status[name]}
+            continue
+        s = times[name].rate(work)
+        agree = sum(_common_prefix(x, y) for x, y in zip(last[name], last["lmforge"]))
+        results[name] = {"tok_s": s.median, "min": s.min, "max": s.max, "vs_lmforge": base / times[name].median,
+                         "agree": agree, "of": work, "file_mb": sizes.get(name, 0) / 2**20}
     results.update(new_tokens=n_new, prompts=len(prompts), repeats=args.repeats, threads=args.threads,
-                   seconds=time.perf_counter() - t0)
+                   llama_cpp_installed=installed, smoke=args.smoke, seconds=time.perf_counter() - t0)
+    c = model.config
     print(f"gguf: greedy decode, batch 1, {len(prompts)} prompts of 32 tokens, {n_new} new tokens each (no "
-          f"stopping), dim 256 / 4 layers / 8+4 heads / vocab {tok.vocab_size}, {args.threads} thread(s), "
-          f"median of {args.repeats}; tokens/s = new tokens / wall time, prefill included")
-    rows = [[n, f"{r['tok_s']:.1f}", f"{r['min']:.1f}-{r['max']:.1f}", f"{r['vs_lmforge']:.2f}x",
-             f"{r['agree']}/{r['of']}", f"{r['file_mb']:.1f}" if r["file_mb"] else "-"]
-            for n, r in ((n, results[n]) for n in names)]
-    print(common.table(["backend", "tok/s", "min-max", "vs lmforge", "same ids as lmforge (leading)", "GGUF MiB"], rows))
+          f"stopping), dim {c.dim} / {c.n_layers} layers / {c.n_heads}+{c.n_kv_heads} heads / vocab "
+          f"{tok.vocab_size}, {args.threads} thread(s), median of {args.repeats}; tokens/s = new tokens / wall "
+          f"time, prefill included" + (" (SMOKE RUN: figures mean nothing)" if args.smoke else ""))
+    rows = []
+    for name in ["lmforge", *(b[0] for b in BACKENDS)]:
+        r = results[name]
+        size = f"{sizes[name] / 2**20:.1f}" if name in sizes else "-"
+        if "status" in r:
+            rows.append([name, r["status"], "-", "-", "-", size])
+        else:
+            rows.append([name, f"{r['tok_s']:.1f}", f"{r['min']:.1f}-{r['max']:.1f}", f"{r['vs_lmforge']:.2f}x",
+                         f"{r['agree']}/{r['of']}", size])
+    print(common.table(["backend", "tok/s", "min-max", "vs lmforge", "same ids as lmforge (leading)", "GGUF MiB"],
+                       rows))
+    for name, child in children.items():
+        if child.failed is not None and child.failed.detail:
+            print(f"- {name}: {child.failed.status}; the end of its stderr:\n\n```\n{child.failed.detail}\n```")
     print(f"({results['seconds']:.0f} s in all)")
     return results
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

@@ -31,6 +31,7 @@ Run: `python bench/bench_masking.py [--repeat N] [--budget 45] [--threads N] [--
 It runs single-threaded by default (`--threads 0`: torch's default): on a CPU shared with
 other jobs, two threads per op spend most of their time waiting on each other, and the
 masking cost (the same kernels either way) drowns in that noise. About 55 s on 2 cores.
+`--smoke`: a tiny model, micro-batch 2 x 32, one round: seconds (proves the benchmark runs).
 """
 
 from __future__ import annotations
@@ -105,6 +106,8 @@ def speedrun_config(args):
 
     sets = [f"model.vocab_size={VOCAB}", "model.attention=\"sdpa\"", "train.steps=1000000",
             f"train.micro_batch_size={args.batch}", f"data.seq_len={args.seq_len}", "train.precision=\"auto\""]
+    if args.smoke:
+        sets += ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2"]
     return load_config(RECIPE, sets)
 
 
@@ -244,7 +247,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--data", default=None, help="a prepared data folder: use its exact document lengths")
     ap.add_argument("--cuda-batch", type=int, default=8, help="micro-batch of the CUDA seq_len 2048 comparison")
+    common.smoke_flag(ap)
     args = ap.parse_args([] if argv is None else argv)
+    if args.smoke:
+        args.warmup, args.repeat, args.batch, args.seq_len, args.cuda_batch = 1, 1, 2, 32, 1
     args.t_start = time.perf_counter()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -252,7 +258,7 @@ def main(argv: list[str] | None = None) -> dict:
     cfg = speedrun_config(args)
     stdlib, source = stdlib_lengths(args.data)
     stats, info = step_times(cfg, stdlib, args)
-    attn = attention_times(cfg, max(5, 2 * info["_"]["repeat"]))
+    attn = attention_times(cfg, 1 if args.smoke else max(5, 2 * info["_"]["repeat"]))
     base = stats[BASE]
     masked = stats[MASKED]
     ratio = masked.median / base.median
@@ -269,7 +275,8 @@ def main(argv: list[str] | None = None) -> dict:
     m = cfg.model
     title = (f"Training step, document masking vs plain causal (dim {m.dim}, {m.n_layers} layers, "
              f"{m.n_heads}/{m.n_kv_heads} heads, vocab {VOCAB}, micro-batch {cfg.train.micro_batch_size} x "
-             f"{cfg.data.seq_len}, {info['_']['precision']}, sdpa; every row several documents)")
+             f"{cfg.data.seq_len}, {info['_']['precision']}, sdpa; every row several documents)"
+             + (" (SMOKE RUN: figures mean nothing)" if args.smoke else ""))
     table = common.table(["variant", "step ms (median)", "min-max", "ratio of medians", "per-round ratios"],
                          rows, title=title)
     a_base = attn["causal"].median

@@ -12,6 +12,7 @@ in this process with the same number of prompts in one batch (tokens/s, and its 
 the first token = a 1-token generate). Clients and server share the machine's cores.
 
     python bench/bench_serve.py [--clients 1 4 16] [--requests 3] [--max-tokens 64] [--threads 1]
+    python bench/bench_serve.py --smoke     # seconds, a tiny model and tokenizer: proves it runs
 """
 
 from __future__ import annotations
@@ -29,13 +30,15 @@ import threading
 import time
 from pathlib import Path
 
-import common  # noqa: F401  (puts src/ on sys.path)
-import torch
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from lmforge.config import load_config
-from lmforge.generate import SamplingConfig, generate
-from lmforge.model import Transformer, resolve_model_config
-from lmforge.train.checkpoint import save_checkpoint
+import common  # noqa: E402  (puts src/ on sys.path)
+import torch  # noqa: E402
+
+from lmforge.config import load_config  # noqa: E402
+from lmforge.generate import SamplingConfig, generate  # noqa: E402
+from lmforge.model import Transformer, resolve_model_config  # noqa: E402
+from lmforge.train.checkpoint import save_checkpoint  # noqa: E402
 
 
 def prompts(n: int) -> list[str]:
@@ -160,20 +163,24 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--requests", type=int, default=3, help="streamed requests per client, one after another")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=1, help="torch threads, for the server and for generate")
-    args = ap.parse_args(argv)
+    common.smoke_flag(ap)
+    args = ap.parse_args([] if argv is None else argv)
+    if args.smoke:
+        args.clients, args.requests, args.max_tokens = [1, 2], 1, 4
     t_start = time.perf_counter()
     threads_before = torch.get_num_threads()
     torch.set_num_threads(args.threads)
-    tok, _ = common.stdlib_tokenizer(8192)
-    cfg = load_config(None, ["model.dim=256", "model.n_layers=4", "model.n_heads=8", "model.n_kv_heads=4",
-                             "model.max_seq_len=512", f"tokenizer.dir={tok.folder}"])
-    model = Transformer(resolve_model_config(cfg.model, tok.contract))
-    model.reset_parameters(seed=0)
-    model.eval()
-    texts = prompts(64)
     results: dict = {"threads": args.threads, "max_tokens": args.max_tokens, "requests_per_client": args.requests,
-                     "levels": []}
+                     "levels": [], "smoke": args.smoke}
     with tempfile.TemporaryDirectory() as tmp:
+        tok = common.bench_tokenizer(args.smoke, Path(tmp), 8192)
+        shape = (["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2"] if args.smoke else
+                 ["model.dim=256", "model.n_layers=4", "model.n_heads=8", "model.n_kv_heads=4"])
+        cfg = load_config(None, [*shape, "model.max_seq_len=512", f"tokenizer.dir={tok.folder}"])
+        model = Transformer(resolve_model_config(cfg.model, tok.contract))
+        model.reset_parameters(seed=0)
+        model.eval()
+        texts = prompts(64)
         ckpt = save_checkpoint(Path(tmp) / "run", 1, model, cfg, tok.folder)
         proc, port = start_server(ckpt, args.threads)
         try:
@@ -190,20 +197,22 @@ def main(argv: list[str] | None = None) -> dict:
                 proc.kill()
     torch.set_num_threads(threads_before)
     results["seconds"] = time.perf_counter() - t_start
+    c = model.config
     print(f"serve: streamed /v1/completions, greedy, up to {args.max_tokens} new tokens, {args.requests} requests "
-          f"per client one after another; dim 256 / 4 layers / vocab 8192, fp32, {args.threads} torch thread(s); "
-          f"generate: the same number of prompts in one batch, {args.max_tokens} new tokens")
-    print(f"{'clients':>7} | {'served tok/s':>12} | {'TTFT p50 s':>10} | {'TTFT p95 s':>10} | "
-          f"{'generate tok/s':>14} | {'generate TTFT s':>15} | requests")
-    print("-" * 96)
+          f"per client one after another; dim {c.dim} / {c.n_layers} layers / vocab {tok.vocab_size}, fp32, "
+          f"{args.threads} torch thread(s); generate: the same number of prompts in one batch, {args.max_tokens} "
+          f"new tokens" + (" (SMOKE RUN: figures mean nothing)" if args.smoke else ""))
+    rows = []
     for lv in results["levels"]:
         g = lv["generate"]
-        print(f"{lv['clients']:>7} | {lv['tok_s']:>12.1f} | {lv['ttft_p50_s']:>10.3f} | {lv['ttft_p95_s']:>10.3f} | "
-              f"{g['tok_s']:>14.1f} | {g['ttft_s']:>15.3f} | {lv['requests']}"
-              + (f" (errors: {lv['errors']})" if lv["errors"] else ""))
+        rows.append([lv["clients"], f"{lv['tok_s']:.1f}", f"{lv['ttft_p50_s']:.3f}", f"{lv['ttft_p95_s']:.3f}",
+                     f"{g['tok_s']:.1f}", f"{g['ttft_s']:.3f}",
+                     str(lv["requests"]) + (f" (errors: {lv['errors']})" if lv["errors"] else "")])
+    print(common.table(["clients", "served tok/s", "TTFT p50 s", "TTFT p95 s", "generate tok/s", "generate TTFT s",
+                        "requests"], rows))
     print(f"({results['seconds']:.0f} s in all)")
     return results
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

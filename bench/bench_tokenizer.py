@@ -9,7 +9,8 @@ normalization, whitespace kept, all cores. MB/s counts the UTF-8 bytes of the do
 The last column is the compression each gets on the held-out split (UTF-8 bytes per
 token; higher is better).
 
-Run: `python bench/bench_tokenizer.py [--repeat 2] [--vocab 8192]`.
+Run: `python bench/bench_tokenizer.py [--repeat 2] [--vocab 8192]`; `--smoke`: vocab 512 on a
+0.2 MB corpus, seconds (proves the benchmark runs; the cache is left alone).
 """
 
 from __future__ import annotations
@@ -49,12 +50,18 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--repeat", type=int, default=2)
+    common.smoke_flag(ap)
     args = ap.parse_args([] if argv is None else argv)
     from lmforge.tokenizer import Tokenizer, train_tokenizer
 
     t_start = time.perf_counter()
-    train_texts = common.stdlib_texts("train")
-    val_texts = common.stdlib_texts("val")
+    if args.smoke:
+        args.vocab, args.repeat = 512, 1
+        texts = common.smoke_texts(80)
+        train_texts, val_texts = texts[:60], texts[60:]
+    else:
+        train_texts = common.stdlib_texts("train")
+        val_texts = common.stdlib_texts("val")
     mb = sum(len(t.encode("utf-8")) for t in train_texts) / 1e6
     val_bytes = sum(len(t.encode("utf-8")) for t in val_texts)
     with tempfile.TemporaryDirectory() as tmp:
@@ -73,7 +80,7 @@ def main(argv: list[str] | None = None) -> dict:
             sp = spm.SentencePieceProcessor(model_file=str(work / "sp.model"))
             compression["sentencepiece BPE"] = val_bytes / sum(len(x) for x in sp.encode(val_texts))
         cached = common.CACHE / f"tokenizer-stdlib-{args.vocab}"
-        if not cached.exists():  # bench_data reuses it
+        if not cached.exists() and not args.smoke:  # bench_data reuses it
             cached.parent.mkdir(parents=True, exist_ok=True)
             shutil.copytree(work / "lmforge", cached)
 
@@ -87,8 +94,9 @@ def main(argv: list[str] | None = None) -> dict:
         rows.append(("sentencepiece BPE", "not installed (pip install sentencepiece)", "-", "-", "-", "-"))
     table = common.table(
         ["trainer", "seconds (median)", "min-max", "MB/s", "speed vs sentencepiece", "val bytes/token"], rows,
-        title=f"Tokenizer training on the stdlib train split ({mb:.1f} MB, {len(train_texts)} documents, "
-              f"vocab {args.vocab})")
+        title=f"Tokenizer training on the {'smoke corpus' if args.smoke else 'stdlib train split'} ({mb:.1f} MB, "
+              f"{len(train_texts)} documents, vocab {args.vocab})" + (" (SMOKE RUN: figures mean nothing)"
+                                                                      if args.smoke else ""))
     notes = [f"{args.repeat} interleaved runs each, no warm-up; {common.cores()} cores.",
              "sentencepiece sees lines (its sentences); lmforge sees whole documents split by the Qwen2 regex."]
     print(table + "\n\n" + "\n".join(f"- {n}" for n in notes), flush=True)

@@ -1,13 +1,15 @@
-"""Training throughput: lmforge's training step vs `transformers`' LlamaForCausalLM + AdamW.
+"""Training throughput: lmforge's training step vs the same model in `transformers` + AdamW.
 
-Both sides get the same shapes, the same initial weights (lmforge's, copied through the
-Llama name mapping), the same batches (two RowStreams over the same random tokens, one
+Both sides get the same shapes, the same initial weights (lmforge's, in the model
+`lmforge export` would write: `common.hf_twin`, a Qwen3ForCausalLM for lmforge's default
+QK-norm model, else a LlamaForCausalLM), the same batches (two RowStreams over the same random tokens, one
 full-length document per row, so attention is plain causal on both sides), the same
 precision (fp32, or bf16 autocast around the forward), the same AdamW hyper-parameters
 and gradient clipping at 1.0. They run interleaved in one process.
 
 - lmforge: `Trainer.train_step` (draw the micro-batch, forward, `cross_entropy_sum`,
-  backward, clip, AdamW from `build_optimizer`) — exactly what `lmforge pretrain` runs.
+  backward, clip, AdamW from `build_optimizer`) — exactly what `lmforge pretrain` runs with
+  `train.optimizer = "adamw"` (pinned here: the default, Muon, is not the reference's optimizer).
 - transformers: `model(input_ids, labels=..., shift_labels=targets).loss.backward()`,
   `clip_grad_norm_`, `torch.optim.AdamW` with torch's default implementation choice.
 
@@ -17,7 +19,8 @@ Model FLOPs per token = 6 x non-embedding parameters + 12 x n_layers x dim x seq
 same run for that precision (2048^3 `torch.mm`, measured before each run and at the end;
 the best rate seen is the peak).
 
-Run: `python bench/bench_train.py [--configs speedrun,larger] [--warmup 3] [--repeat 5]`.
+Run: `python bench/bench_train.py [--configs speedrun,larger] [--warmup 3] [--repeat 5]`;
+`--smoke`: a tiny config, one step of each kind, seconds (proves the benchmark runs).
 """
 
 from __future__ import annotations
@@ -41,34 +44,11 @@ CONFIGS = {
     # the larger config: dim 512, 8 layers, seq 512, micro-batch 4 (8 x 512 fits too; 4 keeps it short)
     "larger": dict(dim=512, n_layers=8, n_heads=8, n_kv_heads=4, vocab=8192, seq_len=512, batch=4),
 }
+#: --smoke: seconds, every code path (both precisions, the profile), figures meaningless
+SMOKE_CONFIG = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab=512, seq_len=32, batch=2)
 PRECISIONS = ("fp32", "bf16")
 RATIO_GOAL = 1.5
 MFU_GOAL = 0.5  # of the bf16 matmul peak, at the larger config
-
-# lmforge parameter name -> Hugging Face Llama name
-_HF_NAMES = [
-    (r"^tok_embeddings\.", "model.embed_tokens."),
-    (r"^norm\.", "model.norm."),
-    (r"^output\.", "lm_head."),
-    (r"^layers\.(\d+)\.attention\.wq\.", r"model.layers.\1.self_attn.q_proj."),
-    (r"^layers\.(\d+)\.attention\.wk\.", r"model.layers.\1.self_attn.k_proj."),
-    (r"^layers\.(\d+)\.attention\.wv\.", r"model.layers.\1.self_attn.v_proj."),
-    (r"^layers\.(\d+)\.attention\.wo\.", r"model.layers.\1.self_attn.o_proj."),
-    (r"^layers\.(\d+)\.feed_forward\.w1\.", r"model.layers.\1.mlp.gate_proj."),
-    (r"^layers\.(\d+)\.feed_forward\.w3\.", r"model.layers.\1.mlp.up_proj."),
-    (r"^layers\.(\d+)\.feed_forward\.w2\.", r"model.layers.\1.mlp.down_proj."),
-    (r"^layers\.(\d+)\.attention_norm\.", r"model.layers.\1.input_layernorm."),
-    (r"^layers\.(\d+)\.ffn_norm\.", r"model.layers.\1.post_attention_layernorm."),
-]
-
-
-def hf_name(name: str) -> str:
-    for pat, rep in _HF_NAMES:
-        new, n = re.subn(pat, rep, name)
-        if n:
-            return new
-    raise KeyError(f"no Hugging Face name for lmforge parameter {name!r}")
-
 
 # -- matmul peak ---------------------------------------------------------------------------
 def matmul_rate(dtype: torch.dtype, n: int = 2048, warmup: int = 2, repeat: int = 6) -> common.Stats:
@@ -104,6 +84,7 @@ def lmforge_config(spec: dict, precision: str, compile: bool = False):
     t = cfg.train
     t.micro_batch_size, t.grad_accum_steps, t.precision = spec["batch"], 1, precision
     t.lr, t.warmup_steps, t.steps, t.compile = 1e-3, 2, 1_000_000, compile
+    t.optimizer = "adamw"  # the reference's optimizer (the default, muon, would compare two optimizers)
     return cfg.validate()
 
 
@@ -120,23 +101,11 @@ def build_lmforge(spec: dict, precision: str, workdir: Path, compile: bool = Fal
 
 
 def build_hf(spec: dict, precision: str, lm_model: torch.nn.Module, lr: float, compile: bool = False):
-    """LlamaForCausalLM of the same shape with lmforge's initial weights, and a step function."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
+    """The transformers model `lmforge export` would write, with lmforge's initial weights
+    (`common.hf_twin`, sdpa attention), and a step function."""
     from lmforge.runtime import autocast
 
-    c = lm_model.config
-    hf_cfg = LlamaConfig(
-        vocab_size=spec["vocab"], hidden_size=c.dim, intermediate_size=c.resolved_ffn_dim(),
-        num_hidden_layers=c.n_layers, num_attention_heads=c.n_heads, num_key_value_heads=c.n_kv_heads,
-        max_position_embeddings=c.max_seq_len, rms_norm_eps=c.norm_eps, tie_word_embeddings=False,
-        rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta},
-        attention_bias=False, mlp_bias=False, use_cache=False,
-    )
-    hf_cfg._attn_implementation = "sdpa"
-    model = LlamaForCausalLM(hf_cfg)
-    state = {hf_name(k): v.detach().clone() for k, v in lm_model.state_dict().items()}
-    model.load_state_dict(state, strict=True)
+    model = common.hf_twin(lm_model, common.synthetic_contract(spec["vocab"]), use_cache=False)
     model.train()
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
@@ -278,7 +247,7 @@ def run_config(name: str, spec: dict, precision: str, peaks: dict, warmup: int, 
                "flops_per_token": f, "flops_per_token_with_head": f_head,
                "non_embedding_params": trainer.raw_model.num_parameters(non_embedding=True),
                "params": trainer.raw_model.num_parameters(), "matmul_peak_gflops": peak,
-               "first_loss": first, "profile": prof[1] if prof else None}
+               "first_loss": first, "profile": prof[1] if prof else None, "reference": type(hf_model).__name__}
         for side in ("lmforge", "transformers"):
             tps = times[side].rate(tokens)
             row[side] = {"tokens_per_s": tps.as_dict(), "step_s": times[side].as_dict(),
@@ -303,7 +272,12 @@ def main(argv: list[str] | None = None) -> dict:
                     help="seconds for all configs' steps; fewer steps (>= 3 timed) when the first is slow; 0 = none")
     ap.add_argument("--compile", action="store_true", help="torch.compile both models (slow to start on CPU)")
     ap.add_argument("--no-profile", action="store_true")
+    common.smoke_flag(ap)
     args = ap.parse_args([] if argv is None else argv)
+    configs, mm_n, profiled = CONFIGS, 2048, "larger"
+    if args.smoke:  # every path once (both precisions, the profile, the RSS probes), tiny
+        configs, mm_n, profiled = {"smoke": SMOKE_CONFIG}, 256, "smoke"
+        args.configs, args.warmup, args.repeat, args.budget = "smoke", 1, 1, 0.0
 
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
@@ -316,20 +290,20 @@ def main(argv: list[str] | None = None) -> dict:
 
     def measure_peaks() -> dict[str, float]:
         for p, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
-            mm_samples[p] += matmul_rate(dtype, repeat=4).samples
+            mm_samples[p] += matmul_rate(dtype, n=mm_n, repeat=4).samples
         return {p: max(v) for p, v in mm_samples.items()}
 
     peaks = measure_peaks()
-    log(f"  matmul 2048^3: fp32 {peaks['fp32']:.0f} GFLOP/s, bf16 {peaks['bf16']:.0f} GFLOP/s")
+    log(f"  matmul {mm_n}^3: fp32 {peaks['fp32']:.0f} GFLOP/s, bf16 {peaks['bf16']:.0f} GFLOP/s")
     rows = []
     runs = [(n, p) for n in args.configs.split(",") for p in args.precisions.split(",")]
     # each run's share of the budget, weighted by its tokens x FLOPs (the larger config costs ~8x)
-    weight = {r: CONFIGS[r[0]]["batch"] * CONFIGS[r[0]]["seq_len"] * CONFIGS[r[0]]["dim"] ** 2
-              * CONFIGS[r[0]]["n_layers"] * (2 if r[1] == "fp32" else 1) for r in runs}
+    weight = {r: configs[r[0]]["batch"] * configs[r[0]]["seq_len"] * configs[r[0]]["dim"] ** 2
+              * configs[r[0]]["n_layers"] * (2 if r[1] == "fp32" else 1) for r in runs}
     for name, precision in runs:
-        profile = (not args.no_profile) and name == "larger" and precision == "bf16"
+        profile = (not args.no_profile) and name == profiled and precision == "bf16"
         budget = args.budget * weight[(name, precision)] / sum(weight.values())
-        rows.append(run_config(name, CONFIGS[name], precision, measure_peaks(), args.warmup, args.repeat,
+        rows.append(run_config(name, configs[name], precision, measure_peaks(), args.warmup, args.repeat,
                                args.compile, profile, log, budget))
     peaks = measure_peaks()
     for r in rows:  # MFU against the best rate of the whole run
@@ -341,7 +315,7 @@ def main(argv: list[str] | None = None) -> dict:
     mm = {p: common.Stats(v) for p, v in mm_samples.items()}
 
     mm_table = common.table(
-        ["matmul 2048^3", "GFLOP/s best", "median", "min-max"],
+        [f"matmul {mm_n}^3", "GFLOP/s best", "median", "min-max"],
         [(p, f"{s.max:,.0f}", f"{s.median:,.0f}", s.spread()) for p, s in mm.items()],
         title="Matmul rate (the MFU denominator: the best seen, measured before each run and at the end)")
     body = []
@@ -360,11 +334,12 @@ def main(argv: list[str] | None = None) -> dict:
         ))
     shapes = "; ".join(
         f"{n}: dim {s['dim']}, {s['n_layers']} layers, {s['n_heads']}/{s['n_kv_heads']} heads, vocab {s['vocab']}, "
-        f"batch {s['batch']} x {s['seq_len']}" for n, s in CONFIGS.items() if n in args.configs.split(","))
+        f"batch {s['batch']} x {s['seq_len']}" for n, s in configs.items() if n in args.configs.split(","))
     main_table = common.table(
         ["config", "precision", "lmforge tok/s (min-max)", "transformers tok/s (min-max)",
          f"ratio (goal {RATIO_GOAL}x)", "lmforge MFU / +head", "transformers MFU / +head", "peak RSS MB lm / hf"],
-        body, title="Training step: lmforge vs transformers LlamaForCausalLM + AdamW")
+        body, title=f"Training step: lmforge vs transformers {rows[0]['reference']} + AdamW"
+                    + (" (SMOKE RUN: figures mean nothing)" if args.smoke else ""))
     notes = [
         f"shapes: {shapes}.",
         "medians over interleaved steps per side; warm-up + timed steps: "
@@ -391,7 +366,7 @@ def main(argv: list[str] | None = None) -> dict:
     for r in rows:
         r.pop("profile_text", None)
     return {"benchmark": "train", "matmul_gflops": {p: s.as_dict() for p, s in mm.items()},
-            "rows": rows, "warmup": args.warmup, "repeat": args.repeat, "configs": CONFIGS,
+            "rows": rows, "warmup": args.warmup, "repeat": args.repeat, "configs": configs, "smoke": args.smoke,
             "seconds": round(time.perf_counter() - t_start, 1)}
 
 

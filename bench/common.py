@@ -1,19 +1,33 @@
 """Shared helpers for the benchmarks in bench/: timing statistics, interleaved runs,
-peak-RSS probes, the machine description, tables, and a cached stdlib tokenizer.
+peak-RSS probes, the machine description, tables, a cached stdlib tokenizer, the smoke
+mode's tiny corpus and tokenizer, the transformers twin of an lmforge model, and child
+processes for runtimes that may crash.
 
 Every benchmark runs lmforge and its reference in one process, interleaved round by
 round (so a noisy neighbour slows both alike), and reports medians over the measured
-repeats after warm-up, with the min-max spread.
+repeats after warm-up, with the min-max spread. A third-party runtime that can die with
+a signal (llama.cpp) runs in a `Child` process instead, so that its crash becomes a row
+("crashed: SIGILL") rather than the end of `make bench`.
+
+Every benchmark takes `--smoke` (`smoke_flag`): a run of seconds at tiny sizes that proves
+it still works (tests/test_bench_smoke.py runs each one); its figures mean nothing, it
+writes nothing outside a temporary folder, and run_all.py never records it.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import re
 import resource
+import select
+import signal
 import statistics
+import subprocess
 import sys
+import tempfile
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -51,28 +65,46 @@ class Stats:
 
 def interleaved(fns: dict[str, Callable[[], object]], warmup: int, repeat: int,
                 before: Callable[[str], None] | None = None,
-                after: Callable[[str], None] | None = None) -> dict[str, Stats]:
+                after: Callable[[str], None] | None = None,
+                failed: dict[str, str] | None = None) -> dict[str, Stats]:
     """Run every fn `warmup` times untimed, then `repeat` timed rounds, interleaved.
 
     Round r runs the fns in order, reversed on odd rounds, so neither side always runs
     right after the other. `before(name)` / `after(name)` wrap each timed call (not
     timed themselves; used for RSS probes). Returns seconds per call, per name.
+
+    With `failed` (a dict), a fn that raises `ChildFailed` (its child process crashed, exited
+    or hung) is dropped from the rounds left and `failed[name]` gets its status
+    ("crashed: SIGSEGV"); the others go on and the result leaves that name out.
     """
     names = list(fns)
-    for _ in range(warmup):
-        for n in names:
+
+    def call(n: str) -> bool:
+        try:
             fns[n]()
+            return True
+        except ChildFailed as exc:
+            if failed is None:
+                raise
+            failed[n] = exc.status
+            names.remove(n)
+            return False
+
+    for _ in range(warmup):
+        for n in list(names):
+            call(n)
     times: dict[str, list[float]] = {n: [] for n in names}
     for r in range(repeat):
-        for n in (names if r % 2 == 0 else names[::-1]):
+        for n in (list(names) if r % 2 == 0 else names[::-1]):
             if before:
                 before(n)
             t0 = time.perf_counter()
-            fns[n]()
-            times[n].append(time.perf_counter() - t0)
+            ok = call(n)
+            if ok:
+                times[n].append(time.perf_counter() - t0)
             if after:
                 after(n)
-    return {n: Stats(t) for n, t in times.items()}
+    return {n: Stats(times[n]) for n in names if times[n]}
 
 
 # -- memory -----------------------------------------------------------------------------
@@ -254,3 +286,222 @@ def stdlib_tokenizer(vocab_size: int = 8192, log: Callable[[str], None] = print)
     t0 = time.perf_counter()
     tok = train_tokenizer(stdlib_texts("train"), vocab_size, folder, show_progress=False)
     return tok, time.perf_counter() - t0
+
+
+# -- smoke mode ----------------------------------------------------------------------------------
+SMOKE_HELP = ("a run of seconds at tiny sizes that proves the benchmark still works (tests/test_bench_smoke.py); "
+              "its figures mean nothing and are never recorded")
+
+
+def smoke_flag(ap) -> None:
+    """Add `--smoke` (every benchmark has it; run_all.py --smoke passes it on) to an ArgumentParser."""
+    ap.add_argument("--smoke", action="store_true", help=SMOKE_HELP)
+
+
+def smoke_texts(n_docs: int = 60, max_chars: int = 4000) -> list[str]:
+    """The smoke runs' corpus: the first `n_docs` documents of the stdlib train split, each cut
+    to `max_chars` characters (~0.2 MB in all)."""
+    from lmforge.data.sources import iter_documents
+
+    out = []
+    for d in iter_documents("stdlib", "train"):
+        out.append(d.text[:max_chars])
+        if len(out) == n_docs:
+            break
+    return out
+
+
+def smoke_corpus(folder: Path, n_docs: int = 60, max_chars: int = 4000) -> Path:
+    """`smoke_texts` written as a folder of .py files (a `data.source` for prepare); returns `folder`."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for i, text in enumerate(smoke_texts(n_docs, max_chars)):
+        (folder / f"doc_{i:03d}.py").write_text(text, encoding="utf-8")
+    return folder
+
+
+def smoke_tokenizer(folder: Path, vocab_size: int = 512):
+    """A byte-level BPE of `vocab_size` trained on `smoke_texts` into `folder` (under a second)."""
+    from lmforge.tokenizer import train_tokenizer
+
+    return train_tokenizer(smoke_texts(), vocab_size, folder, show_progress=False)
+
+
+def bench_tokenizer(smoke: bool, tmp: Path, vocab_size: int = 8192, log: Callable[[str], None] = print):
+    """The tokenizer a benchmark decodes or trains with: the cached stdlib one of `vocab_size`
+    (`stdlib_tokenizer`), or in a smoke run a 512-token one trained into `tmp` (the cache is
+    left alone). Returns the Tokenizer."""
+    if smoke:
+        return smoke_tokenizer(tmp / "smoke-tokenizer")
+    return stdlib_tokenizer(vocab_size, log)[0]
+
+
+# -- the transformers twin of an lmforge model ------------------------------------------------------
+def synthetic_contract(vocab_size: int):
+    """A contract for random weights without a tokenizer: pad 0, bos 1, eos 2, im_start 3, im_end 4."""
+    from lmforge.contract import Contract, padded_vocab_size, token_dtype_for
+
+    return Contract("", vocab_size, padded_vocab_size(vocab_size),
+                    {"pad": 0, "bos": 1, "eos": 2, "im_start": 3, "im_end": 4}, "", token_dtype_for(vocab_size))
+
+
+def hf_twin(model, contract, **config_overrides):
+    """The `transformers` model `lmforge export --format hf` would produce from `model`, built in
+    memory: the exporter's own `hf_config` (LlamaForCausalLM, or Qwen3ForCausalLM for a QK-norm
+    model) and `to_hf_state`, loaded strictly. float32, eval mode. `config_overrides` are
+    transformers config fields (use_cache, ...).
+
+    Raises:
+        LmforgeError: transformers is not installed.
+    """
+    from lmforge.export import hf_config, require_transformers, to_hf_state
+    from lmforge.model.io import model_state
+
+    transformers = require_transformers()
+    cfg = {k: v for k, v in hf_config(model.config, contract).items() if k != "torch_dtype"}
+    cfg.update(config_overrides)
+    arch = cfg["architectures"][0]
+    hf_cfg = transformers.AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+    twin = getattr(transformers, arch)(hf_cfg)
+    twin.load_state_dict(to_hf_state(model_state(model), contract.vocab_size, model.config.tie_embeddings),
+                         strict=True)
+    return twin.float().eval()
+
+
+# -- child processes ------------------------------------------------------------------------------
+class ChildFailed(RuntimeError):
+    """A child process ended, or stopped answering, before it replied. `status` is what a table
+    shows ("crashed: SIGILL", "exit 1", "timed out after 600 s"); `detail` is the end of its stderr."""
+
+    def __init__(self, status: str, detail: str = ""):
+        super().__init__(status + (f"\n{detail}" if detail else ""))
+        self.status, self.detail = status, detail
+
+
+def exit_status(returncode: int) -> str:
+    """How a process ended, as a table cell: "crashed: SIGSEGV" (killed by a signal), "exit 1"."""
+    if returncode < 0:
+        try:
+            return f"crashed: {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"crashed: signal {-returncode}"
+    return f"exit {returncode}"
+
+
+class Child:
+    """A Python child process that answers JSON requests, one line each way, so that a runtime
+    it hosts can crash (SIGSEGV, SIGILL, abort) without taking the benchmark with it.
+
+    `argv` starts the child, which calls `serve_requests(setup)`.
+    `request(obj)` sends `obj` and returns the handler's answer. Whenever the child ends or
+    does not answer within `timeout` seconds, `request` raises `ChildFailed` (the child is
+    gone by then; later calls raise the same). Its stderr is kept in a temporary file and the
+    last lines go into the error. Use as a context manager, or call `close()`.
+    """
+
+    def __init__(self, argv: Sequence[str], timeout: float = 600.0, env: dict | None = None):
+        self.timeout = timeout
+        self._stderr = tempfile.TemporaryFile()
+        self.proc = subprocess.Popen(list(argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr,
+                                     env=env)
+        self._buf = b""
+        self.failed: ChildFailed | None = None
+
+    def _fail(self, status: str | None = None) -> ChildFailed:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        rc = self.proc.wait()
+        self._stderr.seek(0)
+        tail = "\n".join(self._stderr.read().decode("utf-8", "replace").strip().splitlines()[-20:])
+        self.failed = ChildFailed(status or exit_status(rc), tail)
+        return self.failed
+
+    def request(self, obj) -> object:
+        """Send one JSON request, return the JSON answer. Raises ChildFailed."""
+        if self.failed:
+            raise self.failed
+        try:
+            self.proc.stdin.write((json.dumps(obj) + "\n").encode())
+            self.proc.stdin.flush()
+        except OSError:  # BrokenPipeError: it is gone already
+            raise self._fail() from None
+        deadline = time.monotonic() + self.timeout
+        fd = self.proc.stdout.fileno()
+        while b"\n" not in self._buf:  # bounded by the deadline
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise self._fail(f"timed out after {self.timeout:g} s")
+            if not select.select([fd], [], [], left)[0]:
+                continue
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:  # end of file: the child ended without answering
+                raise self._fail()
+            self._buf += chunk
+        line, _, self._buf = self._buf.partition(b"\n")
+        return json.loads(line)
+
+    def close(self) -> None:
+        """End the child (stdin closed: its loop returns; killed after 10 s)."""
+        try:
+            self.proc.stdin.close()
+        except OSError:
+            pass
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc.stdout.close()
+        self._stderr.close()
+
+    def __enter__(self) -> "Child":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def serve_requests(setup: Callable[[], Callable[[object], object]]) -> None:
+    """The child's side of `Child`: `setup()` (load the runtime) returns a handler; answer
+    `handler(request)` for each JSON line on stdin until stdin closes. The answers go to the
+    original stdout; stdout itself is sent to stderr before `setup` runs, so nothing the
+    hosted runtime prints, while loading or later, can corrupt them. An exception ends the
+    child (exit 1, its traceback on stderr)."""
+    answers = os.fdopen(os.dup(1), "w", encoding="utf-8")
+    sys.stdout.flush()
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    handler = setup()
+    for line in sys.stdin:  # bounded: ends when the parent closes stdin
+        if line.strip():
+            answers.write(json.dumps(handler(json.loads(line))) + "\n")
+            answers.flush()
+
+
+def run_streaming(argv: Sequence[str], timeout: float, echo=None, env: dict | None = None) -> tuple[str, str | None]:
+    """Run `argv` with its stdout copied line by line to `echo` (default sys.stdout) as it comes
+    (stderr passes through). Returns (its stdout, None when it exited 0, else its status:
+    "crashed: SIGSEGV", "exit 1", "timed out after 600 s")."""
+    echo = echo or sys.stdout
+    proc = subprocess.Popen(list(argv), stdout=subprocess.PIPE, text=True, encoding="utf-8", errors="replace",
+                            env=env)
+    lines: list[str] = []
+
+    def pump() -> None:
+        for line in proc.stdout:  # bounded: ends at the child's end of file
+            lines.append(line)
+            echo.write(line)
+            echo.flush()
+
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
+    status = None
+    try:
+        rc = proc.wait(timeout=timeout)
+        if rc != 0:
+            status = exit_status(rc)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        status = f"timed out after {timeout:g} s"
+    reader.join(timeout=10)
+    return "".join(lines), status

@@ -32,6 +32,10 @@ with overrides on top of the recipe; `--seeds 1337,1` repeats each lmforge arm p
     python bench/quality.py --mode quick
     python bench/quality.py --mode full
     python bench/quality.py --steps 150 --no-reference --arm base= --arm muon=train.optimizer=muon
+    python bench/quality.py --smoke     # seconds: 3 steps of a tiny model on a 0.2 MB corpus, both sides
+
+A smoke run prepares its tokenizer and shards in a temporary folder; other runs keep them
+under runs/bench-quality/ for the next run.
 """
 
 from __future__ import annotations
@@ -59,11 +63,10 @@ from lmforge.config import Config, apply_overrides, load_config  # noqa: E402
 from lmforge.contract import CONTRACT_FILE  # noqa: E402
 from lmforge.data.packing import shard_stream  # noqa: E402
 from lmforge.data.shards import Shard  # noqa: E402
-from lmforge.evaluate import evaluate_shard, shard_batches, sliding_window_bits_per_byte  # noqa: E402
-from lmforge.model import Transformer  # noqa: E402
-from lmforge.model.transformer import resolve_model_config  # noqa: E402
+from lmforge.evaluate import evaluate_shard, sliding_window_bits_per_byte  # noqa: E402
+from lmforge.model import Transformer, resolve_model_config  # noqa: E402
 from lmforge.tokenizer import Tokenizer  # noqa: E402
-from lmforge.runtime import autocast, resolve_precision  # noqa: E402
+from lmforge.runtime import training_runtime  # noqa: E402
 from lmforge.train.trainer import Trainer, seed_everything  # noqa: E402
 
 QUICK_STEPS = 150
@@ -71,12 +74,12 @@ CACHE = ROOT / "runs" / "bench-quality"
 
 
 # -- data -----------------------------------------------------------------------------------
-def prepared(cfg: Config, log=print) -> tuple[Path, Path]:
-    """(tokenizer dir, data dir) for cfg's tokenizer/data settings, made once under runs/."""
+def prepared(cfg: Config, log=print, cache: Path = CACHE) -> tuple[Path, Path]:
+    """(tokenizer dir, data dir) for cfg's tokenizer/data settings, made once under `cache`."""
     from lmforge.stages import prepare_stage, train_tokenizer_stage
 
     key = f"{cfg.data.source.replace('/', '_')}-v{cfg.tokenizer.vocab_size}-f{cfg.data.val_fraction}"
-    tok_dir, data_dir = CACHE / f"tok-{key}", CACHE / f"data-{key}"
+    tok_dir, data_dir = cache / f"tok-{key}", cache / f"data-{key}"
     c = replace(cfg, tokenizer=replace(cfg.tokenizer, dir=str(tok_dir)), data=replace(cfg.data, dir=str(data_dir)))
     if not (tok_dir / CONTRACT_FILE).is_file():
         log(f"quality: training the tokenizer -> {tok_dir}")
@@ -88,8 +91,8 @@ def prepared(cfg: Config, log=print) -> tuple[Path, Path]:
 
 
 # -- (a) lmforge ----------------------------------------------------------------------------
-def train_lmforge(cfg: Config, steps: int, sliding: bool = True, log=print) -> dict:
-    tok_dir, data_dir = prepared(cfg, log)
+def train_lmforge(cfg: Config, steps: int, sliding: bool = True, log=print, cache: Path = CACHE) -> dict:
+    tok_dir, data_dir = prepared(cfg, log, cache)
     cfg = replace(cfg, tokenizer=replace(cfg.tokenizer, dir=str(tok_dir)), data=replace(cfg.data, dir=str(data_dir)),
                   train=replace(cfg.train, steps=steps, checkpoint_every=0, eval_every=0, data_parallel="ddp"))
     tok = Tokenizer.load(tok_dir)
@@ -109,9 +112,9 @@ def train_lmforge(cfg: Config, steps: int, sliding: bool = True, log=print) -> d
         rows = [json.loads(x) for x in (Path(tmp) / "run" / "metrics.jsonl").read_text().splitlines() if x.strip()]
     dts = np.array([r["elapsed_s"] for r in rows])
     per_step = np.diff(np.concatenate([[0.0], dts]))
-    dtype = resolve_precision(t.precision, torch.device("cpu"))
-    res = evaluate_shard(trainer.raw_model, val, d.seq_len, 16, "cpu", dtype, d.document_masking)
-    sl = sliding_window_bits_per_byte(lambda x, p: trainer.raw_model(x, p), val, d.seq_len, 0, 16, "cpu", dtype) \
+    runtime = training_runtime(t.precision, "cpu")
+    res = evaluate_shard(trainer.raw_model, val, d.seq_len, 16, runtime, d.document_masking)
+    sl = sliding_window_bits_per_byte(lambda x, p: trainer.raw_model(x, p), val, d.seq_len, 0, 16, runtime) \
         if sliding else {"bits_per_byte": float("nan")}
     return {"bits_per_byte": res["bits_per_byte"], "sliding_bits_per_byte": sl["bits_per_byte"],
             "val_loss": res["loss"], "tokens": last["tokens"], "train_s": float(dts[-1]),
@@ -120,14 +123,15 @@ def train_lmforge(cfg: Config, steps: int, sliding: bool = True, log=print) -> d
             "final_train_loss": last["loss"], "params": model.num_parameters(), "steps": steps}
 
 
-def interleaved_step_ms(cfgs: dict[str, Config], warmup: int = 3, repeat: int = 10, log=print) -> dict[str, float]:
+def interleaved_step_ms(cfgs: dict[str, Config], warmup: int = 3, repeat: int = 10, log=print,
+                        cache: Path = CACHE) -> dict[str, float]:
     """Median ms per optimizer step of each lmforge arm, the arms' steps interleaved round by
     round in one process (a busy neighbour slows every arm alike): the step-time ratio that
     turns an equal-token comparison into an equal-wall-clock one."""
     trainers = {}
     tmp = tempfile.TemporaryDirectory(prefix="lmforge-quality-steps-")
     for name, cfg in cfgs.items():
-        tok_dir, data_dir = prepared(cfg, log)
+        tok_dir, data_dir = prepared(cfg, log, cache)
         tok = Tokenizer.load(tok_dir)
         train = Shard.open(data_dir, "train", tok.contract)
         cfg = replace(cfg, train=replace(cfg.train, steps=10**6, data_parallel="ddp"))
@@ -180,10 +184,11 @@ def gpt2_model(vocab: int, dim: int, n_layers: int, n_heads: int, seq_len: int):
     return GPT2LMHeadModel(conf)
 
 
-def train_reference(cfg: Config, steps: int | None, seconds: float | None, seed: int, log=print) -> dict:
+def train_reference(cfg: Config, steps: int | None, seconds: float | None, seed: int, log=print,
+                    cache: Path = CACHE) -> dict:
     """nanoGPT's recipe for `steps` steps, or for `seconds` of training (the cosine's length
     fixed from the measured step time of steps 5..15, inside the 100 warm-up steps)."""
-    tok_dir, data_dir = prepared(cfg, log)
+    tok_dir, data_dir = prepared(cfg, log, cache)
     tok = Tokenizer.load(tok_dir)
     train = Shard.open(data_dir, "train", tok.contract)
     val = Shard.open(data_dir, "val", tok.contract)
@@ -197,7 +202,7 @@ def train_reference(cfg: Config, steps: int | None, seconds: float | None, seed:
     warmup, peak, floor = 100, 1e-3, 1e-4
     data = torch.from_numpy(np.asarray(train.tokens, dtype=np.int64))
     gen = torch.Generator().manual_seed(seed)
-    dtype = resolve_precision(cfg.train.precision, torch.device("cpu"))
+    runtime = training_runtime(cfg.train.precision, "cpu")
     total = steps or 10**9
     t_train, step, times = 0.0, 0, []
     model.train()
@@ -209,7 +214,7 @@ def train_reference(cfg: Config, steps: int | None, seconds: float | None, seed:
             g["lr"] = lr
         ix = torch.randint(len(data) - L - 1, (B,), generator=gen)
         xy = torch.stack([data[i: i + L + 1] for i in ix.tolist()])
-        with autocast(torch.device("cpu"), dtype):
+        with runtime.autocast():
             logits = model(input_ids=xy[:, :-1]).logits
         loss = F.cross_entropy(logits.float().flatten(0, 1), xy[:, 1:].flatten())
         loss.backward()
@@ -225,9 +230,9 @@ def train_reference(cfg: Config, steps: int | None, seconds: float | None, seed:
             log(f"quality: reference: {1000 * np.median(times[5:]):.0f} ms/step -> {total} steps for {seconds:.0f}s")
     tokens = step * B * L
     model.eval()
-    res = evaluate_shard(SegmentScorer(model), val, L, 16, "cpu", dtype, cfg.data.document_masking)
-    sl = sliding_window_bits_per_byte(lambda x, p: model(input_ids=x, position_ids=p).logits, val, L, 0, 16, "cpu",
-                                      dtype)
+    res = evaluate_shard(SegmentScorer(model), val, L, 16, runtime, cfg.data.document_masking)
+    sl = sliding_window_bits_per_byte(lambda x, p: model(input_ids=x, position_ids=p).logits, val, L, 0, 16,
+                                      runtime)
     return {"bits_per_byte": res["bits_per_byte"], "sliding_bits_per_byte": sl["bits_per_byte"],
             "val_loss": res["loss"], "tokens": tokens, "train_s": t_train, "tokens_per_s": tokens / t_train,
             "ms_per_step": 1000 * float(np.median(times[5:] if len(times) > 10 else times)),
@@ -254,8 +259,22 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--step-times", action="store_true",
                     help="only measure each arm's ms/step, interleaved (no training to the end)")
     ap.add_argument("--json", default="", help="append each arm's result as a JSON line to this file")
-    args = ap.parse_args(argv)
+    common.smoke_flag(ap)
+    args = ap.parse_args([] if argv is None else argv)
+    with tempfile.TemporaryDirectory(prefix="lmforge-quality-smoke-") as tmp:
+        if args.smoke:  # 3 steps of each side on a tiny corpus, everything under tmp
+            args.steps, args.threads = 3, args.threads or 1
+            args.set = [*SMOKE_SETS, f"data.source={common.smoke_corpus(Path(tmp) / 'corpus', 30, 1000)}", *args.set]
+        return _main(args, Path(tmp) if args.smoke else CACHE)
 
+
+#: --smoke: a tiny model and tokenizer (on `common.smoke_corpus`), short rows
+SMOKE_SETS = ["tokenizer.vocab_size=512", "data.val_fraction=0.2", "data.seq_len=64", "model.dim=64",
+              "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "train.micro_batch_size=4",
+              "train.warmup_steps=1", "train.precision=fp32"]
+
+
+def _main(args, cache: Path) -> dict:
     torch.set_num_threads(args.threads or common.cores())
     base = load_config(args.config, args.set)
     arms = [parse_arm(a) for a in args.arm] or [("lmforge", [])]
@@ -264,7 +283,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"quality: {common.machine_line()}; {steps} lmforge steps per arm; arms {[a for a, _ in arms]}; "
           f"seeds {seeds}", flush=True)
     if args.step_times:
-        ms = interleaved_step_ms({name: apply_overrides(base, sets) for name, sets in arms})
+        ms = interleaved_step_ms({name: apply_overrides(base, sets) for name, sets in arms}, cache=cache)
         first = next(iter(ms.values()))
         print(common.table(["arm", "ms/step (median, interleaved)", "ratio to first"],
                            [[n, f"{v:.0f}", f"{v / first:.3f}"] for n, v in ms.items()], title="Step time"))
@@ -274,7 +293,7 @@ def main(argv: list[str] | None = None) -> dict:
         for seed in seeds:
             cfg = apply_overrides(base, sets + [f"train.seed={seed}"])
             t0 = time.perf_counter()
-            r = train_lmforge(cfg, steps, not args.no_sliding)
+            r = train_lmforge(cfg, steps, not args.no_sliding, cache=cache)
             r.update(arm=name, seed=seed, sets=sets, wall_s=time.perf_counter() - t0)
             results.append(r)
             print(f"quality: {name} seed {seed}: {r['bits_per_byte']:.4f} bpb (sliding {r['sliding_bits_per_byte']:.4f})"
@@ -286,7 +305,7 @@ def main(argv: list[str] | None = None) -> dict:
     ref = None
     if not args.no_reference:
         seconds = None if args.steps else results[0]["train_s"]
-        ref = train_reference(base, args.steps or None, seconds, base.train.seed)
+        ref = train_reference(base, args.steps or None, seconds, base.train.seed, cache=cache)
         ref.update(arm="reference (GPT-2, nanoGPT recipe)", seed=base.train.seed, sets=[])
         if args.json:
             with open(args.json, "a") as f:
@@ -298,11 +317,14 @@ def main(argv: list[str] | None = None) -> dict:
                      f"{r['tokens']:,}", f"{r['train_s']:.0f}", f"{r['tokens_per_s']:,.0f}", f"{r['ms_per_step']:.0f}",
                      f"{ratio:.3f}" if ref else "-"])
     print(common.table(["arm", "seed", "bits/byte", "sliding bpb", "tokens", "train s", "tok/s", "ms/step",
-                        "bpb / reference"], rows, title="Held-out bits per byte (15 stdlib modules, 260,698 bytes)"))
+                        "bpb / reference"], rows,
+                       title="Held-out bits per byte (" + ("the smoke corpus's val split; SMOKE RUN: figures mean "
+                                                           "nothing)" if args.smoke else
+                                                           "15 stdlib modules, 260,698 bytes)")))
     how = "equal steps" if args.steps else "equal wall clock (reference: lmforge's training seconds)"
     print(f"- budget: {how}; machine possibly shared: compare ms/step within one run.")
     return {"arms": results, "reference": ref, "steps": steps}
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

@@ -1,29 +1,33 @@
 """Run every benchmark in bench/ (`make bench`), print their tables, and append them to
 bench/RESULTS.md with the date, the machine and the configuration.
 
-Each `bench/bench_*.py` module exposes `main()` that prints its table(s) and returns a
-dict; modules that are missing are skipped, and one that fails is reported and does not
-stop the others. Known benchmarks run in a fixed order (train, data, tokenizer, masking,
-decode), then any other bench_*.py in name order.
+Each `bench/bench_*.py` module (and bench/quality.py) exposes `main(argv)` that prints its
+table(s) and returns a dict. Each runs in a child process of its own (this script again,
+with `--child`), so that one that fails — an exception, a crash (SIGSEGV, SIGILL, abort),
+a hang past `--timeout` — is reported ("bench_gguf: crashed: SIGILL") and the others still
+run; the exit status is 1 when any failed. Modules that are missing are skipped. Known
+benchmarks run in a fixed order (train, data, tokenizer, masking, decode, quality), then
+any other bench_*.py in name order.
 
 Usage:
     python bench/run_all.py                  # everything, recorded in bench/RESULTS.md
     python bench/run_all.py --only train,data
     python bench/run_all.py --quick          # shorter runs of train/data/tokenizer; not recorded
+    python bench/run_all.py --smoke          # every benchmark's --smoke (seconds each); never recorded
     python bench/run_all.py --no-record      # print only
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime as dt
 import importlib
 import inspect
-import io
 import json
+import os
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -45,21 +49,6 @@ QUICK_ARGS = {
 }
 
 
-class Tee(io.TextIOBase):
-    """Write to the real stream and keep a copy."""
-
-    def __init__(self, stream):
-        self.stream, self.buffer = stream, io.StringIO()
-
-    def write(self, s: str) -> int:
-        self.stream.write(s)
-        self.buffer.write(s)
-        return len(s)
-
-    def flush(self) -> None:
-        self.stream.flush()
-
-
 def discover() -> list[str]:
     found = sorted(p.stem[len("bench_"):] for p in BENCH.glob("bench_*.py"))
     found += ["quality"] if (BENCH / "quality.py").is_file() else []  # bench/quality.py (quality per CPU minute)
@@ -77,22 +66,50 @@ def git_revision() -> str:
         return "-"
 
 
-def run_one(name: str, argv: list[str] | None) -> dict:
-    """Import bench_<name> and run its main(); returns {text, result, seconds, error}."""
+def bench_path(name: str) -> Path:
+    """The file of benchmark `name` ("train" -> bench/bench_train.py; "quality" -> bench/quality.py)."""
+    path = BENCH / f"bench_{name}.py"
+    return path if path.is_file() else BENCH / f"{name}.py"
+
+
+def run_one(name: str, argv: list[str] | None, timeout: float = 3600.0) -> dict:
+    """Run benchmark `name`'s main(argv) in a child process (`child_main`), its output copied to
+    stdout as it comes. Returns {text, result, seconds, error}: error is None, the child's
+    traceback, or how it ended ("crashed: SIGSEGV", "exit 2", "timed out after 3600 s")."""
     t0 = time.perf_counter()
-    tee = Tee(sys.stdout)
-    result, error = None, None
+    with tempfile.TemporaryDirectory(prefix="lmforge-bench-") as tmp:
+        result_file = Path(tmp) / "result.json"
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--child", str(bench_path(name)),
+               "--result-json", str(result_file), "--args", json.dumps(argv or [])]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        text, status = common.run_streaming(cmd, timeout, env=env)
+        answer = json.loads(result_file.read_text(encoding="utf-8")) if result_file.is_file() else {}
+    error = answer.get("error") or status
+    if error and status and status not in error:
+        error = f"{status}\n{error}"
+    return {"text": text.strip(), "result": answer.get("result"), "seconds": time.perf_counter() - t0,
+            "error": error}
+
+
+def child_main(path: Path, argv: list[str], result_file: Path) -> int:
+    """The child process of `run_one`: import the benchmark at `path`, run its main(argv) (main()
+    when it takes no arguments), write {"result": ...} or {"error": traceback} to `result_file`
+    as JSON. Returns the exit status (0, or 1 after an error)."""
+    sys.path.insert(0, str(path.parent))
     try:
-        module = importlib.import_module(f"bench_{name}" if (BENCH / f"bench_{name}.py").is_file() else name)
+        module = importlib.import_module(path.stem)
         main = getattr(module, "main")
         takes_args = len(inspect.signature(main).parameters) > 0
-        with contextlib.redirect_stdout(tee):
-            result = main(argv or []) if takes_args else main()
-    except Exception:  # one broken benchmark must not hide the others
-        error = traceback.format_exc()
-        print(error, file=sys.stderr)
-    return {"text": tee.buffer.getvalue().strip(), "result": result, "seconds": time.perf_counter() - t0,
-            "error": error}
+        answer = {"result": main(argv) if takes_args else main()}
+    except (Exception, SystemExit) as exc:  # argparse's exit too: one broken benchmark must not hide the others
+        if isinstance(exc, SystemExit) and exc.code in (0, None):
+            answer = {"result": None}
+        else:
+            answer = {"error": traceback.format_exc()}
+            print(answer["error"], file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    result_file.write_text(json.dumps(answer, default=str), encoding="utf-8")
+    return 1 if "error" in answer else 0
 
 
 def headlines(runs: dict[str, dict]) -> list[str]:
@@ -173,12 +190,20 @@ def record(runs: dict[str, dict], info: dict, config: str, total_s: float, path:
 
 
 def main(argv: list[str] | None = None) -> dict:
+    """Run the benchmarks; returns {"runs": {name: result}, "failed": [names], "seconds": total}."""
     ap = argparse.ArgumentParser(description="Run the benchmarks in bench/ and record them.")
-    ap.add_argument("--only", default="", help="comma-separated names (train, data, tokenizer, masking, decode)")
+    ap.add_argument("--only", default="", help="comma-separated names (train, data, tokenizer, masking, decode, "
+                                               "quality, gguf, serve, ...)")
     ap.add_argument("--quick", action="store_true", help="shorter runs; not recorded unless --record")
+    ap.add_argument("--smoke", action="store_true", help="every benchmark's --smoke: seconds each, proves they run; "
+                                                         "never recorded")
     ap.add_argument("--record", action="store_true", help="append to bench/RESULTS.md even with --quick")
     ap.add_argument("--no-record", action="store_true", help="do not append to bench/RESULTS.md")
-    args = ap.parse_args(argv)
+    ap.add_argument("--timeout", type=float, default=3600.0, help="seconds one benchmark may run before it is "
+                                                                  "stopped and reported as failed")
+    args = ap.parse_args([] if argv is None else argv)
+    if args.smoke and args.record:
+        ap.error("--smoke runs are never recorded: drop --record")
 
     available = discover()
     wanted = [n.strip() for n in args.only.split(",") if n.strip()] or available
@@ -191,25 +216,44 @@ def main(argv: list[str] | None = None) -> dict:
     t0 = time.perf_counter()
     runs: dict[str, dict] = {}
     for name in names:
-        print(f"\n## bench_{name}\n", flush=True)
-        print(f"[bench_{name}] running ...", file=sys.stderr, flush=True)
-        runs[name] = run_one(name, QUICK_ARGS.get(name) if args.quick else None)
-        print(f"[bench_{name}] {runs[name]['seconds']:.0f}s" + (" FAILED" if runs[name]["error"] else ""),
-              file=sys.stderr, flush=True)
+        label = bench_path(name).stem
+        print(f"\n## {label}\n", flush=True)
+        print(f"[{label}] running ...", file=sys.stderr, flush=True)
+        bench_args = ["--smoke"] if args.smoke else QUICK_ARGS.get(name) if args.quick else None
+        runs[name] = run_one(name, bench_args, args.timeout)
+        failure = runs[name]["error"]
+        print(f"[{label}] {runs[name]['seconds']:.0f}s"
+              + (f" FAILED: {failure.strip().splitlines()[-1]}" if failure else ""), file=sys.stderr, flush=True)
     total = time.perf_counter() - t0
-    heads = headlines(runs)
+    heads = [] if args.smoke else headlines(runs)
     if heads:
         print("\n## Headlines\n\n" + "\n".join(f"- {h}" for h in heads), flush=True)
-    print(f"\nall benchmarks: {total / 60:.1f} min", flush=True)
-    config = ("quick" if args.quick else "default") + (f", only {','.join(names)}" if args.only else "") + \
+    failed = [n for n, r in runs.items() if r["error"]]
+    summary = [[bench_path(n).stem, f"{r['seconds']:.0f}",
+                "FAILED: " + r["error"].strip().splitlines()[-1] if r["error"] else "ok"] for n, r in runs.items()]
+    print("\n" + common.table(["benchmark", "seconds", "status"], summary,
+                              title="Summary" + (" (smoke runs)" if args.smoke else "")), flush=True)
+    print(f"\nall benchmarks: {total / 60:.1f} min" + (f"; FAILED: {', '.join(failed)}" if failed else ""), flush=True)
+    config = ("smoke" if args.smoke else "quick" if args.quick else "default") + \
+        (f", only {','.join(names)}" if args.only else "") + \
         (f"; skipped (not present): {', '.join(missing)}" if missing else "")
-    if (not args.quick or args.record) and not args.no_record:
+    if not args.smoke and (not args.quick or args.record) and not args.no_record:
         record(runs, info, config, total)
         print(f"appended to {RESULTS}", flush=True)
-    failed = [n for n, r in runs.items() if r["error"]]
     return {"runs": {n: r["result"] for n, r in runs.items()}, "failed": failed, "seconds": total}
 
 
+def cli(argv: list[str]) -> int:
+    """`python bench/run_all.py ...`: 1 when any benchmark failed, else 0."""
+    if argv[:1] == ["--child"]:
+        ap = argparse.ArgumentParser()
+        ap.add_argument("--child", type=Path, required=True)
+        ap.add_argument("--result-json", type=Path, required=True)
+        ap.add_argument("--args", default="[]")
+        a = ap.parse_args(argv)
+        return child_main(a.child, json.loads(a.args), a.result_json)
+    return 1 if main(argv)["failed"] else 0
+
+
 if __name__ == "__main__":
-    out = main(sys.argv[1:])
-    sys.exit(1 if out["failed"] else 0)
+    sys.exit(cli(sys.argv[1:]))

@@ -16,7 +16,7 @@ from lmforge.train import checkpoint as ckpt
 from conftest import make_corpus
 
 SUBCOMMANDS = ["train-tokenizer", "import-tokenizer", "prepare", "pretrain", "sft", "generate", "chat", "eval",
-               "export", "import-hf", "serve", "speedrun"]
+               "export", "import-hf", "import-gguf", "serve", "speedrun"]
 
 
 def one_error_line(capsys) -> str:

@@ -205,7 +205,7 @@ def foreign_without_eos(folder: Path) -> Path:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.train_from_iterator(["def f(x):\n    return x\n"] * 20, trainer=trainers.BpeTrainer(
-        vocab_size=280, special_tokens=["<unk>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        vocab_size=280, special_tokens=["<unk>", "<|stop|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False))
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>").save_pretrained(str(folder))
     assert "eos_token" not in json.loads((folder / TOKENIZER_CONFIG_FILE).read_text())
@@ -216,7 +216,7 @@ def test_import_tokenizer_without_eos_fails(capsys, tmp_path):
     src = foreign_without_eos(tmp_path / "hf")
     before = tree(tmp_path)
     rc, _, err = cli(capsys, "import-tokenizer", "--from", src, "--out", tmp_path / "tok")
-    assert_one_error(rc, err, "no end-of-text token", str(src / TOKENIZER_CONFIG_FILE), "eos_token")
+    assert_one_error(rc, err, "no document terminator", str(src / TOKENIZER_CONFIG_FILE), "--set tokenizer.eos_token=")
     assert tree(tmp_path) == before  # no tok/, no tok.tmp/
     # and a stage pointed straight at the foreign folder says to import it
     rc, _, err = cli(capsys, "prepare", "--set", f"tokenizer.dir={src}", "--out", tmp_path / "data")
@@ -225,20 +225,25 @@ def test_import_tokenizer_without_eos_fails(capsys, tmp_path):
 
 
 def test_import_tokenizer_console_script(capsys, tmp_path):
-    """The installed `lmforge` command itself refuses it; then, with eos_token set, it imports."""
+    """The installed `lmforge` command itself refuses it; then, with eos_token set (in the folder, or
+    by the setting tokenizer.eos_token), it imports."""
     src = foreign_without_eos(tmp_path / "hf")
     script = Path(sys.executable).parent / "lmforge"
     cmd = [str(script)] if script.exists() else [sys.executable, "-m", "lmforge"]
     p = subprocess.run([*cmd, "import-tokenizer", "--from", str(src), "--out", str(tmp_path / "tok")],
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and p.stderr.count("error:") == 1 and "Traceback" not in p.stderr, p.stderr
-    assert "no end-of-text token" in p.stderr and not (tmp_path / "tok").exists()
+    assert "no document terminator" in p.stderr and not (tmp_path / "tok").exists()
+    rc, _, err = cli(capsys, "import-tokenizer", "--from", src, "--out", tmp_path / "tok0",
+                     "--set", "tokenizer.eos_token=<|stop|>")
+    assert rc == 0, err
+    assert Contract.load(tmp_path / "tok0").eos_id == Contract.load(tmp_path / "tok0").special_tokens["eos"]
     cfg = json.loads((src / TOKENIZER_CONFIG_FILE).read_text())
-    (src / TOKENIZER_CONFIG_FILE).write_text(json.dumps(cfg | {"eos_token": "</s>"}))
+    (src / TOKENIZER_CONFIG_FILE).write_text(json.dumps(cfg | {"eos_token": "<|stop|>"}))
     rc, _, err = cli(capsys, "import-tokenizer", "--from", src, "--out", tmp_path / "tok")
     assert rc == 0, err
     c = Contract.load(tmp_path / "tok")
-    assert "adding it" in err and f"eos={c.eos_id} '</s>'" in err and f"pad={c.pad_id} '<|pad|>'" in err
+    assert "adding it" in err and f"eos={c.eos_id} '<|stop|>'" in err and f"pad={c.pad_id} '<|pad|>'" in err
 
 
 # -- 6. a contract edited by hand so its hash no longer matches ------------------------------
@@ -453,3 +458,18 @@ def test_pretrain_dry_run_reports_and_writes_nothing(capsys, tiny_run, tmp_path,
     res = json.loads(out.strip().splitlines()[-1])
     assert res["dry_run"] is True and abs(res["loss"] - math.log(c.vocab_size)) < 1.0
     assert "all checks passed" in err and "error:" not in err
+
+
+def test_tokenizer_json_that_is_json_but_not_a_tokenizer_is_a_contract_error(tiny_tokenizer, tmp_path):
+    """Valid JSON, the contract's hash updated to match, yet not a tokenizer: a ContractError naming
+    the file, not the `tokenizers` library's bare Exception."""
+    from lmforge.tokenizer import Tokenizer
+
+    folder = tmp_path / "tok"
+    shutil.copytree(tiny_tokenizer.folder, folder)
+    (folder / TOKENIZER_FILE).write_text('{"version": "1.0", "model": {"type": "nothing"}}', encoding="utf-8")
+    contract = json.loads((folder / CONTRACT_FILE).read_text())
+    contract["tokenizer_sha256"] = file_sha256(folder / TOKENIZER_FILE)
+    (folder / CONTRACT_FILE).write_text(json.dumps(contract))
+    with pytest.raises(ContractError, match=r"tokenizer\.json is not a tokenizer the `tokenizers` library can read"):
+        Tokenizer.load(folder)

@@ -251,7 +251,8 @@ def test_two_rank_resume_is_exact(two_rank_runs):
 def test_fsdp_checkpoint_through_torchrun_loads_in_one_process(tiny_run, tmp_path):
     """`torchrun -m lmforge pretrain` with FSDP2: full (unsharded) weights on disk."""
     cfg, tok = tiny_run
-    cfg = replace(cfg, train=replace(cfg.train, steps=2, data_parallel="fsdp", global_batch_size=8))
+    # min_lr_ratio 1: a flat schedule, so the resume below may add a step exactly (lmforge.train.resume)
+    cfg = replace(cfg, train=replace(cfg.train, steps=2, data_parallel="fsdp", global_batch_size=8, min_lr_ratio=1.0))
     cfg.save(tmp_path / "cfg.toml")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
            "-m", "lmforge", "pretrain", "--config", str(tmp_path / "cfg.toml"), "--out", str(tmp_path / "run"),

@@ -233,8 +233,10 @@ def test_import_gpt2_like_bos_equals_eos_no_pad(tmp_path):
     out = import_tokenizer(src, tmp_path / "tok")
     eos = tok.token_to_id("<|endoftext|>")
     assert out.eos_id == eos
-    assert out.spellings["bos"] == "<|bos|>" and out.spellings["pad"] == "<|pad|>"
-    assert len(set(out.contract.special_tokens.values())) == 5
+    # the model's convention: GPT-2 prepends no BOS, so none is added (no new row for it)
+    assert out.spellings["bos"] is None and not out.contract.add_bos and out.spellings["pad"] == "<|pad|>"
+    assert out.encode_document("x") == [*out.encode("x"), eos]
+    assert len(set(out.contract.special_tokens.values())) == 5  # None, eos, pad, im_start, im_end
 
 
 def test_import_qwen_like_reuses_its_chat_tokens(tmp_path):
@@ -242,13 +244,16 @@ def test_import_qwen_like_reuses_its_chat_tokens(tmp_path):
     tok = train_bpe(CORPUS, specials)
     src = save_hf(tmp_path / "hf", tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>",
                   additional_special_tokens=["<|im_start|>", "<|im_end|>"])
-    edit_config(src, chat_template="{{ 'a foreign template' }}")
     lines = []
     out = import_tokenizer(src, tmp_path / "tok", log=lines.append)
     assert out.im_start_id == tok.token_to_id("<|im_start|>") and out.im_end_id == tok.token_to_id("<|im_end|>")
     assert out.eos_id == tok.token_to_id("<|endoftext|>")
     assert out.pad_id not in (out.eos_id, out.im_end_id)
-    assert out.contract.chat_template == CHAT_TEMPLATE and any("chat_template" in x for x in lines)
+    assert out.contract.chat_template == CHAT_TEMPLATE  # no template of its own: lmforge's ChatML
+    # a template whose replies end with no special token cannot stop a turn: refused, by name
+    edit_config(src, chat_template="{{ 'a foreign template' }}")
+    with pytest.raises(ContractError, match="chat template of .* no special token"):
+        import_tokenizer(src, tmp_path / "tok2")
     r = out.render_chat([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}])
     assert r.ids.count(out.im_end_id) == 2
 
@@ -278,10 +283,7 @@ def test_import_switches_off_stored_padding_and_truncation(tmp_path):
 
 # -- refusals ------------------------------------------------------------------------------
 @pytest.mark.parametrize("config, match", [
-    ({}, "no end-of-text token"),
-    ({"eos_token": None}, "no end-of-text token"),
     ({"eos_token": "</nope>"}, "eos_token = '</nope>' is not a token"),
-    ({"eos_token": "<|im_end|>"}, "chat-turn token"),
     ({"eos_token": "<|endoftext|>", "pad_token": {"content": "<|missing|>"}}, "pad_token = '<|missing|>'"),
 ])
 def test_import_refuses_bad_special_tokens(tmp_path, config, match):
@@ -338,7 +340,7 @@ def test_load_refuses_an_edited_config_or_vocab(imported_llama, tmp_path):
     folder = tmp_path / "tok"
     shutil.copytree(imported_llama.folder, folder)
     edit_config(folder, eos_token="<|begin_of_text|>")
-    with pytest.raises(ContractError, match="special_tokens"):
+    with pytest.raises(ContractError, match="eos_token = '<|begin_of_text|>'.*special_tokens"):
         Tokenizer.load(folder)
     shutil.rmtree(folder)
     shutil.copytree(imported_llama.folder, folder)

@@ -213,7 +213,16 @@ def _export(args) -> int:
 def _import_hf(args) -> int:
     from lmforge.stages import import_hf_stage
 
-    print(import_hf_stage(args.folder, _need_out(args, "DIR (the lmforge checkpoint folder to write)")))
+    print(import_hf_stage(args.folder, _need_out(args, "DIR (the lmforge checkpoint folder to write)"),
+                          eos_token=_config(args).tokenizer.eos_token))
+    return 0
+
+
+def _import_gguf(args) -> int:
+    from lmforge.stages import import_gguf_stage
+
+    print(import_gguf_stage(args.file, _need_out(args, "DIR (the lmforge checkpoint folder to write)"),
+                            eos_token=_config(args).tokenizer.eos_token))
     return 0
 
 
@@ -283,6 +292,10 @@ def _args_import_hf(p):
     p.add_argument("folder", metavar="DIR", help="a folder written by transformers' save_pretrained")
 
 
+def _args_import_gguf(p):
+    p.add_argument("file", metavar="FILE", help="a .gguf file (architecture llama, qwen2 or qwen3)")
+
+
 def _args_speedrun(p):
     p.add_argument("--resume", action="store_true", help="keep finished stages, continue pretraining")
     _progress(p)
@@ -311,6 +324,8 @@ COMMANDS: dict[str, tuple[str, str | None, Callable, Callable]] = {
                _args_export, _export),
     "import-hf": ("turn a Hugging Face Llama folder into an lmforge checkpoint",
                   "the lmforge checkpoint folder to write (required)", _args_import_hf, _import_hf),
+    "import-gguf": ("turn a GGUF file (llama, qwen2, qwen3; any quantization) into an lmforge checkpoint",
+                    "the lmforge checkpoint folder to write (required)", _args_import_gguf, _import_gguf),
     "serve": ("an OpenAI-compatible server (batched decoding) with a chat page at /", None, _args_serve, _serve),
     "speedrun": ("every stage on the embedded corpus, then a summary table",
                  "output folder (default: runs/speedrun)", _args_speedrun, _speedrun),

@@ -40,6 +40,10 @@ class TokenizerConfig:
     """Folder of the trained tokenizer (tokenizer.json, tokenizer_config.json, contract.json)."""
     max_train_bytes: int = 0
     """Train the BPE on at most this many bytes of text (0 = all)."""
+    eos_token: str = ""
+    """import-tokenizer / import-hf: the token that ends a document, for a tokenizer whose
+    eos_token ends a chat turn and whose vocabulary has no known document terminator ("" =
+    derived: the declared eos_token, or <|endoftext|>, <|end_of_text|>, </s>, <eos>)."""
 
 
 @dataclass
@@ -79,6 +83,16 @@ class ModelConfig:
     qk_norm: bool = True
     """RMSNorm over each head's q and k before the rotary embedding (Qwen3's layout; exported
     as Qwen3ForCausalLM)."""
+    qkv_bias: bool = False
+    """Biases on the q, k and v projections (Qwen2's layout; imported models only)."""
+    rope_scaling: str = "none"
+    """"none" (plain RoPE) or "llama3" (Llama 3.1's frequency scaling, the four rope_* keys
+    below; imported models only)."""
+    rope_factor: float = 8.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_seq_len: int = 8192
+    """llama3 scaling: the context length the model was first trained for."""
     attention: str = "auto"
     """"auto" (flex on CUDA, sdpa elsewhere), "sdpa" or "flex"."""
 
@@ -210,6 +224,8 @@ class SamplingConfig:
             if not ok:
                 raise ConfigError(f"generate.{name} = {getattr(self, name)!r}: expected a value {want} "
                                   f"(default {getattr(SamplingConfig(), name)!r}).")
+        for name in ("max_new_tokens", "temperature", "top_k"):
+            check_bounds(f"generate.{name}", getattr(self, name))
         return self
 
 
@@ -237,6 +253,83 @@ class Config:
         which need the world size, are checked by `check_parallel` at start-up.)"""
         validate(self)
         return self
+
+
+#: The most optimizer steps any count of steps may name (train.steps, warmup, checkpoint_every, ...):
+#: a hundred million, far beyond any run, so a slipped digit is caught before any work.
+MAX_STEPS = 10**8
+#: The longest sequence a model or a row may have (16M tokens).
+MAX_SEQ_LEN = 1 << 24
+
+#: Every number of the config and its range: (low, high, low_open, high_open). `validate` checks
+#: each (after the checks with their own messages, which keep their wording) and the error names
+#: the field, the value, the range and the default. tests/robustness/test_bounds_readers.py
+#: asserts that every int and float field of every section has a row here.
+BOUNDS: dict[str, tuple[float, float, bool, bool]] = {
+    "tokenizer.vocab_size": (1, MAX_VOCAB, False, False),
+    "tokenizer.max_train_bytes": (0, 1 << 50, False, False),  # 1 PiB of text
+    "data.seq_len": (1, MAX_SEQ_LEN, False, False),
+    "data.val_fraction": (0.0, 1.0, False, True),
+    "model.dim": (1, 1 << 16, False, False),  # Llama 3 405B: 16384
+    "model.n_layers": (1, 1024, False, False),  # Llama 3 405B: 126
+    "model.n_heads": (1, 1 << 12, False, False),
+    "model.n_kv_heads": (1, 1 << 12, False, False),
+    "model.vocab_size": (0, MAX_VOCAB, False, False),
+    "model.ffn_dim": (0, 1 << 20, False, False),
+    "model.norm_eps": (0.0, 1.0, True, False),
+    "model.rope_theta": (0.0, 1e12, True, False),  # Llama 3: 5e5; long-context models: up to ~1e8
+    "model.max_seq_len": (1, MAX_SEQ_LEN, False, False),
+    "train.steps": (1, MAX_STEPS, False, False),
+    "train.micro_batch_size": (1, 1 << 20, False, False),
+    "train.grad_accum_steps": (1, 1 << 16, False, False),
+    "train.lr": (0.0, 10.0, True, False),
+    "train.min_lr_ratio": (0.0, 1.0, False, False),
+    "train.warmup_steps": (0, MAX_STEPS, False, False),
+    "train.decay_fraction": (0.0, 1.0, True, False),
+    "train.weight_decay": (0.0, 1.0, False, False),  # decoupled: each step multiplies by 1 - lr x weight_decay
+    "train.beta1": (0.0, 1.0, False, True),
+    "train.beta2": (0.0, 1.0, False, True),
+    "train.grad_clip": (0.0, 1e6, False, False),  # 0 = off
+    "train.muon_lr_scale": (0.0, 100.0, False, False),  # 0 freezes the blocks' matrices
+    "train.muon_momentum": (0.0, 1.0, False, True),  # 1 would never forget a gradient
+    "train.muon_ns_steps": (1, 100, False, False),
+    "train.embed_lr_scale": (0.0, 100.0, False, False),
+    "train.head_lr_scale": (0.0, 100.0, False, False),
+    "train.seed": (0, 2**63, False, True),
+    "train.context_parallel": (1, 1 << 12, False, False),
+    "train.global_batch_size": (0, 1 << 30, False, False),
+    "train.checkpoint_every": (0, MAX_STEPS, False, False),
+    "train.keep_last": (0, 10**6, False, False),
+    "train.eval_every": (0, MAX_STEPS, False, False),
+    "train.eval_tokens": (0, 1 << 50, False, False),
+    "train.log_every": (1, MAX_STEPS, False, False),
+    "train.time_limit_s": (0.0, 1e8, False, False),  # about three years
+    "sft.steps": (1, MAX_STEPS, False, False),
+    "sft.micro_batch_size": (1, 1 << 20, False, False),
+    "sft.grad_accum_steps": (1, 1 << 16, False, False),
+    "sft.lr": (0.0, 10.0, True, False),
+    "sft.warmup_steps": (0, MAX_STEPS, False, False),
+    "sft.max_examples": (0, 1 << 40, False, False),
+    "sft.val_examples": (0, 1 << 40, False, False),
+    "sft.max_chars": (0, 1 << 40, False, False),
+    "generate.max_new_tokens": (1, MAX_SEQ_LEN, False, False),
+    "generate.temperature": (0.0, 1000.0, False, False),
+    "generate.top_k": (0, MAX_VOCAB, False, False),
+    "generate.top_p": (0.0, 1.0, True, False),
+    "generate.repetition_penalty": (0.01, 100.0, False, False),
+}
+
+
+def check_bounds(name: str, value: float) -> None:
+    """Raise ConfigError unless `value` lies in BOUNDS[name] (a "section.key" name); the
+    message names the field, the value, the range and the default."""
+    low, high, low_open, high_open = BOUNDS[name]
+    ok = math.isfinite(value) and (low < value if low_open else low <= value) and (
+        value < high if high_open else value <= high)
+    if not ok:
+        section, key = name.split(".", 1)
+        raise ConfigError(f"{name} = {value!r}: expected {low} {'<' if low_open else '<='} value "
+                          f"{'<' if high_open else '<='} {high} (default {_default(section, key)!r}).")
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -443,6 +536,13 @@ def validate(cfg: Config) -> Config:
             f"model.dim / model.n_heads = {m.head_dim} is odd; rotary embeddings need an even head size."
         )
     _choice("model.attention", m.attention, ("auto", "sdpa", "flex"))
+    _choice("model.rope_scaling", m.rope_scaling, ("none", "llama3"))
+    if m.rope_scaling == "llama3":
+        for name in ("rope_factor", "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_seq_len"):
+            _positive(f"model.{name}", getattr(m, name))
+        if not m.rope_high_freq_factor > m.rope_low_freq_factor:
+            raise ConfigError(f"model.rope_high_freq_factor = {m.rope_high_freq_factor} must exceed "
+                              f"model.rope_low_freq_factor = {m.rope_low_freq_factor} (llama3 rope scaling).")
     if d.seq_len < 1:
         raise ConfigError(f"data.seq_len = {d.seq_len}: expected at least 1.")
     if d.seq_len > m.max_seq_len:
@@ -487,6 +587,9 @@ def validate(cfg: Config) -> Config:
     _positive("generate.top_k", g.top_k, allow_zero=True)
     if not 0.0 < g.top_p <= 1.0:
         raise ConfigError(f"generate.top_p = {g.top_p}: expected 0 < value <= 1.")
+    for name in BOUNDS:  # every number, both ends (the checks above keep their own wording)
+        section, key = name.split(".", 1)
+        check_bounds(name, getattr(getattr(cfg, section), key))
     return cfg
 
 

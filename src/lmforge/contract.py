@@ -8,7 +8,18 @@ meets (`check_match`) and stops on any difference.
 
     {"tokenizer_sha256": "...", "vocab_size": 8192, "model_vocab_size": 8192,
      "special_tokens": {"pad": 0, "bos": 1, "eos": 2, "im_start": 3, "im_end": 4},
-     "chat_template": "...", "token_dtype": "uint16"}
+     "chat_template": "...", "token_dtype": "uint16", "add_bos": true}
+
+Special tokens by name: `pad` (padding only, never a real token), `bos`, `eos` (ends a
+document), `im_start`, `im_end` (ends a chat turn: the chat stop token and the last learned
+token of an assistant turn). Every id is an integer in [0, vocab_size). An imported model
+follows its own conventions: `bos` and `im_start` may be null (Qwen2.5 has no BOS token;
+Llama 3 and Mistral templates have no <|im_start|>), and `im_end` may equal `eos` (Mistral
+ends a turn with its </s>). `add_bos` says whether a document (and a completion prompt)
+starts with the BOS: true for lmforge's own tokenizers and for models whose tokenizer
+prepends one (Llama 3, Mistral), false for models without (SmolLM2, Qwen); every stage
+and every export (HF `add_bos_token`, GGUF `tokenizer.ggml.add_bos_token`) follows it. A
+contract.json written before the field existed reads as `add_bos: true`.
 """
 
 from __future__ import annotations
@@ -50,6 +61,8 @@ class Contract:
     chat_template: str
     token_dtype: str
     """numpy dtype of data shards: "uint16" when vocab_size <= 65536, else "uint32"."""
+    add_bos: bool = True
+    """Documents and completion prompts start with the BOS (module docstring)."""
 
     # -- special tokens by name: the only accessors stages use ------------------
     @property
@@ -57,16 +70,22 @@ class Contract:
         return self.special_tokens["pad"]
 
     @property
-    def bos_id(self) -> int:
-        return self.special_tokens["bos"]
+    def bos_id(self) -> int | None:
+        """The BOS id, or None for a model that has no BOS token."""
+        return self.special_tokens.get("bos")
+
+    @property
+    def document_start(self) -> list[int]:
+        """What every document and completion prompt starts with: [bos_id] when `add_bos`, else []."""
+        return [self.special_tokens["bos"]] if self.add_bos else []
 
     @property
     def eos_id(self) -> int:
         return self.special_tokens["eos"]
 
     @property
-    def im_start_id(self) -> int:
-        return self.special_tokens["im_start"]
+    def im_start_id(self) -> int | None:
+        return self.special_tokens.get("im_start")
 
     @property
     def im_end_id(self) -> int:
@@ -104,7 +123,9 @@ class Contract:
         try:
             raw = json.loads(path.read_text(encoding="utf-8"))
             fields = {f.name for f in dataclasses.fields(cls)}
-            missing = fields - set(raw)
+            if not isinstance(raw, dict):
+                raise ValueError(f"expected a JSON object, found {type(raw).__name__}")
+            missing = fields - set(raw) - {"add_bos"}  # add_bos: absent in contracts written before it
             extra = set(raw) - fields
             if missing or extra:
                 raise ValueError(f"missing fields {sorted(missing)}, unexpected fields {sorted(extra)}")
@@ -126,19 +147,41 @@ class Contract:
             ContractError: naming `where`, the field, the value and what was expected.
         """
         required = ("pad", "bos", "eos", "im_start", "im_end")
+        if not isinstance(self.special_tokens, dict):
+            raise ContractError(f"{where}: special_tokens = {self.special_tokens!r}: expected an object "
+                                f"{{name: id}} with the names {required}.")
         for name in required:
             if name not in self.special_tokens:
                 raise ContractError(f"{where}: special_tokens has no {name!r} (expected {required}).")
-        ids = list(self.special_tokens.values())
+        if set(self.special_tokens) - set(required):
+            raise ContractError(f"{where}: special_tokens has unknown names "
+                                f"{sorted(set(self.special_tokens) - set(required))} (expected {required}).")
+        for name, value in (("vocab_size", self.vocab_size), ("model_vocab_size", self.model_vocab_size)):
+            if type(value) is not int:
+                raise ContractError(f"{where}: {name} = {value!r}: expected an integer.")
+        if type(self.add_bos) is not bool:
+            raise ContractError(f"{where}: add_bos = {self.add_bos!r}: expected true or false.")
         for name, i in self.special_tokens.items():
+            if i is None and name in OPTIONAL_SPECIALS:
+                continue
+            if type(i) is not int:  # 2.0, "2", true: never an id (bool is an int subclass)
+                allowed = " or null" if name in OPTIONAL_SPECIALS else ""
+                raise ContractError(f"{where}: special token {name!r} has id {i!r}: expected an integer{allowed}. "
+                                    f"Restore contract.json from the tokenizer folder it came from.")
             if not 0 <= i < self.vocab_size:
                 raise ContractError(
                     f"{where}: special token {name!r} has id {i}, outside the vocab [0, {self.vocab_size})."
                 )
+        if self.add_bos and self.special_tokens["bos"] is None:
+            raise ContractError(f"{where}: add_bos = true but special token 'bos' is null; a document cannot start "
+                                f"with a BOS the vocabulary lacks. Set add_bos to false or give the BOS id.")
+        # distinct ids (P4); only the end of a turn may be the end of a document (Mistral's </s>)
+        named = [(n, i) for n, i in self.special_tokens.items() if i is not None]
+        ids = [i for n, i in named if not (n == "im_end" and i == self.special_tokens["eos"])]
         if len(set(ids)) != len(ids):
             raise ContractError(
                 f"{where}: special tokens share ids {self.special_tokens}; PAD, BOS, EOS and the chat "
-                f"tokens must each be their own token (P4)."
+                f"tokens must each be their own token (P4; only im_end may equal eos)."
             )
         if self.model_vocab_size != padded_vocab_size(self.vocab_size):
             raise ContractError(
@@ -150,6 +193,10 @@ class Contract:
                 f"{where}: token_dtype = {self.token_dtype!r} cannot hold vocab_size {self.vocab_size}; "
                 f"expected {token_dtype_for(self.vocab_size)!r}."
             )
+
+
+#: Special tokens a model may lack (null in contract.json): a BOS (Qwen) and ChatML's turn start.
+OPTIONAL_SPECIALS = ("bos", "im_start")
 
 
 def token_dtype_for(vocab_size: int) -> str:

@@ -129,7 +129,7 @@ def check_prompts(prompts: Sequence[Sequence[int]], vocab_size: int, max_seq_len
     for i, p in enumerate(prompts):
         p = [int(t) for t in p]
         if not p:
-            raise LmforgeError(f"prompt {i} is empty: give at least one token (lmforge prompts start with <|bos|>).")
+            raise LmforgeError(f"prompt {i} is empty: give at least one token (a completion prompt starts with the BOS, where the model has one).")
         bad = [t for t in p if not 0 <= t < vocab_size]
         if bad:
             raise LmforgeError(

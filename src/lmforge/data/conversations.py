@@ -79,7 +79,7 @@ def _speaker(turn: object, where: str, key: str, choices: Sequence[str], text_ke
         keys = sorted(turn) if isinstance(turn, dict) else type(turn).__name__
         raise DataError(f"{where} has no \"{key}\" (keys: {keys}); expected {{\"{key}\": one of {choices}, "
                         f"\"{text_key}\": str}}. Fix or remove the record.")
-    if turn[key] not in choices:
+    if not isinstance(turn[key], str) or turn[key] not in choices:  # a list or an object is never a speaker
         raise DataError(f"{where} has {seen_as} {short(turn[key])}; expected one of {choices}. Rename it or "
                         f"remove the record.")
     return turn[key]

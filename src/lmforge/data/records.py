@@ -84,6 +84,8 @@ def _jsonl(path: Path) -> Iterator[tuple[str, object]]:
                 record = json.loads(raw)
             except (json.JSONDecodeError, UnicodeDecodeError) as exc:
                 raise DataError(f"{where}: not valid JSON ({exc}). Fix or remove the line.") from None
+            except ValueError as exc:  # e.g. an integer of more than 4300 digits (Python's int limit)
+                raise DataError(f"{where}: a value cannot be read ({str(exc)[:100]}). Fix or remove the line.") from None
             except RecursionError:
                 raise DataError(f"{where}: JSON nested too deeply to read. Fix or remove the line.") from None
             yield where, record

@@ -3,7 +3,8 @@
 A prepared data folder holds, per split ("train", "val"):
 
 - `{split}.bin`: every document's tokens back to back, `contract.token_dtype`
-  (uint16 when the vocab fits, else uint32). Each document is `[bos] text [eos]`.
+  (uint16 when the vocab fits, else uint32). Each document is `[bos] text [eos]` (no BOS for a
+  model without one: the contract's `document_start`).
 - `{split}.idx`: int64 offsets, n_documents + 1 of them: document i is
   `bin[idx[i]:idx[i+1]]` (so idx[0] = 0 and idx[-1] = number of tokens).
 
@@ -86,7 +87,7 @@ def _prepare_into(tmp: Path, source: str, tokenizer: Tokenizer, val_fraction: fl
         def flush() -> None:
             encoded = encode_batch([d.text for d in batch])
             for (doc, split), ids in zip(batch_splits, encoded):
-                arr = np.array([contract.bos_id, *ids, contract.eos_id], dtype=np.int64)
+                arr = np.array([*contract.document_start, *ids, contract.eos_id], dtype=np.int64)
                 files[split].write(arr.astype(dtype).tobytes())
                 offsets[split].append(offsets[split][-1] + len(arr))
                 m = split_meta[split]

@@ -16,12 +16,17 @@ uses, so q/k weights map without a permutation (tests/test_export.py proves it b
 logit parity with `LlamaForCausalLM`). Hugging Face names appear in this module only,
 and every lmforge <-> HF weight name goes through one function, `map_name`, both ways.
 
-Import reads a Llama-architecture folder saved by `transformers` (config.json,
-model.safetensors or its shards, tokenizer.json) and writes a plain lmforge checkpoint
-folder (config.toml, model.safetensors, contract.json, tokenizer files) that
-`Transformer.from_checkpoint`, `lmforge generate/eval` and `sft.init` accept. It
-refuses anything lmforge's model cannot represent exactly (another architecture,
-biases, rope scaling, another activation) rather than load it approximately.
+A model with `model.qkv_bias` is written as a `Qwen2ForCausalLM`, and Llama 3.1 RoPE scaling
+(`model.rope_scaling = "llama3"`) as config.json's `rope_scaling`.
+
+Import reads a folder of the Llama family saved by `transformers` (FAMILIES: Llama, Mistral,
+Qwen2, Qwen3; config.json, model.safetensors or its shards, tokenizer files) and writes a
+plain lmforge checkpoint folder (config.toml, model.safetensors, contract.json, tokenizer
+files) that `Transformer.from_checkpoint`, every stage and `sft.init` accept. It reads only
+files inside the folder (`confined`), states every conversion it makes, and refuses anything
+lmforge's model cannot represent exactly (another architecture, MLP or output biases, another
+RoPE scaling, a sliding window that slides, another activation, integer weights) rather than
+load it approximately.
 
 Neither direction needs `transformers`; only `export_hf(..., verify=True)` (the
 `--verify` flag) imports it, lazily, to compare logits (`pip install "lmforge[hf]"`).
@@ -42,11 +47,16 @@ from safetensors.torch import load_file, save_file
 from lmforge.config import Config, ModelConfig, from_dict, validate
 from lmforge.contract import Contract, padded_vocab_size
 from lmforge.errors import CheckpointError, ConfigError, require_package
+<<<<<<< HEAD
 from lmforge.export.options import ExportError, check_export_options
 from lmforge.fileio import atomic_dir, check_output, check_readable
+=======
+from lmforge.export.options import ExportError, check_dtype_range, check_export_options
+from lmforge.fileio import atomic_dir, check_output
+>>>>>>> main
 from lmforge.loading import load_checkpoint
 from lmforge.model.io import MODEL_FILE, load_weights, model_state, write_model_files
-from lmforge.tokenizer import CHAT_TEMPLATE, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE
+from lmforge.tokenizer import CHAT_TEMPLATE, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, Tokenizer, short_repr
 
 HF_CONFIG_FILE = "config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
@@ -65,6 +75,9 @@ _NAME_PAIRS = (
     ("layers.{i}.attention.wk.weight", "model.layers.{i}.self_attn.k_proj.weight"),
     ("layers.{i}.attention.wv.weight", "model.layers.{i}.self_attn.v_proj.weight"),
     ("layers.{i}.attention.wo.weight", "model.layers.{i}.self_attn.o_proj.weight"),
+    ("layers.{i}.attention.wq.bias", "model.layers.{i}.self_attn.q_proj.bias"),  # qkv_bias: Qwen2
+    ("layers.{i}.attention.wk.bias", "model.layers.{i}.self_attn.k_proj.bias"),
+    ("layers.{i}.attention.wv.bias", "model.layers.{i}.self_attn.v_proj.bias"),
     ("layers.{i}.attention.q_norm.weight", "model.layers.{i}.self_attn.q_norm.weight"),  # qk_norm: Qwen3
     ("layers.{i}.attention.k_norm.weight", "model.layers.{i}.self_attn.k_norm.weight"),
     ("layers.{i}.ffn_norm.weight", "model.layers.{i}.post_attention_layernorm.weight"),
@@ -100,8 +113,8 @@ def map_name(name: str, to_hf: bool = True) -> str:
     side = "lmforge" if to_hf else "Hugging Face Llama"
     raise ExportError(
         f"weight {name!r} is not a {side} weight lmforge knows how to map (known: "
-        f"{', '.join(p[0 if to_hf else 1] for p in _NAME_PAIRS)}). lmforge's model has no biases "
-        f"and no other parameters; this folder holds a model lmforge cannot represent."
+        f"{', '.join(p[0 if to_hf else 1] for p in _NAME_PAIRS)}). lmforge's model has no other parameters "
+        f"(biases on q, k and v only); this folder holds a model lmforge cannot represent."
     )
 
 
@@ -117,6 +130,8 @@ def to_hf_state(state: dict[str, torch.Tensor], vocab_size: int, tie_embeddings:
         dtype: cast floating tensors to this dtype (default: keep).
     Returns:
         {HF name: contiguous tensor}.
+    Raises:
+        ExportError: a weight beyond `dtype`'s range (`check_dtype_range`).
     """
     out = {}
     for name, t in state.items():
@@ -125,6 +140,7 @@ def to_hf_state(state: dict[str, torch.Tensor], vocab_size: int, tie_embeddings:
         if name in ("tok_embeddings.weight", "output.weight"):
             t = t[:vocab_size]
         if dtype is not None and t.is_floating_point():
+            check_dtype_range(name, t, str(dtype).removeprefix("torch."))  # never an infinity in the file
             t = t.to(dtype)
         out[map_name(name, to_hf=True)] = t.detach().contiguous().cpu()
     return out
@@ -182,8 +198,18 @@ def hf_config(model: ModelConfig, contract: Contract, dtype: torch.dtype = torch
     """The `config.json` of a `LlamaForCausalLM` equal to `model` (vocab = the tokenizer's);
     with `model.qk_norm`, of a `Qwen3ForCausalLM` (Llama's layout plus an RMSNorm over each
     head's q and k before the rotary embedding, which is what lmforge's qk_norm computes)."""
+    if model.qk_norm and model.qkv_bias:
+        raise ExportError("model.qk_norm with model.qkv_bias is no Hugging Face architecture (Qwen3 has QK-norm and no "
+                          "biases, Qwen2 biases and no QK-norm); this model cannot be exported.")
     if model.qk_norm:
         return qwen3_config(model, contract, dtype)
+    if model.qkv_bias:
+        return qwen2_config(model, contract, dtype)
+    rope_scaling = None
+    if model.rope_scaling == "llama3":
+        rope_scaling = {"rope_type": "llama3", "factor": model.rope_factor, "low_freq_factor": model.rope_low_freq_factor,
+                        "high_freq_factor": model.rope_high_freq_factor,
+                        "original_max_position_embeddings": model.rope_original_max_seq_len}
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -196,7 +222,7 @@ def hf_config(model: ModelConfig, contract: Contract, dtype: torch.dtype = torch
         "hidden_act": "silu",
         "rms_norm_eps": model.norm_eps,
         "rope_theta": model.rope_theta,
-        "rope_scaling": None,
+        "rope_scaling": rope_scaling,
         "max_position_embeddings": model.max_seq_len,
         "vocab_size": contract.vocab_size,
         "tie_word_embeddings": model.tie_embeddings,
@@ -223,77 +249,149 @@ def qwen3_config(model: ModelConfig, contract: Contract, dtype: torch.dtype = to
     return cfg
 
 
-def model_config_from_hf(cfg: dict, where: str) -> ModelConfig:
-    """lmforge ModelConfig from a Llama `config.json` dict.
+def qwen2_config(model: ModelConfig, contract: Contract, dtype: torch.dtype = torch.float32) -> dict:
+    """`config.json` of a Qwen2ForCausalLM equal to a qkv_bias `model` (Llama's layout plus
+    biases on q, k and v; Qwen2 has no key for them)."""
+    cfg = hf_config(replace(model, qkv_bias=False), contract, dtype)
+    for key in ("pretraining_tp", "mlp_bias", "attention_bias", "head_dim"):
+        del cfg[key]
+    cfg.update(architectures=["Qwen2ForCausalLM"], model_type="qwen2", use_sliding_window=False, sliding_window=None,
+               max_window_layers=model.n_layers)
+    return cfg
+
+
+#: The architectures import-hf reads: (model_type, architectures[0]) -> what they add to Llama.
+FAMILIES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",  # Llama's layout with a sliding window (accepted when it never slides)
+    "qwen2": "Qwen2ForCausalLM",  # Llama's layout with q/k/v biases
+    "qwen3": "Qwen3ForCausalLM",  # Llama's layout with QK-norm
+}
+#: rope_type values that mean plain RoPE (transformers writes "default"; older configs nothing).
+PLAIN_ROPE = (None, "default")
+
+
+def _rope_settings(cfg: dict, where: str) -> dict:
+    """The RoPE settings of a config as ModelConfig keys: rope_theta and, for Llama 3.1's
+    scaling, rope_scaling = "llama3" and its four numbers. Reads transformers >= 5's
+    `rope_parameters` and older `rope_theta` + `rope_scaling` (null, or rope_type / type
+    "default" for plain RoPE).
 
     Raises:
-        ExportError: not a JSON object, another architecture, biases, rope scaling, another
-        activation, a head size lmforge does not derive, a missing field or one of the wrong type.
+        ExportError: another scaling (linear, dynamic, yarn, longrope, ...), partial rotation.
     """
-    if not isinstance(cfg, dict):
-        raise ExportError(f"{where}: expected a JSON object (a transformers config), found {type(cfg).__name__}.")
-    archs = cfg.get("architectures") or []
-    qwen3 = cfg.get("model_type") == "qwen3" and archs in (["Qwen3ForCausalLM"], [])
-    if cfg.get("use_sliding_window"):
-        raise ExportError(f"{where}: use_sliding_window = true: lmforge has full attention only.")
-    if qwen3:
-        cfg = {k: v for k, v in cfg.items() if k != "sliding_window"}  # unused without use_sliding_window
-    if not qwen3 and (cfg.get("model_type") != "llama" or archs not in (["LlamaForCausalLM"], [])):
-        raise ExportError(
-            f"{where}: model_type = {cfg.get('model_type')!r}, architectures = {archs}; lmforge imports "
-            f"only model_type \"llama\" with architectures [\"LlamaForCausalLM\"]. Other architectures "
-            f"differ in ways lmforge's model does not represent."
-        )
-    refusals = [
-        ("attention_bias", False, "lmforge's attention has no biases"),
-        ("mlp_bias", False, "lmforge's MLP has no biases"),
-        ("hidden_act", "silu", "lmforge's MLP is SwiGLU (silu)"),
-        ("rope_scaling", None, "lmforge implements plain RoPE only (no llama3/yarn/linear scaling)"),
-    ]
-    for key, want, why in refusals:
-        if key in cfg and cfg[key] != want:
-            raise ExportError(f"{where}: {key} = {cfg[key]!r}, expected {want!r}: {why}; this model cannot be imported.")
-    rope = cfg.get("rope_parameters") or {}
-    if not isinstance(rope, dict):
-        raise ExportError(f"{where}: rope_parameters = {rope!r}: expected an object.")
-    if rope.get("rope_type", "default") != "default" or rope.get("type", "default") != "default":
-        raise ExportError(
-            f"{where}: rope_parameters = {rope}, expected rope_type \"default\": lmforge implements plain "
-            f"RoPE only; this model cannot be imported."
-        )
+    source, rope = "rope_parameters", {}
+    for key in ("rope_parameters", "rope_scaling"):  # both may be present: a scaling in either counts
+        value = cfg.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, dict):
+            raise ExportError(f"{where}: {key} = {value!r}: expected an object or null.")
+        if not rope or value.get("rope_type", value.get("type")) not in PLAIN_ROPE:
+            source, rope = key, {**rope, **value} if key == "rope_scaling" else value
+    kind = rope.get("rope_type", rope.get("type"))
+    theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    out: dict = {"rope_theta": _number(theta, "rope_theta", float, where)}
     for key in ("partial_rotary_factor",):
         value = cfg.get(key, rope.get(key))
         if value not in (None, 1, 1.0):
             raise ExportError(f"{where}: {key} = {value!r}, expected 1.0: lmforge rotates the whole head.")
-    if cfg.get("sliding_window") not in (None, 0):
-        raise ExportError(f"{where}: sliding_window = {cfg['sliding_window']!r}: lmforge has full attention only.")
-    def num(key: str, typ: type, default=None, source: dict = cfg):
-        value = source.get(key, default)
-        if value is None:
-            raise ExportError(f"{where}: missing field {key!r}; a Llama config.json has it.")
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and (typ is float or value == int(value))
-        if not ok or (typ is float and not math.isfinite(value)):
-            raise ExportError(f"{where}: {key} = {value!r}: expected {'an integer' if typ is int else 'a number'}.")
-        return typ(value)
+    if rope.get("attention_factor") not in (None, 1, 1.0):
+        raise ExportError(f"{where}: rope attention_factor = {rope['attention_factor']!r}, expected 1.0: lmforge "
+                          f"does not scale attention; this model cannot be imported.")
+    if kind in PLAIN_ROPE:
+        return out
+    if kind != "llama3":
+        raise ExportError(f"{where}: {source} has rope_type = {kind!r}: lmforge implements plain RoPE (\"default\") and Llama "
+                          f"3.1's \"llama3\" scaling only; this model cannot be imported.")
+    out.update(rope_scaling="llama3",
+               rope_factor=_number(rope.get("factor"), "rope factor", float, where),
+               rope_low_freq_factor=_number(rope.get("low_freq_factor"), "rope low_freq_factor", float, where),
+               rope_high_freq_factor=_number(rope.get("high_freq_factor"), "rope high_freq_factor", float, where),
+               rope_original_max_seq_len=_number(rope.get("original_max_position_embeddings"),
+                                                 "rope original_max_position_embeddings", int, where))
+    return out
 
-    dim, n_heads = num("hidden_size", int), num("num_attention_heads", int)
+
+def _number(value, key: str, typ: type, where: str):
+    if value is None:
+        raise ExportError(f"{where}: missing field {key!r}; a transformers config.json of this family has it.")
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and (typ is float or value == int(value))
+    if not ok or (typ is float and not math.isfinite(value)):
+        raise ExportError(f"{where}: {key} = {value!r}: expected {'an integer' if typ is int else 'a number'}.")
+    return typ(value)
+
+
+def model_config_from_hf(cfg: dict, where: str, log=None) -> ModelConfig:
+    """lmforge ModelConfig from a `config.json` of the Llama family (FAMILIES): Llama (tied or
+    untied head, plain or Llama 3.1-scaled RoPE), Mistral (a sliding window that never slides),
+    Qwen2 (q/k/v biases -> `qkv_bias`), Qwen3 (QK-norm -> `qk_norm`).
+
+    Args:
+        log: called with one line per conversion stated (an empty `architectures` read by model_type).
+    Raises:
+        ExportError: not a JSON object, another architecture, MLP or o_proj biases, another
+        activation, another RoPE scaling, a sliding window that slides, a head size lmforge does
+        not derive, a missing field or one of the wrong type — each naming the field.
+    """
+    say = log or (lambda _msg: None)
+    if not isinstance(cfg, dict):
+        raise ExportError(f"{where}: expected a JSON object (a transformers config), found {type(cfg).__name__}.")
+    family = cfg.get("model_type")
+    archs = cfg.get("architectures")
+    if family not in FAMILIES:
+        raise ExportError(
+            f"{where}: model_type = {family!r}, architectures = {archs}; lmforge imports model_type "
+            f"{' / '.join(repr(k) for k in FAMILIES)} ({', '.join(FAMILIES.values())}). Other architectures differ "
+            f"in ways lmforge's model does not represent.")
+    if archs is None or archs == []:
+        say(f"config.json: architectures = {archs!r}; reading it as {FAMILIES[family]} (model_type {family!r})")
+    elif archs != [FAMILIES[family]]:
+        raise ExportError(f"{where}: architectures = {archs!r} with model_type {family!r}; expected "
+                          f"[\"{FAMILIES[family]}\"]. lmforge imports causal language models of the Llama family only.")
+    refusals = [
+        ("mlp_bias", False, "lmforge's MLP has no biases"),
+        ("hidden_act", "silu", "lmforge's MLP is SwiGLU (silu)"),
+        ("use_sliding_window", False, "lmforge has full attention only"),
+    ]
+    if family != "qwen2":  # Qwen2 always has q/k/v biases (and no key for them)
+        refusals.append(("attention_bias", False, "lmforge's attention has biases on q/k/v only in Qwen2's layout"))
+    for key, want, why in refusals:
+        if cfg.get(key, want) != want:
+            raise ExportError(f"{where}: {key} = {cfg[key]!r}, expected {want!r}: {why}; this model cannot be imported.")
+    layer_types = cfg.get("layer_types")
+    if layer_types is not None and (not isinstance(layer_types, list)
+                                    or any(t != "full_attention" for t in layer_types)):
+        raise ExportError(f"{where}: layer_types = {short_repr(layer_types)}: lmforge has full attention in every "
+                          f"layer only (expected every entry \"full_attention\"); this model cannot be imported.")
+    max_pos = _number(cfg.get("max_position_embeddings", 2048), "max_position_embeddings", int, where)
+    window = cfg.get("sliding_window")
+    if family == "mistral" and window is not None and _number(window, "sliding_window", int, where) < max_pos:
+        raise ExportError(
+            f"{where}: sliding_window = {window} is below max_position_embeddings = {max_pos}: attention would slide, "
+            f"and lmforge has full attention only. Set sliding_window to null (or to at least {max_pos}) in "
+            f"config.json if the model was trained with full attention; otherwise it cannot be imported.")
+    rope = _rope_settings(cfg, where)
+    dim, n_heads = _number(cfg.get("hidden_size"), "hidden_size", int, where), \
+        _number(cfg.get("num_attention_heads"), "num_attention_heads", int, where)
     model = ModelConfig(
         dim=dim,
-        n_layers=num("num_hidden_layers", int),
+        n_layers=_number(cfg.get("num_hidden_layers"), "num_hidden_layers", int, where),
         n_heads=n_heads,
-        n_kv_heads=num("num_key_value_heads", int, n_heads),
-        ffn_dim=num("intermediate_size", int),
-        norm_eps=num("rms_norm_eps", float, 1e-6),
-        rope_theta=num("rope_theta", float, cfg.get("rope_theta", 10000.0), source=rope),
-        max_seq_len=num("max_position_embeddings", int, 2048),
+        n_kv_heads=_number(cfg.get("num_key_value_heads", n_heads), "num_key_value_heads", int, where),
+        ffn_dim=_number(cfg.get("intermediate_size"), "intermediate_size", int, where),
+        norm_eps=_number(cfg.get("rms_norm_eps", 1e-6), "rms_norm_eps", float, where),
+        max_seq_len=max_pos,
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        qk_norm=qwen3,
+        qk_norm=family == "qwen3",
+        qkv_bias=family == "qwen2",
+        **rope,
     )
     if min(dim, n_heads, model.n_layers, model.n_kv_heads, model.ffn_dim, model.max_seq_len) <= 0:
         raise ExportError(f"{where}: sizes must be positive (hidden_size {dim}, num_attention_heads {n_heads}, "
                           f"num_hidden_layers {model.n_layers}, ...).")
     head_dim = cfg.get("head_dim")
-    if head_dim is not None and num("head_dim", int) * n_heads != dim:
+    if head_dim is not None and _number(head_dim, "head_dim", int, where) * n_heads != dim:
         raise ExportError(
             f"{where}: head_dim = {head_dim} but hidden_size / num_attention_heads = {dim // n_heads}; lmforge "
             f"derives head_dim = dim / n_heads, so this model cannot be imported."
@@ -318,21 +416,21 @@ def export_hf(checkpoint: str | Path, out: str | Path, dtype: str = "float32", v
     Raises:
         CheckpointError / ContractError: the checkpoint is incomplete or inconsistent.
         ExportError: an option that does not apply (`check_export_options`), `out` holds other
-            files, or verification failed.
+            files, a weight beyond the dtype's range (`check_dtype_range`), or verification failed.
     """
     check_export_options("hf", dtype, verify, force)
     out = Path(out)
     check_output(out, EXPORT_OUTPUT, "`lmforge export`", replace_whole=True)  # before any work
     model, tok, cfg, path = load_checkpoint(checkpoint)
     contract = tok.contract
+    torch_dtype = DTYPES[dtype]
+    hf = to_hf_state(model_state(model), contract.vocab_size, cfg.model.tie_embeddings, torch_dtype)  # before a write
     with atomic_dir(out, EXPORT_OUTPUT, what="`lmforge export`") as tmp:
-        torch_dtype = DTYPES[dtype]
-        hf = to_hf_state(model_state(model), contract.vocab_size, cfg.model.tie_embeddings, torch_dtype)
         save_file(hf, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
         config = hf_config(model.config, contract, torch_dtype)
         _write_json(tmp / HF_CONFIG_FILE, config)
         shutil.copy2(path / TOKENIZER_FILE, tmp / TOKENIZER_FILE)
-        _write_json(tmp / TOKENIZER_CONFIG_FILE, _tokenizer_config(path, cfg.model.max_seq_len))
+        _write_json(tmp / TOKENIZER_CONFIG_FILE, _tokenizer_config(tok, cfg.model.max_seq_len))
         _write_json(tmp / GENERATION_CONFIG_FILE, generation_config(cfg.generate, contract))
         if verify:
             verify_export(model, tmp, tol=1e-4 if dtype == "float32" else None)
@@ -345,7 +443,7 @@ def generation_config(g, contract: Contract) -> dict:
     temperature 0 = greedy)."""
     cfg = {
         "bos_token_id": contract.bos_id,
-        "eos_token_id": [contract.eos_id, contract.im_end_id],
+        "eos_token_id": list(dict.fromkeys([contract.eos_id, contract.im_end_id])),
         "pad_token_id": contract.pad_id,
         "max_new_tokens": g.max_new_tokens,
         "repetition_penalty": g.repetition_penalty,
@@ -355,21 +453,24 @@ def generation_config(g, contract: Contract) -> dict:
     return {**cfg, "do_sample": True, "temperature": g.temperature, "top_k": g.top_k, "top_p": g.top_p}
 
 
-def _tokenizer_config(folder: Path, max_seq_len: int) -> dict:
-    """The checkpoint's tokenizer_config.json (its special-token spellings kept), with lmforge's
-    ChatML chat template, no automatic BOS/EOS, and model_max_length = max_seq_len."""
-    from lmforge.tokenizer import spellings_of
-
-    path = folder / TOKENIZER_CONFIG_FILE
+def _tokenizer_config(tok: Tokenizer, max_seq_len: int) -> dict:
+    """The checkpoint's tokenizer_config.json (its special-token spellings kept), with the
+    contract's chat template (lmforge's ChatML, or an imported model's own), add_bos_token =
+    the contract's add_bos (what lmforge's documents start with; transformers 5's generic
+    tokenizer does not act on it, and chat rendering never adds a BOS the template lacks),
+    no automatic EOS, and model_max_length = max_seq_len."""
+    path = tok.folder / TOKENIZER_CONFIG_FILE
     cfg = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
-    spell = spellings_of(folder)
+    spell = tok.spellings
     cfg.setdefault("tokenizer_class", "PreTrainedTokenizerFast")
-    cfg.setdefault("bos_token", spell["bos"])
-    cfg.setdefault("eos_token", spell["eos"])
-    cfg.setdefault("pad_token", spell["pad"])
-    cfg.setdefault("additional_special_tokens", [spell["im_start"], spell["im_end"]])
-    cfg.update({"add_bos_token": False, "add_eos_token": False, "chat_template": CHAT_TEMPLATE,
-                "model_max_length": max_seq_len})
+    for name in ("bos", "eos", "pad"):
+        if spell[name] is not None:
+            cfg.setdefault(f"{name}_token", spell[name])
+    own = tok.contract.chat_template == CHAT_TEMPLATE
+    if own:
+        cfg.setdefault("additional_special_tokens", [spell["im_start"], spell["im_end"]])
+    cfg.update({"add_bos_token": tok.contract.add_bos, "add_eos_token": False,
+                "chat_template": tok.contract.chat_template, "model_max_length": max_seq_len})
     return cfg
 
 
@@ -420,6 +521,25 @@ def verify_export(model: torch.nn.Module, folder: str | Path, tol: float | None 
 # -- import ------------------------------------------------------------------------------
 
 
+def confined(folder: Path, name: str, what: str | None = None) -> Path:
+    """`folder / name`, refused unless it stays inside `folder` once resolved: no absolute
+    path, no `..`, no symbolic link to a file elsewhere (import reads only the folder it is given).
+
+    Raises:
+        ExportError: naming the file and where it leads.
+    """
+    what = what or repr(name)
+    path = folder / name
+    try:
+        inside = Path(name).is_absolute() is False and path.resolve().is_relative_to(folder.resolve())
+    except (OSError, RuntimeError, ValueError):  # a link loop, a name the OS cannot take
+        inside = False
+    if not inside:
+        raise ExportError(f"{folder}: {what} leads outside the folder ({path}); import-hf reads only files inside "
+                          f"the folder it is given. Copy the file into {folder} under a plain name.")
+    return path
+
+
 def read_hf_weights(folder: Path) -> dict[str, torch.Tensor]:
     """All tensors of a HF folder: model.safetensors, its shards (index.json), or
     pytorch_model.bin (loaded with weights_only=True).
@@ -428,16 +548,29 @@ def read_hf_weights(folder: Path) -> dict[str, torch.Tensor]:
         ExportError: no weights file, or a damaged one.
     """
     state = None
+    shards: list = []
+    if (folder / WEIGHTS_INDEX_FILE).is_file() and not (folder / WEIGHTS_FILE).is_file():
+        try:
+            index = json.loads(confined(folder, WEIGHTS_INDEX_FILE).read_text(encoding="utf-8"))
+            shards = sorted(set(index["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as exc:
+            raise ExportError(f"{folder / WEIGHTS_INDEX_FILE}: not an index of shards ({type(exc).__name__}: "
+                              f"{str(exc)[:120]}); expected {{\"weight_map\": {{name: shard file}}}}.") from None
+        for shard in shards:
+            if not isinstance(shard, str):
+                raise ExportError(f"{folder / WEIGHTS_INDEX_FILE}: shard name {shard!r} is not a file name.")
+            confined(folder, shard, what=f"shard {shard!r} named in {WEIGHTS_INDEX_FILE}")
     try:
         if (folder / WEIGHTS_FILE).is_file():
-            state = load_file(str(folder / WEIGHTS_FILE))
-        elif (folder / WEIGHTS_INDEX_FILE).is_file():
-            index = json.loads((folder / WEIGHTS_INDEX_FILE).read_text(encoding="utf-8"))
+            state = load_file(str(confined(folder, WEIGHTS_FILE)))
+        elif shards:
             state = {}
-            for shard in sorted(set(index["weight_map"].values())):
-                state.update(load_file(str(folder / shard)))
+            for shard in shards:
+                state.update(load_file(str(confined(folder, shard))))
         elif (folder / "pytorch_model.bin").is_file():
-            state = torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True)
+            state = torch.load(confined(folder, "pytorch_model.bin"), map_location="cpu", weights_only=True)
+    except ExportError:
+        raise
     except Exception as exc:  # safetensors, torch's unpickler, struct, json: a damaged file raises any of them
         for name in (WEIGHTS_FILE, WEIGHTS_INDEX_FILE, "pytorch_model.bin"):
             if (folder / name).is_file():
@@ -451,28 +584,38 @@ def read_hf_weights(folder: Path) -> dict[str, torch.Tensor]:
         )
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise ExportError(f"{folder}: the weights file does not hold a dictionary of tensors.")
+    for name, t in state.items():
+        if not t.is_floating_point():
+            raise ExportError(f"{folder}: weight {name} has dtype {str(t.dtype).removeprefix('torch.')}; lmforge imports "
+                              f"float32, bfloat16 and float16 weights only (integer or quantized weights would need a "
+                              f"conversion it does not make). Use the model's unquantized weights.")
     return state
 
 
-def import_hf(folder: str | Path, out: str | Path, log=None) -> Path:
+def import_hf(folder: str | Path, out: str | Path, log=None, eos_token: str = "") -> Path:
     """Turn a Llama-architecture HF folder into an lmforge checkpoint folder (atomically).
 
-    The tokenizer goes through `lmforge.tokenizer.import_tokenizer` (the contract is derived
-    from it; special tokens lmforge needs and the folder lacks, such as a distinct <|pad|> or
-    the ChatML markers, are added). Embedding and output rows of the tokenizer's original ids
-    are copied; rows of added tokens start as the mean of the original rows (SFT learns
-    them); rows past the tokenizer's vocab are dropped, and the matrix is zero-padded to the
-    multiple of 64 (P6).
+    The tokenizer goes through `lmforge.tokenizer.import_tokenizer`: the contract is derived
+    from the model's own tokenizer and conventions (its document terminator, its BOS or none,
+    its chat template and end-of-turn token); the only token it may add is a distinct <|pad|>
+    (and ChatML's two markers for a model without a chat template). Embedding and output rows
+    of the tokenizer's original ids are copied; rows of added tokens start as the mean of the
+    original rows; rows past the tokenizer's vocab are dropped, and the matrix is zero-padded
+    to the multiple of 64 (P6). Every file read is inside `folder` (`confined`).
 
     The result holds config.toml, model.safetensors (float32), contract.json, tokenizer.json,
     tokenizer_config.json and state.json (step 0); it loads with
     `Transformer.from_checkpoint(out)` and serves as `sft.init` and as a `tokenizer.dir`.
 
     Args:
-        log: called with one line per change made (added tokens, dropped chat template).
+        log: called with one line per change or conversion made (the document terminator chosen,
+            the BOS convention, an added pad, weights cast to float32, an empty `architectures`).
+        eos_token: the document terminator where the folder's cannot be derived (the setting
+            tokenizer.eos_token).
     Raises:
-        ExportError: not a Llama folder, a feature lmforge lacks, unreadable weights, fewer
-        embedding rows than the tokenizer's ids, or `out` holding other files.
+        ExportError: not a Llama-family folder, a feature lmforge lacks, integer weights,
+        unreadable weights, a file outside the folder, fewer embedding rows than the tokenizer's
+        ids, or `out` holding other files.
         ContractError: no tokenizer.json, or one lmforge cannot use (see import_tokenizer).
     """
     from tokenizers import Tokenizer as HFTokenizer
@@ -485,13 +628,17 @@ def import_hf(folder: str | Path, out: str | Path, log=None) -> Path:
     cfg_path = folder / HF_CONFIG_FILE
     if not cfg_path.is_file():
         raise ExportError(f"{folder} has no {HF_CONFIG_FILE}; point at a folder written by save_pretrained.")
+    for name in (HF_CONFIG_FILE, TOKENIZER_FILE, TOKENIZER_CONFIG_FILE, "special_tokens_map.json",
+                 "chat_template.jinja"):
+        if (folder / name).exists() or (folder / name).is_symlink():
+            confined(folder, name)
     try:
         raw = json.loads(cfg_path.read_text(encoding="utf-8"))
-    except ValueError as exc:
+    except (ValueError, UnicodeDecodeError) as exc:
         raise ExportError(f"{cfg_path}: not valid JSON ({exc}).") from None
-    model_cfg = model_config_from_hf(raw, str(cfg_path))
+    model_cfg = model_config_from_hf(raw, str(cfg_path), log=say)
     with atomic_dir(out, IMPORT_OUTPUT, what="`lmforge import-hf`") as tmp:
-        tok = import_tokenizer(folder, tmp / "tokenizer", log=say)
+        tok = import_tokenizer(folder, tmp / "tokenizer", log=say, eos_token=eos_token)
         contract = tok.contract
         original = vocab_size_of(HFTokenizer.from_file(str(folder / TOKENIZER_FILE)))
         hf_state = read_hf_weights(folder)
@@ -508,6 +655,9 @@ def import_hf(folder: str | Path, out: str | Path, log=None) -> Path:
                 f"has ids up to {original - 1}; they would index past the embedding (P6). Use the tokenizer "
                 f"this model was trained with."
             )
+        dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in hf_state.values()} - {"float32"})
+        if dtypes:
+            say(f"weights: {', '.join(dtypes)} -> float32 (exact: every value is representable)")
         state = from_hf_state(hf_state, original, model_cfg.tie_embeddings, str(folder))
         if contract.vocab_size > original:
             say(f"embedding: {contract.vocab_size - original} added token row(s) start as the mean of the "

@@ -100,6 +100,9 @@ class DecodeWeights:
                                     t(a.wo.weight), t(f.w1.weight, f.w3.weight, norm=b.ffn_norm.weight),
                                     t(f.w2.weight)))
             self.norm = model.norm.weight
+            # Qwen2's q/k/v biases: each layer's cat(bq, bk, bv) (H*hd + 2*KV*hd,), added after the norm scale
+            self.qkv_bias = [torch.cat((b.attention.wq.bias, b.attention.wk.bias, b.attention.wv.bias)).to(dtype)
+                             for b in model.layers] if model.config.qkv_bias else None
             # QK-norm (Qwen3): each layer's (q_norm, k_norm) weights, (hd,) each, in the compute dtype
             self.qk_norm = [(b.attention.q_norm.weight.to(dtype), b.attention.k_norm.weight.to(dtype))
                             for b in model.layers] if model.config.qk_norm else None
@@ -224,7 +227,10 @@ def decode_step(model: "Transformer", tokens: torch.Tensor, positions: torch.Ten
         return torch.rsqrt(x.pow(2).mean(-1, keepdim=True).add_(eps))
 
     for layer, (wqkv, wo, w13, w2) in enumerate(layers):
-        qkv = mm(x, wqkv).mul_(inv_rms(x)).view(B, H + 2 * KV, hd)
+        qkv = mm(x, wqkv).mul_(inv_rms(x))
+        if w.qkv_bias is not None:
+            qkv = qkv.add_(w.qkv_bias[layer])
+        qkv = qkv.view(B, H + 2 * KV, hd)
         qk = qkv[:, : H + KV]
         if w.qk_norm is not None:  # RMSNorm per head of q and of k, before the rotary embedding
             qn, kn = w.qk_norm[layer]

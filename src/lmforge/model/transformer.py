@@ -6,7 +6,8 @@ Architecture choices:
   Hugging Face's Llama uses, with positions given per token (they reset per document);
 - grouped-query attention (n_kv_heads <= n_heads), backends in `attention.py`;
 - SwiGLU MLP (w2(silu(w1 x) * w3 x)), ffn_dim = 8/3 dim rounded up to 64 unless set;
-- no biases anywhere; optional tied input/output embeddings;
+- no biases (except Qwen2-style q/k/v biases, `qkv_bias`, for imported models); optional tied
+  input/output embeddings; optional Llama 3.1 RoPE frequency scaling (`rope_scaling`);
 - the vocabulary is the tokenizer's, padded to a multiple of 64 for the embedding (P6):
   the padding rows are never inputs or targets, and the logits are exactly the
   tokenizer's vocab wide (the output weight is sliced before the matmul).
@@ -69,12 +70,37 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, (x.shape[-1],), w, self.eps)
 
 
-def rope_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin: (max_seq_len, head_dim) float32, half-split layout (RoFormer, Su et al. 2021)."""
+def rope_tables(head_dim: int, max_seq_len: int, theta: float,
+                scaling: ModelConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin: (max_seq_len, head_dim) float32, half-split layout (RoFormer, Su et al. 2021).
+
+    With `scaling.rope_scaling == "llama3"`, the inverse frequencies are scaled as Llama 3.1
+    does (Meta's reference `apply_scaling`; transformers' `_compute_llama3_parameters`):
+    wavelengths above original_max_seq_len / low_freq_factor are divided by `rope_factor`,
+    those below original_max_seq_len / high_freq_factor kept, and the band between
+    interpolated smoothly.
+    """
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    if scaling is not None and scaling.rope_scaling == "llama3":
+        inv_freq = llama3_inv_freq(inv_freq, scaling.rope_factor, scaling.rope_low_freq_factor,
+                                   scaling.rope_high_freq_factor, scaling.rope_original_max_seq_len)
     angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), inv_freq)  # (S, hd/2)
     angles = torch.cat([angles, angles], dim=-1)  # (S, hd)
     return angles.cos().float(), angles.sin().float()
+
+
+def llama3_inv_freq(inv_freq: torch.Tensor, factor: float, low_freq_factor: float, high_freq_factor: float,
+                    original_max_seq_len: int) -> torch.Tensor:
+    """Llama 3.1's frequency scaling of RoPE's inverse frequencies (hd/2,) float64 (Meta's
+    `apply_scaling` in llama-models; transformers' `_compute_llama3_parameters`)."""
+    wavelen = 2 * math.pi / inv_freq
+    low_wavelen = original_max_seq_len / low_freq_factor
+    high_wavelen = original_max_seq_len / high_freq_factor
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (original_max_seq_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, smoothed, scaled)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -89,9 +115,10 @@ class Attention(nn.Module):
         super().__init__()
         self.layer = layer
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        self.wq = nn.Linear(cfg.dim, cfg.n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
-        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
+        bias = cfg.qkv_bias  # Qwen2's layout: biases on q, k and v only
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * self.head_dim, bias=bias)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=bias)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=bias)
         self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=False)
         if cfg.qk_norm:  # Qwen3: RMSNorm over each head's q and k, before the rotary embedding
             self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps)
@@ -144,6 +171,7 @@ def parameter_count(cfg: ModelConfig) -> int:
     V, d, hd = padded_vocab_size(max(cfg.vocab_size, 1)), cfg.dim, cfg.head_dim
     attention = d * cfg.n_heads * hd + 2 * d * cfg.n_kv_heads * hd + cfg.n_heads * hd * d
     per_layer = attention + 3 * d * cfg.resolved_ffn_dim() + 2 * d + (2 * hd if getattr(cfg, "qk_norm", False) else 0)
+    per_layer += (cfg.n_heads + 2 * cfg.n_kv_heads) * hd if getattr(cfg, "qkv_bias", False) else 0
     return V * d * (1 if cfg.tie_embeddings else 2) + cfg.n_layers * per_layer + d
 
 
@@ -201,7 +229,7 @@ class Transformer(nn.Module):
         self.output = nn.Linear(config.dim, self.model_vocab_size, bias=False)
         if config.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
-        cos, sin = rope_tables(config.head_dim, config.max_seq_len, config.rope_theta)
+        cos, sin = rope_tables(config.head_dim, config.max_seq_len, config.rope_theta, config)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.set_attention("sdpa")
@@ -226,6 +254,8 @@ class Transformer(nn.Module):
         for name, p in self.named_parameters():
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
+            elif name.endswith(".bias"):
+                p.zero_()
             elif zero_init and name.endswith(zeroed):
                 torch.randn(p.shape, generator=gen)  # keep the other weights' draws unchanged
                 p.zero_()

@@ -242,7 +242,7 @@ class Server:
         if not isinstance(prompt, str):
             raise BadRequest(f"prompt is {_type_name(prompt)}: expected a string (one prompt per request).", "prompt",
                              "invalid_type" if prompt is not None else "missing_required_parameter")
-        return [self.tok.bos_id, *self.tok.encode(prompt)]
+        return self.tok.encode_prompt(prompt)
 
     async def _generate(self, request, chat: bool):
         from starlette.responses import JSONResponse, StreamingResponse

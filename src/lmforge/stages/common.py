@@ -119,7 +119,8 @@ def run_training(session: TrainingSession, contract_dir: Path, model: Transforme
         return dry_run_step(model, stream, session.runtime)
     trainer = Trainer(cfg, out, Path(contract_dir), model, stream, val_batches, info, progress, log,
                       runtime=session.runtime)
-    if resume and not trainer.resume():  # before any write: a refused --resume leaves the run folder as it was
+    # before any write: a refused --resume leaves the run folder as it was
+    if resume and not trainer.resume(session.command):
         log(f"--resume: no checkpoint in {out} yet; starting from step 0")
     if info.is_main:
         copy_contract_files(Path(contract_dir), out)

@@ -1,10 +1,10 @@
-"""`lmforge export` and `lmforge import-hf`: to and from other runtimes (lmforge.export)."""
+"""`lmforge export`, `lmforge import-hf` and `lmforge import-gguf`: to and from other runtimes (lmforge.export)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from lmforge.export import check_export_options, export_gguf, export_hf, import_hf
+from lmforge.export import check_export_options, export_gguf, export_hf, import_gguf, import_hf
 from lmforge.stages.common import log
 
 
@@ -23,6 +23,12 @@ def export_stage(checkpoint: str | Path, out: str | Path, fmt: str = "hf", dtype
     return writers[fmt](checkpoint, out, dtype=dtype, verify=verify, force=force)
 
 
-def import_hf_stage(folder: str | Path, out: str | Path) -> Path:
-    """A Hugging Face Llama folder -> an lmforge checkpoint folder."""
-    return import_hf(folder, out, log=lambda msg: log(f"import-hf: {msg}"))
+def import_hf_stage(folder: str | Path, out: str | Path, eos_token: str = "") -> Path:
+    """A Hugging Face Llama-family folder -> an lmforge checkpoint folder (`eos_token`: the
+    setting tokenizer.eos_token, the document terminator where the folder's is not found)."""
+    return import_hf(folder, out, log=lambda msg: log(f"import-hf: {msg}"), eos_token=eos_token)
+
+
+def import_gguf_stage(path: str | Path, out: str | Path, eos_token: str = "") -> Path:
+    """A GGUF file (llama, qwen2, qwen3) -> an lmforge checkpoint folder (through import-hf's checks)."""
+    return import_gguf(path, out, log=lambda msg: log(f"import-gguf: {msg}"), eos_token=eos_token)

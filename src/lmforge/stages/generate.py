@@ -23,10 +23,10 @@ from lmforge.tokenizer import Tokenizer
 
 def generate_text(model, tok: Tokenizer, prompt: str, sampling: SamplingConfig, seed: int | None = None,
                   truncate: bool = False, runtime: Runtime | None = None) -> str:
-    """Complete `prompt` (a document start: <|bos|> is prepended); stops at <|eos|>. Decodes
-    under `runtime` (see `generate`)."""
+    """Complete `prompt` (a document start: the contract's BOS is prepended where the model has
+    one, `Tokenizer.encode_prompt`); stops at the EOS. Decodes under `runtime` (see `generate`)."""
     gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed) if seed is not None else None
-    ids = generate(model, [[tok.bos_id, *tok.encode(prompt)]], [tok.eos_id], sampling, tok.pad_id,
+    ids = generate(model, [tok.encode_prompt(prompt)], [tok.eos_id], sampling, tok.pad_id,
                    truncate=truncate, generator=gen, runtime=runtime)[0]
     if ids and ids[-1] == tok.eos_id:
         ids = ids[:-1]

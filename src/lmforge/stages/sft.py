@@ -151,6 +151,7 @@ def sft_stage(cfg: Config, out: str | Path, resume: bool = False, dry_run: bool 
                       for split, smp in samples.items()}
             log(f"sft: init {init}; data {s.data!r}, {'packed with document masking' if s.packing else 'right-padded'}")
             log(startup_report(model, tok, report, cfg, info.world_size, session.runtime))
+            log(f"sft: {chat_template_line(tok)}")
             for split, c in counts.items():
                 log(f"sft data {split}: {c['conversations']} conversations, {c['truncated']} truncated to "
                     f"seq_len {d.seq_len} (tail cut), {c['dropped_all_cut']} dropped (every supervised token "
@@ -162,6 +163,19 @@ def sft_stage(cfg: Config, out: str | Path, resume: bool = False, dry_run: bool 
                 SFT_VAL_FILE: val_records(convs["val"], functions.get("val", []))}
         return run_training(session, tok.folder, model, stream, val_batches if val.ids else None,
                             resume=resume, dry_run=dry_run, progress=progress, side_files=side)
+
+
+def chat_template_line(tok: Tokenizer) -> str:
+    """What conversations are rendered with: lmforge's ChatML, or the imported model's own template."""
+    from lmforge.tokenizer import CHAT_TEMPLATE
+
+    ends = f"replies end with {tok.spellings['im_end']!r}"
+    if tok.contract.chat_template == CHAT_TEMPLATE:
+        return f"chat template: lmforge's ChatML; {ends}"
+    first = tok.contract.chat_template.strip().splitlines()[0][:60] if tok.contract.chat_template.strip() else ""
+    return (f"chat template: the model's own ({len(tok.contract.chat_template):,} characters, from "
+            f"{tok.folder / 'tokenizer_config.json'}: {first!r}…); {ends}; documents "
+            f"{'start with ' + repr(tok.spellings['bos']) if tok.contract.add_bos else 'have no BOS'}")
 
 
 def _check_same_init(out: Path, init: Path) -> None:

@@ -50,7 +50,7 @@ def train_tokenizer_stage(cfg: Config, out: str | Path | None = None, progress: 
 def import_tokenizer_stage(cfg: Config, src: str | Path, out: str | Path | None = None) -> Tokenizer:
     """Derive lmforge's contract from a Hugging Face tokenizer folder into `out` (or tokenizer.dir)."""
     out = Path(out or cfg.tokenizer.dir)
-    tok = import_tokenizer(src, out, log=lambda m: log(f"import-tokenizer: {m}"))
+    tok = import_tokenizer(src, out, log=lambda m: log(f"import-tokenizer: {m}"), eos_token=cfg.tokenizer.eos_token)
     log(f"import-tokenizer: {tok.vocab_size} tokens (model vocab {tok.contract.model_vocab_size}), special ids "
         + ", ".join(f"{k}={v} {tok.spellings[k]!r}" for k, v in tok.contract.special_tokens.items()) + f" -> {out}")
     return tok

@@ -28,6 +28,7 @@ from lmforge.errors import CheckpointError
 from lmforge.fileio import atomic_dir
 from lmforge.model.io import (OPTIMIZER_FILE, RNG_FILE, STATE_FILE, is_sharded, is_tied, model_state,
                               list_checkpoints, step_dir_name, write_model_files)
+from lmforge.train.resume import check_optimizer_state
 
 
 def _dist_on() -> bool:
@@ -71,7 +72,8 @@ def load_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimize
     """Load a state from `gather_optimizer_state` (every rank passes the full state).
 
     Raises:
-        CheckpointError: the state names other parameters than `model` has.
+        CheckpointError: the state does not fit `optimizer` (lmforge.train.resume.check_optimizer_state:
+        another kind, other param groups, a state tensor of another shape or dtype, a missing key).
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
@@ -86,6 +88,7 @@ def load_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimize
             f"{where}: optimizer state for other parameters: missing {sorted(names - saved)[:5]}, "
             f"unexpected {sorted(saved - names)[:5]}. The checkpoint comes from another model."
         )
+    check_optimizer_state(model, optimizer, state, where)
     set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
 
 
@@ -103,8 +106,8 @@ def set_rng_state(state: dict) -> None:
     """Restore what `rng_state` returned (keys absent from `state` are left alone)."""
     if "torch" in state:
         torch.set_rng_state(state["torch"])
-    if state.get("cuda") and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    if state.get("cuda") and torch.cuda.is_available():  # a machine with fewer GPUs sets those it has
+        torch.cuda.set_rng_state_all(state["cuda"][:torch.cuda.device_count()])
     if "numpy" in state:
         kind, keys, pos, has_gauss, gauss = state["numpy"]
         np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))

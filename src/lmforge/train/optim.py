@@ -149,6 +149,17 @@ class MuonAdamW(torch.optim.Optimizer):
                 _local(p).add_(_local(o).to(p.dtype), alpha=-lr * scale)
 
 
+#: The per-parameter state each update rule keeps (what a checkpoint's optimizer.pt must hold):
+#: Muon its momentum; AdamW (this file's groups and torch.optim.AdamW alike) its step count and moments.
+STATE_KEYS = {"muon": ("momentum_buffer",), "adamw": ("step", "exp_avg", "exp_avg_sq")}
+
+
+def group_kind(group: dict) -> str:
+    """"muon" or "adamw": the update rule of a param group (torch.optim.AdamW's groups have no
+    `kind` and are "adamw")."""
+    return str(group.get("kind", "adamw"))
+
+
 def is_hidden_matrix(name: str, p: torch.nn.Parameter) -> bool:
     """The parameters Muon takes: 2-D matrices inside the blocks (not embeddings or the head)."""
     return p.dim() == 2 and name.startswith("layers.")
@@ -207,4 +218,4 @@ def build_muon_adamw(model: torch.nn.Module, t, ns_dtype: str = "bfloat16") -> M
 
 
 __all__ = ["MuonAdamW", "newton_schulz", "is_hidden_matrix", "decays", "build_optimizer", "build_muon_adamw",
-           "NS_COEFFS"]
+           "NS_COEFFS", "STATE_KEYS", "group_kind"]

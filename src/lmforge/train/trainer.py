@@ -42,12 +42,13 @@ from lmforge.data.packing import Batch, RowStream
 from lmforge.errors import CheckpointError, LmforgeError, TrainingError, request_stop, stop_requested
 from lmforge.evaluate import batch_loss, evaluate_batches
 from lmforge.fileio import open_append, write_text
-from lmforge.model.io import (MODEL_FILE, OPTIMIZER_FILE, STEP_RE, is_sharded, latest_checkpoint, load_weights,
-                              read_checkpoint_meta, step_dir_name)
+from lmforge.model.io import (MODEL_FILE, OPTIMIZER_FILE, RNG_FILE, STEP_RE, is_sharded, latest_checkpoint,
+                              load_weights, read_checkpoint_meta, step_dir_name)
 from lmforge.runtime import Runtime, training_runtime
 from lmforge.train import checkpoint as ckpt
 from lmforge.train.distributed import DistInfo, all_reduce_sum, gather_to_main, wrap_model
 from lmforge.train.optim import build_optimizer
+from lmforge.train.resume import check_optimizer_state, check_resume_config, check_rng_state
 from lmforge.train.schedule import lr_at
 
 METRICS_FILE = "metrics.jsonl"
@@ -132,8 +133,16 @@ class Trainer:
                                       f"step_NNNNNN entries are checkpoints lmforge wrote. Move it away, or use "
                                       f"another --out.")
 
-    def resume(self) -> bool:
-        """Continue from the newest complete checkpoint in run_dir. False if there is none."""
+    def resume(self, stage: str = "pretrain") -> bool:
+        """Continue from the newest complete checkpoint in run_dir. False if there is none.
+
+        Exact or refused (lmforge.train.resume): the tokenizer contract, every config field
+        (`RESUME_RULES`, for `stage` "pretrain" or "sft"), state.json, optimizer.pt and rng.pt are
+        checked before anything is loaded; nothing is written here.
+
+        Raises:
+            CheckpointError / ContractError: naming the file and the field.
+        """
         self._check_run_folder()
         latest = latest_checkpoint(self.run_dir)
         if latest is None:
@@ -141,30 +150,21 @@ class Trainer:
         saved_cfg, saved_contract = read_checkpoint_meta(latest)
         check_match(Contract.load(self.contract_dir, what="tokenizer folder"), self.contract_dir / CONTRACT_FILE,
                     saved_contract, latest / CONTRACT_FILE)  # --resume with another tokenizer stops here
-        if saved_cfg.model != self.cfg.model:
-            raise CheckpointError(
-                f"--resume: {latest}/config.toml has a different [model] section than this run's config. "
-                f"Resume with the same model settings, or use another --out."
-            )
-        # what decides the rows and their order: another value cannot continue the run exactly
-        same = {"data.seq_len": (saved_cfg.data.seq_len, self.cfg.data.seq_len),
-                "data.document_masking": (saved_cfg.data.document_masking, self.cfg.data.document_masking),
-                "data.dir": (saved_cfg.data.dir, self.cfg.data.dir),
-                "train.seed": (saved_cfg.train.seed, self.cfg.train.seed)}
-        differ = [f"{k} = {new!r} (the run has {old!r})" for k, (old, new) in same.items() if old != new]
-        if differ:
-            raise CheckpointError(f"--resume: {'; '.join(differ)}: the run cannot be continued exactly with "
-                                  f"another value. Resume with the run's values, or use another --out.")
         state, opt_state, rng = ckpt.load_training_state(latest)  # all of it, or refuse: resume is exact
-        self._check_state(state, latest)
+        self._check_state(state, latest)  # the step first: a step past train.steps is named as such
+        ranks = check_rng_state(rng, latest / RNG_FILE)
+        notes = check_resume_config(saved_cfg, self.cfg, stage, int(state["step"]), latest / "config.toml",
+                                    saved_world_size=len(ranks), world_size=self.dist.world_size)
+        check_optimizer_state(self.raw_model, self.optimizer, opt_state, latest / OPTIMIZER_FILE)
         load_weights(self.raw_model, latest / MODEL_FILE)  # every rank: full weights -> its shard
         ckpt.load_optimizer_state(self.raw_model, self.optimizer, opt_state, latest / OPTIMIZER_FILE)
-        ranks = rng.get("ranks", [rng])
         if len(ranks) == self.dist.world_size:
             ckpt.set_rng_state(ranks[self.dist.rank])
         elif self.dist.is_main:
             self.log(f"note: {latest} was written by {len(ranks)} rank(s), this run has {self.dist.world_size}: "
                      f"weights, optimizer and data position continue, the RNG states start afresh.")
+        for note in notes if self.dist.is_main else ():
+            self.log(f"note: {note}")
         self.step, self.tokens = int(state["step"]), int(state["tokens"])
         self.supervised, self.elapsed = int(state.get("supervised", 0)), float(state.get("elapsed_s", 0.0))
         try:
