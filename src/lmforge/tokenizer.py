@@ -43,11 +43,7 @@ from lmforge.contract import (
     padded_vocab_size,
     token_dtype_for,
 )
-<<<<<<< HEAD
-from lmforge.errors import ContractError, LmforgeError, os_error, raise_if_stopped
-=======
-from lmforge.errors import ContractError, DataError, LmforgeError, raise_if_stopped
->>>>>>> main
+from lmforge.errors import ContractError, DataError, LmforgeError, os_error, raise_if_stopped
 from lmforge.fileio import atomic_dir, check_output
 
 #: Special tokens by name (the one place they are spelled). Order = id order when

@@ -47,13 +47,8 @@ from safetensors.torch import load_file, save_file
 from lmforge.config import Config, ModelConfig, from_dict, validate
 from lmforge.contract import Contract, padded_vocab_size
 from lmforge.errors import CheckpointError, ConfigError, require_package
-<<<<<<< HEAD
-from lmforge.export.options import ExportError, check_export_options
-from lmforge.fileio import atomic_dir, check_output, check_readable
-=======
 from lmforge.export.options import ExportError, check_dtype_range, check_export_options
-from lmforge.fileio import atomic_dir, check_output
->>>>>>> main
+from lmforge.fileio import atomic_dir, check_output, check_readable
 from lmforge.loading import load_checkpoint
 from lmforge.model.io import MODEL_FILE, load_weights, model_state, write_model_files
 from lmforge.tokenizer import CHAT_TEMPLATE, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, Tokenizer, short_repr
