@@ -279,6 +279,10 @@ BOUNDS: dict[str, tuple[float, float, bool, bool]] = {
     "model.norm_eps": (0.0, 1.0, True, False),
     "model.rope_theta": (0.0, 1e12, True, False),  # Llama 3: 5e5; long-context models: up to ~1e8
     "model.max_seq_len": (1, MAX_SEQ_LEN, False, False),
+    "model.rope_factor": (0.0, 1e6, True, False),  # llama3 rope scaling; Llama 3.1: 8
+    "model.rope_low_freq_factor": (0.0, 1e6, True, False),  # Llama 3.1: 1
+    "model.rope_high_freq_factor": (0.0, 1e6, True, False),  # Llama 3.1: 4
+    "model.rope_original_max_seq_len": (1, MAX_SEQ_LEN, False, False),  # Llama 3.1: 8192
     "train.steps": (1, MAX_STEPS, False, False),
     "train.micro_batch_size": (1, 1 << 20, False, False),
     "train.grad_accum_steps": (1, 1 << 16, False, False),

@@ -90,6 +90,7 @@ RESUME_RULES: tuple[ResumeRule, ...] = (
     R("tokenizer.dir", (), "the tokenizer in that folder is compared through its contract, which --resume checks "
       "first; the same tokenizer in another folder is the same tokenizer"),
     R("tokenizer.max_train_bytes", (), "read by train-tokenizer only"),
+    R("tokenizer.eos_token", (), "read by import-hf / import-tokenizer only; the contract they wrote is compared"),
     R("data.source", (), "read by prepare only: pretraining reads the shards in data.dir, SFT reads sft.data"),
     R("data.dir", PRE, "the shards the rows come from", "SFT does not read it", path=True),
     R("data.seq_len", BOTH, "the length of every row, so which tokens share a row and the data position"),
@@ -101,7 +102,9 @@ RESUME_RULES: tuple[ResumeRule, ...] = (
       "pretraining: read by prepare only; SFT on a file does not read it", when=_stdlib_sft),
     R("data.on_bad_utf8", (), "read by prepare only"),
     *(R(f"model.{k}", BOTH, _MODEL) for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_dim",
-                                               "norm_eps", "rope_theta", "max_seq_len", "tie_embeddings", "qk_norm")),
+                                               "norm_eps", "rope_theta", "max_seq_len", "tie_embeddings", "qk_norm",
+                                               "qkv_bias", "rope_scaling", "rope_factor", "rope_low_freq_factor",
+                                               "rope_high_freq_factor", "rope_original_max_seq_len")),
     R("model.attention", BOTH, "the attention backends agree within float tolerance, not bit for bit"),
     R("train.steps", PRE, _SCHEDULE, _SFT_OWN.format(key="steps"), schedule=True),
     R("train.micro_batch_size", PRE, "the rows of every micro-batch and the order of the loss sum",
