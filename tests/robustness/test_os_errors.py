@@ -146,7 +146,7 @@ def chmod(rel: str, mode: int) -> Callable[[Path], None]:
     return lambda p: (p / rel).chmod(mode)
 
 
-RESUME3 = ("pretrain", *C, "--set", "train.steps=3", "--resume", "--out", "run", "--no-progress")
+RESUME = ("pretrain", *C, "--resume", "--out", "run", "--no-progress")  # the same schedule: accepted
 DENIED = r"Permission denied, EACCES\); permission denied: give your user access"
 PERMISSION_ROWS = [
     Row("input-config", chmod("cfg.toml", 0), PRETRAIN, r"config file cfg\.toml: cannot be read \(Permission denied"),
@@ -169,13 +169,13 @@ PERMISSION_ROWS = [
         r"hf/model\.safetensors: cannot read it \(" + DENIED),
     Row("input-sft-data", chmod("chat.jsonl", 0), SFT, r"chat\.jsonl: cannot be read \(Permission denied"),
     Row("input-hf-config", chmod("hf/config.json", 0), IMPORT_HF, r"hf/config\.json: cannot access it \(" + DENIED),
-    Row("input-optimizer", chmod("run/step_000002/optimizer.pt", 0), RESUME3, r"run/step_000002/optimizer\.pt"),
+    Row("input-optimizer", chmod("run/step_000002/optimizer.pt", 0), RESUME, r"run/step_000002/optimizer\.pt"),
     Row("input-marker", chmod("data/.lmforge-output", 0), ("prepare", *C, "--out", "data", "--no-progress"),
         r"data/\.lmforge-output: cannot read it \(" + DENIED + r".*whose output"),
     Row("output-new-in-read-only-folder", chmod(".", 0o555), PREPARE,
         r"--out newdata: cannot create the lock \.newdata\.lock beside it \(Permission denied\); permission denied"),
     Row("output-run-in-read-only-folder", chmod(".", 0o555), PRETRAIN, r"newrun.*Permission denied"),
-    Row("output-resume-read-only-run", chmod("run", 0o555), RESUME3,
+    Row("output-resume-read-only-run", chmod("run", 0o555), RESUME,
         r"run/metrics\.jsonl: cannot write it \(" + DENIED),
     Row("output-replace-read-only-export", chmod("hf", 0o555), EXPORT[:-1] + ("hf",),
         r"hf: cannot replace a folder in it \(" + DENIED + r".*Nothing was written"),
@@ -271,16 +271,18 @@ def test_file_size_limit_is_reported_not_a_crash(command, work, tmp_path):
 
 
 @pytest.mark.slow
-def test_file_size_limit_during_training_keeps_the_last_checkpoint(work, tmp_path):
-    """A checkpoint (torch.save) past `ulimit -f`: exit 2 naming it, no temporary folder, the
-    previous checkpoints and metrics rows intact."""
-    before = {k: v for k, v in signature(work).items() if k.startswith("run/step_")}
-    r = lmforge(RESUME3, work, fsize=50000)
-    _check_refused(r, r"run/step_000003.*File too large, EFBIG\); .*ulimit -f")
-    assert {k: v for k, v in signature(work).items() if k.startswith("run/step_")} == before
-    assert not _leftovers(tmp_path)
-    rows = (work / "run" / "metrics.jsonl").read_text().splitlines()
-    assert all(line.endswith("}") for line in rows)  # whole lines only
+def test_file_size_limit_during_training_stops_cleanly(work, tmp_path):
+    """A checkpoint (safetensors, torch.save) past `ulimit -f`: exit 2 naming it, no temporary
+    folder, no checkpoint, whole metrics rows, nothing else changed."""
+    before = signature(tmp_path)
+    r = lmforge(("pretrain", *C, "--set", "train.checkpoint_every=1", "--out", "newrun", "--no-progress"), work,
+                fsize=50000)
+    _check_refused(r, r"newrun/step_000001.*File too large, EFBIG\); .*ulimit -f")
+    after = signature(tmp_path)
+    assert {k: v for k, v in after.items() if not k.startswith("p/newrun")} == before
+    assert not _leftovers(tmp_path) and not list((work / "newrun").glob("step_*"))
+    rows = (work / "newrun" / "metrics.jsonl").read_text().splitlines()
+    assert rows and all(line.endswith("}") for line in rows)  # whole lines only
 
 
 # -- links, special files, names ----------------------------------------------------------------------
@@ -322,7 +324,7 @@ SPECIAL_ROWS = [
     ("gguf-fifo", "fifo", (*GGUF, "--out", "x"), r"--out x is a FIFO"),
     ("prepare-fifo", "fifo", ("prepare", *C, "--out", "x"), r"--out x is a FIFO \(named pipe\), not a folder"),
     ("export-socket", "socket", ("export", "--checkpoint", "run", "--out", "x"), r"--out x is a socket, not a folder"),
-    ("run-metrics-fifo", "fifo", RESUME3, r"metrics\.jsonl is not a regular file|metrics\.jsonl is a FIFO"),
+    ("run-metrics-fifo", "fifo", RESUME, r"metrics\.jsonl is not a regular file|metrics\.jsonl is a FIFO"),
 ]
 
 
@@ -407,10 +409,10 @@ def test_nul_in_a_config_file_path_is_refused(work, tmp_path, monkeypatch, capsy
 
 # -- a refused resume touches nothing: bytes and times ---------------------------------------------------
 RESUME_REFUSALS = [
-    ("optimizer-unreadable", RESUME3, chmod("run/step_000002/optimizer.pt", 0), r"optimizer\.pt", True),
-    ("other-model", (*RESUME3, "--set", "model.dim=64"), None, r"different \[model\] section", False),
-    ("other-seq-len", (*RESUME3, "--set", "data.seq_len=32"), None, r"data\.seq_len = 32", False),
-    ("read-only-run", RESUME3, chmod("run", 0o555), r"run/metrics\.jsonl: cannot write it", True),
+    ("optimizer-unreadable", RESUME, chmod("run/step_000002/optimizer.pt", 0), r"optimizer\.pt", True),
+    ("other-model", (*RESUME, "--set", "model.dim=64"), None, r"different \[model\] section", False),
+    ("other-seq-len", (*RESUME, "--set", "data.seq_len=32"), None, r"data\.seq_len = 32", False),
+    ("read-only-run", RESUME, chmod("run", 0o555), r"run/metrics\.jsonl: cannot write it", True),
     ("sft-other-init", ("sft", *C, "--set", "sft.init=run/step_000001", "--set", "sft.data=chat.jsonl",
                         "--set", "sft.val_examples=0", "--set", "data.val_fraction=0.25", "--set", "sft.steps=2",
                         "--set", "sft.micro_batch_size=2", "--resume", "--out", "sft", "--no-progress"), None,
