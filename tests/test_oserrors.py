@@ -448,3 +448,22 @@ def test_marker_is_written_atomically(tmp_path, monkeypatch):
     fileio.write_marker(tmp_path / "run", "pretrain")
     assert (tmp_path / "run" / MARKER_FILE).read_text() == '{"command": "pretrain"}\n'
     assert [p.name for p in (tmp_path / "run").iterdir()] == [MARKER_FILE]
+
+
+def test_a_failure_during_the_shutdown_after_a_signal_is_the_stop(monkeypatch, capsys):
+    """A second Ctrl-C can cut an import or a clean-up half-way, which then fails with another
+    exception: after a signal that is the stop's doing (130, one line), not a traceback."""
+    def body():
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            for _ in range(10**6):
+                pass
+        except Interrupted:
+            raise ImportError("cannot import name 'x' from partially initialized module") from None
+        return 0
+
+    rc, err = _main_with(monkeypatch, capsys, body)
+    assert rc == 130 and "Traceback" not in err and err.count("interrupted (SIGINT)") == 1, err
+    monkeypatch.setattr(cli, "run", lambda args: (_ for _ in ()).throw(ImportError("a bug")))
+    with pytest.raises(ImportError, match="a bug"):  # without a signal, a failure keeps its traceback
+        cli.main(["eval", "--checkpoint", "x"])

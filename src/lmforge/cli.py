@@ -17,8 +17,8 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from lmforge.errors import (Interrupted, LmforgeError, clear_stop_requests, os_error, request_stop,
-                            stop_requested)
+from lmforge.errors import (Interrupted, LmforgeError, clear_stop_requests, first_stop_signal, os_error,
+                            request_stop, stop_requested)
 
 EPILOG = """\
 stages, in order:
@@ -419,7 +419,13 @@ def main(argv: list[str] | None = None) -> int:
         except OSError as exc:  # the last resort: a refusal no reader or writer explained
             code = 2
             print(f"error: {os_error(exc, doing='access')}", file=sys.stderr)
-        except (Interrupted, KeyboardInterrupt) as exc:
+        except (Interrupted, KeyboardInterrupt, Exception) as exc:
+            if not isinstance(exc, (Interrupted, KeyboardInterrupt)):
+                if not stop_requested():
+                    raise  # a bug: its traceback is wanted
+                # the shutdown after a signal failed on the way (a second Ctrl-C cut an import, a clean-up):
+                # that is the signal's doing, reported as the stop it is
+                exc = Interrupted(first_stop_signal() or signal.SIGINT)
             code = 128 + int(getattr(exc, "signum", signal.SIGINT))
             if previous:
                 for s in (signal.SIGINT, signal.SIGTERM):
@@ -432,7 +438,20 @@ def main(argv: list[str] | None = None) -> int:
         for s, handler in previous.items():
             # the program itself (no argv) exits next: a further Ctrl-C must not print a traceback there
             signal.signal(s, signal.SIG_IGN if interrupted and argv is None and s != signal.SIGXFSZ else handler)
+        if interrupted:
+            _keyboard_interrupt_handled()
     return code
+
+
+def _keyboard_interrupt_handled() -> None:
+    """CPython marks a KeyboardInterrupt that crossed code run from C (a nested evaluation) as
+    unhandled, and at exit kills the process with SIGINT: exit -2 instead of our 130, after
+    the message was printed. It was handled here; clear the mark (CPython only, else nothing)."""
+    import contextlib
+    import ctypes
+
+    with contextlib.suppress(Exception):
+        ctypes.c_int.in_dll(ctypes.pythonapi, "_Py_UnhandledKeyboardInterrupt").value = 0
 
 
 if __name__ == "__main__":

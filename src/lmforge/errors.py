@@ -140,6 +140,11 @@ def stop_requested() -> bool:
     return bool(_STOP_REQUESTS)
 
 
+def first_stop_signal() -> int | None:
+    """The first SIGINT/SIGTERM received, or None."""
+    return _STOP_REQUESTS[0] if _STOP_REQUESTS else None
+
+
 def clear_stop_requests() -> None:
     """Forget earlier signals (a new command starts; tests call the command line repeatedly)."""
     _STOP_REQUESTS.clear()
