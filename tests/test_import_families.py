@@ -397,11 +397,12 @@ def test_serve_renders_with_the_models_template(imported):
     import urllib.request
 
     pytest.importorskip("starlette")
-    from lmforge.serve import Running, build_server
-    from lmforge.stages import load_for_inference
+    from lmforge.serve import build_server
+    from lmforge.loading import load_checkpoint
+    from serve_harness import Running
 
     family, hf, fast, _, ckpt, _ = imported
-    model, tok, _ = load_for_inference(ckpt)
+    model, tok, _, _ = load_checkpoint(ckpt)
     messages = [{"role": "user", "content": "Hello there"}]
     prompt = list(fast.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False))
     assert tok.render_chat(messages, add_generation_prompt=True).ids == prompt

@@ -24,10 +24,11 @@ pytest.importorskip("uvicorn")
 from lmforge.cli import main  # noqa: E402
 from lmforge.generate import SamplingConfig, generate  # noqa: E402
 from lmforge.model import Transformer, resolve_model_config  # noqa: E402
-from lmforge.serve import Running, build_server  # noqa: E402
+from lmforge.serve import build_server  # noqa: E402
+from serve_harness import Running  # noqa: E402
 from lmforge.serve.api import Server  # noqa: E402
 from lmforge.serve.engine import Engine, QueueFull, Request  # noqa: E402
-from lmforge.stages import load_for_inference  # noqa: E402
+from lmforge.loading import load_checkpoint  # noqa: E402
 from lmforge.train.checkpoint import save_checkpoint  # noqa: E402
 
 USER = [{"role": "user", "content": "def value(self):"}]
@@ -46,7 +47,7 @@ def ckpt(tiny_run, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def loaded(ckpt):
-    model, tok, _ = load_for_inference(ckpt)
+    model, tok, _, _ = load_checkpoint(ckpt)
     return model, tok
 
 
@@ -170,15 +171,16 @@ def test_seeded_sampling_repeats(client):
 
 # -- errors ---------------------------------------------------------------------------------------
 @pytest.mark.parametrize("kw, param", [
-    (dict(messages=[{"role": "robot", "content": "hi"}]), "messages[0].role"),
+    (dict(messages=[{"role": "robot", "content": "hi"}]), "messages"),
     (dict(messages=[]), "messages"),
-    (dict(messages=[{"role": "user", "content": 3}]), "messages[0].content"),
+    (dict(messages=[{"role": "user", "content": 3}]), "messages"),
     (dict(messages=USER, max_tokens=0), "max_tokens"),
     (dict(messages=USER, max_tokens=65), "max_tokens"),  # above the server's --max-tokens 64
     (dict(messages=USER, max_tokens=-1), "max_tokens"),
     (dict(messages=[{"role": "user", "content": "x " * 400}]), "messages"),  # longer than the context
     (dict(messages=USER, temperature="hot"), "temperature"),
-    (dict(messages=USER, temperature=3), "temperature"),
+    (dict(messages=USER, temperature=-0.5), "temperature"),  # the limits of SamplingConfig.validate
+    (dict(messages=USER, temperature=5000), "temperature"),  # its upper bound (config.BOUNDS)
     (dict(messages=USER, top_p=0), "top_p"),
     (dict(messages=USER, n=2), "n"),
     (dict(messages=USER, stop=[1]), "stop"),

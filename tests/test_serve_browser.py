@@ -23,7 +23,8 @@ pytest.importorskip("uvicorn")
 import torch  # noqa: E402
 
 from lmforge.model import Transformer, resolve_model_config  # noqa: E402
-from lmforge.serve import Running, build_server  # noqa: E402
+from lmforge.serve import build_server  # noqa: E402
+from serve_harness import Running  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -4,8 +4,9 @@ import json
 
 import torch
 
+from lmforge.loading import load_checkpoint
 from lmforge.model import Transformer
-from lmforge.stages import eval_stage, generate_text, load_for_inference, pretrain_stage
+from lmforge.stages import eval_stage, generate_text, pretrain_stage
 from lmforge.generate import SamplingConfig
 
 
@@ -22,7 +23,7 @@ def test_pipeline_trains_and_loads(tiny_run, tmp_path):
     assert model.vocab_size == tok.vocab_size
     x = torch.tensor([[tok.bos_id, *tok.encode("def value")]])
     assert model(x).shape == (1, x.shape[1], tok.vocab_size)
-    model2, tok2, _ = load_for_inference(tmp_path / "run")
+    model2, tok2, _, _ = load_checkpoint(tmp_path / "run")
     torch.testing.assert_close(model(x), model2(x), rtol=0, atol=0)
     text = generate_text(model2, tok2, "def ", SamplingConfig(max_new_tokens=8), seed=0)
     assert text.startswith("def ")

@@ -229,8 +229,13 @@ def _import_gguf(args) -> int:
 def _serve(args) -> int:
     from lmforge.stages.serve import serve_stage
 
+    def names(value: str | None) -> list[str] | None:
+        return None if value is None else [v.strip() for v in value.split(",")]
+
     serve_stage(args.checkpoint, args.host, args.port, args.tokenizer, max_batch=args.max_batch,
-                max_queue=args.max_queue, max_tokens=args.max_tokens, timeout_s=args.timeout)
+                max_queue=args.max_queue, max_tokens=args.max_tokens, timeout_s=args.timeout,
+                allowed_hosts=names(args.allowed_hosts), cors_origins=names(args.cors_origin),
+                max_body_bytes=args.max_body_bytes, io_timeout_s=args.io_timeout)
     return 0
 
 
@@ -243,6 +248,17 @@ def _args_serve(p):
     p.add_argument("--max-tokens", type=int, default=None,
                    help="per-request limit on max_tokens (default: the model's context - 1)")
     p.add_argument("--timeout", type=float, default=120.0, help="per-request time limit in seconds (default 120)")
+    p.add_argument("--allowed-hosts", default=None, metavar="NAMES",
+                   help="comma-separated Host header names served besides the defaults (loopback: localhost, "
+                        "127.0.0.1, [::1]); required with --host 0.0.0.0; '*' accepts any Host")
+    p.add_argument("--cors-origin", default=None, metavar="ORIGINS",
+                   help="comma-separated origins (e.g. http://localhost:3000) allowed to call the API from a web "
+                        "page (default: none, no CORS headers)")
+    p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024,
+                   help="largest request body in bytes; beyond: 413 (default 4 MiB)")
+    p.add_argument("--io-timeout", type=float, default=30.0,
+                   help="seconds a client may take to send its request, or to read a response write; then it "
+                        "is cut (default 30)")
 
 
 def _speedrun(args) -> int:

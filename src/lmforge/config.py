@@ -210,8 +210,10 @@ class SamplingConfig:
         given keep the config's value)."""
         return dataclasses.replace(self, **{k: v for k, v in values.items() if v is not None})
 
-    def validate(self) -> "SamplingConfig":
-        """Raises LmforgeError naming the field, the value and the valid range."""
+    def validate(self, prefix: str = "generate.", names: dict[str, str] | None = None) -> "SamplingConfig":
+        """Raises ConfigError naming the field (`prefix` + its name, or `names[name]`:
+        "generate.top_p" for the config; "top_p", "max_tokens" for a server request), the
+        value and the valid range; the error's `field` attribute is the name shown."""
         checks = [
             ("max_new_tokens", self.max_new_tokens >= 1, ">= 1"),
             ("temperature", math.isfinite(self.temperature) and self.temperature >= 0, ">= 0"),
@@ -222,10 +224,15 @@ class SamplingConfig:
         ]
         for name, ok, want in checks:
             if not ok:
-                raise ConfigError(f"generate.{name} = {getattr(self, name)!r}: expected a value {want} "
-                                  f"(default {getattr(SamplingConfig(), name)!r}).")
+                shown = (names or {}).get(name, name)
+                default = f" (default {getattr(SamplingConfig(), name)!r})" if prefix == "generate." else ""
+                err = ConfigError(f"{prefix}{shown} = {getattr(self, name)!r}: expected a value {want}{default}.")
+                err.field = f"{prefix}{shown}"
+                raise err
         for name in ("max_new_tokens", "temperature", "top_k"):
-            check_bounds(f"generate.{name}", getattr(self, name))
+            shown = (names or {}).get(name, name)
+            check_bounds(f"generate.{name}", getattr(self, name),
+                         shown=None if prefix == "generate." else f"{prefix}{shown}")
         return self
 
 
@@ -324,16 +331,21 @@ BOUNDS: dict[str, tuple[float, float, bool, bool]] = {
 }
 
 
-def check_bounds(name: str, value: float) -> None:
+def check_bounds(name: str, value: float, shown: str | None = None) -> None:
     """Raise ConfigError unless `value` lies in BOUNDS[name] (a "section.key" name); the
-    message names the field, the value, the range and the default."""
+    message names the field, the value, the range and the default. `shown`: the name to show
+    instead (a server request's field, e.g. "max_tokens"; no default then); the error's
+    `field` attribute is the name shown."""
     low, high, low_open, high_open = BOUNDS[name]
     ok = math.isfinite(value) and (low < value if low_open else low <= value) and (
         value < high if high_open else value <= high)
     if not ok:
         section, key = name.split(".", 1)
-        raise ConfigError(f"{name} = {value!r}: expected {low} {'<' if low_open else '<='} value "
-                          f"{'<' if high_open else '<='} {high} (default {_default(section, key)!r}).")
+        default = f" (default {_default(section, key)!r})" if shown is None else ""
+        err = ConfigError(f"{shown or name} = {value!r}: expected {low} {'<' if low_open else '<='} value "
+                          f"{'<' if high_open else '<='} {high}{default}.")
+        err.field = shown or name
+        raise err
 
 
 def _round_up(n: int, multiple: int) -> int:

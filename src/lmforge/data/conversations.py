@@ -85,13 +85,14 @@ def _speaker(turn: object, where: str, key: str, choices: Sequence[str], text_ke
     return turn[key]
 
 
-def validate_messages(messages: object, where: str) -> tuple[dict, ...]:
+def validate_messages(messages: object, where: str, require_reply: bool = True) -> tuple[dict, ...]:
     """Check an OpenAI-style message list and return it as clean {"role", "content"} dicts.
+    `require_reply=False` (a prompt to answer, as `lmforge serve` gets) accepts any last turn.
 
     Raises:
         DataError (naming `where`): not a non-empty list; a message without "role" or
-        "content"; an unknown role; content that is not a string; no assistant turn; a
-        conversation that does not end on an assistant turn.
+        "content"; an unknown role; content that is not a string (or holds a lone
+        surrogate); with `require_reply`, a conversation that does not end on an assistant turn.
     """
     if not isinstance(messages, list) or not messages:
         raise DataError(f"{where}: \"messages\" must be a non-empty list of {{\"role\", \"content\"}} objects, "
@@ -101,7 +102,7 @@ def validate_messages(messages: object, where: str) -> tuple[dict, ...]:
         role = _speaker(m, f"{where}: message {i}", "role", ROLES, "content", "role")
         content = check_text(m.get("content"), where, f"message {i} ({role}) content")
         out.append({"role": role, "content": content})
-    if out[-1]["role"] != "assistant":
+    if require_reply and out[-1]["role"] != "assistant":
         raise DataError(f"{where}: the conversation ends on a {out[-1]['role']!r} turn (message {len(out) - 1}); "
                         f"expected it to end on an 'assistant' turn, the reply to learn. Add the reply or "
                         f"drop the trailing turn.")

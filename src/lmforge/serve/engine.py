@@ -18,6 +18,10 @@ MKL's matmul is used, which changes its kernel below 4 rows: a step then compute
 MIN_ROWS rows (idle rows decode a pad token into their own, unused slot 0). On CUDA no such
 guarantee is made.
 
+Precision: the engine decodes under the `Runtime` it is given (the stage passes
+`lmforge.runtime.decode_runtime()`, the policy `generate` follows: fp32 on a CPU, bf16
+autocast on CUDA); its KV cache and decode weights are made under that runtime's autocast.
+
 Why a loop of its own rather than `generate`: `generate` runs one fixed batch from start to
 end; here requests come and go between steps. Both use the same model decode path
 (`Transformer.decode_step`), `generate` with one shared slot, this engine with per-row slots.
@@ -38,6 +42,7 @@ import torch
 from lmforge.errors import LmforgeError
 from lmforge.generate import SamplingConfig, sample_next
 from lmforge.model import Transformer
+from lmforge.runtime import Runtime, compute_dtype, decode_runtime
 from lmforge.tokenizer import Tokenizer
 
 #: A decode step computes at least this many rows (CPU matmuls are batch-invariant from 4 rows).
@@ -93,17 +98,22 @@ class Engine:
         max_batch: rows decoded together at most.
         max_queue: requests waiting for a row at most; `submit` raises QueueFull beyond.
         stop_ids: ids that end a reply (default: the contract's im_end and eos).
+        runtime: the precision every prefill and step runs in (None: `decode_runtime` for the
+            model's device, as `generate`).
     """
 
     def __init__(self, model: Transformer, tok: Tokenizer, max_batch: int = 16, max_queue: int = 64,
-                 stop_ids: Sequence[int] | None = None):
+                 stop_ids: Sequence[int] | None = None, runtime: Runtime | None = None):
         self.model, self.tok = model.eval(), tok
+        self.runtime = runtime if runtime is not None else decode_runtime(model.output.weight.device)
         self.max_batch, self.max_queue = max_batch, max_queue
         self.stop_ids = frozenset(stop_ids if stop_ids is not None else (tok.im_end_id, tok.eos_id))
         self.context = model.config.max_seq_len
         self.cache_rows = max(max_batch, MIN_ROWS)
-        self.cache = model.new_cache(self.cache_rows, self.context)
-        self.cache.weights = model.decode_weights()
+        with self.runtime.autocast():  # the cache and the packed weights follow the runtime's dtype
+            self.cache = model.new_cache(self.cache_rows, self.context)
+            w = model.output.weight
+            self.cache.weights = model.decode_weights(compute_dtype(w.device, w.dtype))
         self.min_rows = 1 if self.cache.weights.packed is not None else MIN_ROWS
         self.device = model.output.weight.device
         self.running: list[Request] = []
@@ -155,6 +165,12 @@ class Engine:
     # -- the engine thread ---------------------------------------------------------------------
     def _loop(self) -> None:
         torch.set_grad_enabled(False)
+        with self.runtime.autocast():  # autocast is per thread: entered here, around every model call
+            self._serve()
+        for req in [*self.running, *self.waiting]:
+            req.emit("error", "the server is shutting down", "server_error")
+
+    def _serve(self) -> None:
         while True:
             with self.lock:
                 while not self._stop and not self.waiting and not self.running:
@@ -182,8 +198,6 @@ class Engine:
                 for req in self.running:
                     req.emit("error", f"the engine failed on this step: {type(exc).__name__}: {exc}", "server_error")
                 self.running.clear()
-        for req in [*self.running, *self.waiting]:
-            req.emit("error", "the server is shutting down", "server_error")
 
     def _admit(self, req: Request) -> None:
         if req.cancelled:

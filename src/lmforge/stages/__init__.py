@@ -9,10 +9,11 @@
     export, import-hf, import-gguf      stages.export
     serve                               stages.serve (imported on use: it needs the server packages)
     speedrun                            stages.speedrun
-Shared by them: stages.common (the training-session preamble and tail, loading for inference).
+Shared by them: stages.common (the training-session preamble and tail); loading a checkpoint
+to use it: lmforge.loading.load_checkpoint.
 """
 
-from lmforge.stages.common import load_for_inference, log
+from lmforge.stages.common import log
 from lmforge.stages.eval import eval_stage
 from lmforge.stages.export import export_stage, import_gguf_stage, import_hf_stage
 from lmforge.stages.generate import chat_stage, generate_stage, generate_text
@@ -23,5 +24,5 @@ from lmforge.stages.speedrun import speedrun_stage
 from lmforge.stages.tokenizer import import_tokenizer_stage, train_tokenizer_stage
 
 __all__ = ["chat_stage", "eval_stage", "export_stage", "generate_stage", "generate_text", "import_gguf_stage", "import_hf_stage",
-           "import_tokenizer_stage", "load_for_inference", "log", "prepare_stage", "pretrain_stage", "sft_stage",
+           "import_tokenizer_stage", "log", "prepare_stage", "pretrain_stage", "sft_stage",
            "speedrun_stage", "train_tokenizer_stage"]

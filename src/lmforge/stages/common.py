@@ -13,12 +13,11 @@ from pathlib import Path
 from lmforge.config import CONFIG_FILE, Config
 from lmforge.evaluate import batch_loss
 from lmforge.fileio import copy_file, open_run_dir, output_lock, write_text
-from lmforge.loading import load_checkpoint
 from lmforge.model import Transformer
 from lmforge.model.transformer import check_fits_in_memory
 from lmforge.model.attention import resolve_backend
 from lmforge.model.io import CONTRACT_FILES, list_checkpoints
-from lmforge.runtime import Runtime, decode_runtime, training_runtime
+from lmforge.runtime import Runtime, training_runtime
 from lmforge.tokenizer import Tokenizer
 from lmforge.train.distributed import DistInfo, init_distributed, shutdown
 from lmforge.train.trainer import Trainer, seed_everything
@@ -142,19 +141,5 @@ def dry_run_step(model: Transformer, stream, runtime: Runtime) -> dict:
     return {"loss": loss, "dry_run": True}
 
 
-# -- inference ----------------------------------------------------------------------------------
-def load_for_inference(checkpoint: str | Path, tokenizer_dir: str | Path | None = None,
-                       runtime: Runtime | None = None):
-    """(model, tokenizer, config): `lmforge.loading.load_checkpoint` onto `runtime.device`
-    (default: the decoding runtime's).
-
-    Raises:
-        CheckpointError / ContractError: see `load_checkpoint`.
-    """
-    runtime = runtime or decode_runtime()
-    model, tok, cfg, _ = load_checkpoint(checkpoint, tokenizer_dir, runtime.device)
-    return model, tok, cfg
-
-
 __all__ = ["log", "TrainingSession", "training_session", "run_training", "dry_run_step", "startup_report",
-           "copy_contract_files", "load_for_inference"]
+           "copy_contract_files"]
