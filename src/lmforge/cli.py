@@ -17,7 +17,8 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from lmforge.errors import Interrupted, LmforgeError, request_stop
+from lmforge.errors import (Interrupted, LmforgeError, clear_stop_requests, first_stop_signal, os_error,
+                            request_stop, stop_requested)
 
 EPILOG = """\
 stages, in order:
@@ -100,8 +101,26 @@ def _text_arg(text: str) -> str:
 
 def _config(args):
     from lmforge.config import load_config
+    from lmforge.fileio import check_path_text
 
-    return load_config(args.config, args.overrides)
+    cfg = load_config(args.config, args.overrides)
+    for name in CONFIG_PATHS:  # a NUL or an unencodable character: refused before any file is opened
+        section, key = name.split(".")
+        check_path_text(getattr(getattr(cfg, section), key), name)
+    return cfg
+
+
+#: Config keys that hold paths, and the command-line arguments that do (dest -> how it is spelt).
+CONFIG_PATHS = ("tokenizer.dir", "data.source", "data.dir", "sft.init", "sft.data")
+PATH_ARGS = {"config": "--config", "out": "--out", "checkpoint": "--checkpoint", "tokenizer": "--tokenizer",
+             "src": "--from", "data": "--data", "folder": "DIR"}
+
+
+def _check_path_args(args) -> None:
+    from lmforge.fileio import check_path_text
+
+    for dest, spelt in PATH_ARGS.items():
+        check_path_text(getattr(args, dest, None), spelt)
 
 
 def _sampling_config(args):
@@ -360,39 +379,95 @@ def run(args: argparse.Namespace) -> int:
 def _on_signal(signum, frame):
     """SIGINT / SIGTERM outside a training loop (which handles them itself, finishing the step):
     unwind, so every writer removes its temporary and its lock; exit 130 / 143. Recorded too,
-    for native code that swallows the exception (`errors.raise_if_stopped`)."""
+    for native code that swallows the exception (`errors.raise_if_stopped`). A second signal
+    while the first one's shutdown runs is only recorded: the clean-up finishes, the exit
+    code is the first signal's, and no traceback is printed."""
+    if stop_requested():
+        request_stop(signum)
+        return
     request_stop(signum)
     raise Interrupted(signum)
 
 
+def _quiet(signum, frame):
+    """The handler while a command's end is reported: a signal is recorded, nothing raised."""
+    request_stop(signum)
+
+
+def _interrupted(exc: BaseException, command: str | None) -> int:
+    """Report a stop by SIGINT/SIGTERM (Interrupted, or KeyboardInterrupt from a second Ctrl-C in
+    a training loop); the exit code: 128 + the signal."""
+    signum = exc.signum if isinstance(exc, Interrupted) else signal.SIGINT
+    if command in RESUMABLE:
+        hint = "checkpoints are kept; run the same command with --resume to continue"
+        hint += " (`make speedrun` resumes by itself)" if isinstance(exc, Interrupted) else ""
+    else:
+        hint = "nothing was written (outputs are replaced only when complete); run the command again"
+    name = f" ({signal.Signals(signum).name})" if isinstance(exc, Interrupted) else ""
+    print(f"interrupted{name}: {hint}", file=sys.stderr)
+    return 128 + int(signum)
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    """Run one command; returns the exit code (0, 2 refused input, 130/143 stopped by a signal).
+
+    Any refusal of the operating system (an OSError) that a writer or reader did not explain
+    itself is reported here, naming the path; SIGXFSZ is ignored, so a write past `ulimit -f`
+    fails with EFBIG and is reported like a full disk instead of killing the process.
+    """
     import threading
 
-    previous = {}
+    clear_stop_requests()
+    previous: dict = {}
     if threading.current_thread() is threading.main_thread():
         previous = {s: signal.signal(s, _on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        previous[signal.SIGXFSZ] = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    command, code = None, 2
     try:
-        return run(args)
-    except LmforgeError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except Interrupted as exc:
-        hint = ("checkpoints are kept; run the same command with --resume to continue (`make speedrun` resumes by "
-                "itself)" if args.command in RESUMABLE else "nothing was written (outputs are replaced only when "
-                                                              "complete); run the command again")
-        print(f"interrupted ({signal.Signals(exc.signum).name}): {hint}", file=sys.stderr)
-        return 128 + exc.signum
-    except KeyboardInterrupt:
-        hint = ("checkpoints are kept; run the same command with --resume to continue"
-                if args.command in RESUMABLE else "nothing was written (outputs are replaced only when complete); "
-                                                  "run the command again")
-        print(f"interrupted: {hint}", file=sys.stderr)
-        return 130
+        try:
+            args = build_parser().parse_args(argv)
+            command = args.command
+            _check_path_args(args)
+            code = run(args)
+        except LmforgeError as exc:
+            code = 2
+            print(f"error: {exc}", file=sys.stderr)
+        except OSError as exc:  # the last resort: a refusal no reader or writer explained
+            code = 2
+            print(f"error: {os_error(exc, doing='access')}", file=sys.stderr)
+        except (Interrupted, KeyboardInterrupt, Exception) as exc:
+            if not isinstance(exc, (Interrupted, KeyboardInterrupt)):
+                if not stop_requested():
+                    raise  # a bug: its traceback is wanted
+                # the shutdown after a signal failed on the way (a second Ctrl-C cut an import, a clean-up):
+                # that is the signal's doing, reported as the stop it is
+                exc = Interrupted(first_stop_signal() or signal.SIGINT)
+            code = 128 + int(getattr(exc, "signum", signal.SIGINT))
+            if previous:
+                for s in (signal.SIGINT, signal.SIGTERM):
+                    signal.signal(s, _quiet)
+            code = _interrupted(exc, command)
+    except (Interrupted, KeyboardInterrupt) as exc:  # a second signal while the first or an error was reported
+        code = code if code >= 128 else 128 + int(getattr(exc, "signum", signal.SIGINT))
     finally:
+        interrupted = code >= 128
         for s, handler in previous.items():
-            signal.signal(s, handler)
+            # the program itself (no argv) exits next: a further Ctrl-C must not print a traceback there
+            signal.signal(s, signal.SIG_IGN if interrupted and argv is None and s != signal.SIGXFSZ else handler)
+        if interrupted:
+            _keyboard_interrupt_handled()
+    return code
+
+
+def _keyboard_interrupt_handled() -> None:
+    """CPython marks a KeyboardInterrupt that crossed code run from C (a nested evaluation) as
+    unhandled, and at exit kills the process with SIGINT: exit -2 instead of our 130, after
+    the message was printed. It was handled here; clear the mark (CPython only, else nothing)."""
+    import contextlib
+    import ctypes
+
+    with contextlib.suppress(Exception):
+        ctypes.c_int.in_dll(ctypes.pythonapi, "_Py_UnhandledKeyboardInterrupt").value = 0
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ from typing import Any
 
 import tomli_w
 
-from lmforge.errors import ConfigError
+from lmforge.errors import ConfigError, os_advice
 from lmforge.fileio import write_text
 
 #: The resolved config, written into every output folder and checkpoint.
@@ -472,10 +472,12 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         try:
             is_file = path.is_file()
         except OSError as exc:  # e.g. a name too long for the file system
-            raise ConfigError(f"config file {str(path)[:80]}...: cannot be read ({exc.strerror}).") from None
+            shown = str(path) if len(str(path)) <= 80 else str(path)[:80] + "..."
+            raise ConfigError(f"config file {shown}: cannot be read ({exc.strerror}); {os_advice(exc)}.") from None
         if not is_file:
+            gone = "is a link to nothing or a symbolic link loop" if path.is_symlink() else "does not exist"
             raise ConfigError(
-                f"config file {path} does not exist. Pass an existing recipe, "
+                f"config file {path} {gone}. Pass an existing recipe, "
                 f"for example --config configs/stdlib-tiny.toml."
             )
         try:
@@ -486,7 +488,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start}: {exc.reason}); a TOML file is UTF-8. "
                               f"Re-save it as UTF-8.") from None
         except OSError as exc:
-            raise ConfigError(f"config file {path}: cannot be read ({exc.strerror}).") from None
+            raise ConfigError(f"config file {path}: cannot be read ({exc.strerror}); {os_advice(exc)}.") from None
         cfg = from_dict(raw, where=str(path))
     cfg = apply_overrides(cfg, overrides)
     return validate(cfg)

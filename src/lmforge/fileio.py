@@ -14,6 +14,12 @@ Rules (docs/design.md, "Outputs and errors"), enforced here for every command:
   the bytes durable before the rename (checkpoints).
 - A lock file (`.NAME.lock` beside the output) refuses a second writer of the same output
   while the first runs; a lock whose process is gone is taken over.
+- Whatever the operating system refuses during a write (permission denied, a read-only or
+  full file system, the `ulimit -f` size limit, a link loop), in Python or in a native
+  library (safetensors, torch, tokenizers), becomes a `FileSystemError` naming the path and
+  what to do; the temporary is removed, the lock released, and the output left as it was.
+- Only a regular file or a link is ever replaced (the link itself, never its target); a
+  FIFO, a device or a socket at an output path is refused, `--force` or not.
 """
 
 from __future__ import annotations
@@ -21,14 +27,18 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import errno
 import json
 import os
+import re
+import resource
 import shutil
+import stat
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from lmforge.errors import LmforgeError
+from lmforge.errors import FileSystemError, LmforgeError, os_advice, os_error
 
 MARKER_FILE = ".lmforge-output"
 
@@ -39,16 +49,28 @@ class OutputError(LmforgeError):
 
 # -- what is at a path -----------------------------------------------------------------------
 def read_marker(folder: Path) -> dict | None:
-    """The marker of a folder lmforge wrote ({"command": ...}), or None (absent or unreadable)."""
+    """The marker of a folder lmforge wrote ({"command": ...}), or None (absent, or not a marker).
+
+    Raises:
+        FileSystemError: the marker is there but the system refuses to read it (permission
+        denied, an I/O error): lmforge cannot tell whose folder it is, so it touches nothing.
+    """
+    path = Path(folder) / MARKER_FILE
     try:
-        data = json.loads((Path(folder) / MARKER_FILE).read_text(encoding="utf-8"))
-    except (OSError, ValueError, UnicodeDecodeError):
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (FileNotFoundError, NotADirectoryError, IsADirectoryError, ValueError, UnicodeDecodeError):
         return None
+    except OSError as exc:
+        if exc.errno in (errno.ENAMETOOLONG, errno.ELOOP, errno.ENXIO):
+            return None
+        raise os_error(exc, path, "read", "lmforge cannot tell whose output the folder is; nothing was changed.") \
+            from None
     return data if isinstance(data, dict) and isinstance(data.get("command"), str) else None
 
 
 def write_marker(folder: Path, command: str, **extra) -> None:
-    (Path(folder) / MARKER_FILE).write_text(json.dumps({"command": command, **extra}) + "\n", encoding="utf-8")
+    """Write the marker of `folder` (atomically: a failed write leaves no half marker)."""
+    write_text(Path(folder) / MARKER_FILE, json.dumps({"command": command, **extra}) + "\n")
 
 
 #: Marker commands in words, for error messages.
@@ -69,8 +91,29 @@ KINDS = {
 NESTING = ("speedrun", "pretrain", "sft")
 
 
+def special_kind(path: Path) -> str | None:
+    """'a FIFO', 'a device', 'a socket' (or 'a link loop') when `path` is none of a regular file,
+    a folder or a link to one of them; None otherwise (absent included)."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as exc:
+        return "a symbolic link loop" if exc.errno == errno.ELOOP else None
+    except ValueError:
+        return None
+    if stat.S_ISFIFO(mode):
+        return "a FIFO (named pipe)"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    return None
+
+
 def describe(path: Path) -> str:
     """What `path` holds, in words, for an error message."""
+    special = special_kind(path)
+    if special:
+        return special + (" (behind a link)" if path.is_symlink() and "loop" not in special else "")
     marker = read_marker(path) if path.is_dir() else None
     if marker:
         return KINDS.get(marker["command"], f"the output of `lmforge {marker['command']}`")
@@ -87,7 +130,7 @@ def describe(path: Path) -> str:
 def _is_cwd_or_parent(path: Path) -> bool:
     try:
         here, target = Path.cwd().resolve(), path.resolve()
-    except OSError:
+    except (OSError, RuntimeError):  # RuntimeError: a symbolic link loop (Python < 3.13)
         return False
     return target == here or target in here.parents
 
@@ -113,8 +156,9 @@ def check_output(out: Path, command: str, what: str | None = None, replace_whole
         if not exists:
             return
         if not out.is_dir() or out.is_symlink():
-            raise OutputError(f"--out {out} is {'a link' if out.is_symlink() else 'an existing file'}, not a "
-                              f"folder. {what} writes a folder: choose a new path (nothing was changed).")
+            kind = special_kind(out) or ("a link" if out.is_symlink() else "an existing file")
+            raise OutputError(f"--out {out} is {kind}, not a folder. {what} writes a folder: choose a new path "
+                              f"(nothing was changed).")
         marker = read_marker(out)
         entries = list(out.iterdir())
     except OSError as exc:
@@ -189,8 +233,9 @@ def make_parent(path: Path) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise OutputError(f"{path}: its folder {path.parent} cannot be created ({exc.strerror or exc}; is a "
-                          f"parent an existing file?). Choose another path.") from None
+        raise OutputError(f"{path}: its folder {path.parent} cannot be created ({exc.strerror or exc}); "
+                          f"{os_advice(exc) if exc.errno != errno.EEXIST else 'a parent is an existing file'}. "
+                          f"Choose another path.") from None
 
 
 @contextlib.contextmanager
@@ -221,16 +266,28 @@ def output_lock(out: Path) -> Iterator[None]:
             continue
         except OSError as exc:
             raise OutputError(f"--out {out}: cannot create the lock {lock.name} beside it ({exc.strerror}); "
-                              f"{'a shorter name is needed' if exc.errno == 36 else 'choose another path'}.") from None
-        with os.fdopen(fd, "w") as f:
-            f.write(f"{os.getpid()}\n")
+                              f"{'a shorter name is needed' if exc.errno == 36 else os_advice(exc)}. Nothing was "
+                              f"written.") from None
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(f"{os.getpid()}\n")
+        except OSError as exc:  # a full disk, a file-size limit: no half-written lock stays behind
+            with contextlib.suppress(OSError):
+                lock.unlink()
+            raise os_error(exc, lock, "write the lock file", f"Nothing was written to {out}.") from None
+        except BaseException:
+            with contextlib.suppress(OSError):
+                lock.unlink()
+            raise
         break
     else:
         raise OutputError(f"could not take the lock {lock}; remove it if no lmforge process is running.")
     try:
         yield
     finally:
-        lock.unlink(missing_ok=True)
+        for _ in range(2):  # once more after a transient failure; a lock left behind is taken over by the
+            with contextlib.suppress(OSError):  # next run (its process is gone)
+                lock.unlink(missing_ok=True)
 
 
 # -- durable renames ---------------------------------------------------------------------------
@@ -264,25 +321,129 @@ def _exchange(a: Path, b: Path) -> bool:
     return rc == 0
 
 
+def check_removable(folder: Path) -> None:
+    """Raise the OSError that removing `folder` would meet (a read-only folder in it, or a
+    read-only file system), before anything is changed."""
+    parent = folder.parent
+    for d in [parent, *(Path(p) for p, _, _ in os.walk(folder, onerror=_raise))]:
+        if not os.access(d, os.W_OK | os.X_OK):
+            code = errno.EROFS if _read_only_fs(d) else errno.EACCES
+            raise OSError(code, os.strerror(code), str(d))
+
+
+def _raise(exc: OSError) -> None:
+    raise exc
+
+
+def _read_only_fs(path: Path) -> bool:
+    try:
+        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
+
+
 def replace_dir(new: Path, out: Path) -> None:
     """Move the complete folder `new` to `out`; a previous `out` is removed only once `new`
     is in place (atomic exchange where supported, else rename-aside then rename-in)."""
     if not out.exists():
         new.rename(out)
-    elif _exchange(new, out):
-        shutil.rmtree(new)  # `new` now holds the previous output
+        old = None
     else:
-        aside = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-        aside.rmdir()
-        out.rename(aside)
-        try:
-            new.rename(out)
-        except BaseException:
-            aside.rename(out)
-            raise
-        shutil.rmtree(aside)
+        check_removable(out)  # before the swap: never a new output beside an old one that cannot go
+        if _exchange(new, out):
+            old = new  # `new` now holds the previous output
+        else:
+            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+            old.rmdir()
+            out.rename(old)
+            try:
+                new.rename(out)
+            except BaseException:
+                old.rename(out)
+                raise
+    if old is not None:
+        for _ in range(2):  # once more after a transient failure (EIO, EINTR, a busy file system)
+            shutil.rmtree(old, ignore_errors=True)
+        if old.exists():
+            raise FileSystemError(f"{out} is written, but its previous version could not be removed completely; "
+                                  f"what is left of it is in {old}. Remove that folder yourself.")
     with contextlib.suppress(OSError):
         fsync_path(out.parent)
+
+
+# -- what the operating system refused ----------------------------------------------------------
+_OS_ERROR_IN_TEXT = re.compile(r"\(os error (\d+)\)|\[Errno (\d+)\]")
+#: Free space below which a write that failed without saying why is taken as "disk full".
+_NEARLY_FULL = 16 << 20
+
+
+def write_failure(exc: BaseException, folder: Path) -> OSError | None:
+    """The operating system's refusal behind a failed write into `folder`, or None when the
+    failure is not the file system's (a bug: it keeps its traceback).
+
+    Native writers do not raise OSError: safetensors and tokenizers say "(os error 28)" in
+    their message, torch only "unexpected pos" and numpy "N requested and M written". So,
+    in order: an OSError with an errno; an errno in the message; a file under `folder` at
+    the `ulimit -f` size limit (EFBIG); a file system with (nearly) no free space (ENOSPC).
+    """
+    if isinstance(exc, OSError) and exc.errno:
+        return exc
+    package = type(exc).__module__.split(".")[0]
+    if not (isinstance(exc, (OSError, RuntimeError)) or type(exc) is Exception
+            or package not in ("builtins", "lmforge")):
+        return None  # TypeError, KeyError, Interrupted, an LmforgeError...: not the disk's doing
+    m = _OS_ERROR_IN_TEXT.search(str(exc))
+    if m:
+        code = int(m.group(1) or m.group(2))
+        return OSError(code, os.strerror(code))
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if limit != resource.RLIM_INFINITY:
+        with contextlib.suppress(OSError):
+            files = [folder] if folder.is_file() else folder.rglob("*")
+            if any(p.is_file() and p.stat().st_size >= limit for p in files):
+                return OSError(errno.EFBIG, os.strerror(errno.EFBIG))
+    with contextlib.suppress(OSError):
+        st = os.statvfs(folder if folder.is_dir() else folder.parent)
+        free = (st.f_bfree if os.geteuid() == 0 else st.f_bavail) * st.f_frsize
+        if free < _NEARLY_FULL:
+            return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    return exc if isinstance(exc, OSError) else None
+
+
+def _shown_path(name, tmp: Path, out: Path) -> Path:
+    """A path inside the temporary `tmp` shown as where it was going (inside `out`)."""
+    if name is None:
+        return out
+    try:
+        rel = Path(os.fsdecode(name)).relative_to(tmp)
+    except (ValueError, TypeError):
+        return Path(os.fsdecode(name))
+    return out / rel if str(rel) != "." else out
+
+
+def _failure_or_none(exc: BaseException, tmp: Path, out: Path) -> FileSystemError | None:
+    """The FileSystemError for a failed write of `out` (being built in `tmp`), naming the path
+    that failed as the user knows it; None when the failure is not the file system's (or is
+    already explained, or is Ctrl-C)."""
+    if isinstance(exc, (LmforgeError, KeyboardInterrupt, SystemExit)) or not isinstance(exc, Exception):
+        return None
+    failure = write_failure(exc, tmp)
+    if failure is None:
+        return None
+    name = failure.filename
+    here = name is None or _is_within(name, tmp) or _is_within(name, out)
+    shown = _shown_path(name, tmp, out) if here else name
+    failure = OSError(failure.errno, failure.strerror or str(failure), shown, failure.filename2)
+    tail = f"Nothing was written: {out} is as it was." if here else f"{out} was not written (it is as it was)."
+    return os_error(failure, doing="write" if here else "use", what=tail)
+
+
+def _is_within(name, folder: Path) -> bool:
+    try:
+        Path(os.fsdecode(name)).relative_to(folder)
+        return True
+    except (ValueError, TypeError):
+        return False
 
 
 # -- the writers ---------------------------------------------------------------------------------
@@ -303,21 +464,31 @@ def atomic_dir(out: str | Path, command: str, fsync: bool = False, what: str | N
     out = Path(out)
     if check:
         check_output(out, command, what, replace_whole=True)
+        if out.is_dir():
+            try:
+                check_removable(out)  # a read-only earlier output: refused before any work
+            except OSError as exc:
+                raise os_error(exc, doing="replace a folder in", what=f"Nothing was written: {out} is as it "
+                                                                      f"was.") from None
     make_parent(out)
     with output_lock(out) if check else contextlib.nullcontext():
         try:
             tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
         except OSError as exc:
-            raise OutputError(f"--out {out}: cannot create a temporary folder beside it ({exc.strerror}); choose "
-                              f"another path{' with a shorter name' if exc.errno == 36 else ''}.") from None
+            raise OutputError(f"--out {out}: cannot create a temporary folder beside it ({exc.strerror}); "
+                              f"{'choose a shorter name' if exc.errno == 36 else os_advice(exc)}. Nothing was "
+                              f"written.") from None
         try:
             yield tmp
             write_marker(tmp, command, files=_manifest(tmp))
             if fsync:
                 fsync_tree(tmp)
             replace_dir(tmp, out)
-        except BaseException:
+        except BaseException as exc:
+            failure = _failure_or_none(exc, tmp, out)
             shutil.rmtree(tmp, ignore_errors=True)
+            if failure is not None:
+                raise failure from None
             raise
 
 
@@ -332,6 +503,10 @@ def atomic_file(path: str | Path, fsync: bool = False, replace: bool = True) -> 
     path = Path(path)
     if path.is_dir():
         raise OutputError(f"{path} is a folder; a file is written there. Choose a file path.")
+    special = special_kind(path)
+    if special:
+        raise OutputError(f"{path} is {special}, not a regular file; lmforge replaces only a regular file or a link "
+                          f"(never what it points to). It is left untouched: choose another path.")
     if (path.exists() or path.is_symlink()) and not replace:
         raise OutputError(f"{path} already exists; it is left untouched. Pass --force to replace it, "
                           f"or choose another path.")
@@ -339,8 +514,8 @@ def atomic_file(path: str | Path, fsync: bool = False, replace: bool = True) -> 
     try:
         fd, name = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
     except OSError as exc:
-        raise OutputError(f"{path}: cannot create a temporary file beside it ({exc.strerror}); choose another "
-                          f"path{' with a shorter name' if exc.errno == 36 else ''}.") from None
+        raise os_error(OSError(exc.errno, exc.strerror, str(path)), doing="write",
+                       what="(lmforge writes a temporary file beside it first.) Nothing was written.") from None
     os.close(fd)
     tmp = Path(name)
     try:
@@ -348,8 +523,12 @@ def atomic_file(path: str | Path, fsync: bool = False, replace: bool = True) -> 
         if fsync:
             fsync_path(tmp)
         os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
+    except BaseException as exc:
+        failure = _failure_or_none(exc, tmp, path)
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        if failure is not None:
+            raise failure from None
         raise
 
 
@@ -385,6 +564,11 @@ def check_user_file(path: str | Path, force: bool = False) -> None:
         raise OutputError(f"--out {str(path)[:80]}: cannot be written ({exc.strerror}). Choose another path.") from None
     if is_dir:
         raise OutputError(f"--out {path} is a folder; one file is written there. Give a file path.")
+    special = special_kind(path)
+    if special:
+        raise OutputError(f"--out {path} is {special}, not a regular file; lmforge replaces only a regular file or "
+                          f"a link (never what it points to), --force or not. It is left untouched: give another "
+                          f"file path.")
     check_not_inside_output(path)
     if exists and read_marker(path.parent) is not None:
         raise OutputError(f"{path} belongs to {describe(path.parent)}; it is never replaced by another command's "
@@ -394,15 +578,140 @@ def check_user_file(path: str | Path, force: bool = False) -> None:
                           f"or choose another path.")
 
 
-def write_text(path: str | Path, text: str, fsync: bool = False) -> Path:
-    """Write `text` (UTF-8) to `path` atomically."""
+def write_text(path: str | Path, text: str, fsync: bool = False, skip_same: bool = False) -> Path:
+    """Write `text` (UTF-8) to `path` atomically; with `skip_same`, a regular file that already
+    holds exactly these bytes is left as it is (not even its time stamps change).
+
+    Raises:
+        FileSystemError / OutputError: see `atomic_file`.
+    """
+    data = text.encode("utf-8")
+    if skip_same and _holds(Path(path), data):
+        return Path(path)
     with atomic_file(path, fsync=fsync) as tmp:
-        tmp.write_text(text, encoding="utf-8")
+        tmp.write_bytes(data)
     return Path(path)
+
+
+def copy_file(src: str | Path, dst: str | Path) -> Path:
+    """Copy `src` to `dst` atomically (a temporary beside `dst`, then renamed); a `dst` that
+    already holds the same bytes is left as it is.
+
+    Raises:
+        FileSystemError: reading `src` or writing `dst` was refused (naming the path).
+    """
+    src, dst = Path(src), Path(dst)
+    try:
+        data = src.read_bytes()
+    except OSError as exc:
+        raise os_error(exc, src, "read") from None
+    if _holds(dst, data):
+        return dst
+    with atomic_file(dst) as tmp:
+        tmp.write_bytes(data)
+    return dst
+
+
+def _holds(path: Path, data: bytes) -> bool:
+    try:
+        return path.is_file() and not path.is_symlink() and path.stat().st_size == len(data) \
+            and path.read_bytes() == data
+    except OSError:
+        return False
 
 
 def write_json(path: str | Path, obj, fsync: bool = False) -> Path:
     return write_text(path, json.dumps(obj, indent=2, ensure_ascii=False) + "\n", fsync=fsync)
+
+
+class AppendFile:
+    """A run's metrics.jsonl opened for appending whole lines (`open_append`): `write(text)`,
+    `flush()`, `close()`. A write the operating system refuses (a full disk, `ulimit -f`) is
+    undone to the end of the previous write, so the file never ends in half a line, and is
+    raised as a FileSystemError naming the file."""
+
+    def __init__(self, path: Path, fd: int):
+        self.path, self.fd = path, fd
+
+    def write(self, text: str) -> None:
+        view = memoryview(text.encode("utf-8"))
+        size = os.fstat(self.fd).st_size
+        try:
+            while view:
+                view = view[os.write(self.fd, view):]
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                os.ftruncate(self.fd, size)  # no half line stays behind
+            raise os_error(exc, self.path, "append to", "The rows written before are kept.") from None
+
+    def flush(self) -> None:  # every write goes straight to the file
+        pass
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def open_append(path: str | Path) -> AppendFile:
+    """Open `path` for appending lines (created if absent). Only a regular file is appended to:
+    never a FIFO, a device, or through a link.
+
+    Raises:
+        OutputError: `path` is not a regular file. FileSystemError: the system refused (naming
+        the path and what to do).
+    """
+    path = Path(path)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENXIO):  # O_NOFOLLOW on a link; a FIFO without a reader
+            raise OutputError(f"{path} is {special_kind(path) or 'a link'}, not a regular file lmforge wrote; it "
+                              f"is left untouched. Move it away, or use another --out.") from None
+        raise os_error(exc, path, "append to") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OutputError(f"{path} is {special_kind(path) or 'not a regular file'}; lmforge appends only to a "
+                              f"regular file. Move it away, or use another --out.")
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return AppendFile(path, fd)
+
+
+def check_readable(path: str | Path) -> None:
+    """Open and close `path`: a reader whose library words a refusal badly (safetensors says
+    "No such file" for permission denied) calls this first, or when it failed.
+
+    Raises:
+        FileSystemError: naming the path, the system's reason and what to do.
+    """
+    try:
+        with open(path, "rb"):
+            pass
+    except OSError as exc:
+        raise os_error(exc, path, "read") from None
+
+
+def check_path_text(text: str, what: str) -> None:
+    """Refuse a path no file system call can take: a NUL character, or a character that
+    cannot be encoded to the file system's bytes (a lone surrogate that is not an escaped
+    byte). `what` names it in the message ("--config", "data.source").
+
+    Raises:
+        FileSystemError: naming the field, the character and its position.
+    """
+    if not isinstance(text, str):
+        return
+    if "\x00" in text:
+        raise FileSystemError(f"{what} = {text!r} holds a NUL character at position {text.index(chr(0))}; no file "
+                              f"name can. Give the path without it.")
+    try:
+        os.fsencode(text)
+    except UnicodeEncodeError as exc:
+        raise FileSystemError(f"{what} = {text!r}: the character {text[exc.start]!r} at position {exc.start} cannot "
+                              f"be encoded as a file name ({exc.reason}). Give the path as UTF-8 text.") from None
 
 
 def open_run_dir(out: str | Path, command: str, resume: bool, has_progress, create: bool = True) -> Path:
@@ -421,12 +730,35 @@ def open_run_dir(out: str | Path, command: str, resume: bool, has_progress, crea
         raise OutputError(f"--out {out} already holds a `lmforge {command}` run with checkpoints. Pass --resume "
                           f"to continue it, or choose another --out.")
     if create:
-        out.mkdir(parents=True, exist_ok=True)
-        if read_marker(out) is None:
-            write_marker(out, command)
+        make_folder(out, command)
     return out
 
 
-__all__ = ["MARKER_FILE", "OutputError", "atomic_dir", "atomic_file", "check_output", "check_not_inside_output",
+def make_folder(out: Path, command: str) -> None:
+    """Create the folder `out` (if absent) and give it `command`'s marker (if it has none); on
+    a refusal of the operating system, a folder this call created is removed again.
+
+    Raises:
+        FileSystemError: naming the path and what to do.
+    """
+    created = not (out.exists() or out.is_symlink())
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        if read_marker(out) is None:
+            write_marker(out, command)
+    except OSError as exc:
+        if created:
+            with contextlib.suppress(OSError):
+                out.rmdir()
+        raise os_error(exc, out, "write", "Nothing was written.") from None
+    except FileSystemError:
+        if created:
+            with contextlib.suppress(OSError):
+                out.rmdir()
+        raise
+
+
+__all__ = ["MARKER_FILE", "OutputError", "AppendFile", "open_append", "copy_file", "check_path_text", "check_readable", "make_folder", "special_kind",
+           "write_failure", "atomic_dir", "atomic_file", "check_output", "check_not_inside_output",
            "check_user_file", "describe", "make_parent", "open_run_dir", "user_file",
            "output_lock", "read_marker", "replace_dir", "write_json", "write_marker", "write_text", "fsync_tree"]

@@ -43,7 +43,7 @@ from lmforge.contract import (
     padded_vocab_size,
     token_dtype_for,
 )
-from lmforge.errors import ContractError, DataError, LmforgeError, raise_if_stopped
+from lmforge.errors import ContractError, DataError, LmforgeError, os_error, raise_if_stopped
 from lmforge.fileio import atomic_dir, check_output
 
 #: Special tokens by name (the one place they are spelled). Order = id order when
@@ -605,7 +605,9 @@ ROUND_TRIP_PROBES: tuple[str, ...] = (
 def _read_json(path: str | Path) -> dict:
     try:
         raw = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except OSError as exc:  # the system's refusal, in its own words (not a damaged file)
+        raise os_error(exc, path, "read") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ContractError(f"{path}: not readable JSON ({exc}). Restore the file from where it came from.") from None
     if not isinstance(raw, dict):
         raise ContractError(f"{path}: expected a JSON object, found {type(raw).__name__}.")

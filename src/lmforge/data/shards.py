@@ -16,6 +16,7 @@ nothing half-written and the previous data folder intact.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import time
@@ -28,7 +29,7 @@ from tqdm import tqdm
 from lmforge.contract import CONTRACT_FILE, Contract, check_match
 from lmforge.data.fast_encode import batch_encoder
 from lmforge.data.sources import SPLITS, SourceStats, iter_documents
-from lmforge.errors import DataError
+from lmforge.errors import DataError, os_error
 from lmforge.fileio import atomic_dir
 from lmforge.tokenizer import Tokenizer
 
@@ -151,7 +152,12 @@ def _read_json(path: Path, kind: type):
     not a `kind` (dict / list)."""
     try:
         value = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError, RecursionError) as exc:
+    except OSError as exc:  # the system's refusal, in its own words (not a damaged folder)
+        if exc.errno not in (errno.ENOENT, errno.EISDIR, errno.ENOTDIR):
+            raise os_error(exc, path, "read") from None
+        raise DataError(f"{path}: not readable JSON ({str(exc)[:120]}). The data folder is damaged: re-run "
+                        f"`lmforge prepare`.") from None
+    except (ValueError, RecursionError) as exc:
         raise DataError(f"{path}: not readable JSON ({str(exc)[:120]}). The data folder is damaged: re-run "
                         f"`lmforge prepare`.") from None
     if not isinstance(value, kind):

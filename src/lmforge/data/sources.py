@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from lmforge.data.records import RECORD_SUFFIXES, check_text, content_key, iter_records, short
-from lmforge.errors import DataError
+from lmforge.errors import DataError, os_error
 
 TEXT_SUFFIXES = (".txt", ".md", ".py")
 SPLITS = ("train", "val")
@@ -57,8 +57,13 @@ def module_name(rel: Path) -> str:
     return ".".join(parts)
 
 
+def _unlistable(exc: OSError) -> None:
+    """os.walk skips a folder it cannot list; a corpus never silently loses one."""
+    raise os_error(exc, doing="list", what="Its files would be missing from the corpus.")
+
+
 def _walk(root: Path, suffixes: tuple[str, ...], skip_dirs: set[str]) -> Iterator[Path]:
-    for dirpath, dirnames, filenames in os.walk(root):
+    for dirpath, dirnames, filenames in os.walk(root, onerror=_unlistable):
         dirnames[:] = sorted(d for d in dirnames if d not in skip_dirs and not d.startswith("."))
         for name in sorted(filenames):
             path = Path(dirpath) / name

@@ -48,7 +48,7 @@ from lmforge.config import Config, ModelConfig, from_dict, validate
 from lmforge.contract import Contract, padded_vocab_size
 from lmforge.errors import CheckpointError, ConfigError, require_package
 from lmforge.export.options import ExportError, check_dtype_range, check_export_options
-from lmforge.fileio import atomic_dir, check_output
+from lmforge.fileio import atomic_dir, check_output, check_readable
 from lmforge.loading import load_checkpoint
 from lmforge.model.io import MODEL_FILE, load_weights, model_state, write_model_files
 from lmforge.tokenizer import CHAT_TEMPLATE, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, Tokenizer, short_repr
@@ -567,6 +567,9 @@ def read_hf_weights(folder: Path) -> dict[str, torch.Tensor]:
     except ExportError:
         raise
     except Exception as exc:  # safetensors, torch's unpickler, struct, json: a damaged file raises any of them
+        for name in (WEIGHTS_FILE, WEIGHTS_INDEX_FILE, "pytorch_model.bin"):
+            if (folder / name).is_file():
+                check_readable(folder / name)  # permission denied is said as such, not as "damaged"
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:160]
         raise ExportError(f"{folder}: cannot read the weights ({first}). The files are damaged or incomplete.") from None
     if state is None:

@@ -29,6 +29,7 @@ from lmforge.config import CONFIG_FILE, Config, load_config
 from lmforge.contract import (CONTRACT_FILE, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, Contract,
                               check_tokenizer_hash)
 from lmforge.errors import CheckpointError, LmforgeError
+from lmforge.fileio import check_readable
 
 MODEL_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.pt"
@@ -53,7 +54,19 @@ def list_checkpoints(run_dir: str | Path) -> list[Path]:
         return []
     found = [(int(m.group(1)), p) for p in run_dir.iterdir()
              if (m := STEP_RE.match(p.name)) and p.is_dir() and not p.is_symlink()]
-    return [p for _, p in sorted(found) if os.path.lexists(p / MODEL_FILE)]
+    return [p for _, p in sorted(found) if _has_weights_entry(p)]
+
+
+def _has_weights_entry(step: Path) -> bool:
+    """A weights entry in `step`; a folder that cannot be looked into (permission denied) is
+    listed too, so that loading it says why instead of falling back to an older step."""
+    try:
+        os.lstat(step / MODEL_FILE)
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    except OSError:
+        return True
+    return True
 
 
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
@@ -128,6 +141,7 @@ def read_weights(model: torch.nn.Module, path: Path) -> dict[str, torch.Tensor]:
     if not path.is_file():
         raise CheckpointError(f"{path} is not a regular file (a folder, a link to nothing, a pipe); the checkpoint "
                               f"is damaged. Use another checkpoint (or delete this step folder).")
+    check_readable(path)  # the operating system's refusal in its own words (safetensors says "not found")
     try:
         state = load_file(str(path))
     except (SafetensorError, OSError, ValueError) as exc:

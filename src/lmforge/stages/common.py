@@ -4,7 +4,6 @@ SFT both use, the start-up report, and loading a checkpoint for inference."""
 from __future__ import annotations
 
 import contextlib
-import shutil
 from dataclasses import replace
 import sys
 from collections.abc import Iterator
@@ -13,7 +12,7 @@ from pathlib import Path
 
 from lmforge.config import CONFIG_FILE, Config
 from lmforge.evaluate import batch_loss
-from lmforge.fileio import open_run_dir, output_lock, write_text
+from lmforge.fileio import copy_file, open_run_dir, output_lock, write_text
 from lmforge.model import Transformer
 from lmforge.model.transformer import check_fits_in_memory
 from lmforge.model.attention import resolve_backend
@@ -81,9 +80,10 @@ def training_session(cfg: Config, out: str | Path, command: str, resume: bool, d
 
 
 def copy_contract_files(src: Path, dst: Path) -> None:
-    dst.mkdir(parents=True, exist_ok=True)
+    """The contract and tokenizer files of `src` into `dst`, each atomically; a file already
+    identical is not rewritten (a resumed run's folder keeps its bytes and times)."""
     for name in CONTRACT_FILES:
-        shutil.copy2(src / name, dst / name)
+        copy_file(src / name, dst / name)
 
 
 def startup_report(model: Transformer, tok: Tokenizer, data: dict, cfg: Config, world: int,
@@ -123,9 +123,9 @@ def run_training(session: TrainingSession, contract_dir: Path, model: Transforme
         log(f"--resume: no checkpoint in {out} yet; starting from step 0")
     if info.is_main:
         copy_contract_files(Path(contract_dir), out)
-        cfg.save(out / CONFIG_FILE)
+        write_text(out / CONFIG_FILE, cfg.to_toml(), skip_same=True)
         for name, text in (side_files or {}).items():
-            write_text(out / name, text)
+            write_text(out / name, text, skip_same=True)
     return trainer.fit()
 
 

@@ -31,7 +31,7 @@ from lmforge.data.stdlib_functions import place_body
 from lmforge.stages.sft_checks import doctest_pass_rate
 from lmforge.errors import Interrupted
 from lmforge.evaluate import evaluate_shard, split_texts, xz_bits_per_byte
-from lmforge.fileio import open_run_dir, read_marker, write_json, write_text
+from lmforge.fileio import atomic_file, open_run_dir, read_marker, write_json, write_text
 from lmforge.generate import generate
 from lmforge.loading import load_checkpoint
 from lmforge.runtime import Runtime, decode_runtime, training_runtime
@@ -76,8 +76,11 @@ def plot_loss(run_dir: Path, out: Path) -> Path | None:
     ax.legend()
     ax.set_title("lmforge speedrun")
     fig.tight_layout()
-    fig.savefig(out)
-    plt.close(fig)
+    try:
+        with atomic_file(out) as tmp:  # the one writer: no half-written plot after a full disk
+            fig.savefig(tmp, format="png")
+    finally:
+        plt.close(fig)
     return out
 
 

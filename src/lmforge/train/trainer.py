@@ -39,9 +39,9 @@ from tqdm import tqdm
 from lmforge.config import Config
 from lmforge.contract import CONTRACT_FILE, Contract, check_match
 from lmforge.data.packing import Batch, RowStream
-from lmforge.errors import CheckpointError, LmforgeError, TrainingError
+from lmforge.errors import CheckpointError, LmforgeError, TrainingError, request_stop, stop_requested
 from lmforge.evaluate import batch_loss, evaluate_batches
-from lmforge.fileio import write_text
+from lmforge.fileio import open_append, write_text
 from lmforge.model.io import (MODEL_FILE, OPTIMIZER_FILE, RNG_FILE, STEP_RE, is_sharded, latest_checkpoint,
                               load_weights, read_checkpoint_meta, step_dir_name)
 from lmforge.runtime import Runtime, training_runtime
@@ -293,7 +293,7 @@ class Trainer:
         if self.dist.is_main:
             ckpt.remove_unfinished(self.run_dir)  # a killed write's leftovers (this process holds the run's lock)
         self._truncate_metrics(self.step)  # rows past the checkpoint we start from (a killed run's) go
-        metrics_file = open(self.run_dir / METRICS_FILE, "a", encoding="utf-8") if self.dist.is_main else None
+        metrics_file = open_append(self.run_dir / METRICS_FILE) if self.dist.is_main else None
         old_handlers = self._install_signal_handlers()
         bar = tqdm(total=cfg.steps, initial=self.step, desc="train", unit="step",
                    disable=not (self.progress and self.dist.is_main), mininterval=1.0, dynamic_ncols=True)
@@ -354,7 +354,8 @@ class Trainer:
             return None
 
         def handler(signum, frame):
-            if self._stop_signal is not None and signum == signal.SIGINT:
+            if self._stop_signal is not None and signum == signal.SIGINT and not stop_requested():
+                request_stop(signum)  # a further signal is only recorded: the clean-up runs to its end
                 raise KeyboardInterrupt  # a second Ctrl-C: stop now, without a checkpoint
             self._stop_signal = signum  # no I/O here: the loop reports after the checkpoint
 
