@@ -189,6 +189,32 @@ class SFTConfig:
     """stdlib only: leave out functions whose prompt + body exceed this many characters (0 = no limit)."""
 
 
+#: The linear layers of the blocks LoRA can adapt (Meta's Llama names), and the default targets.
+LORA_TARGETS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3")
+#: Linear maps read directly (the output head slices its weight; the embedding is a lookup, and a
+#: tied head shares it): never LoRA targets.
+LORA_REFUSED = ("output", "tok_embeddings")
+
+
+@dataclass
+class LoRAConfig:
+    """The [lora] section: low-rank adapters (Hu et al. 2021, arXiv 2106.09685) on the blocks'
+    linear layers, for `sft` (see lmforge.model.lora)."""
+
+    rank: int = 0
+    """Adapter rank r; 0 = off (full fine-tuning)."""
+    alpha: float = 16.0
+    """Scale numerator: the update is (alpha / rank) B A (alpha / sqrt(rank) with use_rslora).
+    A fixed 16 (not 2 x rank), so that changing the rank does not silently change the
+    learning rate of the update at rank 16 (scale 1)."""
+    dropout: float = 0.0
+    """Dropout on the adapter's input, in [0, 1) (PEFT's lora_dropout)."""
+    targets: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
+    """Which linear layers of every block take an adapter (any of wq wk wv wo w1 w2 w3)."""
+    use_rslora: bool = False
+    """Rank-stabilised scale alpha / sqrt(rank) (Kalajdzievski 2023, arXiv 2312.03732)."""
+
+
 @dataclass
 class SamplingConfig:
     """The [generate] section: how `generate`, `chat`, the speedrun's samples and the server
@@ -243,6 +269,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
     generate: SamplingConfig = field(default_factory=SamplingConfig)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
@@ -323,6 +350,9 @@ BOUNDS: dict[str, tuple[float, float, bool, bool]] = {
     "sft.max_examples": (0, 1 << 40, False, False),
     "sft.val_examples": (0, 1 << 40, False, False),
     "sft.max_chars": (0, 1 << 40, False, False),
+    "lora.rank": (0, 1 << 16, False, False),
+    "lora.alpha": (0.0, 1e6, True, False),
+    "lora.dropout": (0.0, 1.0, False, True),
     "generate.max_new_tokens": (1, MAX_SEQ_LEN, False, False),
     "generate.temperature": (0.0, 1000.0, False, False),
     "generate.top_k": (0, MAX_VOCAB, False, False),
@@ -359,6 +389,7 @@ _SECTION_TYPES = {
     "model": ModelConfig,
     "train": TrainConfig,
     "sft": SFTConfig,
+    "lora": LoRAConfig,
     "generate": SamplingConfig,
 }
 
@@ -389,8 +420,12 @@ def _coerce(section: str, key: str, value: Any, typ: type, where: str) -> Any:
     elif typ is str:
         if isinstance(value, str):
             return value
+    elif typing.get_origin(typ) is list:
+        (item,) = typing.get_args(typ)
+        if isinstance(value, list) and all(isinstance(v, item) for v in value):
+            return list(value)
     raise ConfigError(
-        f"{where}: {name} = {value!r} has type {type(value).__name__}, expected {typ.__name__}. "
+        f"{where}: {name} = {value!r} has type {type(value).__name__}, expected {getattr(typ, '__name__', typ)}. "
         f"Fix the value (for example {name}={_default(section, key)!r}, the default)."
     )
 
@@ -603,10 +638,32 @@ def validate(cfg: Config) -> Config:
     _positive("generate.top_k", g.top_k, allow_zero=True)
     if not 0.0 < g.top_p <= 1.0:
         raise ConfigError(f"generate.top_p = {g.top_p}: expected 0 < value <= 1.")
+    check_lora(cfg.lora)
     for name in BOUNDS:  # every number, both ends (the checks above keep their own wording)
         section, key = name.split(".", 1)
         check_bounds(name, getattr(getattr(cfg, section), key))
     return cfg
+
+
+def check_lora(lo: LoRAConfig) -> None:
+    """The [lora] targets: known linear layers of the blocks, each once; never the output
+    head or the embedding (read directly, and tied to each other in tied models).
+
+    Raises:
+        ConfigError: naming the target, the valid ones, and what to do.
+    """
+    if not lo.targets:
+        raise ConfigError(f"lora.targets is empty: expected some of {list(LORA_TARGETS)} (default: all of them).")
+    for t in lo.targets:
+        if t in LORA_REFUSED:
+            raise ConfigError(f"lora.targets names {t!r}: the output head and the embedding are never adapted "
+                              f"(they are read directly, and a tied head shares the embedding). Choose among "
+                              f"{list(LORA_TARGETS)}.")
+        if t not in LORA_TARGETS:
+            raise ConfigError(f"lora.targets names {t!r}, not a linear layer of the blocks: expected some of "
+                              f"{list(LORA_TARGETS)}.{_suggest(t, list(LORA_TARGETS))}")
+    if len(set(lo.targets)) != len(lo.targets):
+        raise ConfigError(f"lora.targets = {lo.targets}: a target appears twice; list each once.")
 
 
 def world_size_from_env() -> int:

@@ -154,6 +154,8 @@ RESUME_RULES: tuple[ResumeRule, ...] = (
     R("sft.val_examples", (), "the held-out conversations validated on (val_loss rows and sft_val.jsonl only)"),
     R("sft.max_chars", SFT, "which standard-library functions are trained on",
       _NO_PRE + "; SFT on a file does not read it", when=_stdlib_sft),
+    *(R(f"lora.{k}", BOTH, "the adapters trained (their shapes, their scale, which layers carry them) and the "
+        "parameters the optimizer state belongs to") for k in ("rank", "alpha", "dropout", "targets", "use_rslora")),
     *(R(f"generate.{k}", (), "sampling only (generate, chat, serve, the speedrun's samples)")
       for k in ("max_new_tokens", "temperature", "top_k", "top_p", "repetition_penalty", "greedy")),
 )
