@@ -30,6 +30,7 @@ from lmforge.contract import (CONTRACT_FILE, TOKENIZER_CONFIG_FILE, TOKENIZER_FI
                               check_tokenizer_hash)
 from lmforge.errors import CheckpointError, LmforgeError
 from lmforge.fileio import check_readable
+from lmforge.model import lora
 
 MODEL_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.pt"
@@ -111,7 +112,19 @@ def model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
     if is_tied(model):
         state.pop("output.weight", None)
-    return state
+    return saved_state(model, state)
+
+
+def saved_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """What a checkpoint of `model` holds of its full `state`: everything, or, for a model with
+    LoRA adapters, the adapters only (their base is recorded by location and hash)."""
+    return lora.adapter_state(state) if lora.has_adapters(model) else state
+
+
+def weights_metadata(model: torch.nn.Module) -> dict[str, str] | None:
+    """The safetensors metadata of `model`'s checkpoint: a LoRA model's base (`lora_base`, set by
+    the stage that injected the adapters: {BASE_PATH_KEY: folder, BASE_SHA256_KEY: hash})."""
+    return dict(getattr(model, "lora_base", None) or {}) or None
 
 
 def read_checkpoint_meta(folder: Path) -> tuple[Config, Contract]:
@@ -147,7 +160,7 @@ def read_weights(model: torch.nn.Module, path: Path) -> dict[str, torch.Tensor]:
     except (SafetensorError, OSError, ValueError) as exc:
         raise CheckpointError(f"{path}: cannot read weights ({exc}). The file is damaged; use another checkpoint.") from None
     own = model.state_dict()  # DTensor shapes are the full shapes
-    expected = set(own) - ({"output.weight"} if is_tied(model) else set())
+    expected = set(saved_state(model, {k: v for k, v in own.items() if not (is_tied(model) and k == "output.weight")}))
     missing, unexpected = expected - set(state), set(state) - expected
     if missing or unexpected:
         raise CheckpointError(
@@ -177,7 +190,8 @@ def load_weights(model: torch.nn.Module, path: Path) -> None:
 
         if is_tied(model):
             state["output.weight"] = state["tok_embeddings.weight"]
-        set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=True))
+        set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True,
+                                                                    strict=not lora.has_adapters(model)))
         return
     own = model.state_dict()
     with torch.no_grad():
@@ -197,4 +211,4 @@ def write_model_files(folder: Path, weights: dict[str, torch.Tensor], config: Co
 
 __all__ = ["model_state", "MODEL_FILE", "OPTIMIZER_FILE", "RNG_FILE", "STATE_FILE", "CONTRACT_FILES", "step_dir_name",
            "list_checkpoints", "latest_checkpoint", "resolve_checkpoint", "read_checkpoint_meta", "read_weights",
-           "load_weights", "write_model_files", "is_tied", "is_sharded"]
+           "load_weights", "write_model_files", "is_tied", "is_sharded", "saved_state", "weights_metadata"]

@@ -25,10 +25,12 @@ from lmforge.contract import TOKENIZER_FILE
 from lmforge.data.conversations import (Conversation, cap_examples, read_conversations, render_samples, sft_batches,
                                         sft_stream, split_conversations)
 from lmforge.data.stdlib_functions import StdlibStats, stdlib_examples
-from lmforge.errors import ConfigError, DataError, LmforgeError
+from lmforge.errors import CheckpointError, ConfigError, DataError, LmforgeError
 from lmforge.fileio import check_output
 from lmforge.loading import load_checkpoint
-from lmforge.model.io import latest_checkpoint, read_checkpoint_meta, resolve_checkpoint
+from lmforge.model import lora
+from lmforge.model.io import MODEL_FILE, latest_checkpoint, read_checkpoint_meta, resolve_checkpoint
+from lmforge.model.transformer import lora_base
 from lmforge.stages.common import log, run_training, startup_report, training_session
 
 SFT_DATA_FILE = "sft_data.json"
@@ -124,6 +126,12 @@ def sft_stage(cfg: Config, out: str | Path, resume: bool = False, dry_run: bool 
     if resume:
         _check_same_init(Path(out), init)
     model, tok, init_cfg, _ = load_checkpoint(init, sft_tokenizer_dir(cfg))
+    if cfg.lora.rank > 0:  # load the base, inject, freeze; the trainer then wraps and builds the optimizer
+        base_sha = lora.file_sha256(init / MODEL_FILE)
+        if resume:
+            _check_same_base(Path(out), init, base_sha)
+        lora.inject(model, cfg.lora, seed=cfg.train.seed)
+        model.lora_base = {lora.BASE_PATH_KEY: str(init.resolve()), lora.BASE_SHA256_KEY: base_sha}
     cfg = sft_config(replace(cfg, tokenizer=replace(cfg.tokenizer, dir=str(tok.folder))), init_cfg)
     with training_session(cfg, out, "sft", resume, dry_run) as session:
         info = session.info
@@ -152,6 +160,12 @@ def sft_stage(cfg: Config, out: str | Path, resume: bool = False, dry_run: bool 
             log(f"sft: init {init}; data {s.data!r}, {'packed with document masking' if s.packing else 'right-padded'}")
             log(startup_report(model, tok, report, cfg, info.world_size, session.runtime))
             log(f"sft: {chat_template_line(tok)}")
+            if cfg.lora.rank > 0:
+                lo = cfg.lora
+                log(f"sft: LoRA rank {lo.rank}, alpha {lo.alpha:g} (scale {lora.lora_scale(lo):g}), dropout "
+                    f"{lo.dropout:g}, targets {' '.join(lo.targets)}: {lora.trainable_parameters(model):,} trainable "
+                    f"parameters of {model.num_parameters():,}; checkpoints hold the adapters only, on the base "
+                    f"{init}")
             for split, c in counts.items():
                 log(f"sft data {split}: {c['conversations']} conversations, {c['truncated']} truncated to "
                     f"seq_len {d.seq_len} (tail cut), {c['dropped_all_cut']} dropped (every supervised token "
@@ -191,6 +205,23 @@ def _check_same_init(out: Path, init: Path) -> None:
     if before != init.resolve():
         raise ConfigError(f"--resume: {out} is an SFT run from sft.init = {saved.sft.init!r}, but this command "
                           f"sets sft.init = {str(init)!r}. Resume with the same sft.init, or choose another --out.")
+
+
+def _check_same_base(out: Path, init: Path, sha256: str) -> None:
+    """`--resume` of a LoRA run: the base weights are the ones its adapters were trained on
+    (same sha256 of model.safetensors), not merely the same folder."""
+    latest = latest_checkpoint(out)
+    if latest is None:
+        return
+    saved, _ = read_checkpoint_meta(latest)
+    if saved.lora.rank <= 0:
+        raise ConfigError(f"--resume: {out} is a full fine-tuning run (lora.rank = 0 in {latest}/config.toml); this "
+                          f"command sets lora.rank > 0. Resume with lora.rank = 0, or choose another --out.")
+    _, before = lora_base(latest)
+    if before != sha256:
+        raise CheckpointError(f"--resume: {out}'s adapters were trained on a base whose {MODEL_FILE} has sha256 "
+                              f"{before}; {init / MODEL_FILE} now has sha256 {sha256}: another model. Restore the "
+                              f"original base, or start a new run (another --out).")
 
 
 def _refuse_init_as_out(out: Path, init_arg: Path, init: Path) -> None:

@@ -27,7 +27,8 @@ from lmforge.config import Config
 from lmforge.errors import CheckpointError
 from lmforge.fileio import atomic_dir
 from lmforge.model.io import (OPTIMIZER_FILE, RNG_FILE, STATE_FILE, is_sharded, is_tied, model_state,
-                              list_checkpoints, step_dir_name, write_model_files)
+                              list_checkpoints, saved_state, step_dir_name, weights_metadata,
+                              write_model_files)
 from lmforge.train.resume import check_optimizer_state
 
 
@@ -51,7 +52,7 @@ def gather_model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     state = {k: v.detach().contiguous() for k, v in state.items()}
     if is_tied(model):
         state.pop("output.weight", None)
-    return state
+    return saved_state(model, state)
 
 
 def gather_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
@@ -151,7 +152,7 @@ def save_checkpoint(
     ranks = rng_states if rng_states is not None else [rng_state()]
     # the run folder belongs to this training command (checked when the run started)
     with atomic_dir(final, "checkpoint", fsync=True, check=False) as tmp:
-        write_model_files(tmp, weights, config, Path(contract_dir))
+        write_model_files(tmp, weights, config, Path(contract_dir), metadata=weights_metadata(model))
         if optimizer_state is not None:
             torch.save(optimizer_state, tmp / OPTIMIZER_FILE)
         torch.save({"world_size": len(ranks), "ranks": ranks}, tmp / RNG_FILE)

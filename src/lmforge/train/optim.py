@@ -161,8 +161,11 @@ def group_kind(group: dict) -> str:
 
 
 def is_hidden_matrix(name: str, p: torch.nn.Parameter) -> bool:
-    """The parameters Muon takes: 2-D matrices inside the blocks (not embeddings or the head)."""
-    return p.dim() == 2 and name.startswith("layers.")
+    """The parameters Muon takes: 2-D matrices inside the blocks (not embeddings or the head),
+    LoRA adapters excepted: their rank-r factors stay on AdamW (orthogonalising a rank x in
+    factor is not the full matrix update Muon is made for; PEFT, torchtune and litgpt train
+    adapters with AdamW)."""
+    return p.dim() == 2 and name.startswith("layers.") and ".lora_" not in name
 
 
 def decays(name: str, p: torch.nn.Parameter, optimizer: str) -> bool:

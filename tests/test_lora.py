@@ -1,0 +1,291 @@
+"""LoRA (lmforge.model.lora, the [lora] section, `sft` with lora.rank > 0): the acceptance
+tests T1-T6 of ../shared/research/LORA-DPO.md that concern LoRA.
+
+- T1 an injected model (B = 0) computes the base logits bit for bit;
+- T2 each target (wq wk wv wo w1 w2 w3, k and v under GQA too) changes the output when its B is nonzero;
+- T3 merged = unmerged forward (fp32, 1e-5), merging twice changes nothing, unmerge restores the
+  base bit for bit, `merged_state` equals the in-place merge; reset_parameters never touches adapters;
+- T4 one optimizer step (AdamW and Muon) changes adapter tensors only;
+- T5 `adapters_disabled` gives the base logits exactly;
+- T6 a LoRA SFT run resumed after SIGTERM equals the straight run bit for bit; its checkpoint
+  holds the adapters only; every consumer loads it merged (load_model = base + scale B A, and
+  the HF export's transformers logits equal lmforge's); a changed base is refused by load and
+  by --resume, the run folder unchanged; bad [lora] configs are refused naming the field.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from lmforge.config import LORA_TARGETS, Config, LoRAConfig, ModelConfig, load_config
+from lmforge.errors import CheckpointError, ConfigError
+from lmforge.model import Transformer, load_model, lora, resolve_model_config
+from lmforge.model.io import MODEL_FILE
+from lmforge.runtime import training_runtime
+from lmforge.stages.sft import sft_stage
+from lmforge.train.checkpoint import save_checkpoint
+from lmforge.train.optim import build_optimizer
+from test_resume import read_metrics, sigterm_at
+from test_sft import many_conversations, sft_cfg, write_jsonl
+
+MODEL = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64, vocab_size=100)
+
+
+def tiny(tie: bool = False) -> Transformer:
+    m = Transformer(replace(MODEL, tie_embeddings=tie))
+    m.reset_parameters(seed=0)
+    return m.eval()
+
+
+def tokens(B: int = 2, T: int = 16) -> torch.Tensor:
+    return torch.randint(0, MODEL.vocab_size, (B, T), generator=torch.Generator().manual_seed(1))
+
+
+def randomize_b(model: Transformer, seed: int = 2, only: str | None = None) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, m in lora.lora_layers(model):
+            if only is None or name == only:
+                m.lora_b.copy_(torch.randn(m.lora_b.shape, generator=gen) * 0.5)
+
+
+def injected(rank: int = 4, **kw) -> tuple[Transformer, Transformer]:
+    base, model = tiny(), tiny()
+    lora.inject(model, LoRAConfig(rank=rank, **kw))
+    return base, model
+
+
+# -- T1, T2 -------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
+def test_t1_adapters_at_init_give_the_base_logits_bit_for_bit(tie):
+    base, model = tiny(tie), tiny(tie)
+    lora.inject(model, LoRAConfig(rank=8))
+    x = tokens()
+    assert torch.equal(model(x), base(x))
+    names = [n for n, _ in model.named_parameters()]
+    assert "layers.0.attention.wq.weight" in names and "layers.0.attention.wq.lora_a" in names
+    assert {n for n, p in model.named_parameters() if p.requires_grad} == {n for n in names if lora.is_adapter_key(n)}
+    a = model.layers[0].attention.wq.lora_a.detach()
+    assert float(a.abs().max()) > 0 and float(a.abs().max()) <= 1 / MODEL.dim ** 0.5  # Kaiming-uniform(a=sqrt 5)
+    assert all(float(m.lora_b.detach().abs().max()) == 0 for _, m in lora.lora_layers(model))
+
+
+@pytest.mark.parametrize("target", LORA_TARGETS)
+def test_t2_each_target_changes_the_output(target):
+    base, model = injected()
+    parent = "attention" if target in ("wq", "wk", "wv", "wo") else "feed_forward"
+    randomize_b(model, only=f"layers.1.{parent}.{target}")
+    x = tokens()
+    diff = float((model(x) - base(x)).abs().max())
+    assert diff > 1e-3, target
+    if target in ("wk", "wv"):  # GQA: k and v have n_kv_heads x head_dim rows, and are adapted
+        assert getattr(model.layers[1].attention, target).lora_b.shape == (MODEL.n_kv_heads * MODEL.head_dim, 4)
+
+
+# -- T3, T5 -------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("rslora", [False, True])
+def test_t3_merge_equals_unmerged_is_idempotent_and_unmerge_restores(rslora):
+    base, model = injected(rank=4, alpha=8.0, use_rslora=rslora)
+    assert model.layers[0].attention.wq.scale == (8.0 / 2 if rslora else 8.0 / 4)
+    randomize_b(model)
+    x = tokens()
+    unmerged = model(x)
+    assert float((unmerged - base(x)).abs().max()) > 1e-2
+    state = lora.merged_state(model)
+    assert not any(lora.is_adapter_key(k) for k in state) and set(state) == set(base.state_dict())
+    lora.merge(model)
+    merged = model(x)
+    assert float((merged - unmerged).abs().max()) < 1e-5
+    once = {k: v.clone() for k, v in model.state_dict().items()}
+    lora.merge(model)  # a second merge changes nothing
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in once.items())
+    assert all(torch.equal(state[k], once[k]) for k in state)  # merged_state = the in-place merge
+    lora.unmerge(model)
+    for k, v in base.state_dict().items():
+        assert torch.equal(model.state_dict()[k], v), k  # the base, bit for bit
+    assert float((model(x) - unmerged).abs().max()) == 0
+
+
+def test_t5_adapters_disabled_gives_the_base_exactly_also_when_merged():
+    base, model = injected()
+    randomize_b(model)
+    x = tokens()
+    adapted = model(x)
+    with lora.adapters_disabled(model):
+        assert torch.equal(model(x), base(x))
+    assert torch.equal(model(x), adapted)
+    lora.merge(model)
+    with lora.adapters_disabled(model):
+        assert torch.equal(model(x), base(x))
+    assert model.layers[0].attention.wq.merged
+
+
+def test_reset_parameters_never_touches_adapters():
+    _, model = injected()
+    randomize_b(model)
+    before = {k: v.clone() for k, v in model.state_dict().items() if lora.is_adapter_key(k)}
+    model.reset_parameters(seed=5)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+    # and the base weights drawn are those of a model without adapters
+    assert torch.equal(model.layers[1].feed_forward.w2.weight, _reset(5).layers[1].feed_forward.w2.weight)
+
+
+def _reset(seed: int) -> Transformer:
+    m = Transformer(MODEL)
+    m.reset_parameters(seed=seed)
+    return m
+
+
+# -- T4 -------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_t4_one_step_changes_only_the_adapters(optimizer):
+    _, model = injected()
+    randomize_b(model)  # at B = 0 A's gradient is 0 (dL/dA = scale B^T ...): give both a gradient
+    model.train()
+    t = replace(Config().train, optimizer=optimizer, weight_decay=0.1, lr=1e-2)
+    opt = build_optimizer(model, t, training_runtime("fp32", torch.device("cpu")))
+    trained = {id(p) for g in opt.param_groups for p in g["params"]}
+    assert trained == {id(p) for n, p in model.named_parameters() if lora.is_adapter_key(n)}
+    if optimizer == "muon":  # adapters stay on AdamW (lmforge.train.optim.is_hidden_matrix)
+        assert all(g["kind"] == "adamw" for g in opt.param_groups)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    x = tokens()
+    model(x, targets=x, loss_mask=torch.ones_like(x, dtype=torch.bool)).backward()
+    opt.step()
+    after = model.state_dict()
+    for k, v in before.items():
+        if lora.is_adapter_key(k):
+            assert not torch.equal(after[k], v), k
+        else:
+            assert torch.equal(after[k], v), k
+    assert all(p.grad is None for n, p in model.named_parameters() if not lora.is_adapter_key(n))
+
+
+# -- config -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("sets, message", [
+    (["lora.targets=['wq','output']"], r"'output': the output head and the embedding are never adapted"),
+    (["lora.targets=['tok_embeddings']"], r"'tok_embeddings': the output head and the embedding"),
+    (["lora.targets=['wqq']"], r"'wqq', not a linear layer of the blocks.*Did you mean 'wq'"),
+    (["lora.targets=[]"], r"lora.targets is empty"),
+    (["lora.targets=['wq','wq']"], r"appears twice"),
+    (["lora.targets='wq'"], r"lora.targets = 'wq' has type str, expected list"),
+    (["lora.rank=-1"], r"lora.rank = -1"),
+    (["lora.dropout=1.0"], r"lora.dropout = 1.0: expected 0.0 <= value < 1.0"),
+    (["lora.alpha=0"], r"lora.alpha = 0.0"),
+])
+def test_bad_lora_configs_are_refused_naming_the_field(sets, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, sets)
+
+
+def test_lora_defaults_and_a_good_config():
+    lo = load_config(None, ["lora.rank=16", "lora.targets=['wq','wv']"]).lora
+    assert lo.rank == 16 and lo.alpha == 16.0 and lo.targets == ["wq", "wv"] and lora.lora_scale(lo) == 1.0
+    assert Config().lora.rank == 0 and Config().lora.targets == list(LORA_TARGETS)
+
+
+# -- T6: the stage, checkpoints, consumers --------------------------------------------------------------
+def tree_hash(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture
+def base_ckpt(tiny_run, tmp_path):
+    """A tiny 'pretrained' checkpoint of this test's own (tests below change it)."""
+    cfg, tok = tiny_run
+    model = Transformer(resolve_model_config(cfg.model, tok.contract))
+    model.reset_parameters(seed=0)
+    return save_checkpoint(tmp_path / "pre", 3, model, cfg, tok.folder)
+
+
+def lora_cfg(cfg, init, data, steps=6):
+    c = sft_cfg(cfg, init, data, steps=steps, grad_accum_steps=1, lr=3e-2)
+    return replace(c, lora=LoRAConfig(rank=4, alpha=8.0, dropout=0.1),
+                   train=replace(c.train, checkpoint_every=0, keep_last=0))
+
+
+def test_t6_lora_sft_resumes_bit_exactly_and_loads_merged(tiny_run, base_ckpt, tmp_path, monkeypatch):
+    cfg, tok = tiny_run
+    data = write_jsonl(tmp_path / "chat.jsonl", many_conversations(40))
+    c = lora_cfg(cfg, base_ckpt, data)
+    sft_stage(c, tmp_path / "straight", progress=False)
+    sigterm_at(monkeypatch, 3)
+    assert sft_stage(c, tmp_path / "split", progress=False)["step"] == 3
+    monkeypatch.undo()
+    torch.manual_seed(999)
+    sft_stage(c, tmp_path / "split", resume=True, progress=False)
+    a, b = read_metrics(tmp_path / "straight"), read_metrics(tmp_path / "split")
+    assert [m["step"] for m in b] == list(range(1, 7))
+    assert [m["loss"] for m in a] == [m["loss"] for m in b] and a[-1]["loss"] < a[0]["loss"]
+    ckpt = tmp_path / "straight" / "step_000006"
+    wa, wb = load_file(str(ckpt / MODEL_FILE)), load_file(str(tmp_path / "split" / "step_000006" / MODEL_FILE))
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)  # adapters bit-identical
+    # the checkpoint holds the adapters only, and its base by location and hash
+    assert set(wa) == {f"layers.{i}.{p}.{t}.lora_{x}" for i in range(2) for t in LORA_TARGETS for x in "ab"
+                       for p in ["attention" if t in ("wq", "wk", "wv", "wo") else "feed_forward"]}
+    with safe_open(str(ckpt / MODEL_FILE), "pt") as f:
+        meta = f.metadata()
+    assert meta[lora.BASE_PATH_KEY] == str(base_ckpt.resolve())
+    assert meta[lora.BASE_SHA256_KEY] == hashlib.sha256((base_ckpt / MODEL_FILE).read_bytes()).hexdigest()
+    # every consumer's loader: the base with W + scale B A, a plain model
+    merged, saved, _, path = load_model(tmp_path / "straight")
+    assert path == ckpt and saved.lora.rank == 4 and not lora.has_adapters(merged)
+    base = load_model(base_ckpt)[0]
+    scale = 8.0 / 4
+    for name in ("layers.0.attention.wk", "layers.1.feed_forward.w2"):
+        want = base.state_dict()[f"{name}.weight"] + scale * wa[f"{name}.lora_b"] @ wa[f"{name}.lora_a"]
+        assert torch.allclose(merged.state_dict()[f"{name}.weight"], want, atol=1e-6)
+        assert float(wa[f"{name}.lora_b"].abs().max()) > 0  # B trained: the comparison is not vacuous
+    assert torch.equal(merged.output.weight, base.output.weight)  # the head is never adapted
+
+
+def test_t6_a_changed_base_is_refused_by_load_and_resume(tiny_run, base_ckpt, tmp_path):
+    cfg, tok = tiny_run
+    data = write_jsonl(tmp_path / "chat.jsonl", many_conversations(40))
+    c = lora_cfg(cfg, base_ckpt, data, steps=2)
+    run = tmp_path / "lora"
+    sft_stage(c, run, progress=False)
+    weights = load_file(str(base_ckpt / MODEL_FILE))
+    weights["norm.weight"] = weights["norm.weight"] + 1.0  # another base at the same place
+    save_file(weights, str(base_ckpt / MODEL_FILE))
+    before = tree_hash(run)
+    with pytest.raises(CheckpointError, match=r"now has sha256 .*another model"):
+        load_model(run)
+    c3 = replace(c, sft=replace(c.sft, steps=3), train=replace(c.train, steps=3))
+    with pytest.raises(CheckpointError, match=r"--resume: .* adapters were trained on a base .* another model"):
+        sft_stage(c3, run, resume=True, progress=False)
+    assert tree_hash(run) == before
+    shutil.rmtree(base_ckpt)
+    with pytest.raises(CheckpointError, match=r"has no model.safetensors any more"):
+        load_model(run)
+    assert tree_hash(run) == before
+
+
+def test_t6_hf_export_of_a_lora_checkpoint_matches_transformers(tiny_run, base_ckpt, tmp_path):
+    pytest.importorskip("transformers")
+    from transformers import AutoModelForCausalLM
+
+    from lmforge.export import export_hf
+
+    cfg, tok = tiny_run
+    data = write_jsonl(tmp_path / "chat.jsonl", many_conversations(40))
+    run = tmp_path / "lora"
+    sft_stage(lora_cfg(cfg, base_ckpt, data, steps=3), run, progress=False)
+    out = export_hf(run, tmp_path / "hf")
+    ours = load_model(run)[0]
+    theirs = AutoModelForCausalLM.from_pretrained(out, torch_dtype=torch.float32).eval()
+    x = torch.randint(0, tok.vocab_size, (2, 32), generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        a, b = ours(x), theirs(x).logits
+    assert float((a - b).abs().max()) < 1e-4
+    with torch.inference_mode():  # the export carries the adapters: it is not the base
+        assert float((load_model(base_ckpt)[0](x) - a).abs().max()) > 1e-4
