@@ -289,3 +289,12 @@ def test_t6_hf_export_of_a_lora_checkpoint_matches_transformers(tiny_run, base_c
     assert float((a - b).abs().max()) < 1e-4
     with torch.inference_mode():  # the export carries the adapters: it is not the base
         assert float((load_model(base_ckpt)[0](x) - a).abs().max()) > 1e-4
+
+
+def test_pretrain_refuses_lora_before_any_write(tiny_run, tmp_path):
+    from lmforge.stages import pretrain_stage
+
+    cfg, _ = tiny_run
+    with pytest.raises(ConfigError, match=r"lora.rank = 4: pretraining starts from random weights.*lmforge sft"):
+        pretrain_stage(replace(cfg, lora=LoRAConfig(rank=4)), tmp_path / "pre", progress=False)
+    assert not (tmp_path / "pre").exists()

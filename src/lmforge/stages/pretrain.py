@@ -12,6 +12,7 @@ from pathlib import Path
 from lmforge.config import Config
 from lmforge.contract import CONTRACT_FILE
 from lmforge.data.packing import shard_stream
+from lmforge.errors import ConfigError
 from lmforge.data.shards import Shard, preflight
 from lmforge.evaluate import shard_batches
 from lmforge.model import Transformer, resolve_model_config
@@ -22,7 +23,15 @@ from lmforge.tokenizer import Tokenizer
 def pretrain_stage(cfg: Config, out: str | Path, resume: bool = False, dry_run: bool = False,
                    progress: bool = True) -> dict:
     """Pretrain from scratch (or `--resume`) on data.dir; returns the last step's metrics
-    (with `interrupted` and `signal` when a signal stopped it)."""
+    (with `interrupted` and `signal` when a signal stopped it).
+
+    Raises:
+        ConfigError: lora.rank > 0 (adapters need a trained base: `lmforge sft` takes them).
+    """
+    if cfg.lora.rank > 0:
+        raise ConfigError(f"lora.rank = {cfg.lora.rank}: pretraining starts from random weights, and LoRA adapts a "
+                          f"trained base. Use `lmforge sft --set sft.init=RUN --set lora.rank={cfg.lora.rank}`, or "
+                          f"remove lora.rank (0 = train every weight).")
     with training_session(cfg, out, "pretrain", resume, dry_run) as s:
         tok = Tokenizer.load(cfg.tokenizer.dir)
         tok_contract_path = Path(cfg.tokenizer.dir) / CONTRACT_FILE
