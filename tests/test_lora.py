@@ -298,3 +298,38 @@ def test_pretrain_refuses_lora_before_any_write(tiny_run, tmp_path):
     with pytest.raises(ConfigError, match=r"lora.rank = 4: pretraining starts from random weights.*lmforge sft"):
         pretrain_stage(replace(cfg, lora=LoRAConfig(rank=4)), tmp_path / "pre", progress=False)
     assert not (tmp_path / "pre").exists()
+
+
+def test_cli_lora_sft_then_every_consumer_takes_the_run(tiny_run, base_ckpt, tmp_path):
+    """`lmforge sft --set lora.rank=...`, then generate, eval and export (HF and GGUF) on the
+    LoRA run folder as on any other; a refused target is one `error:` line, exit 2, no folder."""
+    import subprocess
+    import sys
+
+    cfg, _ = tiny_run
+    data = write_jsonl(tmp_path / "chat.jsonl", many_conversations(40))
+    recipe = tmp_path / "recipe.toml"
+    lora_cfg(cfg, base_ckpt, data, steps=2).save(recipe)
+
+    def run(*argv: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "lmforge", *argv], capture_output=True, text=True, timeout=300)
+
+    bad = run("sft", "--config", str(recipe), "--set", "lora.targets=['wq','output']", "--out", str(tmp_path / "x"),
+              "--no-progress")
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith("error: lora.targets names 'output'")
+    assert not (tmp_path / "x").exists()
+    out = tmp_path / "lora"
+    p = run("sft", "--config", str(recipe), "--set", "lora.rank=4", "--out", str(out), "--no-progress")
+    assert p.returncode == 0, p.stderr
+    assert "LoRA rank 4" in p.stderr and "trainable parameters" in p.stderr
+    g = run("generate", "--checkpoint", str(out), "--prompt", "def", "--max-new-tokens", "4", "--temperature", "0")
+    assert g.returncode == 0 and g.stdout.startswith("def"), g.stderr
+    e = run("eval", "--checkpoint", str(out))
+    assert e.returncode == 0, e.stderr
+    x = run("export", "--checkpoint", str(out), "--format", "gguf", "--out", str(tmp_path / "m.gguf"))
+    assert x.returncode == 0 and (tmp_path / "m.gguf").stat().st_size > 0, x.stderr
+    h = run("export", "--checkpoint", str(out), "--out", str(tmp_path / "hf"))
+    assert h.returncode == 0 and (tmp_path / "hf" / "model.safetensors").is_file(), h.stderr
+    merged = load_model(out)[0]
+    exported = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    assert torch.equal(exported["model.layers.0.self_attn.q_proj.weight"], merged.layers[0].attention.wq.weight)
