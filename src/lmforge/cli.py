@@ -296,8 +296,9 @@ def _args_eval(p):
 def _args_export(p):
     _checkpoint(p, tokenizer=False)
     # the values are checked in one place, lmforge.export.check_export_options
-    p.add_argument("--format", default="hf", metavar="{hf,gguf}",
-                   help="hf: a transformers folder (default); gguf: one file for llama.cpp / Ollama")
+    p.add_argument("--format", default="hf", metavar="{hf,gguf,peft}",
+                   help="hf: a transformers folder (default); gguf: one file for llama.cpp / Ollama; "
+                        "peft: a LoRA run's adapters as a PEFT adapter folder")
     p.add_argument("--dtype", default="float32", metavar="{float32,bfloat16,float16,q8_0}",
                    help="weight type (q8_0: --format gguf only)")
     p.add_argument("--verify", action="store_true", help="compare logits with transformers (needs lmforge[hf])")

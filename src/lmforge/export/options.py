@@ -9,7 +9,8 @@ import torch
 from lmforge.errors import LmforgeError
 
 #: Weight types per format ("hf": a transformers folder; "gguf": one file for llama.cpp).
-EXPORT_DTYPES = {"hf": ("float32", "bfloat16", "float16"), "gguf": ("float32", "float16", "bfloat16", "q8_0")}
+EXPORT_DTYPES = {"hf": ("float32", "bfloat16", "float16"), "gguf": ("float32", "float16", "bfloat16", "q8_0"),
+                 "peft": ("float32",)}  # peft: a LoRA checkpoint's adapters (lmforge.export.peft)
 
 
 class ExportError(LmforgeError):
@@ -27,6 +28,9 @@ def check_export_options(fmt: str, dtype: str = "float32", verify: bool = False,
         raise ExportError(f"--format {fmt!r}: expected one of {', '.join(EXPORT_DTYPES)}.")
     if fmt == "gguf" and verify:
         raise ExportError("--verify compares with transformers (--format hf); for GGUF run `make interop`.")
+    if fmt == "peft" and (verify or force):
+        raise ExportError("--format peft takes neither --verify nor --force: it writes the adapters only (load them "
+                          "with peft on the --format hf export of the base) and replaces only an earlier export.")
     if fmt == "hf" and dtype == "q8_0":
         raise ExportError("--dtype q8_0 is for --format gguf; a Hugging Face export is float32, bfloat16 or float16.")
     if fmt == "hf" and force:

@@ -4,20 +4,21 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from lmforge.export import check_export_options, export_gguf, export_hf, import_gguf, import_hf
+from lmforge.export import check_export_options, export_gguf, export_hf, export_peft, import_gguf, import_hf
 from lmforge.stages.common import log
 
 
 def export_stage(checkpoint: str | Path, out: str | Path, fmt: str = "hf", dtype: str = "float32",
                  verify: bool = False, force: bool = False) -> Path:
     """Write `checkpoint` in another runtime's format: "hf" (a Hugging Face folder) or "gguf"
-    (one file for llama.cpp; `force` replaces an existing file).
+    (one file for llama.cpp; `force` replaces an existing file) or "peft" (a LoRA checkpoint's
+    adapters as a PEFT adapter folder).
 
     Raises:
         ExportError: a format, weight type or flag that does not apply (the one check,
         `lmforge.export.check_export_options`, run by each writer); see `export_hf`, `export_gguf`.
     """
-    writers = {"hf": export_hf, "gguf": export_gguf}
+    writers = {"hf": export_hf, "gguf": export_gguf, "peft": export_peft}
     if fmt not in writers:
         check_export_options(fmt)  # an unknown format: refused with the one check's message
     return writers[fmt](checkpoint, out, dtype=dtype, verify=verify, force=force)

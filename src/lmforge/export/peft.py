@@ -1,0 +1,81 @@
+"""`lmforge export --format peft`: a LoRA checkpoint's adapters as a PEFT adapter folder.
+
+The folder holds what `peft.PeftModel.from_pretrained(model, folder)` reads on top of the base
+exported with `lmforge export --format hf`:
+    adapter_model.safetensors  the adapters under PEFT's names, e.g. lmforge's
+                               `layers.0.attention.wq.lora_a` (rank, in) ->
+                               `base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`
+                               and `lora_b` (out, rank) -> `...q_proj.lora_B.weight`, float32
+    adapter_config.json        peft_type LORA, r, lora_alpha, lora_dropout, target_modules (HF names),
+                               use_rslora; the scale is the same (alpha / r, or alpha / sqrt(r)).
+PEFT loads a file whose names it does not expect as a silent no-op (it warns of missing
+adapter keys); tests/test_lora.py turns that warning into a failure and compares logits.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from lmforge.export.hf import EXPORT_OUTPUT, map_name
+from lmforge.export.options import ExportError, check_export_options
+from lmforge.fileio import atomic_dir, check_output
+from lmforge.model import Transformer, lora, resolve_model_config
+from lmforge.model.io import MODEL_FILE, read_checkpoint_meta, read_weights, resolve_checkpoint
+from lmforge.model.transformer import check_lora_base, lora_base
+
+PEFT_WEIGHTS_FILE = "adapter_model.safetensors"
+PEFT_CONFIG_FILE = "adapter_config.json"
+_SIDE = {"lora_a": "lora_A", "lora_b": "lora_B"}
+
+
+def peft_name(name: str) -> str:
+    """lmforge adapter name -> PEFT's saved name ("layers.0.attention.wq.lora_a" ->
+    "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight")."""
+    stem, _, side = name.rpartition(".")
+    hf = map_name(f"{stem}.weight").removesuffix(".weight")
+    return f"base_model.model.{hf}.{_SIDE[side]}.weight"
+
+
+def export_peft(checkpoint: str | Path, out: str | Path, dtype: str = "float32", verify: bool = False,
+                force: bool = False) -> Path:
+    """Write the adapters of the LoRA checkpoint `checkpoint` (a step folder or a run folder)
+    as a PEFT adapter folder `out` (atomically; absent, empty or an earlier export).
+
+    Raises:
+        ExportError: an option that does not apply, a checkpoint without adapters (lora.rank = 0).
+        CheckpointError: the checkpoint is damaged, or its base moved or changed (the adapters
+            belong to those exact weights).
+    """
+    check_export_options("peft", dtype, verify, force)
+    out = Path(out)
+    check_output(out, EXPORT_OUTPUT, "`lmforge export`", replace_whole=True)  # before any work
+    path = resolve_checkpoint(checkpoint)
+    cfg, contract = read_checkpoint_meta(path)
+    lo = cfg.lora
+    if lo.rank <= 0:
+        raise ExportError(f"{path} is not a LoRA checkpoint (lora.rank = 0 in its config.toml): --format peft writes "
+                          f"adapters. Export its weights with --format hf or gguf.")
+    base, sha256 = lora_base(path)
+    check_lora_base(path, base, sha256)
+    model = lora.inject(Transformer(resolve_model_config(cfg.model, contract)), lo)
+    adapters = read_weights(model, path / MODEL_FILE)  # names, shapes and finite values checked
+    tensors = {peft_name(k): v.to(torch.float32).contiguous() for k, v in sorted(adapters.items())}
+    config = {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lo.rank, "lora_alpha": lo.alpha,
+        "lora_dropout": lo.dropout, "use_rslora": lo.use_rslora, "bias": "none", "fan_in_fan_out": False,
+        "target_modules": sorted(map_name(f"layers.0.{'attention' if t in ('wq', 'wk', 'wv', 'wo') else 'feed_forward'}"
+                                          f".{t}.weight").split(".")[-2] for t in lo.targets),
+        "modules_to_save": None, "init_lora_weights": True, "inference_mode": True,
+        "base_model_name_or_path": None,
+    }
+    with atomic_dir(out, EXPORT_OUTPUT, what="`lmforge export`") as tmp:
+        save_file(tensors, str(tmp / PEFT_WEIGHTS_FILE), metadata={"format": "pt"})
+        (tmp / PEFT_CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    return out
+
+
+__all__ = ["export_peft", "peft_name", "PEFT_WEIGHTS_FILE", "PEFT_CONFIG_FILE"]
