@@ -433,7 +433,10 @@ def test_qk_norm_exports_as_qwen3_with_equal_logits_and_imports_back(tmp_path, t
 
 # -- the export options: one check (lmforge.export.check_export_options) -------------------------
 @pytest.mark.parametrize("fmt, dtype, verify, force, message", [
-    ("onnx", "float32", False, False, "--format 'onnx': expected one of hf, gguf."),
+    ("onnx", "float32", False, False, "--format 'onnx': expected one of hf, gguf, peft."),
+    ("peft", "float32", True, False, "--format peft takes neither --verify nor --force: it writes the adapters only "
+                                     "(load them with peft on the --format hf export of the base) and replaces only "
+                                     "an earlier export."),
     ("gguf", "float32", True, False, "--verify compares with transformers (--format hf); for GGUF run `make interop`."),
     ("hf", "q8_0", False, False, "--dtype q8_0 is for --format gguf; a Hugging Face export is float32, bfloat16 or "
                                  "float16."),
@@ -443,7 +446,7 @@ def test_qk_norm_exports_as_qwen3_with_equal_logits_and_imports_back(tmp_path, t
     ("gguf", "int4", False, False, "--dtype 'int4': --format gguf writes one of float32, float16, bfloat16, q8_0."),
 ])
 def test_export_options_are_checked_in_one_place(fmt, dtype, verify, force, message, tmp_path):
-    from lmforge.export import check_export_options, export_gguf
+    from lmforge.export import check_export_options, export_gguf, export_peft
     from lmforge.stages import export_stage
 
     with pytest.raises(ExportError) as exc:
@@ -453,7 +456,7 @@ def test_export_options_are_checked_in_one_place(fmt, dtype, verify, force, mess
     with pytest.raises(ExportError) as exc:
         export_stage(tmp_path / "no-checkpoint", tmp_path / "out", fmt, dtype, verify, force)
     assert str(exc.value) == message
-    writer = {"hf": export_hf, "gguf": export_gguf}.get(fmt)
+    writer = {"hf": export_hf, "gguf": export_gguf, "peft": export_peft}.get(fmt)
     if writer is not None:
         with pytest.raises(ExportError, match="^" + re.escape(message)):
             writer(tmp_path / "no-checkpoint", tmp_path / "out", dtype=dtype, verify=verify, force=force)
@@ -469,4 +472,4 @@ def test_cli_refuses_an_unknown_format_with_one_error_line(tmp_path, capsys):
 
     assert main(["export", "--checkpoint", str(tmp_path), "--format", "onnx", "--out", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err
-    assert err.strip() == "error: --format 'onnx': expected one of hf, gguf."
+    assert err.strip() == "error: --format 'onnx': expected one of hf, gguf, peft."

@@ -250,7 +250,7 @@ def test_cli_help_lists_format(capsys):
     with pytest.raises(SystemExit):
         main(["export", "--help"])
     text = capsys.readouterr().out
-    assert "--format {hf,gguf}" in text and "q8_0" in text and "--force" in text
+    assert "--format {hf,gguf,peft}" in text and "q8_0" in text and "--force" in text
 
 
 def test_missing_checkpoint_is_a_clear_error(tmp_path, capsys):

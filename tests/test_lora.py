@@ -328,7 +328,7 @@ def test_cli_lora_sft_then_every_consumer_takes_the_run(tiny_run, base_ckpt, tmp
     assert e.returncode == 0, e.stderr
     x = run("export", "--checkpoint", str(out), "--format", "gguf", "--out", str(tmp_path / "m.gguf"))
     assert x.returncode == 0 and (tmp_path / "m.gguf").stat().st_size > 0, x.stderr
-    h = run("export", "--checkpoint", str(out), "--out", str(tmp_path / "hf"))
+    h = run("export", "--checkpoint", str(out), "--out", str(tmp_path / "hf"), "--verify")
     assert h.returncode == 0 and (tmp_path / "hf" / "model.safetensors").is_file(), h.stderr
     merged = load_model(out)[0]
     exported = load_file(str(tmp_path / "hf" / "model.safetensors"))
