@@ -381,3 +381,48 @@ def test_peft_export_loads_in_peft_with_every_key_and_the_same_logits(tiny_run, 
         peft_logits(bad)
     with pytest.raises(ExportError, match=r"not a LoRA checkpoint"):
         export_peft(base_ckpt, tmp_path / "peft-of-base")
+
+
+# -- two ranks ------------------------------------------------------------------------------------------
+def _rank_sft(rank: int, world: int, jobs: list[dict]) -> None:
+    """One rank of a LoRA SFT run (as torchrun would start it)."""
+    import os
+
+    torch.set_num_threads(1)
+    for job in jobs:
+        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(job["port"]))
+        sft_stage(job["cfg"], job["out"], progress=False)
+
+
+@pytest.mark.slow
+def test_lora_sft_on_two_ranks_equals_one_process(tiny_run, base_ckpt, tmp_path):
+    """DDP and FSDP2 on 2 gloo ranks x accumulation 1 = 1 process x accumulation 2: the same
+    losses and adapters (float tolerance), frozen base weights and all."""
+    import torch.multiprocessing as mp
+
+    from test_distributed import free_port
+
+    cfg, _ = tiny_run
+    data = write_jsonl(tmp_path / "chat.jsonl", many_conversations(40))
+    c = lora_cfg(cfg, base_ckpt, data, steps=3)
+    c = replace(c, lora=replace(c.lora, dropout=0.0))  # dropout draws differ per rank
+    jobs = [{"cfg": replace(c, train=replace(c.train, data_parallel=mode)), "out": tmp_path / mode, "port": free_port()}
+            for mode in ("ddp", "fsdp")]
+    mp.start_processes(_rank_sft, args=(2, jobs), nprocs=2, join=True, start_method="spawn")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        sft_stage(replace(c, sft=replace(c.sft, grad_accum_steps=2)), tmp_path / "one", progress=False)
+    finally:
+        torch.set_num_threads(threads)
+    ref = read_metrics(tmp_path / "one")
+    ref_w = load_file(str(tmp_path / "one" / "step_000003" / MODEL_FILE))
+    for mode in ("ddp", "fsdp"):
+        got = read_metrics(tmp_path / mode)
+        assert [m["supervised"] for m in got] == [m["supervised"] for m in ref]
+        assert max(abs(a["loss"] - b["loss"]) for a, b in zip(got, ref)) <= 1e-5, mode
+        w = load_file(str(tmp_path / mode / "step_000003" / MODEL_FILE))
+        assert w.keys() == ref_w.keys() and all(lora.is_adapter_key(k) for k in w)
+        assert max(float((w[k] - ref_w[k]).abs().max()) for k in w) <= 1e-5, mode
+    assert ref[-1]["loss"] < ref[0]["loss"]
