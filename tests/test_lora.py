@@ -426,3 +426,18 @@ def test_lora_sft_on_two_ranks_equals_one_process(tiny_run, base_ckpt, tmp_path)
         assert w.keys() == ref_w.keys() and all(lora.is_adapter_key(k) for k in w)
         assert max(float((w[k] - ref_w[k]).abs().max()) for k in w) <= 1e-5, mode
     assert ref[-1]["loss"] < ref[0]["loss"]
+
+
+def test_the_fused_decode_step_refuses_unmerged_adapters_and_takes_merged_ones():
+    """decode.py reads the weights directly: an unmerged adapter would be ignored silently."""
+    _, model = injected()
+    randomize_b(model)
+    cache = model.new_cache(2, 8)
+    x = torch.tensor([3, 5])
+    with pytest.raises(ValueError, match=r"unmerged LoRA adapter"):
+        model.decode_step(x, torch.zeros(2, dtype=torch.long), cache)
+    lora.merge(model)
+    with torch.inference_mode():
+        fused = model.decode_step(x, torch.zeros(2, dtype=torch.long), model.new_cache(2, 8))
+        full = model(x[:, None])[:, -1]
+    assert float((fused - full).abs().max()) < 1e-4

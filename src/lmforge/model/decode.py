@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from lmforge.runtime import compute_dtype
+from lmforge.model import lora
 
 # `model` below is a `lmforge.model.Transformer`; this module does not import it (the model
 # imports this module: one direction only).
@@ -92,6 +93,11 @@ class DecodeWeights:
             w = torch.cat(ws).t()
             return (w if norm is None else norm[:, None] * w).to(dtype).contiguous()
 
+        live = [n for n, m in lora.lora_layers(model) if not (m.merged or m.disabled)]
+        if live:  # the fused step reads `weight` directly: an adapter beside it would be left out silently
+            raise ValueError(f"{live[0]} has an unmerged LoRA adapter, which the fused decode step would ignore: "
+                             f"merge it first (lmforge.model.lora.merge), or load the checkpoint with load_model, "
+                             f"which merges")
         with torch.no_grad():
             self.layers = []
             for b in model.layers:
