@@ -441,3 +441,44 @@ def test_the_fused_decode_step_refuses_unmerged_adapters_and_takes_merged_ones()
         fused = model.decode_step(x, torch.zeros(2, dtype=torch.long), model.new_cache(2, 8))
         full = model(x[:, None])[:, -1]
     assert float((fused - full).abs().max()) < 1e-4
+
+
+def test_t1_also_in_train_mode_with_dropout_and_t4_first_step_gradients():
+    """T1 in train mode (dropout on the adapter input: B = 0 still adds exactly 0); T4's first
+    step: with B = 0, grad(A) = 0 and grad(B) != 0."""
+    base, model = injected(dropout=0.5)
+    base.train(), model.train()
+    x = tokens()
+    torch.manual_seed(0)
+    assert torch.equal(model(x), base(x))
+    model(x, targets=x).backward()
+    for name, m in lora.lora_layers(model):
+        assert float(m.lora_a.grad.abs().max()) == 0, name
+        assert float(m.lora_b.grad.abs().max()) > 0, name
+
+
+def test_t5_adapters_disabled_under_torch_compile():
+    """A compiled model follows the flag (Dynamo guards on it), in and out of the block."""
+    base, model = injected()
+    randomize_b(model)
+    x = tokens()
+    adapted = model(x)
+    compiled = torch.compile(model, backend="eager")
+    assert torch.allclose(compiled(x), adapted, atol=1e-6)
+    with lora.adapters_disabled(model):
+        assert torch.allclose(compiled(x), base(x), atol=1e-6)
+        assert not torch.allclose(compiled(x), adapted, atol=1e-3)
+    assert torch.allclose(compiled(x), adapted, atol=1e-6)
+
+
+def test_a_lora_checkpoint_without_its_base_record_is_refused_unchanged(tiny_run, base_ckpt, tmp_path):
+    cfg, _ = tiny_run
+    data = write_jsonl(tmp_path / "chat.jsonl", many_conversations(40))
+    run = tmp_path / "lora"
+    sft_stage(lora_cfg(cfg, base_ckpt, data, steps=1), run, progress=False)
+    weights = run / "step_000001" / MODEL_FILE
+    save_file(load_file(str(weights)), str(weights))  # the same adapters, the metadata gone
+    before = tree_hash(run)
+    with pytest.raises(CheckpointError, match=r"without the base checkpoint's location and hash"):
+        load_model(run)
+    assert tree_hash(run) == before
