@@ -10,6 +10,9 @@ and, in a training checkpoint (written by lmforge.train.checkpoint):
     optimizer.pt           full optimizer state keyed by parameter name
     rng.pt                 every rank's RNG states
     state.json             step, tokens seen, data position, elapsed seconds
+A LoRA run's checkpoint (config lora.rank > 0) holds the adapters only in model.safetensors
+(`*.lora_a`, `*.lora_b`), with its base checkpoint's folder and the sha256 of the base's
+model.safetensors in the file's metadata (lmforge.model.lora); `load_model` merges them.
 Weights load strictly (a missing or unexpected key is an error) and only through
 safetensors; `.pt` files only with `torch.load(weights_only=True)`.
 """
