@@ -388,17 +388,32 @@ def _rank_sft(rank: int, world: int, jobs: list[dict]) -> None:
     """One rank of a LoRA SFT run (as torchrun would start it)."""
     import os
 
+    import signal
+
+    from lmforge.train.trainer import Trainer
+
     torch.set_num_threads(1)
+    step = Trainer.train_step
+
+    def train_step(self):  # a SIGTERM to the last rank only, right after step `stop_at`
+        m = step(self)
+        if self.step == self._test_stop_at and rank == world - 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return m
+
+    Trainer.train_step = train_step
     for job in jobs:
         os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(job["port"]))
-        sft_stage(job["cfg"], job["out"], progress=False)
+        Trainer._test_stop_at = job.get("stop_at", -1)
+        sft_stage(job["cfg"], job["out"], resume=job.get("resume", False), progress=False)
 
 
 @pytest.mark.slow
 def test_lora_sft_on_two_ranks_equals_one_process(tiny_run, base_ckpt, tmp_path):
     """DDP and FSDP2 on 2 gloo ranks x accumulation 1 = 1 process x accumulation 2: the same
-    losses and adapters (float tolerance), frozen base weights and all."""
+    losses and adapters (float tolerance), frozen base weights and all; an FSDP2 LoRA run
+    stopped by SIGTERM and resumed equals the straight one bit for bit."""
     import torch.multiprocessing as mp
 
     from test_distributed import free_port
@@ -409,6 +424,9 @@ def test_lora_sft_on_two_ranks_equals_one_process(tiny_run, base_ckpt, tmp_path)
     c = replace(c, lora=replace(c.lora, dropout=0.0))  # dropout draws differ per rank
     jobs = [{"cfg": replace(c, train=replace(c.train, data_parallel=mode)), "out": tmp_path / mode, "port": free_port()}
             for mode in ("ddp", "fsdp")]
+    fsdp = replace(c, train=replace(c.train, data_parallel="fsdp"))  # stopped after step 1, resumed
+    jobs += [{"cfg": fsdp, "out": tmp_path / "fsdp-resumed", "port": free_port(), "stop_at": 1},
+             {"cfg": fsdp, "out": tmp_path / "fsdp-resumed", "port": free_port(), "resume": True}]
     mp.start_processes(_rank_sft, args=(2, jobs), nprocs=2, join=True, start_method="spawn")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -426,6 +444,12 @@ def test_lora_sft_on_two_ranks_equals_one_process(tiny_run, base_ckpt, tmp_path)
         assert w.keys() == ref_w.keys() and all(lora.is_adapter_key(k) for k in w)
         assert max(float((w[k] - ref_w[k]).abs().max()) for k in w) <= 1e-5, mode
     assert ref[-1]["loss"] < ref[0]["loss"]
+    # FSDP2: a run stopped and resumed (adapters loaded into shards) equals the straight one bit for bit
+    assert (tmp_path / "fsdp-resumed" / "step_000001").is_dir()  # the SIGTERM checkpoint it resumed from
+    assert [m["loss"] for m in read_metrics(tmp_path / "fsdp-resumed")] == [m["loss"] for m in read_metrics(tmp_path / "fsdp")]
+    w = load_file(str(tmp_path / "fsdp-resumed" / "step_000003" / MODEL_FILE))
+    straight = load_file(str(tmp_path / "fsdp" / "step_000003" / MODEL_FILE))
+    assert all(torch.equal(w[k], straight[k]) for k in straight)
 
 
 def test_the_fused_decode_step_refuses_unmerged_adapters_and_takes_merged_ones():
