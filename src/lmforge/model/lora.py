@@ -30,6 +30,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from lmforge.config import LORA_TARGETS, LoRAConfig, check_lora
+from lmforge.errors import ConfigError
 from lmforge.contract import file_sha256  # noqa: F401  (the one file hash; re-exported for the stages)
 
 #: safetensors metadata of a LoRA checkpoint's model.safetensors: the base checkpoint folder
@@ -133,8 +134,6 @@ def inject(model: nn.Module, lo: LoRAConfig, seed: int = 0) -> nn.Module:
     """
     check_lora(lo)
     if lo.rank < 1:
-        from lmforge.errors import ConfigError
-
         raise ConfigError(f"lora.rank = {lo.rank}: adapters need rank >= 1 (0 means full fine-tuning).")
     if has_adapters(model):
         raise ValueError("the model already has LoRA adapters; merge them into a plain model first")
