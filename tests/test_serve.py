@@ -61,7 +61,8 @@ def served(loaded):
 
 @pytest.fixture(scope="module")
 def client(served):
-    return openai.OpenAI(base_url=served.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    return openai.OpenAI(base_url=served.url + "/v1", api_key="unused", max_retries=0, timeout=60,
+                         default_headers={"Connection": "close"})  # no pooled connection cut as it is reused
 
 
 def greedy_alone(model, tok, prompt_ids, n):

@@ -57,7 +57,11 @@ def served(loaded):
 
 @pytest.fixture(scope="module")
 def client(served):
-    return openai.OpenAI(base_url=served.url + "/v1", api_key="unused", max_retries=0, timeout=30)
+    # Connection: close: each request on a fresh connection. The server cuts an idle kept-alive
+    # connection after --io-timeout (1 s here), and a pooled connection reused just as it is cut is
+    # a disconnect that max_retries=0 would report as the server's failure (seen on a loaded CI).
+    return openai.OpenAI(base_url=served.url + "/v1", api_key="unused", max_retries=0, timeout=30,
+                         default_headers={"Connection": "close"})
 
 
 # -- raw HTTP/1.1 ---------------------------------------------------------------------------------
