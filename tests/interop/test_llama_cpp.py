@@ -142,7 +142,8 @@ def check_token_ids(llm, tok: Tokenizer, strings: list[str]) -> int:
 
 
 def lmforge_prompt(tok: Tokenizer, text: str) -> list[int]:
-    return [tok.bos_id, *tok.encode(text)]  # what `lmforge generate` feeds the model
+    """What `lmforge generate` feeds the model: the BOS first where the model's documents start with one."""
+    return [*tok.contract.document_start, *tok.encode(text)]
 
 
 def check_logits(llm, model, ids: list[int], tol: float) -> float:
@@ -157,7 +158,8 @@ def check_logits(llm, model, ids: list[int], tol: float) -> float:
     return diff
 
 
-def check_greedy(llm, model, tok: Tokenizer, prompts: list[str], n: int = 64) -> int:
+def check_greedy(llm, model, tok: Tokenizer, prompts: list[str], n: int = 64, name: str = "") -> int:
+    """Greedy decoding of each prompt in lmforge and in llama.cpp: the same tokens (asserted); the count."""
     cfg = SamplingConfig(max_new_tokens=n, temperature=0.0, greedy=True)
     agree = 0
     for p in prompts:
@@ -166,9 +168,9 @@ def check_greedy(llm, model, tok: Tokenizer, prompts: list[str], n: int = 64) ->
         theirs = []
         for t in llm.generate(ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=True):
             theirs.append(t)
-            if len(theirs) == n:
+            if len(theirs) == len(ours):  # no stop ids: lmforge gives n tokens; llama.cpp's generator runs on
                 break
-        assert theirs == ours, f"prompt {p!r}: llama.cpp {theirs} vs lmforge {ours}"
+        assert theirs == ours, f"{name}prompt {p!r}: llama.cpp {theirs} vs lmforge {ours}"
         agree += len(ours)
     return agree
 

@@ -30,12 +30,11 @@ except (ImportError, OSError, RuntimeError) as exc:  # absent, or a build whose 
     pytest.skip(f"llama_cpp is not importable ({exc}); `make interop` builds it", allow_module_level=True)
 
 from gguf_helpers import FAMILIES, hf_family_folder  # noqa: E402
-from test_llama_cpp import (CONVERSATIONS, LOGIT_TOL, all_strings, held_out_texts, llama_cpp_builtin_chat,  # noqa: E402
-                            load_llama, train_texts)
+from test_llama_cpp import (CONVERSATIONS, LOGIT_TOL, all_strings, check_greedy, held_out_texts,  # noqa: E402
+                            llama_cpp_builtin_chat, lmforge_prompt, load_llama, train_texts)
 
 from lmforge.export import export_gguf  # noqa: E402
 from lmforge.export.hf import import_hf  # noqa: E402
-from lmforge.generate import SamplingConfig, generate  # noqa: E402
 from lmforge.model import load_model  # noqa: E402
 from lmforge.tokenizer import Tokenizer  # noqa: E402
 
@@ -55,11 +54,6 @@ def family(request, tmp_path_factory):
     out = export_gguf(ckpt, root / "model-f32.gguf")
     model = load_model(ckpt)[0].float().eval()
     return name, model, Tokenizer.load(ckpt), load_llama(out), out
-
-
-def prompt_ids(tok: Tokenizer, text: str) -> list[int]:
-    """What `lmforge generate` feeds the model: the BOS first where the model's documents start with one."""
-    return [*tok.contract.document_start, *tok.encode(text)]
 
 
 def pieces(llm, ids: list[int], strip_first_space: bool) -> bytes:
@@ -100,12 +94,12 @@ def test_special_tokens_and_bos(family):
     assert llm.token_bos() == (tok.eos_id if tok.bos_id is None else tok.bos_id) and llm.token_eos() == tok.eos_id
     assert llama_cpp.llama_vocab_eot(vocab) == tok.im_end_id
     assert llama_cpp.llama_vocab_is_eog(vocab, tok.eos_id) and llama_cpp.llama_vocab_is_eog(vocab, tok.im_end_id)
-    assert llm.tokenize(b"def f(x):", add_bos=True) == prompt_ids(tok, "def f(x):")
+    assert llm.tokenize(b"def f(x):", add_bos=True) == lmforge_prompt(tok, "def f(x):")
 
 
 def test_same_logits_f32(family):
     name, model, tok, llm, _ = family
-    ids = prompt_ids(tok, held_out_texts()[3][:3000])[:200]
+    ids = lmforge_prompt(tok, held_out_texts()[3][:3000])[:200]
     llm.reset()
     llm.eval(ids)
     theirs = np.array(llm.scores[: len(ids)], dtype=np.float32)
@@ -119,19 +113,8 @@ def test_same_logits_f32(family):
 
 def test_same_greedy_tokens(family):
     name, model, tok, llm, _ = family
-    cfg = SamplingConfig(max_new_tokens=GREEDY, temperature=0.0, greedy=True)
     prompts = ["def ", "import os\n", "class Foo:\n    def __init__(self", "# héllo wörld 中文\n"]
-    agree = 0
-    for p in prompts:
-        ids = prompt_ids(tok, p)
-        ours = generate(model, [ids], [], cfg, tok.pad_id)[0]
-        theirs = []
-        for t in llm.generate(ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=True):
-            theirs.append(t)
-            if len(theirs) == len(ours):  # lmforge stops at its EOS; llama.cpp's generator runs on
-                break
-        assert theirs == ours, f"{name}, prompt {p!r}: llama.cpp {theirs} vs lmforge {ours}"
-        agree += len(ours)
+    agree = check_greedy(llm, model, tok, prompts, GREEDY, f"{name}, ")
     print(f"{name}: greedy {agree}/{agree} tokens identical")
 
 
@@ -165,7 +148,7 @@ def test_imported_logits_match_lmforge_and_transformers(imported):
     """llama.cpp's logits on the GGUF = lmforge's on the imported checkpoint = transformers' on
     the original folder (f32; the original vocabulary's columns)."""
     name, hf, n_orig, model, tok, llm = imported
-    ids = prompt_ids(tok, held_out_texts()[4][:1500])[:120]
+    ids = lmforge_prompt(tok, held_out_texts()[4][:1500])[:120]
     llm.reset()
     llm.eval(ids)
     theirs = np.array(llm.scores[: len(ids)], dtype=np.float32)
@@ -181,21 +164,10 @@ def test_imported_logits_match_lmforge_and_transformers(imported):
 
 def test_imported_greedy_and_bos(imported):
     name, _, _, model, tok, llm = imported
-    assert llm.tokenize(b"def f(x):", add_bos=True) == prompt_ids(tok, "def f(x):")
+    assert llm.tokenize(b"def f(x):", add_bos=True) == lmforge_prompt(tok, "def f(x):")
     assert llm.token_eos() == tok.eos_id and llama_cpp.llama_vocab_is_eog(llama_cpp.llama_model_get_vocab(llm.model),
                                                                          tok.im_end_id)
-    cfg = SamplingConfig(max_new_tokens=GREEDY, temperature=0.0, greedy=True)
-    agree = 0
-    for p in ["def ", "Hello, world! The", "12345 café"]:
-        ids = prompt_ids(tok, p)
-        ours = generate(model, [ids], [], cfg, tok.pad_id)[0]
-        theirs = []
-        for t in llm.generate(ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=True):
-            theirs.append(t)
-            if len(theirs) == len(ours):  # lmforge stops at its EOS; llama.cpp's generator runs on
-                break
-        assert theirs == ours, f"{name}, prompt {p!r}: llama.cpp {theirs} vs lmforge {ours}"
-        agree += len(ours)
+    agree = check_greedy(llm, model, tok, ["def ", "Hello, world! The", "12345 café"], GREEDY, f"{name}, ")
     print(f"{name}: greedy {agree}/{agree} tokens identical")
 
 
@@ -233,7 +205,7 @@ def test_import_gguf_matches_llama_cpp(family, tmp_path, ftype):
     assert llama_cpp.llama_model_quantize(str(f32).encode(), str(quantized).encode(), ctypes.byref(params)) == 0
     back = load_model(import_gguf(quantized, tmp_path / "back"))[0].float().eval()
     llm = load_llama(quantized)
-    ids = prompt_ids(tok, held_out_texts()[6][:1500])[:100]
+    ids = lmforge_prompt(tok, held_out_texts()[6][:1500])[:100]
     llm.eval(ids)
     theirs = np.array(llm.scores[: len(ids)], dtype=np.float32)
     with torch.inference_mode():
@@ -268,7 +240,7 @@ def test_import_gguf_k_quants(tmp_path, family):
     model, tok = load_model(ckpt)[0].float().eval(), Tokenizer.load(ckpt)
     back = load_model(import_gguf(quantized, tmp_path / "back"))[0].float().eval()
     llm = load_llama(quantized)
-    ids = prompt_ids(tok, held_out_texts()[6][:1500])[:100]
+    ids = lmforge_prompt(tok, held_out_texts()[6][:1500])[:100]
     llm.eval(ids)
     theirs = np.array(llm.scores[: len(ids)], dtype=np.float32)
     with torch.inference_mode():
