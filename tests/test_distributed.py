@@ -54,9 +54,10 @@ def max_weight_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> f
 
 
 def _rank_main(rank: int, world: int, jobs: list[dict]) -> None:
-    """One rank: run `jobs` (pretrain_stage calls) one after another, as torchrun would."""
+    """One rank: run `jobs` (pretrain_stage calls, or sft_stage where a job says "stage": "sft") one
+    after another, as torchrun would."""
     torch.set_num_threads(1)
-    from lmforge.stages import pretrain_stage
+    from lmforge.stages import pretrain_stage, sft_stage
     from lmforge.train.trainer import Trainer
 
     step = Trainer.train_step
@@ -72,7 +73,8 @@ def _rank_main(rank: int, world: int, jobs: list[dict]) -> None:
         os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(job["port"]))
         Trainer._test_stop_at = job.get("stop_at", -1)
-        last = pretrain_stage(job["cfg"], job["out"], resume=job.get("resume", False), progress=False)
+        stage = {"pretrain": pretrain_stage, "sft": sft_stage}[job.get("stage", "pretrain")]
+        last = stage(job["cfg"], job["out"], resume=job.get("resume", False), progress=False)
         Path(job["out"], f"last_rank{rank}.json").write_text(json.dumps(last))
 
 

@@ -384,50 +384,23 @@ def test_peft_export_loads_in_peft_with_every_key_and_the_same_logits(tiny_run, 
 
 
 # -- two ranks ------------------------------------------------------------------------------------------
-def _rank_sft(rank: int, world: int, jobs: list[dict]) -> None:
-    """One rank of a LoRA SFT run (as torchrun would start it)."""
-    import os
-
-    import signal
-
-    from lmforge.train.trainer import Trainer
-
-    torch.set_num_threads(1)
-    step = Trainer.train_step
-
-    def train_step(self):  # a SIGTERM to the last rank only, right after step `stop_at`
-        m = step(self)
-        if self.step == self._test_stop_at and rank == world - 1:
-            os.kill(os.getpid(), signal.SIGTERM)
-        return m
-
-    Trainer.train_step = train_step
-    for job in jobs:
-        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(job["port"]))
-        Trainer._test_stop_at = job.get("stop_at", -1)
-        sft_stage(job["cfg"], job["out"], resume=job.get("resume", False), progress=False)
-
-
 @pytest.mark.slow
 def test_lora_sft_on_two_ranks_equals_one_process(tiny_run, base_ckpt, tmp_path):
     """DDP and FSDP2 on 2 gloo ranks x accumulation 1 = 1 process x accumulation 2: the same
     losses and adapters (float tolerance), frozen base weights and all; an FSDP2 LoRA run
     stopped by SIGTERM and resumed equals the straight one bit for bit."""
-    import torch.multiprocessing as mp
-
-    from test_distributed import free_port
+    from test_distributed import run_ranks
 
     cfg, _ = tiny_run
     data = write_jsonl(tmp_path / "chat.jsonl", many_conversations(40))
     c = lora_cfg(cfg, base_ckpt, data, steps=3)
     c = replace(c, lora=replace(c.lora, dropout=0.0))  # dropout draws differ per rank
-    jobs = [{"cfg": replace(c, train=replace(c.train, data_parallel=mode)), "out": tmp_path / mode, "port": free_port()}
+    jobs = [{"cfg": replace(c, train=replace(c.train, data_parallel=mode)), "out": tmp_path / mode, "stage": "sft"}
             for mode in ("ddp", "fsdp")]
     fsdp = replace(c, train=replace(c.train, data_parallel="fsdp"))  # stopped after step 1, resumed
-    jobs += [{"cfg": fsdp, "out": tmp_path / "fsdp-resumed", "port": free_port(), "stop_at": 1},
-             {"cfg": fsdp, "out": tmp_path / "fsdp-resumed", "port": free_port(), "resume": True}]
-    mp.start_processes(_rank_sft, args=(2, jobs), nprocs=2, join=True, start_method="spawn")
+    jobs += [{"cfg": fsdp, "out": tmp_path / "fsdp-resumed", "stage": "sft", "stop_at": 1},
+             {"cfg": fsdp, "out": tmp_path / "fsdp-resumed", "stage": "sft", "resume": True}]
+    run_ranks(2, jobs)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
