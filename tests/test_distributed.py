@@ -18,6 +18,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -69,12 +70,30 @@ def _rank_main(rank: int, world: int, jobs: list[dict]) -> None:
         return m
 
     Trainer.train_step = train_step
+    from lmforge.errors import LmforgeError
+    from lmforge.stages import common
+
+    check = common.open_run_dir
+
+    def late_check(out, *args, **kwargs):  # the last rank checks late: what does it find?
+        time.sleep(1.5)
+        Path(f"{out}.seen_rank{rank}").write_text(json.dumps(sorted(p.name for p in Path(out).glob("*"))
+                                                             if Path(out).exists() else None))
+        return check(out, *args, **kwargs)
+
     for job in jobs:
         os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(job["port"]))
         Trainer._test_stop_at = job.get("stop_at", -1)
+        common.open_run_dir = late_check if job.get("late_check") and rank == world - 1 else check
         stage = {"pretrain": pretrain_stage, "sft": sft_stage}[job.get("stage", "pretrain")]
-        last = stage(job["cfg"], job["out"], resume=job.get("resume", False), progress=False)
+        try:
+            last = stage(job["cfg"], job["out"], resume=job.get("resume", False), progress=False)
+        except LmforgeError as exc:
+            if not job.get("refused"):
+                raise
+            Path(f"{job['out']}.refused_rank{rank}").write_text(f"{type(exc).__name__}: {exc}")
+            continue
         Path(job["out"], f"last_rank{rank}.json").write_text(json.dumps(last))
 
 
@@ -160,6 +179,13 @@ def all_runs(tiny_run, tmp_path_factory) -> dict[str, dict[str, Path]]:
     runs["ddp"]["parity_bf16"] = tmp / "ddp" / "parity_bf16"
     runs["ddp"]["reference_bf16"] = tmp / "ddp" / "reference_bf16"
     jobs.append({"cfg": _cfg(bf16, "ddp", 4, 2), "out": runs["ddp"]["parity_bf16"]})
+    # the run folder: checked by every rank before rank 0 writes it; refused by every rank together
+    runs["ddp"]["late"] = tmp / "ddp" / "late"
+    runs["ddp"]["user"] = tmp / "ddp" / "user"
+    runs["ddp"]["user"].mkdir(parents=True)
+    (runs["ddp"]["user"] / "notes.txt").write_text("the user's own file\n")
+    jobs.append({"cfg": _cfg(cfg, "ddp", 1, 1), "out": runs["ddp"]["late"], "late_check": True})
+    jobs.append({"cfg": _cfg(cfg, "ddp", 1, 1), "out": runs["ddp"]["user"], "refused": True})
     run_ranks(2, jobs)
     from lmforge.stages import pretrain_stage
 
@@ -247,6 +273,26 @@ def test_two_rank_resume_is_exact(two_rank_runs):
     assert rng["world_size"] == 2 and len(rng["ranks"]) == 2
     state = json.loads((runs["resumed"] / mio.step_dir_name(STOP_AT) / "state.json").read_text())
     assert state["step"] == STOP_AT and set(state["data"]) == {"epoch", "cursor"}
+
+
+def test_every_rank_checks_the_run_folder_before_rank_0_writes_it(all_runs):
+    """Regression (CI, session 3): rank 1 checked --out while rank 0 was writing its marker,
+    saw a half-made run folder and refused it. Rank 1 now checks 1.5 s late and must still
+    find no folder: rank 0 waits for every rank's check before it creates anything."""
+    late = all_runs["ddp"]["late"]
+    assert json.loads(Path(f"{late}.seen_rank1").read_text()) is None
+    assert [m["step"] for m in read_metrics(late)] == [1]
+
+
+def test_a_refused_run_folder_is_refused_on_every_rank(all_runs):
+    """A user's folder as --out: both ranks raise the OutputError (none waits for the other),
+    and the user's file is untouched."""
+    user = all_runs["ddp"]["user"]
+    for rank in (0, 1):
+        said = Path(f"{user}.refused_rank{rank}").read_text()
+        assert said.startswith("OutputError: ") and "not an earlier result of" in said, said
+    assert sorted(p.name for p in user.iterdir()) == ["notes.txt"]
+    assert (user / "notes.txt").read_text() == "the user's own file\n"
 
 
 @pytest.mark.slow

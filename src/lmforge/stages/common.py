@@ -4,22 +4,24 @@ SFT both use, the start-up report, and loading a checkpoint for inference."""
 from __future__ import annotations
 
 import contextlib
-from dataclasses import replace
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
+import torch
+
 from lmforge.config import CONFIG_FILE, Config
+from lmforge.errors import LmforgeError
 from lmforge.evaluate import batch_loss
-from lmforge.fileio import copy_file, open_run_dir, output_lock, write_text
+from lmforge.fileio import OutputError, copy_file, make_folder, open_run_dir, output_lock, write_text
 from lmforge.model import Transformer
 from lmforge.model.transformer import check_fits_in_memory
 from lmforge.model.attention import resolve_backend
 from lmforge.model.io import CONTRACT_FILES, list_checkpoints
 from lmforge.runtime import Runtime, training_runtime
 from lmforge.tokenizer import Tokenizer
-from lmforge.train.distributed import DistInfo, init_distributed, shutdown
+from lmforge.train.distributed import DistInfo, all_reduce_sum, barrier, init_distributed, shutdown
 from lmforge.train.trainer import Trainer, seed_everything
 
 
@@ -49,9 +51,25 @@ class TrainingSession:
         Call it after the stage's own input checks, so refused input leaves no folder behind."""
         if self.dry_run:
             return
+        # Every rank checks the folder before rank 0 changes anything (a rank that checked
+        # while rank 0 wrote the marker would see a half-made folder), then all agree: a
+        # refusal on any rank is a refusal on every rank, never a rank left waiting.
+        refusal: LmforgeError | None = None
+        try:
+            if self.info.is_main:
+                self.stack.enter_context(output_lock(self.out))
+            open_run_dir(self.out, self.command, self.resume, list_checkpoints, create=False)
+        except LmforgeError as exc:
+            refusal = exc
+        refused = all_reduce_sum(torch.tensor([float(refusal is not None)]), self.info).item()
+        if refusal is not None:
+            raise refusal
+        if refused:
+            raise OutputError(f"--out {self.out}: another rank refused the run folder (its message is above); "
+                              f"nothing was written.")
         if self.info.is_main:
-            self.stack.enter_context(output_lock(self.out))
-        open_run_dir(self.out, self.command, self.resume, list_checkpoints, create=self.info.is_main)
+            make_folder(self.out, self.command)
+        barrier(self.info)
 
 
 @contextlib.contextmanager
