@@ -28,6 +28,7 @@ stages, in order:
   lmforge pretrain --set tokenizer.dir=runs/tok --set data.dir=runs/data --out runs/pre
   lmforge generate --checkpoint runs/pre --prompt "def "
   lmforge sft --set sft.init=runs/pre --out runs/sft   fine-tune on conversations (sft.data)
+  lmforge dpo --set dpo.init=runs/sft --out runs/dpo   preference tuning on pairs (dpo.data)
   lmforge chat --checkpoint runs/sft                  talk to it; /exit quits
   lmforge eval --checkpoint runs/pre
   lmforge serve --checkpoint runs/sft                 OpenAI API + chat page on http://127.0.0.1:8000/
@@ -111,7 +112,7 @@ def _config(args):
 
 
 #: Config keys that hold paths, and the command-line arguments that do (dest -> how it is spelt).
-CONFIG_PATHS = ("tokenizer.dir", "data.source", "data.dir", "sft.init", "sft.data")
+CONFIG_PATHS = ("tokenizer.dir", "data.source", "data.dir", "sft.init", "sft.data", "dpo.init", "dpo.data")
 PATH_ARGS = {"config": "--config", "out": "--out", "checkpoint": "--checkpoint", "tokenizer": "--tokenizer",
              "src": "--from", "data": "--data", "folder": "DIR"}
 
@@ -332,6 +333,10 @@ COMMANDS: dict[str, tuple[str, str | None, Callable, Callable]] = {
                  _train("pretrain_stage")),
     "sft": ("supervised fine-tuning on conversations, from sft.init",
             "run folder (metrics.jsonl, config.toml, step_NNNNNN/ checkpoints)", _training, _train("sft_stage")),
+    "dpo": ("direct preference optimisation on chosen/rejected pairs (dpo.data), from dpo.init; full or LoRA "
+            "([lora] rank > 0); the reference is dpo.init itself",
+            "run folder (metrics.jsonl with rewards/* and logps/*, config.toml, step_NNNNNN/ checkpoints)",
+            _training, _train("dpo_stage")),
     "generate": ("sample a continuation from a checkpoint", None, _args_generate, _generate),
     "chat": ("chat with a fine-tuned checkpoint (one line a turn; /exit or EOF quits)", None, _args_chat, _chat),
     "eval": ("held-out loss, perplexity and bits per byte of a checkpoint",
@@ -349,7 +354,7 @@ COMMANDS: dict[str, tuple[str, str | None, Callable, Callable]] = {
 }
 
 #: Commands that can continue after an interruption (the Ctrl-C message says so only for them).
-RESUMABLE = ("pretrain", "sft", "speedrun")
+RESUMABLE = ("pretrain", "sft", "dpo", "speedrun")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -189,6 +189,40 @@ class SFTConfig:
     """stdlib only: leave out functions whose prompt + body exceed this many characters (0 = no limit)."""
 
 
+@dataclass
+class DPOConfig:
+    """The [dpo] section: direct preference optimisation (Rafailov et al. 2023, arXiv
+    2305.18290) of the checkpoint `init` on preference pairs (see lmforge.stages.dpo). DPO
+    takes steps, micro_batch_size, grad_accum_steps, lr and warmup_steps from here; every
+    other [train] key applies as it is."""
+
+    init: str = ""
+    """Checkpoint folder to start from (usually an SFT run); also the reference model."""
+    data: str = "stdlib"
+    """"stdlib" (standard-library functions against a mutated copy) or a JSONL/Parquet file of
+    pairs in TRL's explicit ({prompt, chosen, rejected}) or implicit ({chosen, rejected}) form."""
+    beta: float = 0.1
+    """The pull towards the reference (paper default 0.1; IPO's tau)."""
+    loss: str = "sigmoid"
+    """"sigmoid" (DPO, eq. 7) or "ipo" (Azar et al. 2023, arXiv 2310.12036)."""
+    reference: str = "live"
+    """"live": the reference's log-probabilities are computed at every step (LoRA: the same
+    model with its adapters disabled; full fine-tuning: a frozen copy); "precomputed": once for
+    every pair before training (no second model; the same numbers)."""
+    steps: int = 100
+    micro_batch_size: int = 8
+    """Pairs per micro-batch (each is two rows: chosen and rejected)."""
+    grad_accum_steps: int = 1
+    lr: float = 1e-5
+    warmup_steps: int = 10
+    max_examples: int = 0
+    """Train on at most this many pairs (0 = all), chosen by a stable hash."""
+    val_examples: int = 0
+    """Validate on at most this many held-out pairs (0 = all)."""
+    max_chars: int = 900
+    """stdlib only: leave out functions whose prompt + body exceed this many characters (0 = no limit)."""
+
+
 #: The linear layers of the blocks LoRA can adapt (Meta's Llama names), and the default targets.
 LORA_TARGETS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3")
 #: Linear maps read directly (the output head slices its weight; the embedding is a lookup, and a
@@ -270,6 +304,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
+    dpo: DPOConfig = field(default_factory=DPOConfig)
     generate: SamplingConfig = field(default_factory=SamplingConfig)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
@@ -353,6 +388,15 @@ BOUNDS: dict[str, tuple[float, float, bool, bool]] = {
     "lora.rank": (0, 1 << 16, False, False),
     "lora.alpha": (0.0, 1e6, True, False),
     "lora.dropout": (0.0, 1.0, False, True),
+    "dpo.beta": (0.0, 1000.0, True, False),
+    "dpo.steps": (1, MAX_STEPS, False, False),
+    "dpo.micro_batch_size": (1, 1 << 20, False, False),
+    "dpo.grad_accum_steps": (1, 1 << 16, False, False),
+    "dpo.lr": (0.0, 10.0, True, False),
+    "dpo.warmup_steps": (0, MAX_STEPS, False, False),
+    "dpo.max_examples": (0, 1 << 40, False, False),
+    "dpo.val_examples": (0, 1 << 40, False, False),
+    "dpo.max_chars": (0, 1 << 40, False, False),
     "generate.max_new_tokens": (1, MAX_SEQ_LEN, False, False),
     "generate.temperature": (0.0, 1000.0, False, False),
     "generate.top_k": (0, MAX_VOCAB, False, False),
@@ -390,6 +434,7 @@ _SECTION_TYPES = {
     "train": TrainConfig,
     "sft": SFTConfig,
     "lora": LoRAConfig,
+    "dpo": DPOConfig,
     "generate": SamplingConfig,
 }
 
@@ -639,6 +684,8 @@ def validate(cfg: Config) -> Config:
     if not 0.0 < g.top_p <= 1.0:
         raise ConfigError(f"generate.top_p = {g.top_p}: expected 0 < value <= 1.")
     check_lora(cfg.lora)
+    _choice("dpo.loss", cfg.dpo.loss, ("sigmoid", "ipo"))
+    _choice("dpo.reference", cfg.dpo.reference, ("live", "precomputed"))
     for name in BOUNDS:  # every number, both ends (the checks above keep their own wording)
         section, key = name.split(".", 1)
         check_bounds(name, getattr(getattr(cfg, section), key))

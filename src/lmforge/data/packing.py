@@ -275,15 +275,19 @@ class RowStream:
                 f"({n_pieces:,} pieces), padding {100 * padding_fraction(rows, self.seq_len):.2f}%, "
                 f"document masking {'on' if self.document_masking else 'off'}")
 
+    def make_batch(self, rows: Sequence[Sequence[Piece]]) -> Batch:
+        """The micro-batch of these planned rows (a subclass may lay them out otherwise)."""
+        return collate([build_row(r, self.get_tokens, self.get_learn, self.seq_len, self.pad_id,
+                                  self.document_masking) for r in rows])
+
     def next_batch(self) -> Batch:
         B = self.micro_batch_size
         rows = []
         for i in range(B):
             epoch, row = self._ahead(self.rank * B + i)  # this rank's micro-batch among the next W
-            rows.append(build_row(self.plan(epoch)[row], self.get_tokens, self.get_learn, self.seq_len,
-                                  self.pad_id, self.document_masking))
+            rows.append(self.plan(epoch)[row])
         self.epoch, self.cursor = self._ahead(self.world_size * B)
-        return collate(rows)
+        return self.make_batch(rows)
 
     def _ahead(self, k: int) -> tuple[int, int]:
         """(epoch, row) of the global row `k` rows past the current position."""
@@ -306,8 +310,7 @@ class RowStream:
         rows = self.plan(0)
         limit = len(rows) if max_rows <= 0 else min(len(rows), max_rows)
         for i in range(0, limit, self.micro_batch_size):
-            yield collate([build_row(r, self.get_tokens, self.get_learn, self.seq_len, self.pad_id,
-                                     self.document_masking) for r in rows[i: min(i + self.micro_batch_size, limit)]])
+            yield self.make_batch(rows[i: min(i + self.micro_batch_size, limit)])
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "cursor": self.cursor}

@@ -108,3 +108,35 @@ def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, targets
     dtype = compute_dtype(h.device, torch.promote_types(h.dtype, weight.dtype))
     with torch.autocast(h.device.type, enabled=False):
         return _LinearCrossEntropySum.apply(h, weight, labels, dtype, chunk_rows)
+
+
+#: DPO's losses (`dpo_loss`), by `dpo.loss`.
+DPO_LOSSES = ("sigmoid", "ipo")
+
+
+def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_chosen: torch.Tensor,
+             ref_rejected: torch.Tensor, beta: float, kind: str = "sigmoid"
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The preference loss of each pair, and the implicit rewards.
+
+    Args:
+        policy_chosen, policy_rejected: (N,) float32 sequence log-probabilities (nats, summed
+            over each completion) of the model being trained; ref_*: the same under the
+            reference model (no gradient).
+        beta: the strength of the pull towards the reference (DPO's beta; IPO's tau).
+        kind: "sigmoid": -log sigmoid(beta * h) (Rafailov et al. 2023, arXiv 2305.18290,
+            eq. 7); "ipo": (h - 1 / (2 beta))^2 (Azar et al. 2023, arXiv 2310.12036, eq. 17),
+            with h = (policy_chosen - ref_chosen) - (policy_rejected - ref_rejected).
+    Returns:
+        (losses (N,), chosen rewards (N,), rejected rewards (N,)), rewards = beta x
+        (policy - reference) log-probability, detached. At policy == reference the sigmoid
+        loss is ln 2 = 0.6931 for every pair.
+    """
+    h = (policy_chosen - ref_chosen) - (policy_rejected - ref_rejected)
+    if kind == "sigmoid":
+        losses = -F.logsigmoid(beta * h)
+    elif kind == "ipo":
+        losses = (h - 1.0 / (2.0 * beta)) ** 2
+    else:
+        raise ValueError(f"dpo loss {kind!r}: expected one of {DPO_LOSSES}")
+    return losses, beta * (policy_chosen - ref_chosen).detach(), beta * (policy_rejected - ref_rejected).detach()

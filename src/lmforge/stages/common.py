@@ -13,7 +13,6 @@ import torch
 
 from lmforge.config import CONFIG_FILE, Config
 from lmforge.errors import LmforgeError
-from lmforge.evaluate import batch_loss
 from lmforge.fileio import OutputError, copy_file, make_folder, open_run_dir, output_lock, write_text
 from lmforge.model import Transformer
 from lmforge.model.transformer import check_fits_in_memory
@@ -22,7 +21,7 @@ from lmforge.model.io import CONTRACT_FILES, list_checkpoints
 from lmforge.runtime import Runtime, training_runtime
 from lmforge.tokenizer import Tokenizer
 from lmforge.train.distributed import DistInfo, all_reduce_sum, barrier, init_distributed, shutdown
-from lmforge.train.trainer import Trainer, seed_everything
+from lmforge.train.trainer import TokenObjective, Trainer, seed_everything
 
 
 def log(msg: str) -> None:
@@ -125,17 +124,19 @@ def startup_report(model: Transformer, tok: Tokenizer, data: dict, cfg: Config, 
 
 def run_training(session: TrainingSession, contract_dir: Path, model: Transformer, stream, val_batches,
                  resume: bool = False, dry_run: bool = False, progress: bool = True,
-                 side_files: dict[str, str] | None = None) -> dict:
+                 side_files: dict[str, str] | None = None, objective: TokenObjective | None = None) -> dict:
     """The common tail of every training stage (pretrain, sft): one dry-run step, or the one
     `Trainer.fit` into the session's run folder (continuing its newest checkpoint with
     `resume`). `contract_dir` holds the contract and tokenizer files copied into the run
     folder and its checkpoints; `side_files` ({name: text}) are written into the run folder
-    only once `--resume` has been accepted (a refused resume changes no file)."""
+    only once `--resume` has been accepted (a refused resume changes no file). `objective`:
+    the loss (default: the token loss of pretraining and SFT; DPO's for `dpo`)."""
     cfg, out, info = session.cfg, session.out, session.info
+    objective = objective or TokenObjective()
     if dry_run:
-        return dry_run_step(model, stream, session.runtime)
+        return dry_run_step(model, stream, session.runtime, objective)
     trainer = Trainer(cfg, out, Path(contract_dir), model, stream, val_batches, info, progress, log,
-                      runtime=session.runtime)
+                      runtime=session.runtime, objective=objective)
     # before any write: a refused --resume leaves the run folder as it was
     if resume and not trainer.resume(session.command):
         log(f"--resume: no checkpoint in {out} yet; starting from step 0")
@@ -147,15 +148,17 @@ def run_training(session: TrainingSession, contract_dir: Path, model: Transforme
     return trainer.fit()
 
 
-def dry_run_step(model: Transformer, stream, runtime: Runtime) -> dict:
+def dry_run_step(model: Transformer, stream, runtime: Runtime, objective: TokenObjective | None = None) -> dict:
     """One forward and backward pass on one micro-batch; nothing written."""
+    objective = objective or TokenObjective()
     model.to(runtime.device).train()
     b = stream.next_batch().to(runtime.device)
     with runtime.autocast():
-        nats = batch_loss(model, b)
-    (nats / max(1, b.n_supervised)).backward()
-    loss = float(nats.detach()) / max(1, b.n_supervised)
-    log(f"dry run: one micro-batch forward and backward, loss {loss:.4f} nats/token; all checks passed")
+        total, _ = objective.loss(model, b)
+    n = max(1, objective.count(b))
+    (total / n).backward()
+    loss = float(total.detach()) / n
+    log(f"dry run: one micro-batch forward and backward, loss {loss:.4f} nats/{objective.unit}; all checks passed")
     return {"loss": loss, "dry_run": True}
 
 

@@ -122,14 +122,14 @@ def sft_stage(cfg: Config, out: str | Path, resume: bool = False, dry_run: bool 
                           "(a pretraining run folder or one of its step_NNNNNN folders).")
     check_output(Path(out), "sft")  # `.`, a parent, another command's output: before anything else
     init = resolve_checkpoint(cfg.sft.init)
-    _refuse_init_as_out(Path(out), Path(cfg.sft.init), init)
+    refuse_init_as_out(Path(out), Path(cfg.sft.init), init)
     if resume:
-        _check_same_init(Path(out), init)
+        check_same_init(Path(out), init)
     model, tok, init_cfg, _ = load_checkpoint(init, sft_tokenizer_dir(cfg))
     if cfg.lora.rank > 0:  # load the base, inject, freeze; the trainer then wraps and builds the optimizer
         base_sha = lora.file_sha256(init / MODEL_FILE)
         if resume:
-            _check_same_base(Path(out), init, base_sha)
+            check_same_base(Path(out), init, base_sha)
         lora.inject(model, cfg.lora, seed=cfg.train.seed)
         model.lora_base = {lora.BASE_PATH_KEY: str(init.resolve()), lora.BASE_SHA256_KEY: base_sha}
     cfg = sft_config(replace(cfg, tokenizer=replace(cfg.tokenizer, dir=str(tok.folder))), init_cfg)
@@ -192,22 +192,25 @@ def chat_template_line(tok: Tokenizer) -> str:
             f"{'start with ' + repr(tok.spellings['bos']) if tok.contract.add_bos else 'have no BOS'}")
 
 
-def _check_same_init(out: Path, init: Path) -> None:
-    """`--resume` continues an SFT run only from the checkpoint it started from."""
+def check_same_init(out: Path, init: Path, section: str = "sft") -> None:
+    """`--resume` continues a fine-tuning run (`section` "sft" or "dpo") only from the
+    checkpoint it started from (`section`.init)."""
     latest = latest_checkpoint(out)
     if latest is None:
         return
     saved, _ = read_checkpoint_meta(latest)
+    was = getattr(saved, section).init
     try:
-        before = resolve_checkpoint(saved.sft.init).resolve() if saved.sft.init else None
+        before = resolve_checkpoint(was).resolve() if was else None
     except LmforgeError:
         before = None
     if before != init.resolve():
-        raise ConfigError(f"--resume: {out} is an SFT run from sft.init = {saved.sft.init!r}, but this command "
-                          f"sets sft.init = {str(init)!r}. Resume with the same sft.init, or choose another --out.")
+        raise ConfigError(f"--resume: {out} is a {section.upper()} run from {section}.init = {was!r}, but this "
+                          f"command sets {section}.init = {str(init)!r}. Resume with the same {section}.init, or "
+                          f"choose another --out.")
 
 
-def _check_same_base(out: Path, init: Path, sha256: str) -> None:
+def check_same_base(out: Path, init: Path, sha256: str) -> None:
     """`--resume` of a LoRA run: the base weights are the ones its adapters were trained on
     (same sha256 of model.safetensors), not merely the same folder."""
     latest = latest_checkpoint(out)
@@ -224,13 +227,14 @@ def _check_same_base(out: Path, init: Path, sha256: str) -> None:
                               f"original base, or start a new run (another --out).")
 
 
-def _refuse_init_as_out(out: Path, init_arg: Path, init: Path) -> None:
-    """The run being fine-tuned is never the SFT run folder, nor inside it (its checkpoints
-    would be pruned by keep_last, or continued with SFT data)."""
+def refuse_init_as_out(out: Path, init_arg: Path, init: Path, section: str = "sft") -> None:
+    """The run being fine-tuned is never the fine-tuning run folder, nor inside it (its
+    checkpoints would be pruned by keep_last, or continued with other data)."""
     try:
         o, i, c = out.resolve(), init_arg.resolve(), init.resolve()
     except OSError:
         return
     if o in (i, c) or o in c.parents:
-        raise ConfigError(f"--out {out} is the checkpoint being fine-tuned (sft.init = {init_arg}) or holds it; "
-                          f"SFT writes a run of its own. Choose another --out, e.g. {out}-sft.")
+        raise ConfigError(f"--out {out} is the checkpoint being fine-tuned ({section}.init = {init_arg}) or holds "
+                          f"it; {section.upper()} writes a run of its own. Choose another --out, e.g. "
+                          f"{out}-{section}.")

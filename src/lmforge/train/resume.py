@@ -33,8 +33,8 @@ from lmforge.errors import CheckpointError
 from lmforge.train.optim import STATE_KEYS, group_kind
 from lmforge.train.schedule import lr_at
 
-STAGES = ("pretrain", "sft")
-BOTH, PRE, SFT = STAGES, ("pretrain",), ("sft",)
+STAGES = ("pretrain", "sft", "dpo")
+BOTH, PRE, SFT, DPO, TUNE = STAGES, ("pretrain",), ("sft",), ("dpo",), ("sft", "dpo")
 
 
 @dataclass(frozen=True)
@@ -72,13 +72,22 @@ def _stdlib_sft(cfg: Config) -> bool:
     return cfg.sft.data == "stdlib"
 
 
+def _stdlib_dpo(cfg: Config) -> bool:
+    return cfg.dpo.data == "stdlib"
+
+
+def _stdlib_tune(cfg: Config) -> bool:
+    return _stdlib_sft(cfg) or _stdlib_dpo(cfg)
+
+
 R = ResumeRule
 _MODEL = "a different [model] section is another architecture than the saved weights and optimizer state"
 _SCHEDULE = ("shapes the learning-rate schedule: refused when it changes the learning rate of a step already "
              "taken, allowed when it only moves what is still ahead (e.g. more steps while a wsd run has not "
              "begun its decay)")
-_NO_PRE = "pretraining does not read [sft]"
-_SFT_OWN = "SFT trains with the [sft] value and compares that (sft.{key})"
+_NO_PRE = "pretraining and DPO do not read [sft]"
+_NO_DPO = "pretraining and SFT do not read [dpo]"
+_SFT_OWN = "SFT and DPO train with their own section's value and compare that (sft.{key}, dpo.{key})"
 _OPT = "an optimizer setting applied at every step, the steps taken included"
 _MUON_ONLY = "AdamW runs (train.optimizer = 'adamw') do not read it"
 _ACCUM = ("the rows of every optimizer step: compared as accumulation x data-parallel ranks, so a run continued "
@@ -91,15 +100,16 @@ RESUME_RULES: tuple[ResumeRule, ...] = (
       "first; the same tokenizer in another folder is the same tokenizer"),
     R("tokenizer.max_train_bytes", (), "read by train-tokenizer only"),
     R("tokenizer.eos_token", (), "read by import-hf / import-tokenizer only; the contract they wrote is compared"),
-    R("data.source", (), "read by prepare only: pretraining reads the shards in data.dir, SFT reads sft.data"),
-    R("data.dir", PRE, "the shards the rows come from", "SFT does not read it", path=True),
+    R("data.source", (), "read by prepare only: pretraining reads the shards in data.dir, SFT and DPO read sft.data "
+      "and dpo.data"),
+    R("data.dir", PRE, "the shards the rows come from", "SFT and DPO do not read it", path=True),
     R("data.seq_len", BOTH, "the length of every row, so which tokens share a row and the data position"),
     R("data.document_masking", PRE, "the attention mask and positions of every row",
-      "SFT does not read it (sft.packing decides)"),
-    R("data.val_fraction", SFT, "which conversations are trained on",
+      "SFT and DPO do not read it (sft.packing decides; DPO's rows are right-padded)"),
+    R("data.val_fraction", TUNE, "which conversations (or pairs) are trained on",
       "pretraining: read by prepare only (the split is in the shards)"),
-    R("data.include_tests", SFT, "which standard-library functions are trained on",
-      "pretraining: read by prepare only; SFT on a file does not read it", when=_stdlib_sft),
+    R("data.include_tests", TUNE, "which standard-library functions are trained on",
+      "pretraining: read by prepare only; SFT and DPO on a file do not read it", when=_stdlib_tune),
     R("data.on_bad_utf8", (), "read by prepare only"),
     *(R(f"model.{k}", BOTH, _MODEL) for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_dim",
                                                "norm_eps", "rope_theta", "max_seq_len", "tie_embeddings", "qk_norm",
@@ -119,7 +129,7 @@ RESUME_RULES: tuple[ResumeRule, ...] = (
     R("train.beta1", BOTH, _OPT),
     R("train.beta2", BOTH, _OPT),
     R("train.grad_clip", BOTH, _OPT + " (the norms of the steps taken are not known)"),
-    R("train.zero_init", PRE, "the initial weights of the run", "SFT starts from sft.init's weights"),
+    R("train.zero_init", PRE, "the initial weights of the run", "SFT and DPO start from sft.init's / dpo.init's weights"),
     R("train.optimizer", BOTH, "another optimizer has another state"),
     R("train.muon_lr_scale", BOTH, _OPT, _MUON_ONLY, when=_muon),
     R("train.muon_momentum", BOTH, _OPT, _MUON_ONLY, when=_muon),
@@ -142,7 +152,7 @@ RESUME_RULES: tuple[ResumeRule, ...] = (
     R("train.log_every", (), "how often the progress bar prints"),
     R("train.time_limit_s", (), "when to stop with a checkpoint; elapsed_s counts the whole run"),
     R("sft.init", SFT, "the checkpoint fine-tuned; compared as a resolved path by stages/sft.py "
-      "(_check_same_init), before the model is loaded", _NO_PRE, elsewhere=True),
+      "(check_same_init), before the model is loaded", _NO_PRE, elsewhere=True),
     R("sft.data", SFT, "the conversations trained on", _NO_PRE, path=True),
     R("sft.packing", SFT, "how conversations are laid out in rows (and their attention)", _NO_PRE),
     R("sft.steps", SFT, _SCHEDULE, _NO_PRE, schedule=True),
@@ -156,6 +166,22 @@ RESUME_RULES: tuple[ResumeRule, ...] = (
       _NO_PRE + "; SFT on a file does not read it", when=_stdlib_sft),
     *(R(f"lora.{k}", BOTH, "the adapters trained (their shapes, their scale, which layers carry them) and the "
         "parameters the optimizer state belongs to") for k in ("rank", "alpha", "dropout", "targets", "use_rslora")),
+    R("dpo.init", DPO, "the checkpoint tuned and the reference; compared as a resolved path by stages/dpo.py "
+      "before the model is loaded", _NO_DPO, elsewhere=True),
+    R("dpo.data", DPO, "the pairs trained on", _NO_DPO, path=True),
+    R("dpo.beta", DPO, "the loss of every step, the steps taken included", _NO_DPO),
+    R("dpo.loss", DPO, "the loss of every step, the steps taken included", _NO_DPO),
+    R("dpo.reference", DPO, "the reference's log-probabilities: computed live and precomputed they agree within "
+      "float tolerance, not bit for bit", _NO_DPO),
+    R("dpo.steps", DPO, _SCHEDULE, _NO_DPO, schedule=True),
+    R("dpo.micro_batch_size", DPO, "the pairs of every micro-batch and the order of the loss sum", _NO_DPO),
+    R("dpo.grad_accum_steps", DPO, _ACCUM, _NO_DPO, per_rank=True),
+    R("dpo.lr", DPO, _SCHEDULE, _NO_DPO, schedule=True),
+    R("dpo.warmup_steps", DPO, _SCHEDULE, _NO_DPO, schedule=True),
+    R("dpo.max_examples", DPO, "which pairs are trained on", _NO_DPO),
+    R("dpo.val_examples", (), "the held-out pairs validated on (val_* rows only)"),
+    R("dpo.max_chars", DPO, "which standard-library functions are trained on",
+      _NO_DPO + "; DPO on a file does not read it", when=_stdlib_dpo),
     *(R(f"generate.{k}", (), "sampling only (generate, chat, serve, the speedrun's samples)")
       for k in ("max_new_tokens", "temperature", "top_k", "top_p", "repetition_penalty", "greedy")),
 )

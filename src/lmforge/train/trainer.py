@@ -54,6 +54,31 @@ from lmforge.train.schedule import lr_at
 METRICS_FILE = "metrics.jsonl"
 
 
+class TokenObjective:
+    """The loss of pretraining and SFT: summed nats over a micro-batch's supervised targets
+    (`batch_loss`), counted in supervised targets. An objective tells the trainer what one
+    micro-batch adds to the step's loss numerator (`loss`), in what units the denominator is
+    counted (`count`), which further per-unit sums it logs (`loss`'s second value, named by
+    `stats`), and what validation reports (`validate`). DPO's is `lmforge.train.dpo.DPOObjective`."""
+
+    stats: tuple[str, ...] = ()
+    unit = "token"
+    """What `count` counts (the loss is in nats per unit)."""
+
+    def count(self, batch: Batch) -> int:
+        return batch.n_supervised
+
+    def loss(self, model: torch.nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(summed loss, a 0-dim float32 tensor with grad; the sums of `stats` (float64, detached) or None)."""
+        return batch_loss(model, batch), None
+
+    def validate(self, model: torch.nn.Module, batches: Iterable[Batch], runtime: Runtime, dist: DistInfo) -> dict:
+        """{"val_loss": mean nats per supervised target over `batches`, all ranks}."""
+        nats, count = evaluate_batches(model, batches, runtime)
+        totals = all_reduce_sum(torch.tensor([nats, float(count)], dtype=torch.float64, device=runtime.device), dist)
+        return {"val_loss": float(totals[0] / max(totals[1], 1.0))}
+
+
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
@@ -81,6 +106,7 @@ class Trainer:
     progress: bool = True
     log: Callable[[str], None] = print
     runtime: Runtime | None = None
+    objective: TokenObjective = field(default_factory=TokenObjective)
 
     def __post_init__(self):
         self.run_dir = Path(self.run_dir)
@@ -230,10 +256,11 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         batches = [self.stream.next_batch() for _ in range(cfg.grad_accum_steps)]
-        local = torch.tensor(float(sum(b.n_supervised for b in batches)), dtype=torch.float64)
+        local = torch.tensor(float(sum(self.objective.count(b) for b in batches)), dtype=torch.float64)
         n_global = float(all_reduce_sum(local.to(self.device), self.dist).item())
         scale = self.dist.world_size / max(n_global, 1.0)
         loss_sum = torch.zeros((), dtype=torch.float64)
+        stat_sums = torch.zeros(len(self.objective.stats), dtype=torch.float64)
         self.model.train()
         for i, b in enumerate(batches):
             b = b.to(self.device)
@@ -245,9 +272,11 @@ class Trainer:
                 ctx = self.model.no_sync()
             with ctx:
                 with self.runtime.autocast():
-                    nats = batch_loss(self.model, b)
+                    nats, stats = self.objective.loss(self.model, b)
                 (nats * scale).backward()
             loss_sum += nats.detach().double().cpu()
+            if stats is not None:
+                stat_sums += stats.double().cpu()
         # the norm over all (for FSDP2: DTensor-sharded) gradients; the same on every rank
         grad_norm = torch.nn.utils.clip_grad_norm_(self.raw_model.parameters(),
                                                    cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
@@ -264,8 +293,12 @@ class Trainer:
         step_tokens = sum(b.tokens.numel() for b in batches) * self.dist.world_size
         self.tokens += step_tokens
         self.supervised += int(n_global)
-        return {"step": self.step, "loss": loss, "grad_norm": float(grad_norm), "lr": lr,
-                "tokens": self.tokens, "supervised": self.supervised, "step_tokens": step_tokens}
+        m = {"step": self.step, "loss": loss, "grad_norm": float(grad_norm), "lr": lr,
+             "tokens": self.tokens, "supervised": self.supervised, "step_tokens": step_tokens}
+        if self.objective.stats:  # per-unit means over every micro-batch and rank
+            totals = all_reduce_sum(stat_sums.to(self.device), self.dist).cpu() / max(n_global, 1.0)
+            m.update({name: float(v) for name, v in zip(self.objective.stats, totals)})
+        return m
 
     def _non_finite(self, loss: float, grad_norm: float) -> None:
         """Stop before the optimizer step that would take non-finite values into the weights."""
@@ -277,12 +310,12 @@ class Trainer:
             f"(lr {lr_at(self.step, self.cfg.train):.3g}, train.grad_clip {self.cfg.train.grad_clip}). The step "
             f"was not taken and nothing was saved for it. {keep} Lower train.lr or set train.grad_clip > 0.")
 
-    def validate(self) -> float | None:
+    def validate(self) -> dict:
+        """The objective's validation figures ({"val_loss": ...}; {"val_loss": None} without
+        validation data)."""
         if self.val_batches is None:
-            return None
-        nats, count = evaluate_batches(self.model, self.val_batches(), self.runtime)
-        totals = all_reduce_sum(torch.tensor([nats, float(count)], dtype=torch.float64, device=self.device), self.dist)
-        return float(totals[0] / max(totals[1], 1.0))
+            return {"val_loss": None}
+        return self.objective.validate(self.model, self.val_batches(), self.runtime, self.dist)
 
     # -- the loop -------------------------------------------------------------------
     def fit(self) -> dict:
@@ -310,7 +343,7 @@ class Trainer:
                 final = self.step == cfg.steps
                 out_of_time, signalled = self._agree_to_stop(cfg.time_limit_s > 0 and self.elapsed >= cfg.time_limit_s)
                 if (cfg.eval_every and self.step % cfg.eval_every == 0) or final or out_of_time:
-                    m["val_loss"] = self.validate()
+                    m.update(self.validate())
                 del m["step_tokens"]
                 last = m
                 if metrics_file:
