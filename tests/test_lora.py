@@ -292,13 +292,52 @@ def test_t6_hf_export_of_a_lora_checkpoint_matches_transformers(tiny_run, base_c
         assert float((load_model(base_ckpt)[0](x) - a).abs().max()) > 1e-4
 
 
-def test_pretrain_refuses_lora_before_any_write(tiny_run, tmp_path):
+def test_pretrain_refuses_lora_from_random_weights_before_any_write(tiny_run, tmp_path):
     from lmforge.stages import pretrain_stage
 
     cfg, _ = tiny_run
-    with pytest.raises(ConfigError, match=r"lora.rank = 4: pretraining starts from random weights.*lmforge sft"):
+    with pytest.raises(ConfigError, match=r"lora.rank = 4: pretraining from random weights has no base.*train.init"):
         pretrain_stage(replace(cfg, lora=LoRAConfig(rank=4)), tmp_path / "pre", progress=False)
     assert not (tmp_path / "pre").exists()
+
+
+@pytest.mark.parametrize("rank", [0, 4])
+def test_continued_pretraining_starts_from_train_init_and_resumes_exactly(tiny_run, base_ckpt, tmp_path, monkeypatch,
+                                                                          rank):
+    """`pretrain --set train.init=CKPT` (all weights, or LoRA on it): step 1's loss is the
+    initial checkpoint's loss on the first batch, the run resumes bit for bit, and a LoRA run's
+    checkpoints hold adapters only and load merged."""
+    from lmforge.data.packing import shard_stream
+    from lmforge.data.shards import Shard
+    from lmforge.evaluate import batch_loss
+    from lmforge.model.io import latest_checkpoint
+    from lmforge.stages import pretrain_stage
+    from lmforge.tokenizer import Tokenizer
+
+    cfg, tok = tiny_run
+    c = replace(cfg, train=replace(cfg.train, init=str(base_ckpt), steps=4, optimizer="adamw", lr=3e-3),
+                lora=LoRAConfig(rank=rank) if rank else cfg.lora)
+    before = hashlib.sha256((base_ckpt / MODEL_FILE).read_bytes()).hexdigest()
+    pretrain_stage(c, tmp_path / "straight", progress=False)
+    stream = shard_stream(Shard.open(cfg.data.dir, "train", tok.contract), cfg.data.seq_len,
+                          cfg.train.micro_batch_size, cfg.train.seed, cfg.data.document_masking)
+    b = stream.next_batch()
+    with torch.no_grad():
+        expected = float(batch_loss(load_model(base_ckpt)[0], b)) / b.n_supervised
+    assert abs(read_metrics(tmp_path / "straight")[0]["loss"] - expected) < 1e-5
+    with monkeypatch.context() as m:
+        sigterm_at(m, 2)
+        pretrain_stage(c, tmp_path / "resumed", progress=False)
+    pretrain_stage(c, tmp_path / "resumed", resume=True, progress=False)
+    a, b2 = read_metrics(tmp_path / "straight"), read_metrics(tmp_path / "resumed")
+    assert [r["loss"] for r in a] == [r["loss"] for r in b2]
+    saved = load_file(str(latest_checkpoint(tmp_path / "resumed") / MODEL_FILE))
+    assert all(lora.is_adapter_key(k) for k in saved) == bool(rank)
+    assert not lora.has_adapters(load_model(tmp_path / "resumed")[0])  # merged at load
+    assert hashlib.sha256((base_ckpt / MODEL_FILE).read_bytes()).hexdigest() == before
+    with pytest.raises(ConfigError, match="train.init"):  # another init cannot continue the run
+        pretrain_stage(replace(c, train=replace(c.train, init=str(tmp_path / "straight"), steps=5)),
+                       tmp_path / "resumed", resume=True, progress=False)
 
 
 def test_cli_lora_sft_then_every_consumer_takes_the_run(tiny_run, base_ckpt, tmp_path):

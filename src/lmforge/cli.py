@@ -112,7 +112,8 @@ def _config(args):
 
 
 #: Config keys that hold paths, and the command-line arguments that do (dest -> how it is spelt).
-CONFIG_PATHS = ("tokenizer.dir", "data.source", "data.dir", "sft.init", "sft.data", "dpo.init", "dpo.data")
+CONFIG_PATHS = ("tokenizer.dir", "data.source", "data.dir", "train.init", "sft.init", "sft.data", "dpo.init",
+                "dpo.data")
 PATH_ARGS = {"config": "--config", "out": "--out", "checkpoint": "--checkpoint", "tokenizer": "--tokenizer",
              "src": "--from", "data": "--data", "folder": "DIR"}
 

@@ -108,6 +108,9 @@ class ModelConfig:
 
 @dataclass
 class TrainConfig:
+    init: str = ""
+    """Continued pretraining: a checkpoint to start from (its [model] and weights; its
+    tokenizer must be tokenizer.dir's). Empty: from random weights (train.zero_init)."""
     steps: int = 600
     micro_batch_size: int = 16
     grad_accum_steps: int = 1

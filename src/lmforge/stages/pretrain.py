@@ -1,4 +1,6 @@
-"""`lmforge pretrain`: a model from scratch (or `--resume`) on the prepared shards in data.dir.
+"""`lmforge pretrain`: a model from scratch (or `--resume`) on the prepared shards in data.dir;
+with `train.init`, continued pretraining of a checkpoint (an imported model too), all of its
+weights or LoRA adapters on it.
 
 Folders: the tokenizer stage writes `tokenizer.dir`; prepare reads it and writes
 `data.dir`; pretrain reads both and writes a run folder (`--out`) with metrics.jsonl,
@@ -7,6 +9,7 @@ config.toml, the contract and tokenizer files, and `step_NNNNNN/` checkpoints.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from lmforge.config import Config
@@ -15,30 +18,55 @@ from lmforge.data.packing import shard_stream
 from lmforge.errors import ConfigError
 from lmforge.data.shards import Shard, preflight
 from lmforge.evaluate import shard_batches
+from lmforge.loading import load_checkpoint
+from lmforge.model import lora
+from lmforge.model.io import MODEL_FILE, resolve_checkpoint
 from lmforge.model import Transformer, resolve_model_config
 from lmforge.stages.common import log, run_training, startup_report, training_session
+from lmforge.stages.sft import check_same_base, check_same_init, refuse_init_as_out
 from lmforge.tokenizer import Tokenizer
 
 
 def pretrain_stage(cfg: Config, out: str | Path, resume: bool = False, dry_run: bool = False,
                    progress: bool = True) -> dict:
-    """Pretrain from scratch (or `--resume`) on data.dir; returns the last step's metrics
-    (with `interrupted` and `signal` when a signal stopped it).
+    """Pretrain from scratch, or continue pretraining the checkpoint `train.init` (all of its
+    weights, or LoRA adapters on it with lora.rank > 0), on data.dir (or `--resume`); returns
+    the last step's metrics (with `interrupted` and `signal` when a signal stopped it).
 
     Raises:
-        ConfigError: lora.rank > 0 (adapters need a trained base: `lmforge sft` takes them).
+        ConfigError: lora.rank > 0 without train.init (adapters need a trained base).
+        CheckpointError / ContractError: train.init is not a checkpoint, or has another tokenizer
+        than tokenizer.dir.
     """
-    if cfg.lora.rank > 0:
-        raise ConfigError(f"lora.rank = {cfg.lora.rank}: pretraining starts from random weights, and LoRA adapts a "
-                          f"trained base. Use `lmforge sft --set sft.init=RUN --set lora.rank={cfg.lora.rank}`, or "
-                          f"remove lora.rank (0 = train every weight).")
+    init = None
+    if cfg.train.init:
+        init = resolve_checkpoint(cfg.train.init)
+        refuse_init_as_out(Path(out), Path(cfg.train.init), init, "train")
+        if resume:
+            check_same_init(Path(out), init, "train")
+    elif cfg.lora.rank > 0:
+        raise ConfigError(f"lora.rank = {cfg.lora.rank}: pretraining from random weights has no base for adapters. "
+                          f"Set train.init to a trained checkpoint to continue pretraining it with LoRA, use "
+                          f"`lmforge sft --set sft.init=RUN --set lora.rank={cfg.lora.rank}`, or remove lora.rank "
+                          f"(0 = train every weight).")
+    if init is not None:  # its [model] is the run's; its contract must be tokenizer.dir's (checked at load)
+        model, _, init_cfg, _ = load_checkpoint(init, cfg.tokenizer.dir)
+        cfg = replace(cfg, model=init_cfg.model).validate()
+        if cfg.lora.rank > 0:
+            base_sha = lora.file_sha256(init / MODEL_FILE)
+            if resume:
+                check_same_base(Path(out), init, base_sha)
+            lora.inject(model, cfg.lora, seed=cfg.train.seed)
+            model.lora_base = {lora.BASE_PATH_KEY: str(init.resolve()), lora.BASE_SHA256_KEY: base_sha}
     with training_session(cfg, out, "pretrain", resume, dry_run) as s:
         tok = Tokenizer.load(cfg.tokenizer.dir)
         tok_contract_path = Path(cfg.tokenizer.dir) / CONTRACT_FILE
         data = preflight(cfg.data.dir, tok.contract, tok_contract_path)
-        model = Transformer(resolve_model_config(cfg.model, tok.contract))
+        if init is None:
+            model = Transformer(resolve_model_config(cfg.model, tok.contract))
+            model.reset_parameters(seed=cfg.train.seed, zero_init=cfg.train.zero_init)
         model.set_attention(s.backend)
-        model.reset_parameters(seed=cfg.train.seed, zero_init=cfg.train.zero_init)
+        model.train()
         train = Shard.open(cfg.data.dir, "train", tok.contract, tok_contract_path)
         val = Shard.open(cfg.data.dir, "val", tok.contract, tok_contract_path)
         d, t = cfg.data, cfg.train
@@ -49,6 +77,10 @@ def pretrain_stage(cfg: Config, out: str | Path, resume: bool = False, dry_run: 
             return shard_batches(val, d.seq_len, t.micro_batch_size, t.eval_tokens, d.document_masking)
 
         if s.info.is_main:
+            if init is not None:
+                what = (f"LoRA rank {cfg.lora.rank} on it ({lora.trainable_parameters(model):,} trainable parameters; "
+                        f"checkpoints hold the adapters only)" if cfg.lora.rank > 0 else "every weight trains")
+                log(f"pretrain: continuing {init}: {what}")
             log(startup_report(model, tok, data, cfg, s.info.world_size, s.runtime))
             log(stream.epoch_report())
         s.open_run()  # after every input check: refused input leaves no run folder behind

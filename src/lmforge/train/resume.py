@@ -116,6 +116,8 @@ RESUME_RULES: tuple[ResumeRule, ...] = (
                                                "qkv_bias", "rope_scaling", "rope_factor", "rope_low_freq_factor",
                                                "rope_high_freq_factor", "rope_original_max_seq_len")),
     R("model.attention", BOTH, "the attention backends agree within float tolerance, not bit for bit"),
+    R("train.init", PRE, "the weights the run started from; compared as a resolved path by stages/pretrain.py "
+      "(check_same_init) before the model is loaded", "SFT and DPO start from sft.init / dpo.init", elsewhere=True),
     R("train.steps", PRE, _SCHEDULE, _SFT_OWN.format(key="steps"), schedule=True),
     R("train.micro_batch_size", PRE, "the rows of every micro-batch and the order of the loss sum",
       _SFT_OWN.format(key="micro_batch_size")),
