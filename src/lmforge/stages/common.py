@@ -104,9 +104,12 @@ def copy_contract_files(src: Path, dst: Path) -> None:
 
 
 def startup_report(model: Transformer, tok: Tokenizer, data: dict, cfg: Config, world: int,
-                   runtime: Runtime) -> str:
+                   runtime: Runtime, unit: str = "") -> str:
+    """The start-up lines of a training stage. `unit`: what a micro-batch counts when it is not
+    rows ("pairs": DPO's two rows each)."""
     c, t = model.config, cfg.train
-    per_step = t.micro_batch_size * t.grad_accum_steps * world * cfg.data.seq_len
+    rows = 2 if unit == "pairs" else 1
+    per_step = t.micro_batch_size * rows * t.grad_accum_steps * world * cfg.data.seq_len
     lines = [
         f"model: dim {c.dim}, {c.n_layers} layers, {c.n_heads} heads / {c.n_kv_heads} kv heads, "
         f"ffn {c.resolved_ffn_dim()}, {model.num_parameters():,} parameters "
@@ -116,7 +119,8 @@ def startup_report(model: Transformer, tok: Tokenizer, data: dict, cfg: Config, 
     ]
     for split, m in data.items():
         lines.append(f"data {split}: {m['documents']:,} documents, {m['tokens']:,} tokens, max id {m['max_id']}")
-    lines.append(f"batch: {t.micro_batch_size} x {cfg.data.seq_len} tokens x {t.grad_accum_steps} accumulation x "
+    shape = f"{t.micro_batch_size} pairs (2 rows each)" if unit == "pairs" else f"{t.micro_batch_size}"
+    lines.append(f"batch: {shape} x {cfg.data.seq_len} tokens x {t.grad_accum_steps} accumulation x "
                  f"{world} ranks = {per_step:,} tokens/step; {t.steps} steps = {per_step * t.steps:,} tokens; "
                  f"device {runtime.label}")
     return "\n".join(lines)

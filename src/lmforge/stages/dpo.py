@@ -141,8 +141,7 @@ def dpo_stage(cfg: Config, out: str | Path, resume: bool = False, dry_run: bool 
                       for split, smp in samples.items()}
             log(f"dpo: init {init} (also the reference: {_reference_line(cfg)}); data {p.data!r}; loss {p.loss}, "
                 f"beta {p.beta:g}")
-            log(startup_report(model, tok, report, cfg, info.world_size, rt).replace(
-                f"batch: {t.micro_batch_size} x", f"batch: {t.micro_batch_size} pairs (x 2 rows) x"))
+            log(startup_report(model, tok, report, cfg, info.world_size, rt, unit="pairs"))
             log(f"dpo: {chat_template_line(tok)}")
             if cfg.lora.rank > 0:
                 lo = cfg.lora

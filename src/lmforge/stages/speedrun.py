@@ -149,6 +149,7 @@ def speedrun_stage(cfg: Config, out: str | Path, resume: bool = False, progress:
         "val_tokens": res["tokens"],
         "val_bytes": res["bytes"],
         "final_train_loss": last.get("loss"),
+        "pretrain_health": (last.get("health") or {}).get("verdict", "-"),
         "checkpoint": str(ckpt_path),
         "loss_plot": str(plot) if plot else None,
         "samples": samples,
@@ -172,6 +173,8 @@ def format_summary(s: dict) -> str:
         ("held-out bits per byte", f"{s['val_bits_per_byte']:.4f}"),
         ("xz -9e bits per byte (same text)", f"{s['xz_bits_per_byte']:.4f}"),
         *sft_rows(s),
+        ("training health (lmforge.train.health)", f"pretrain: {s.get('pretrain_health', '-')}; "
+                                                    f"sft: {s.get('sft_health', '-')}"),
         ("loss curve", s["loss_plot"] or "-"),
         ("checkpoint", s["checkpoint"]),
     ]
@@ -229,6 +232,7 @@ def sft_speedrun(cfg: Config, out: Path, init: Path, runtime: Runtime, resume: b
         "sft_doctest_passed": parse["doctests"]["passed"],
         "sft_doctest_n": parse["doctests"]["n"],
         "sft_checkpoint": str(ckpt_path),
+        "sft_health": (last.get("health") or {}).get("verdict", "-"),
     }
 
 

@@ -27,6 +27,7 @@ import json
 import math
 import random
 import signal
+import sys
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -47,6 +48,7 @@ from lmforge.model.io import (MODEL_FILE, OPTIMIZER_FILE, RNG_FILE, STEP_RE, is_
 from lmforge.runtime import Runtime, training_runtime
 from lmforge.train import checkpoint as ckpt
 from lmforge.train.distributed import DistInfo, all_reduce_sum, gather_to_main, wrap_model
+from lmforge.train.health import UPDATE_RATIO_EVERY, HealthMonitor, verdict_line
 from lmforge.train.optim import build_optimizer
 from lmforge.train.resume import check_optimizer_state, check_resume_config, check_rng_state
 from lmforge.train.schedule import lr_at
@@ -123,6 +125,7 @@ class Trainer:
         self.elapsed = 0.0
         self._stop_signal: int | None = None
         self._fsdp = self.dist.distributed and is_sharded(self.raw_model)
+        self.health = HealthMonitor(self.cfg.train.steps, self.cfg.train.warmup_steps)
 
     # -- state ------------------------------------------------------------------
     def training_state(self) -> dict:
@@ -199,6 +202,7 @@ class Trainer:
             raise CheckpointError(f"{latest / 'state.json'}: its data position does not fit this run's data "
                                   f"({exc}). Resume from another checkpoint.") from None
         self._truncate_metrics(self.step)
+        self._replay_health()
         if self.dist.is_main:
             self.log(f"resumed from {latest} at step {self.step}")
         return True
@@ -230,6 +234,18 @@ class Trainer:
         if (metrics.exists() or metrics.is_symlink()) and not metrics.is_file():
             raise CheckpointError(f"{metrics} is not a regular file; the run folder is damaged. Restore it or "
                                   f"use another --out.")
+
+    def _replay_health(self) -> None:
+        """The health monitor's state after a resume: the run's rows so far, replayed quietly."""
+        path = self.run_dir / METRICS_FILE
+        if not path.is_file():
+            return
+        for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+            try:
+                row = json.loads(line)
+                self.health.update(row)
+            except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError):
+                continue
 
     def _truncate_metrics(self, step: int) -> None:
         """Keep metrics.jsonl rows up to `step` (the run continues from there); a torn last
@@ -287,6 +303,11 @@ class Trainer:
         if not (math.isfinite(loss) and math.isfinite(float(grad_norm))):
             self.optimizer.zero_grad(set_to_none=True)
             self._non_finite(loss, float(grad_norm))
+        # every UPDATE_RATIO_EVERY steps: |delta W| / |W| of this step, for the health monitor
+        # (a copy of the trainable weights; not for FSDP2's DTensor shards)
+        before = None
+        if (self.step + 1) % UPDATE_RATIO_EVERY == 0 and not self._fsdp:
+            before = [p.detach().clone() for p in self.raw_model.parameters() if p.requires_grad]
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
@@ -295,6 +316,12 @@ class Trainer:
         self.supervised += int(n_global)
         m = {"step": self.step, "loss": loss, "grad_norm": float(grad_norm), "lr": lr,
              "tokens": self.tokens, "supervised": self.supervised, "step_tokens": step_tokens}
+        if before is not None:
+            with torch.no_grad():
+                params = [p.detach() for p in self.raw_model.parameters() if p.requires_grad]
+                delta = sum(float((p.float() - b.float()).pow(2).sum()) for p, b in zip(params, before))
+                norm = sum(float(p.float().pow(2).sum()) for p in params)
+            m["update_ratio"] = math.sqrt(delta) / max(math.sqrt(norm), 1e-30)
         if self.objective.stats:  # per-unit means over every micro-batch and rank
             totals = all_reduce_sum(stat_sums.to(self.device), self.dist).cpu() / max(n_global, 1.0)
             m.update({name: float(v) for name, v in zip(self.objective.stats, totals)})
@@ -345,6 +372,12 @@ class Trainer:
                 if (cfg.eval_every and self.step % cfg.eval_every == 0) or final or out_of_time:
                     m.update(self.validate())
                 del m["step_tokens"]
+                warnings = self.health.update(m)
+                if warnings:
+                    m["health"] = [w.as_dict() for w in warnings]
+                    if self.dist.is_main:
+                        for w in warnings:
+                            tqdm.write(w.line(), file=sys.stderr)
                 last = m
                 if metrics_file:
                     metrics_file.write(json.dumps(m) + "\n")
@@ -373,6 +406,9 @@ class Trainer:
                 metrics_file.close()
             self._restore_signal_handlers(old_handlers)
         last["steps_run"] = self.step - start_step
+        last["health"] = self.health.verdict()
+        if self.dist.is_main and last["steps_run"]:
+            self.log(verdict_line(last["health"]))
         return last
 
     def _agree_to_stop(self, out_of_time: bool) -> tuple[bool, bool]:

@@ -1,0 +1,180 @@
+"""Training health: one-line warnings while a run goes wrong, and a verdict at its end.
+
+`HealthMonitor.update(row)` reads each step's metrics row (`step`, `loss`, `grad_norm`, `lr`,
+`tokens_per_s`, and `update_ratio` on the steps that measure it) and returns the warnings that
+step raises. Each detector compares the step with the recent past of the run itself — a
+running median and a robust spread (the median absolute deviation, MAD, scaled by 1.4826 to a
+standard deviation for normal noise) over the last `WINDOW` steps — so it adapts to the run's
+own noise instead of fixed thresholds:
+
+    loss_spike       loss > median + 6 spreads and > 1.1 x median (over the last WINDOW steps)
+    grad_norm_spike  grad_norm > median + 6 spreads and > 3 x median
+    loss_rising      the mean loss of the last third of the last 3 x WINDOW steps is 3% above
+                     that of the first third (after warm-up)
+    loss_stalled     the three thirds' means lie within 0.1% of each other while the learning rate is still above half its
+                     peak (the run has not begun its decay, so it is expected to learn)
+    lr_band          the peak learning rate (at the end of warm-up) outside [1e-6, 3e-2]
+    update_ratio     |delta W| / |W| of one optimizer step outside [1e-5, 3e-2] (the usual band
+                     is around 1e-3: A. Karpathy, "A Recipe for Training Neural Networks", 2019;
+                     measured by the trainer every `UPDATE_RATIO_EVERY` steps)
+    slow_steps       the median tokens per second of the last 5 steps below half the running
+                     median (a sustained slowdown, not one late step)
+
+A detector that fired stays quiet for `COOLDOWN` steps (the same trouble is one line, not a
+hundred). A non-finite loss is not a warning: the trainer stops before such a step.
+Warnings go to the progress output (one line each) and into that step's row of
+metrics.jsonl (`health`: a list of {kind, step, figure, message}); `verdict()` is the
+summary of the run: "healthy" or the warnings' count per kind. The monitor's state is the
+rows it has seen, so `--resume` rebuilds it by replaying metrics.jsonl (quietly).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import Counter, deque
+from dataclasses import dataclass
+
+WINDOW = 50
+COOLDOWN = 50
+UPDATE_RATIO_EVERY = 25
+SLOW_RUN = 5
+LR_BAND = (1e-6, 3e-2)
+UPDATE_BAND = (1e-5, 3e-2)
+MAD_TO_SIGMA = 1.4826
+
+CAUSES = {
+    "loss_spike": "usually a learning rate too high for this batch, a bad batch (a long repeated stretch, "
+                  "binary data), or gradient clipping off",
+    "grad_norm_spike": "usually a learning rate too high, an outlier batch, or train.grad_clip = 0",
+    "loss_rising": "usually divergence (learning rate too high, or warm-up too short), or data whose "
+                   "distribution changes along the run",
+    "loss_stalled": "usually a learning rate far too low, frozen weights, or labels that carry no signal "
+                    "(a loss mask that selects nothing useful)",
+    "lr_band": "the usual peak learning rates of AdamW / Muon lie between 1e-4 and 1e-2; check train.lr "
+               "(sft.lr, dpo.lr)",
+    "update_ratio": "|update| / |weights| of one step is usually near 1e-3; far above, the learning rate is "
+                    "too high; far below, too low (or the weights barely train)",
+    "slow_steps": "usually another process on the same cores, memory swapping, or thermal throttling",
+}
+
+
+@dataclass
+class HealthWarning:
+    kind: str
+    step: int
+    figure: float
+    message: str
+
+    def as_dict(self) -> dict:
+        return {"kind": self.kind, "step": self.step, "figure": self.figure, "message": self.message}
+
+    def line(self) -> str:
+        return f"health: step {self.step}: {self.message} ({CAUSES[self.kind]})"
+
+
+def _median_spread(values) -> tuple[float, float]:
+    med = statistics.median(values)
+    mad = statistics.median(abs(v - med) for v in values)
+    return med, MAD_TO_SIGMA * mad
+
+
+class HealthMonitor:
+    """The detectors of the module docstring over a run of `total_steps` steps whose warm-up is
+    `warmup_steps`; `update(row)` after each step."""
+
+    def __init__(self, total_steps: int, warmup_steps: int = 0):
+        self.total_steps, self.warmup_steps = total_steps, warmup_steps
+        self.loss: deque[float] = deque(maxlen=3 * WINDOW)
+        self.grad: deque[float] = deque(maxlen=WINDOW)
+        self.speed: deque[float] = deque(maxlen=WINDOW)
+        self.last_fired: dict[str, int] = {}
+        self.warnings: list[HealthWarning] = []
+        self.peak_lr = 0.0
+        self.lr_checked = False
+
+    def _fire(self, kind: str, step: int, figure: float, message: str, out: list[HealthWarning]) -> None:
+        if step - self.last_fired.get(kind, -10**9) < COOLDOWN:
+            return
+        self.last_fired[kind] = step
+        w = HealthWarning(kind, step, float(figure), message)
+        self.warnings.append(w)
+        out.append(w)
+
+    def update(self, row: dict) -> list[HealthWarning]:
+        """The warnings of one step's metrics row (see the module docstring)."""
+        out: list[HealthWarning] = []
+        step, loss, grad, lr = int(row["step"]), float(row["loss"]), float(row["grad_norm"]), float(row["lr"])
+        if not (math.isfinite(loss) and math.isfinite(grad)):
+            return out
+        self.peak_lr = max(self.peak_lr, lr)
+        if len(self.loss) >= WINDOW // 2:
+            recent = list(self.loss)[-WINDOW:]
+            med, spread = _median_spread(recent)
+            if loss > med + 6 * spread and loss > 1.1 * med:
+                self._fire("loss_spike", step, loss, f"loss {loss:.4g} against a running median of {med:.4g} "
+                           f"(spread {spread:.2g}) over the last {len(recent)} steps", out)
+        if len(self.grad) >= WINDOW // 2:
+            med, spread = _median_spread(self.grad)
+            if grad > med + 6 * spread and grad > 3 * med:
+                self._fire("grad_norm_spike", step, grad, f"gradient norm {grad:.4g} against a running median of "
+                           f"{med:.4g} over the last {len(self.grad)} steps", out)
+        self.loss.append(loss)
+        self.grad.append(grad)
+        if step > self.warmup_steps and len(self.loss) == self.loss.maxlen:
+            third = self.loss.maxlen // 3
+            first = statistics.fmean(list(self.loss)[:third])
+            middle = statistics.fmean(list(self.loss)[third:-third])
+            last = statistics.fmean(list(self.loss)[-third:])
+            if last > 1.03 * first:
+                self._fire("loss_rising", step, last / first, f"the mean loss of the last {third} steps is "
+                           f"{last / first - 1:.1%} above that of the {third} before the {third} before them "
+                           f"({first:.4g} -> {last:.4g})", out)
+            elif max(first, middle, last) - min(first, middle, last) < 1e-3 * abs(first) \
+                    and lr > 0.5 * self.peak_lr > 0:
+                self._fire("loss_stalled", step, last / first, f"the mean loss moved by {last / first - 1:+.2%} over "
+                           f"the last {self.loss.maxlen} steps at learning rate {lr:.3g}", out)
+        if not self.lr_checked and step >= max(self.warmup_steps, 1):
+            self.lr_checked = True
+            low, high = LR_BAND
+            if not low <= self.peak_lr <= high:
+                self._fire("lr_band", step, self.peak_lr, f"the peak learning rate {self.peak_lr:.3g} is outside "
+                           f"[{low:g}, {high:g}]", out)
+        ratio = row.get("update_ratio")
+        if ratio is not None and math.isfinite(ratio) and step > self.warmup_steps:
+            low, high = UPDATE_BAND
+            if not low <= ratio <= high:
+                self._fire("update_ratio", step, ratio, f"|update| / |weights| = {ratio:.3g}, outside [{low:g}, "
+                           f"{high:g}]", out)
+        speed = row.get("tokens_per_s")
+        if speed is not None and math.isfinite(speed) and speed > 0:
+            self.speed.append(speed)
+            if len(self.speed) >= WINDOW // 2:  # a sustained slowdown: the last SLOW_RUN steps' median
+                med, now = statistics.median(self.speed), statistics.median(list(self.speed)[-SLOW_RUN:])
+                if now < 0.5 * med:
+                    self._fire("slow_steps", step, now, f"{now:,.0f} tokens/s over the last {SLOW_RUN} steps against "
+                               f"a running median of {med:,.0f}", out)
+        return out
+
+    def verdict(self) -> dict:
+        """{"verdict": "healthy" | "N warnings", "warnings": {kind: count}, "first": [the first of each]}."""
+        if not self.warnings:
+            return {"verdict": "healthy", "warnings": {}}
+        counts = Counter(w.kind for w in self.warnings)
+        first = {}
+        for w in self.warnings:
+            first.setdefault(w.kind, w.as_dict())
+        return {"verdict": f"{len(self.warnings)} warning(s): " + ", ".join(f"{k} x{n}" for k, n in counts.items()),
+                "warnings": dict(counts), "first": list(first.values())}
+
+
+def verdict_line(verdict: dict) -> str:
+    if not verdict.get("warnings"):
+        return "health: healthy (no warning)"
+    lines = [f"health: {verdict['verdict']}"]
+    for w in verdict.get("first", []):
+        lines.append(f"  first {w['kind']} at step {w['step']}: {w['message']}")
+    return "\n".join(lines)
+
+
+__all__ = ["HealthMonitor", "HealthWarning", "verdict_line", "CAUSES", "WINDOW", "COOLDOWN", "UPDATE_RATIO_EVERY"]
