@@ -167,6 +167,9 @@ class TrainConfig:
     log_every: int = 10
     time_limit_s: float = 0.0
     """Stop (with a checkpoint) after this many seconds of training (0 = no limit)."""
+    tensorboard: bool = False
+    """Also write the metrics, the health warnings and the config as TensorBoard events into
+    the run folder's `tensorboard/` (needs the tensorboard package: lmforge[tensorboard])."""
 
 
 @dataclass

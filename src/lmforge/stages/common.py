@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from lmforge.config import CONFIG_FILE, Config
-from lmforge.errors import LmforgeError
+from lmforge.errors import ConfigError, LmforgeError, require_package
 from lmforge.fileio import OutputError, copy_file, make_folder, open_run_dir, output_lock, write_text
 from lmforge.model import Transformer
 from lmforge.model.transformer import check_fits_in_memory
@@ -82,6 +82,8 @@ def training_session(cfg: Config, out: str | Path, command: str, resume: bool, d
     Raises:
         ConfigError: see `init_distributed`, `resolve_backend`.
     """
+    if cfg.train.tensorboard:  # an optional package: refused before any work, not at the first step
+        require_package("tensorboard", "tensorboard", "train.tensorboard = true", ConfigError)
     info = init_distributed(cfg)  # validates the parallel degrees against WORLD_SIZE first
     try:
         # the model's vocab is not resolved yet: the tokenizer's size bounds it from above

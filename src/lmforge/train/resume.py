@@ -152,6 +152,7 @@ RESUME_RULES: tuple[ResumeRule, ...] = (
       "training RNG nor the data position, only the val_loss rows"),
     R("train.eval_tokens", (), "how much validation data is scored (val_loss rows only), as train.eval_every"),
     R("train.log_every", (), "how often the progress bar prints"),
+    R("train.tensorboard", (), "a copy of the metrics as TensorBoard events, not what is computed"),
     R("train.time_limit_s", (), "when to stop with a checkpoint; elapsed_s counts the whole run"),
     R("sft.init", SFT, "the checkpoint fine-tuned; compared as a resolved path by stages/sft.py "
       "(check_same_init), before the model is loaded", _NO_PRE, elsewhere=True),

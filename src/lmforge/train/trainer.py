@@ -40,7 +40,8 @@ from tqdm import tqdm
 from lmforge.config import Config
 from lmforge.contract import CONTRACT_FILE, Contract, check_match
 from lmforge.data.packing import Batch, RowStream
-from lmforge.errors import CheckpointError, LmforgeError, TrainingError, request_stop, stop_requested
+from lmforge.errors import (CheckpointError, LmforgeError, TrainingError, request_stop, require_package,
+                            stop_requested)
 from lmforge.evaluate import batch_loss, evaluate_batches
 from lmforge.fileio import open_append, write_text
 from lmforge.model.io import (MODEL_FILE, OPTIMIZER_FILE, RNG_FILE, STEP_RE, is_sharded, latest_checkpoint,
@@ -354,6 +355,7 @@ class Trainer:
             ckpt.remove_unfinished(self.run_dir)  # a killed write's leftovers (this process holds the run's lock)
         self._truncate_metrics(self.step)  # rows past the checkpoint we start from (a killed run's) go
         metrics_file = open_append(self.run_dir / METRICS_FILE) if self.dist.is_main else None
+        board = self._tensorboard() if self.dist.is_main else None
         old_handlers = self._install_signal_handlers()
         bar = tqdm(total=cfg.steps, initial=self.step, desc="train", unit="step",
                    disable=not (self.progress and self.dist.is_main), mininterval=1.0, dynamic_ncols=True)
@@ -382,6 +384,8 @@ class Trainer:
                 if metrics_file:
                     metrics_file.write(json.dumps(m) + "\n")
                     metrics_file.flush()
+                if board is not None:
+                    board.write(m)
                 bar.update(1)
                 if self.step % cfg.log_every == 0 or final:
                     bar.set_postfix(loss=f"{m['loss']:.3f}", lr=f"{m['lr']:.2e}",
@@ -404,12 +408,24 @@ class Trainer:
             bar.close()
             if metrics_file:
                 metrics_file.close()
+            if board is not None:
+                board.close()
             self._restore_signal_handlers(old_handlers)
         last["steps_run"] = self.step - start_step
         last["health"] = self.health.verdict()
         if self.dist.is_main and last["steps_run"]:
             self.log(verdict_line(last["health"]))
         return last
+
+    def _tensorboard(self) -> "TensorBoard | None":
+        if not self.cfg.train.tensorboard:
+            return None
+        board = TensorBoard(self.run_dir / TENSORBOARD_DIR, purge_step=self.step + 1 if self.step else None)
+        board.text("config", "```\n" + self.cfg.to_toml() + "```")
+        plan = self.run_dir / "plan.json"
+        if plan.is_file():
+            board.text("plan", "```\n" + plan.read_text(encoding="utf-8", errors="replace") + "\n```")
+        return board
 
     def _agree_to_stop(self, out_of_time: bool) -> tuple[bool, bool]:
         """(out of time, signalled) as every rank sees it: a signal or a clock on one rank
@@ -436,10 +452,46 @@ class Trainer:
             signal.signal(s, h)
 
 
+TENSORBOARD_DIR = "tensorboard"
+
+
+class TensorBoard:
+    """`train.tensorboard`: every number of each metrics.jsonl row as a scalar (same names),
+    health warnings as text, through torch.utils.tensorboard's SummaryWriter. metrics.jsonl
+    stays the record that needs nothing installed; this is a copy for TensorBoard's viewer.
+    `purge_step` (a resumed run): events at or after it from an earlier, interrupted run are
+    dropped by TensorBoard.
+
+    Raises:
+        LmforgeError: the tensorboard package is not installed (naming the pip command).
+    """
+
+    def __init__(self, folder: Path, purge_step: int | None = None):
+        require_package("tensorboard", "tensorboard", "train.tensorboard = true")
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(log_dir=str(folder), purge_step=purge_step)
+
+    def text(self, tag: str, text: str, step: int = 0) -> None:
+        self.writer.add_text(tag, text, step)
+
+    def write(self, row: dict) -> None:
+        step = int(row["step"])
+        for key, value in row.items():
+            if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool) and value is not None:
+                self.writer.add_scalar(key, value, step)
+        for w in row.get("health", ()):
+            self.writer.add_text("health", f"step {w['step']}: {w['kind']}: {w['message']}", step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
 def threading_main() -> bool:
     import threading
 
     return threading.current_thread() is threading.main_thread()
 
 
-__all__ = ["Trainer", "seed_everything", "METRICS_FILE"]
+__all__ = ["Trainer", "TokenObjective", "TensorBoard", "seed_everything", "METRICS_FILE", "TENSORBOARD_DIR"]
