@@ -160,43 +160,49 @@ def reverse(direction: str) -> str:
 def mutate(examples: list[FunctionExample], seed: int, stats: PairStats, split: str, per_function: int = 1
            ) -> list[dict]:
     """Pair records of the examples that have a site (module docstring), balanced over (kind,
-    direction), in the examples' order: up to `per_function` pairs per example, each of
-    another kind (held-out sets take one per kind, to have more pairs to score)."""
+    direction), in the examples' order: up to `per_function` pairs per example, each another
+    mutation of it (held-out sets take several, to have more pairs to score)."""
     rng = random.Random(f"{seed}:{split}")
     order = list(range(len(examples)))
     rng.shuffle(order)
-    chosen: dict[int, list[tuple[str, str]]] = {}
+    chosen: dict[int, list[tuple[tuple[str, str], str]]] = {}
     dirs = stats.directions[split]
+    options: dict[int, dict[tuple[str, str], list[str]]] = {}
     for i in order:
         ex = examples[i]
-        options: dict[tuple[str, str], list[str]] = {}
+        found: dict[tuple[str, str], list[str]] = {}
         for edit in body_edits(ex):
             body = apply_edit(ex, edit)
-            if body is not None:
-                options.setdefault((edit[0], edit[1]), []).append(body)
-        if not options:
+            if body is not None and body not in found.get((edit[0], edit[1]), []):
+                found.setdefault((edit[0], edit[1]), []).append(body)
+        if found:
+            options[i] = found
+        else:
             stats.no_site += 1
-            continue
-        picked: list[tuple[str, str]] = []
-        while len(picked) < per_function:
+    # passes over the functions: one pair each per pass, so that a later function's mutation
+    # can balance an earlier one's in the next pass
+    for _ in range(per_function):
+        for i in order:
+            if i not in options:
+                continue
+            picked = chosen.setdefault(i, [])
+            used = set(picked)
+            candidates = [(k, b) for k, bodies in options[i].items() for b in bodies if (k, b) not in used]
             # a direction may not get ahead of its reverse (symmetry); among the rest, the rarest
             # option so far (kind first, then direction), ties broken at random
-            used = {k for k, _ in picked}
-            allowed = [k for k in options if k[0] not in used and dirs[k] <= dirs[(k[0], reverse(k[1]))]]
+            allowed = [(k, b) for k, b in candidates if dirs[k] <= dirs[(k[0], reverse(k[1]))]]
             if not allowed:
-                break
-            kind, direction = min(allowed, key=lambda k: (stats.kinds[split][k[0]], dirs[k], rng.random()))
+                continue
+            (kind, direction), body = min(allowed, key=lambda kb: (stats.kinds[split][kb[0][0]], dirs[kb[0]],
+                                                                   rng.random()))
             stats.kinds[split][kind] += 1
             dirs[(kind, direction)] += 1
-            picked.append((kind, rng.choice(options[(kind, direction)])))
-        if not picked:
-            stats.unbalanced += 1
-            continue
-        chosen[i] = picked
+            picked.append(((kind, direction), body))
+    stats.unbalanced += sum(1 for i in options if not chosen.get(i))
     records = []
     for i, ex in enumerate(examples):
         conv = ex.conversation()
-        for kind, body in chosen.get(i, ()):
+        for (kind, _), body in chosen.get(i, ()):
             records.append({"prompt": [dict(conv.messages[0])], "chosen": [dict(conv.messages[1])],
                             "rejected": [{"role": "assistant", "content": body}], "mutation": kind,
                             "name": f"{ex.module}:{ex.qualname}"})
@@ -210,12 +216,13 @@ def stdlib_preference_pairs(val_fraction: float, seed: int = 0, max_train: int =
     """The default preference set, {"train": [...], "val": [...]}, as explicit conversational
     records `{"prompt": [user], "chosen": [assistant], "rejected": [assistant], "mutation": kind,
     "name": "module:qualname"}` (`lmforge.data.preferences.pair_from_record` reads them).
-    One pair per training function; a held-out function gives one pair per kind it allows.
+    One pair per training function; a held-out function gives up to 8 (other sites or kinds,
+    balance permitting).
     Deterministic for `seed`; the functions and split are `stdlib_examples(val_fraction,
     max_chars, max_train, include_tests)`'s, SFT's. `documents` replaces the library (tests)."""
     stats = stats if stats is not None else PairStats()
     functions = stdlib_examples(val_fraction, max_chars, max_train, include_tests, stats.functions, documents)
-    return {split: mutate(exs, seed, stats, split, per_function=1 if split == "train" else len(KINDS))
+    return {split: mutate(exs, seed, stats, split, per_function=1 if split == "train" else 8)
             for split, exs in functions.items()}
 
 

@@ -4,6 +4,7 @@ SFT both use, the start-up report, and loading a checkpoint for inference."""
 from __future__ import annotations
 
 import contextlib
+import json
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -21,6 +22,7 @@ from lmforge.model.io import CONTRACT_FILES, list_checkpoints
 from lmforge.runtime import Runtime, training_runtime
 from lmforge.tokenizer import Tokenizer
 from lmforge.train.distributed import DistInfo, all_reduce_sum, barrier, init_distributed, shutdown
+from lmforge.train.plan import PLAN_FILE, make_plan, plan_lines
 from lmforge.train.trainer import TokenObjective, Trainer, seed_everything
 
 
@@ -139,23 +141,31 @@ def run_training(session: TrainingSession, contract_dir: Path, model: Transforme
     the loss (default: the token loss of pretraining and SFT; DPO's for `dpo`)."""
     cfg, out, info = session.cfg, session.out, session.info
     objective = objective or TokenObjective()
+    rows = 2 if objective.unit == "pair" else 1
     if dry_run:
-        return dry_run_step(model, stream, session.runtime, objective)
+        return dry_run_step(model, stream, session.runtime, objective, cfg, info, rows)
     trainer = Trainer(cfg, out, Path(contract_dir), model, stream, val_batches, info, progress, log,
                       runtime=session.runtime, objective=objective)
     # before any write: a refused --resume leaves the run folder as it was
     if resume and not trainer.resume(session.command):
         log(f"--resume: no checkpoint in {out} yet; starting from step 0")
+    plan = make_plan(trainer, rows_per_sample=rows)
     if info.is_main:
+        log(plan_lines(plan))
         copy_contract_files(Path(contract_dir), out)
         write_text(out / CONFIG_FILE, cfg.to_toml(), skip_same=True)
+        write_text(out / PLAN_FILE, json.dumps(plan, indent=2) + "\n", skip_same=True)
         for name, text in (side_files or {}).items():
             write_text(out / name, text, skip_same=True)
     return trainer.fit()
 
 
-def dry_run_step(model: Transformer, stream, runtime: Runtime, objective: TokenObjective | None = None) -> dict:
-    """One forward and backward pass on one micro-batch; nothing written."""
+def dry_run_step(model: Transformer, stream, runtime: Runtime, objective: TokenObjective | None = None,
+                 cfg: Config | None = None, info: DistInfo | None = None, rows_per_sample: int = 1,
+                 steps: int = 3) -> dict:
+    """The dry run: one micro-batch forward and backward (its loss reported), then, with `cfg`,
+    the plan with measured figures (`lmforge.train.plan`: 1 + `steps` real optimizer steps on
+    this model, which is thrown away after). Nothing is written."""
     objective = objective or TokenObjective()
     model.to(runtime.device).train()
     b = stream.next_batch().to(runtime.device)
@@ -164,8 +174,16 @@ def dry_run_step(model: Transformer, stream, runtime: Runtime, objective: TokenO
     n = max(1, objective.count(b))
     (total / n).backward()
     loss = float(total.detach()) / n
+    model.zero_grad(set_to_none=True)
+    out = {"loss": loss, "dry_run": True}
+    if cfg is not None:
+        trainer = Trainer(cfg, Path("."), Path("."), model, stream, None, info or DistInfo(), False, log,
+                          runtime=runtime, objective=objective)
+        out["plan"] = make_plan(trainer, measure=True, steps=steps, rows_per_sample=rows_per_sample)
+        if (info or DistInfo()).is_main:
+            log(plan_lines(out["plan"]))
     log(f"dry run: one micro-batch forward and backward, loss {loss:.4f} nats/{objective.unit}; all checks passed")
-    return {"loss": loss, "dry_run": True}
+    return out
 
 
 __all__ = ["log", "TrainingSession", "training_session", "run_training", "dry_run_step", "startup_report",
