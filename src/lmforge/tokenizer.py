@@ -125,7 +125,7 @@ def train_tokenizer(
     out_dir: str | Path,
     special_tokens: Sequence[str] | None = None,
     show_progress: bool = True,
-    extra_files: dict[str, str] | None = None,
+    extra_files: dict | None = None,
 ) -> "Tokenizer":
     """Train byte-level BPE on `texts` and save tokenizer, config and contract to `out_dir`.
 
@@ -183,7 +183,7 @@ TOKENIZER_OUTPUT = "tokenizer"
 
 
 def save_tokenizer(tok: HFTokenizer, out_dir: str | Path, spellings: dict[str, str | None] | None = None,
-                   extra_config: dict | None = None, extra_files: dict[str, str] | None = None,
+                   extra_config: dict | None = None, extra_files: dict | None = None,
                    chat_template: str = CHAT_TEMPLATE, add_bos: bool = True) -> "Tokenizer":
     """Save an HF tokenizer with lmforge's config and a fresh contract, atomically.
 
@@ -194,7 +194,8 @@ def save_tokenizer(tok: HFTokenizer, out_dir: str | Path, spellings: dict[str, s
             which is where `Tokenizer.load` reads them back.
         extra_config: tokenizer_config.json keys to add or override (an imported tokenizer's
             unk_token and add_prefix_space).
-        extra_files: {file name: text} written into the folder too (the stage's config.toml).
+        extra_files: {file name: text, or a function of the (temporary) folder returning it}
+            written into the folder too (the stage's config.toml, the tokenizer report).
         chat_template: the contract's (and tokenizer_config.json's) template: lmforge's ChatML,
             or an imported model's own.
         add_bos: the contract's `add_bos` (documents start with the BOS).
@@ -208,6 +209,8 @@ def save_tokenizer(tok: HFTokenizer, out_dir: str | Path, spellings: dict[str, s
     with atomic_dir(out, TOKENIZER_OUTPUT, what="the tokenizer stage") as tmp:
         _save_into(tok, tmp, spellings, extra_config or {}, chat_template, add_bos)
         for name, text in (extra_files or {}).items():
+            if callable(text):  # computed from the saved tokenizer (a report), before the folder moves in
+                text = text(tmp)
             (tmp / name).write_text(text, encoding="utf-8")
     return Tokenizer.load(out)
 
@@ -669,7 +672,8 @@ def _foreign_config(src: Path) -> dict:
 
 
 def import_tokenizer(src_dir: str | Path, out_dir: str | Path,
-                     log: Callable[[str], None] | None = None, eos_token: str = "") -> "Tokenizer":
+                     log: Callable[[str], None] | None = None, eos_token: str = "",
+                     extra_files: dict | None = None) -> "Tokenizer":
     """Bring your own tokenizer: derive lmforge's contract from a Hugging Face tokenizer folder.
 
     `src_dir` holds `tokenizer.json` and `tokenizer_config.json` as `transformers`'
@@ -835,7 +839,7 @@ def import_tokenizer(src_dir: str | Path, out_dir: str | Path,
         extra.update({k: v for k, v in _template_vars(config).items() if k in ("bos_token", "eos_token")})
         extra["add_bos_token"] = add_bos
         extra["additional_special_tokens"] = None
-    return save_tokenizer(hf, out, spell, extra, chat_template=template, add_bos=add_bos)
+    return save_tokenizer(hf, out, spell, extra, extra_files=extra_files, chat_template=template, add_bos=add_bos)
 
 
 #: eos_token spellings that end a chat turn rather than a document (SmolLM2, Qwen2.5-Instruct:

@@ -3,14 +3,19 @@
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import replace
 from pathlib import Path
 
 from lmforge.config import CONFIG_FILE, Config
+from lmforge.data.reports import report_lines, sample, tokenizer_report
 from lmforge.data.sources import SourceStats, iter_documents
+from lmforge.errors import LmforgeError
 from lmforge.stages.common import log
 from lmforge.tokenizer import Tokenizer, import_tokenizer, train_tokenizer
+
+REPORT_FILE = "report.json"
 
 
 def train_tokenizer_stage(cfg: Config, out: str | Path | None = None, progress: bool = True) -> Tokenizer:
@@ -33,8 +38,9 @@ def train_tokenizer_stage(cfg: Config, out: str | Path | None = None, progress: 
                 return
 
     t0 = time.perf_counter()
+    report: dict = {}
     tok = train_tokenizer(texts(), cfg.tokenizer.vocab_size, out, show_progress=progress,
-                          extra_files={CONFIG_FILE: cfg.to_toml()})
+                          extra_files={CONFIG_FILE: cfg.to_toml(), REPORT_FILE: _report(cfg, report)})
     if tok.vocab_size != cfg.tokenizer.vocab_size:
         log(f"note: tokenizer.vocab_size = {cfg.tokenizer.vocab_size} asked, but the corpus has merges for only "
             f"{tok.vocab_size} tokens; {out / CONFIG_FILE} records {tok.vocab_size}. Use more text for a larger "
@@ -44,13 +50,38 @@ def train_tokenizer_stage(cfg: Config, out: str | Path | None = None, progress: 
     log(f"tokenizer: {tok.vocab_size} tokens (model vocab {tok.contract.model_vocab_size}) trained on "
         f"{stats.documents} documents in {time.perf_counter() - t0:.1f}s -> {out}"
         + (f" ({stats.bad_utf8} non-UTF-8 files skipped)" if stats.bad_utf8 else ""))
+    log(report_lines(report))
     return tok
+
+
+def _report(cfg: Config, into: dict):
+    """report.json's text, computed on the saved (temporary) tokenizer folder: the tokenizer
+    report (lmforge.data.reports) on samples of data.source's splits; `into` receives it."""
+
+    def make(folder: Path) -> str:
+        d = cfg.data
+        tok = Tokenizer.load(folder)
+        texts: dict[str, list[str]] = {}
+        try:
+            for split in ("train", "val"):
+                texts[split] = sample(doc.text for doc in iter_documents(d.source, split, d.val_fraction,
+                                                                         d.include_tests, "skip", SourceStats()))
+        except LmforgeError as exc:  # an imported tokenizer with no readable data.source: the vocabulary alone
+            texts = {}
+            into["text_unavailable"] = str(exc)
+        into.update(tokenizer_report(tok, texts))
+        return json.dumps(into, indent=2, ensure_ascii=False) + "\n"
+
+    return make
 
 
 def import_tokenizer_stage(cfg: Config, src: str | Path, out: str | Path | None = None) -> Tokenizer:
     """Derive lmforge's contract from a Hugging Face tokenizer folder into `out` (or tokenizer.dir)."""
     out = Path(out or cfg.tokenizer.dir)
-    tok = import_tokenizer(src, out, log=lambda m: log(f"import-tokenizer: {m}"), eos_token=cfg.tokenizer.eos_token)
+    report: dict = {}
+    tok = import_tokenizer(src, out, log=lambda m: log(f"import-tokenizer: {m}"), eos_token=cfg.tokenizer.eos_token,
+                           extra_files={REPORT_FILE: _report(cfg, report)})
     log(f"import-tokenizer: {tok.vocab_size} tokens (model vocab {tok.contract.model_vocab_size}), special ids "
         + ", ".join(f"{k}={v} {tok.spellings[k]!r}" for k, v in tok.contract.special_tokens.items()) + f" -> {out}")
+    log(report_lines(report))
     return tok
