@@ -139,3 +139,150 @@ def report_lines(report: dict) -> str:
 
 
 __all__ = ["tokenizer_report", "report_lines", "line_kind", "sample", "KINDS", "SAMPLE_BYTES"]
+
+
+# -- the data report (prepare) -----------------------------------------------------------------
+#: MinHash over token 5-grams: 64 hash functions, LSH with 16 bands of 4 (a pair of Jaccard
+#: similarity s becomes a candidate with probability 1 - (1 - s^4)^16: 0.99 at s = 0.8, 0.05 at
+#: s = 0.3); a candidate is a near-duplicate when its signatures agree on >= 80% of the hashes
+#: (Broder 1997; Leskovec, Rajaraman & Ullman, Mining of Massive Datasets, ch. 3).
+SHINGLE = 5
+N_HASHES = 64
+BANDS = 16
+NEAR = 0.8
+EXAMPLES = 5
+
+
+class DataReport:
+    """Collects, document by document, what `prepare`'s report.json holds (see `finish`):
+    lengths, bytes, names, exact duplicates and MinHash signatures (64 uint32 per document, so
+    memory grows by ~0.3 KB a document whatever its length)."""
+
+    def __init__(self, seed: int = 0):
+        import numpy as np
+
+        rng = np.random.default_rng(seed)
+        self._np = np
+        self.mul = rng.integers(1, 2**63, size=SHINGLE, dtype=np.uint64) | np.uint64(1)
+        self.a = rng.integers(1, 2**63, size=N_HASHES, dtype=np.uint64) | np.uint64(1)
+        self.b = rng.integers(0, 2**63, size=N_HASHES, dtype=np.uint64)
+        self.names: list[str] = []
+        self.splits: list[str] = []
+        self.lengths: list[int] = []
+        self.nbytes: list[int] = []
+        self.signatures: list = []
+        self.exact: list[tuple[str, str]] = []  # (kept, dropped) names
+
+    def signature(self, ids):
+        """64 uint32 MinHash values of the document's token 5-grams (a short document: its one n-gram)."""
+        np = self._np
+        ids = np.asarray(ids, dtype=np.uint64)
+        if len(ids) < SHINGLE:
+            ids = np.concatenate([ids, np.zeros(SHINGLE - len(ids), dtype=np.uint64)])
+        grams = np.lib.stride_tricks.sliding_window_view(ids, SHINGLE)
+        with np.errstate(over="ignore"):
+            shingles = (grams * self.mul).sum(axis=1, dtype=np.uint64)
+            sig = np.full(N_HASHES, np.iinfo(np.uint64).max, dtype=np.uint64)
+            for start in range(0, len(shingles), 4096):  # bounded temporaries for long documents
+                block = shingles[start: start + 4096, None] * self.a + self.b
+                sig = np.minimum(sig, block.min(axis=0))
+        return (sig >> np.uint64(32)).astype(np.uint32)
+
+    def add(self, name: str, split: str, ids, n_tokens: int, nbytes: int) -> None:
+        """One document: its text's token ids (for the signature), its tokens as stored (with
+        BOS/EOS: what `seq_len` is compared with) and its UTF-8 bytes."""
+        self.names.append(name)
+        self.splits.append(split)
+        self.lengths.append(n_tokens)
+        self.nbytes.append(nbytes)
+        self.signatures.append(self.signature(ids))
+
+    def duplicate(self, kept: str, dropped: str) -> None:
+        self.exact.append((kept, dropped))
+
+    def near_duplicates(self) -> list[tuple[int, int, float]]:
+        """(i, j, estimated Jaccard) of every candidate pair at or above NEAR."""
+        np = self._np
+        if not self.signatures:
+            return []
+        sigs = np.stack(self.signatures)
+        rows = N_HASHES // BANDS
+        pairs: set[tuple[int, int]] = set()
+        for band in range(BANDS):
+            buckets: dict[bytes, list[int]] = {}
+            part = np.ascontiguousarray(sigs[:, band * rows: (band + 1) * rows])
+            for i in range(len(part)):
+                buckets.setdefault(part[i].tobytes(), []).append(i)
+            for members in buckets.values():
+                if 1 < len(members) <= 1000:  # a bucket of 1000+ look-alikes: counted by its first
+                    first = members[0]
+                    pairs.update((first, j) for j in members[1:])
+        out = []
+        for i, j in sorted(pairs):
+            sim = float((sigs[i] == sigs[j]).mean())
+            if sim >= NEAR:
+                out.append((i, j, sim))
+        return out
+
+    def finish(self, seq_len: int) -> dict:
+        """The report: per split documents, tokens, bytes per token, length quartiles (tokens)
+        and the share of tokens in documents longer than `seq_len`; exact duplicates (dropped by
+        prepare) and near-duplicates within train, within val and between them (counts and up
+        to 5 example name pairs); the 10 largest documents."""
+        np = self._np
+        report: dict = {"seq_len": seq_len, "splits": {}}
+        lengths = np.asarray(self.lengths, dtype=np.int64)
+        splits = np.asarray(self.splits)
+        for split in ("train", "val"):
+            sel = splits == split
+            n = lengths[sel]
+            if not len(n):
+                continue
+            b = int(np.asarray(self.nbytes)[sel].sum())
+            report["splits"][split] = {
+                "documents": int(sel.sum()), "tokens": int(n.sum()), "bytes": b,
+                "bytes_per_token": round(b / max(int(n.sum()), 1), 4),
+                "length_tokens": {"min": int(n.min()), "q1": float(np.percentile(n, 25)),
+                                  "median": float(np.median(n)), "q3": float(np.percentile(n, 75)),
+                                  "max": int(n.max())},
+                "share_of_tokens_in_documents_longer_than_seq_len": round(float(n[n > seq_len + 1].sum() / n.sum()), 4),
+            }
+        near = self.near_duplicates()
+        groups = {"within_train": [], "within_val": [], "between_train_and_val": []}
+        for i, j, sim in near:
+            si, sj = self.splits[i], self.splits[j]
+            key = "within_" + si if si == sj else "between_train_and_val"
+            groups[key].append((self.names[i], self.names[j], round(sim, 3)))
+        report["exact_duplicates_dropped"] = {"count": len(self.exact),
+                                              "examples": [list(p) for p in self.exact[:EXAMPLES]]}
+        report["near_duplicates"] = {k: {"pairs": len(v), "examples": [list(p) for p in v[:EXAMPLES]]}
+                                     for k, v in groups.items()}
+        report["near_duplicates"]["method"] = (f"MinHash of token {SHINGLE}-grams, {N_HASHES} hashes, LSH "
+                                               f"{BANDS} bands; estimated Jaccard >= {NEAR}")
+        order = np.argsort(-lengths)[:10]
+        report["largest_documents"] = [{"name": self.names[i], "split": self.splits[i], "tokens": int(lengths[i])}
+                                       for i in order]
+        return report
+
+
+def data_report_lines(report: dict) -> str:
+    lines = []
+    for split, m in report["splits"].items():
+        q = m["length_tokens"]
+        lines.append(f"data report: {split}: {m['documents']:,} documents, {m['tokens']:,} tokens, "
+                     f"{m['bytes_per_token']:.2f} bytes/token; length in tokens min {q['min']:,}, quartiles "
+                     f"{q['q1']:,.0f} / {q['median']:,.0f} / {q['q3']:,.0f}, max {q['max']:,}; "
+                     f"{m['share_of_tokens_in_documents_longer_than_seq_len']:.0%} of tokens in documents longer "
+                     f"than seq_len {report['seq_len']}")
+    nd = report["near_duplicates"]
+    lines.append(f"data report: exact duplicates dropped {report['exact_duplicates_dropped']['count']}; near-duplicate "
+                 f"pairs: within train {nd['within_train']['pairs']}, within val {nd['within_val']['pairs']}, "
+                 f"between train and val {nd['between_train_and_val']['pairs']}"
+                 + (f" (e.g. {nd['between_train_and_val']['examples'][0][:2]})"
+                    if nd["between_train_and_val"]["examples"] else ""))
+    big = report["largest_documents"][:3]
+    lines.append("data report: largest documents: " + ", ".join(f"{d['name']} ({d['tokens']:,} tokens)" for d in big))
+    return "\n".join(lines)
+
+
+__all__ += ["DataReport", "data_report_lines"]

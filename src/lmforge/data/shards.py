@@ -28,12 +28,14 @@ from tqdm import tqdm
 
 from lmforge.contract import CONTRACT_FILE, Contract, check_match
 from lmforge.data.fast_encode import batch_encoder
+from lmforge.data.reports import DataReport
 from lmforge.data.sources import SPLITS, SourceStats, iter_documents
 from lmforge.errors import DataError, os_error
 from lmforge.fileio import atomic_dir
 from lmforge.tokenizer import Tokenizer
 
 META_FILE = "meta.json"
+REPORT_FILE = "report.json"
 PREPARE_OUTPUT = "prepare"
 BATCH_DOCS = 64
 
@@ -47,12 +49,15 @@ def prepare(
     on_bad_utf8: str = "skip",
     progress: bool = True,
     extra_files: dict[str, str] | None = None,
+    seq_len: int = 0,
 ) -> dict:
     """Tokenize every document of `source` into `out_dir`/{train,val}.{bin,idx}.
 
     Returns the meta dict written to meta.json: per split `documents`, `tokens`,
     `bytes` (UTF-8 bytes of the documents' text), `max_id`; and `skipped_bad_utf8`.
-    `extra_files` ({name: text}) go into the folder too (the stage's config.toml).
+    `extra_files` ({name: text}) go into the folder too (the stage's config.toml). The data
+    report (`lmforge.data.reports.DataReport`, measured against `seq_len`) goes into the folder as
+    report.json and is returned under "report" (not in meta.json).
     Written through `lmforge.fileio.atomic_dir`: `out_dir` must be absent, empty or an
     earlier prepare's folder, and is replaced only once the new one is complete.
     Raises:
@@ -61,14 +66,14 @@ def prepare(
     """
     out = Path(out_dir)
     with atomic_dir(out, PREPARE_OUTPUT, what="`lmforge prepare`") as tmp:
-        meta = _prepare_into(tmp, source, tokenizer, val_fraction, include_tests, on_bad_utf8, progress)
+        meta = _prepare_into(tmp, source, tokenizer, val_fraction, include_tests, on_bad_utf8, progress, seq_len)
         for name, text in (extra_files or {}).items():
             (tmp / name).write_text(text, encoding="utf-8")
     return meta
 
 
 def _prepare_into(tmp: Path, source: str, tokenizer: Tokenizer, val_fraction: float, include_tests: bool,
-                  on_bad_utf8: str, progress: bool) -> dict:
+                  on_bad_utf8: str, progress: bool, seq_len: int = 0) -> dict:
     contract = tokenizer.contract
     dtype = contract.dtype
     meta: dict = {"source": source, "val_fraction": val_fraction, "splits": {}}
@@ -79,6 +84,7 @@ def _prepare_into(tmp: Path, source: str, tokenizer: Tokenizer, val_fraction: fl
         offsets = {s: [0] for s in SPLITS}
         split_meta = {s: {"documents": 0, "tokens": 0, "bytes": 0, "max_id": -1} for s in SPLITS}
         hashes = {s: [] for s in SPLITS}
+        report = DataReport()
         bar = tqdm(desc="prepare", unit="B", unit_scale=True, disable=not progress, mininterval=1.0)
         batch: list = []
         # tiktoken from the same merges when installed (ids proven identical), else HF tokenizers
@@ -97,19 +103,21 @@ def _prepare_into(tmp: Path, source: str, tokenizer: Tokenizer, val_fraction: fl
                 m["bytes"] += nbytes
                 m["max_id"] = max(m["max_id"], int(arr.max()))
                 hashes[split].append(hashlib.sha256(doc.text.encode("utf-8")).hexdigest()[:32])
+                report.add(doc.name, split, ids, len(arr), nbytes)
                 bar.update(nbytes)
 
         from lmforge.data.sources import split_of
 
         batch_splits: list = []
-        seen: set[bytes] = set()
+        seen: dict[bytes, str] = {}
         duplicates = 0
         for doc in iter_documents(source, None, val_fraction, include_tests, on_bad_utf8, stats):
             digest = hashlib.sha256(doc.text.encode("utf-8")).digest()
             if digest in seen:  # exact duplicates are kept once, so no val text is trained on
                 duplicates += 1
+                report.duplicate(seen[digest], doc.name)
                 continue
-            seen.add(digest)
+            seen[digest] = doc.name
             batch.append(doc)
             batch_splits.append((doc, split_of(doc.key, val_fraction)))
             if len(batch) >= BATCH_DOCS:
@@ -140,11 +148,13 @@ def _prepare_into(tmp: Path, source: str, tokenizer: Tokenizer, val_fraction: fl
         meta["seconds"] = round(time.perf_counter() - t0, 2)
         (tmp / "hashes.json").write_text(json.dumps(hashes), encoding="utf-8")
         (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+        data_report = report.finish(seq_len)
+        (tmp / REPORT_FILE).write_text(json.dumps(data_report, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
         contract.save(tmp)
     finally:
         for f in files.values():
             f.close()
-    return meta
+    return {**meta, "report": data_report}
 
 
 def _read_json(path: Path, kind: type):
