@@ -62,3 +62,55 @@ def test_the_dry_runs_tokens_per_second_and_eta_are_within_15_percent_of_the_run
     real_eta = rows[-1]["elapsed_s"]
     assert dry["tokens_per_second"] == pytest.approx(real, rel=0.15), (dry["tokens_per_second"], real)
     assert dry["time_to_finish_seconds"] == pytest.approx(real_eta, rel=0.15), (dry["time_to_finish_seconds"], real_eta)
+
+
+# -- train.micro_batch_size = "auto" ---------------------------------------------------------------
+def auto_cfg(cfg, global_batch=8, steps=4):
+    from lmforge.config import apply_overrides
+
+    c = apply_overrides(cfg, ["train.micro_batch_size=auto", f"train.global_batch_size={global_batch}",
+                              f"train.steps={steps}", "train.grad_accum_steps=1"])
+    return c.validate()
+
+
+def available_for(cfg, tok, rows):
+    """The available memory at which exactly `rows` rows fit (by the estimate auto uses)."""
+    from lmforge.model.transformer import memory_need
+    from lmforge.train.plan import AUTO_MEMORY_SHARE
+
+    model_cfg = replace(cfg.model, vocab_size=tok.contract.vocab_size)
+    fixed, per_token = memory_need(model_cfg, training=True)
+    return int((fixed + (rows + 0.5) * per_token * cfg.data.seq_len) / AUTO_MEMORY_SHARE)
+
+
+def test_auto_micro_batch_keeps_the_global_batch_and_records_it(tiny_run, tmp_path, monkeypatch, capsys):
+    from lmforge.config import load_config
+    from lmforge.errors import ConfigError
+    from lmforge.stages import common, pretrain_stage
+    from test_resume import sigterm_at
+
+    cfg, tok = tiny_run
+    c = auto_cfg(cfg)
+    assert c.train.micro_batch_size == 0  # "auto", as stored
+    with pytest.raises(ConfigError, match='"auto" needs train.global_batch_size'):
+        load_config(None, ["train.micro_batch_size=auto"])
+    pretrain_stage(c, tmp_path / "ample", progress=False)  # memory to spare: the whole batch in one micro-batch
+    saved = (tmp_path / "ample" / "config.toml").read_text()
+    assert "micro_batch_size = 8" in saved and "grad_accum_steps = 1" in saved
+    assert 'train.micro_batch_size = "auto": 8 rows per micro-batch' in capsys.readouterr().err
+    monkeypatch.setattr(common, "available_memory", lambda device: available_for(cfg, tok, 2))
+    with monkeypatch.context() as m:
+        sigterm_at(m, 2)
+        pretrain_stage(c, tmp_path / "tight", progress=False)
+    saved = (tmp_path / "tight" / "config.toml").read_text()
+    assert "micro_batch_size = 2" in saved and "grad_accum_steps = 4" in saved  # 2 x 4 = the global 8
+    # more memory now, but --resume continues with the run's own numbers
+    monkeypatch.setattr(common, "available_memory", lambda device: available_for(cfg, tok, 8))
+    last = pretrain_stage(c, tmp_path / "tight", resume=True, progress=False)
+    assert last["step"] == 4 and "as in" in capsys.readouterr().err
+    rows = [json.loads(line) for line in (tmp_path / "tight" / "metrics.jsonl").read_text().splitlines()]
+    ample = [json.loads(line) for line in (tmp_path / "ample" / "metrics.jsonl").read_text().splitlines()]
+    # the same rows per step: the losses agree up to the float order of the accumulated sums
+    assert [r["tokens"] for r in rows] == [r["tokens"] for r in ample]
+    for a, b in zip(rows, ample):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4)

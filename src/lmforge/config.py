@@ -113,6 +113,9 @@ class TrainConfig:
     tokenizer must be tokenizer.dir's). Empty: from random weights (train.zero_init)."""
     steps: int = 600
     micro_batch_size: int = 16
+    """Rows per micro-batch; "auto" (stored as 0, AUTO_MICRO_BATCH): the largest that fits this
+    machine's available memory, with train.global_batch_size kept by the accumulation
+    (lmforge.train.plan.auto_micro_batch; the resolved numbers go into the run's config.toml)."""
     grad_accum_steps: int = 1
     lr: float = 3e-3
     min_lr_ratio: float = 0.0
@@ -333,6 +336,9 @@ class Config:
         return self
 
 
+#: train.micro_batch_size = "auto", as stored.
+AUTO_MICRO_BATCH = 0
+
 #: The most optimizer steps any count of steps may name (train.steps, warmup, checkpoint_every, ...):
 #: a hundred million, far beyond any run, so a slipped digit is caught before any work.
 MAX_STEPS = 10**8
@@ -362,7 +368,7 @@ BOUNDS: dict[str, tuple[float, float, bool, bool]] = {
     "model.rope_high_freq_factor": (0.0, 1e6, True, False),  # Llama 3.1: 4
     "model.rope_original_max_seq_len": (1, MAX_SEQ_LEN, False, False),  # Llama 3.1: 8192
     "train.steps": (1, MAX_STEPS, False, False),
-    "train.micro_batch_size": (1, 1 << 20, False, False),
+    "train.micro_batch_size": (0, 1 << 20, False, False),  # 0: "auto"
     "train.grad_accum_steps": (1, 1 << 16, False, False),
     "train.lr": (0.0, 10.0, True, False),
     "train.min_lr_ratio": (0.0, 1.0, False, False),
@@ -465,6 +471,8 @@ def _coerce(section: str, key: str, value: Any, typ: type, where: str) -> Any:
     elif typ is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
+        if name == "train.micro_batch_size" and value == "auto":
+            return AUTO_MICRO_BATCH
     elif typ is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             if not math.isfinite(value):
@@ -658,8 +666,12 @@ def validate(cfg: Config) -> Config:
     if not 0.0 <= d.val_fraction < 1.0:
         raise ConfigError(f"data.val_fraction = {d.val_fraction}: expected 0 <= value < 1.")
     _choice("data.on_bad_utf8", d.on_bad_utf8, ("skip", "error"))
-    for name in ("steps", "micro_batch_size", "grad_accum_steps"):
+    for name in ("steps", "grad_accum_steps"):
         _positive(f"train.{name}", getattr(t, name))
+    _positive("train.micro_batch_size", t.micro_batch_size, allow_zero=True)
+    if t.micro_batch_size == AUTO_MICRO_BATCH and t.global_batch_size == 0:
+        raise ConfigError('train.micro_batch_size = "auto" needs train.global_batch_size (the rows of one optimizer '
+                          'step, over all ranks) to keep: set it, e.g. --set train.global_batch_size=16.')
     _positive("train.lr", t.lr)
     for name in ("warmup_steps", "checkpoint_every", "keep_last", "eval_every", "eval_tokens",
                  "weight_decay", "grad_clip", "time_limit_s", "min_lr_ratio"):
@@ -782,6 +794,11 @@ def validate_parallel(cfg: Config, world_size: int) -> Config:
         )
     dp = world_size // cp
     g = t.global_batch_size
+    if t.micro_batch_size == AUTO_MICRO_BATCH:  # resolved at start-up (train.plan.auto_micro_batch)
+        if g % dp:
+            raise ConfigError(f"train.global_batch_size = {g} is not divisible by the {dp} data-parallel rank(s); "
+                              f'train.micro_batch_size = "auto" splits it evenly. Set a multiple of {dp}.')
+        return cfg
     if g:
         unit = t.micro_batch_size * dp
         if g % unit:

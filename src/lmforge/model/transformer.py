@@ -182,6 +182,16 @@ def memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+def memory_need(cfg: ModelConfig, training: bool = True) -> tuple[int, int]:
+    """(fixed bytes, bytes per trained token) of the estimate `check_fits_in_memory` explains:
+    float32 weights (x4 when training: gradients and AdamW's two moments) and rotary tables;
+    per token the activations kept for backward and a row of the loss's logit gradient."""
+    weights = 4 * parameter_count(cfg) * (4 if training else 1)
+    rope = 8 * cfg.max_seq_len * cfg.head_dim
+    per_token = 4 * (cfg.n_layers * (12 * cfg.dim + 3 * cfg.resolved_ffn_dim()) + padded_vocab_size(max(cfg.vocab_size, 1)))
+    return weights + rope, per_token
+
+
 def check_fits_in_memory(cfg: ModelConfig, training_tokens: int = 0) -> None:
     """Refuse a model (and, with `training_tokens` = micro-batch rows x seq_len, a training
     step) that cannot fit in memory, before anything is allocated.
@@ -193,10 +203,8 @@ def check_fits_in_memory(cfg: ModelConfig, training_tokens: int = 0) -> None:
     Raises:
         ConfigError: naming the estimate, the memory, and the keys to lower.
     """
-    weights = 4 * parameter_count(cfg) * (4 if training_tokens else 1)
-    rope = 8 * cfg.max_seq_len * cfg.head_dim
-    per_token = 4 * (cfg.n_layers * (12 * cfg.dim + 3 * cfg.resolved_ffn_dim()) + padded_vocab_size(max(cfg.vocab_size, 1)))
-    need = weights + rope + training_tokens * per_token
+    fixed, per_token = memory_need(cfg, training=bool(training_tokens))
+    need = fixed + training_tokens * per_token
     have = memory_bytes()
     if need > have:
         gib = 2**30

@@ -12,17 +12,17 @@ from pathlib import Path
 
 import torch
 
-from lmforge.config import CONFIG_FILE, Config
+from lmforge.config import AUTO_MICRO_BATCH, CONFIG_FILE, Config
 from lmforge.errors import ConfigError, LmforgeError, require_package
 from lmforge.fileio import OutputError, copy_file, make_folder, open_run_dir, output_lock, write_text
 from lmforge.model import Transformer
 from lmforge.model.transformer import check_fits_in_memory
 from lmforge.model.attention import resolve_backend
-from lmforge.model.io import CONTRACT_FILES, list_checkpoints
+from lmforge.model.io import CONTRACT_FILES, latest_checkpoint, list_checkpoints, read_checkpoint_meta
 from lmforge.runtime import Runtime, training_runtime
 from lmforge.tokenizer import Tokenizer
-from lmforge.train.distributed import DistInfo, all_reduce_sum, barrier, init_distributed, shutdown
-from lmforge.train.plan import PLAN_FILE, make_plan, plan_lines
+from lmforge.train.distributed import DistInfo, all_reduce_min, all_reduce_sum, barrier, init_distributed, shutdown
+from lmforge.train.plan import PLAN_FILE, auto_micro_batch, available_memory, make_plan, plan_lines
 from lmforge.train.trainer import TokenObjective, Trainer, seed_everything
 
 
@@ -88,6 +88,8 @@ def training_session(cfg: Config, out: str | Path, command: str, resume: bool, d
         require_package("tensorboard", "tensorboard", "train.tensorboard = true", ConfigError)
     info = init_distributed(cfg)  # validates the parallel degrees against WORLD_SIZE first
     try:
+        if cfg.train.micro_batch_size == AUTO_MICRO_BATCH:
+            cfg = resolve_auto_batch(cfg, Path(out), resume, info)
         # the model's vocab is not resolved yet: the tokenizer's size bounds it from above
         check_fits_in_memory(replace(cfg.model, vocab_size=cfg.model.vocab_size or cfg.tokenizer.vocab_size),
                              cfg.train.micro_batch_size * cfg.data.seq_len)
@@ -98,6 +100,28 @@ def training_session(cfg: Config, out: str | Path, command: str, resume: bool, d
             yield TrainingSession(cfg, Path(out), command, resume, dry_run, info, backend, runtime, stack)
     finally:
         shutdown(info)
+
+
+def resolve_auto_batch(cfg: Config, out: Path, resume: bool, info: DistInfo) -> Config:
+    """`train.micro_batch_size = "auto"`: the micro-batch and accumulation that keep
+    train.global_batch_size, decided once (`train.plan.auto_micro_batch`, the smallest choice
+    over the ranks) and said in one line; a `--resume` takes the run's own numbers, so the run
+    continues exactly whatever memory this machine has now."""
+    t = cfg.train
+    dp = max(1, info.world_size // t.context_parallel)
+    rows = t.global_batch_size // dp
+    latest = latest_checkpoint(out) if resume and out.is_dir() else None
+    saved = read_checkpoint_meta(latest)[0].train.micro_batch_size if latest is not None else 0
+    if saved and rows % saved == 0:
+        micro, why = saved, f"as in {latest / CONFIG_FILE}, the run being resumed"
+    else:
+        model_cfg = replace(cfg.model, vocab_size=cfg.model.vocab_size or cfg.tokenizer.vocab_size)
+        micro, why = auto_micro_batch(model_cfg, cfg.data.seq_len, rows, available_memory(info.device))
+        micro = all_reduce_min(micro, info)
+    if info.is_main:
+        log(f'train.micro_batch_size = "auto": {micro} rows per micro-batch, train.grad_accum_steps = {rows // micro} '
+            f"({why}); train.global_batch_size {t.global_batch_size} kept over {dp} rank(s)")
+    return replace(cfg, train=replace(t, micro_batch_size=micro, grad_accum_steps=rows // micro))
 
 
 def copy_contract_files(src: Path, dst: Path) -> None:

@@ -59,6 +59,7 @@ def pretrain_stage(cfg: Config, out: str | Path, resume: bool = False, dry_run: 
             lora.inject(model, cfg.lora, seed=cfg.train.seed)
             model.lora_base = {lora.BASE_PATH_KEY: str(init.resolve()), lora.BASE_SHA256_KEY: base_sha}
     with training_session(cfg, out, "pretrain", resume, dry_run) as s:
+        cfg = s.cfg  # train.micro_batch_size = "auto" is resolved there
         tok = Tokenizer.load(cfg.tokenizer.dir)
         tok_contract_path = Path(cfg.tokenizer.dir) / CONTRACT_FILE
         data = preflight(cfg.data.dir, tok.contract, tok_contract_path)

@@ -118,7 +118,7 @@ def speedrun_stage(cfg: Config, out: str | Path, resume: bool = False, progress:
     log("== 4/5 evaluate and sample")
     model, tok, _, ckpt_path = load_checkpoint(run_dir, device=score_rt.device)
     val = Shard.open(cfg.data.dir, "val", tok.contract, ckpt_path / CONTRACT_FILE)
-    res = evaluate_shard(model, val, cfg.data.seq_len, cfg.train.micro_batch_size, score_rt,
+    res = evaluate_shard(model, val, cfg.data.seq_len, cfg.train.micro_batch_size or 16, score_rt,
                          cfg.data.document_masking)
     xz = xz_bits_per_byte(split_texts(val, tok))
     g = cfg.generate

@@ -68,6 +68,15 @@ def all_reduce_sum(x: torch.Tensor, info: DistInfo) -> torch.Tensor:
     return x
 
 
+def all_reduce_min(x: int, info: DistInfo) -> int:
+    """The smallest of an integer over the ranks (itself for one process)."""
+    if not info.distributed:
+        return x
+    t = torch.tensor([x], dtype=torch.int64, device=info.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())
+
+
 def gather_to_main(obj: Any, info: DistInfo) -> list[Any] | None:
     """[obj of rank 0, obj of rank 1, ...] on rank 0, None elsewhere (a collective; pickled objects)."""
     if not info.distributed:

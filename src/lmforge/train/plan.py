@@ -178,4 +178,41 @@ def plan_lines(plan: dict) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["make_plan", "plan_lines", "memory_estimate", "flops_per_token", "PLAN_FILE"]
+#: The share of the available memory `auto_micro_batch` plans a step into (the activation estimate
+#: is rough: the measured need came to up to 2.1x a formula of this kind, see the module docstring).
+AUTO_MEMORY_SHARE = 0.4
+
+
+def available_memory(device: torch.device) -> int:
+    """Bytes this process may still take: CUDA `mem_get_info` (free), else /proc/meminfo's
+    MemAvailable (the physical memory where it cannot be read)."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    from lmforge.model.transformer import memory_bytes
+
+    return memory_bytes()
+
+
+def auto_micro_batch(model_cfg, seq_len: int, rows_per_rank: int, available: int) -> tuple[int, str]:
+    """`train.micro_batch_size = "auto"`: the largest divisor of `rows_per_rank` (the global
+    batch over the data-parallel ranks) whose step fits AUTO_MEMORY_SHARE of `available` bytes
+    by `model.transformer.memory_need`'s estimate (at least 1). Returns (rows, why)."""
+    from lmforge.model.transformer import memory_need
+
+    fixed, per_token = memory_need(model_cfg, training=True)
+    budget = available * AUTO_MEMORY_SHARE - fixed
+    fit = max(int(budget // (per_token * seq_len)), 1)
+    micro = max(d for d in range(1, rows_per_rank + 1) if rows_per_rank % d == 0 and d <= fit)
+    why = (f"{micro} rows fit {AUTO_MEMORY_SHARE:.0%} of the {available / 2**30:,.1f} GiB available "
+           f"(about {per_token * seq_len / MIB:,.1f} MiB a row and {fixed / MIB:,.0f} MiB of weights, gradients and "
+           f"optimizer state)")
+    return micro, why
+
+
+__all__ = ["auto_micro_batch", "available_memory", "AUTO_MEMORY_SHARE", "make_plan", "plan_lines", "memory_estimate", "flops_per_token", "PLAN_FILE"]
