@@ -187,7 +187,8 @@ def print_table(base: dict, results: dict, kinds: list[str], args) -> None:
                      f"{statistics.mean(r['seconds'] for r in rs):.0f}"] + [_mean(rs, "per_kind", k) for k in kinds])
     print(common.table(headers, rows, title=f"DPO on the default pairs: {args.steps} steps x 8 pairs, beta {args.beta}, "
                                             f"{args.seeds} seed(s); held-out pairs per kind "
-                                            f"{ {k: base['per_kind_n'][k] for k in kinds} }"))
+                                            f"{ {k: base['per_kind_n'][k] for k in kinds} }"
+                                            + (" (SMOKE RUN: figures mean nothing)" if args.smoke else "")))
 
 
 if __name__ == "__main__":

@@ -135,7 +135,8 @@ def main(argv: list[str] | None = None) -> dict:
                              f"{step:.3f} ({step / f_step:.2f}x)", f"{rss:,.0f} ({rss / f_rss:.2f}x)"])
         print(common.table(["base", "arm", "held-out SFT loss", "vs full", "trainable", "s/step (vs full)",
                             "peak RSS MB (vs full)"], rows,
-                           title=f"LoRA rank {args.rank} vs full SFT, {args.repeat} run(s) each; {common.machine_line()}"))
+                           title=f"LoRA rank {args.rank} vs full SFT, {args.repeat} run(s) each; {common.machine_line()}"
+                                 + (" (SMOKE RUN: figures mean nothing)" if args.smoke else "")))
         return {"results": results, "rank": args.rank, "lora_lr": args.lora_lr}
 
 

@@ -28,7 +28,8 @@ def test_dry_run_prints_the_plan_and_writes_nothing(tiny_run, tmp_path, capsys):
     assert not (tmp_path / "run").exists()
     plan = res["plan"]
     err = capsys.readouterr().err
-    assert "plan: memory per rank (estimate)" in err and "plan: measured over 3 steps" in err
+    assert "plan: memory per rank (estimate)" in err and f"plan: measured over {plan['measured_steps']} steps" in err
+    assert plan["measured_steps"] >= 3
     m = plan["memory_estimate_per_rank"]
     assert m["total_mib"] == pytest.approx(sum(v for k, v in m.items() if k != "total_mib"), abs=0.2)
     params = plan["parameters"]
@@ -92,7 +93,7 @@ def test_auto_micro_batch_keeps_the_global_batch_and_records_it(tiny_run, tmp_pa
     cfg, tok = tiny_run
     c = auto_cfg(cfg)
     assert c.train.micro_batch_size == 0  # "auto", as stored
-    with pytest.raises(ConfigError, match='"auto" needs train.global_batch_size'):
+    with pytest.raises(ConfigError, match=r'"auto" \(or 0\) needs train.global_batch_size'):
         load_config(None, ["train.micro_batch_size=auto"])
     pretrain_stage(c, tmp_path / "ample", progress=False)  # memory to spare: the whole batch in one micro-batch
     saved = (tmp_path / "ample" / "config.toml").read_text()
@@ -114,3 +115,15 @@ def test_auto_micro_batch_keeps_the_global_batch_and_records_it(tiny_run, tmp_pa
     assert [r["tokens"] for r in rows] == [r["tokens"] for r in ample]
     for a, b in zip(rows, ample):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-4)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_plan_on_cuda_measures_allocated_memory(tiny_run, tmp_path, monkeypatch):
+    from lmforge.stages import pretrain_stage
+
+    cfg, _ = tiny_run
+    plan = pretrain_stage(plan_cfg(cfg, precision="auto"), tmp_path / "run", dry_run=True, progress=False)["plan"]
+    assert plan["memory_measured_as"].startswith("torch.cuda.max_memory_allocated")
+    est = plan["estimated_growth_mib"]
+    assert 0 < plan["measured_growth_mib"] and plan["device"].startswith("cuda")
+    assert est > 0

@@ -197,7 +197,7 @@ pretrain_stage(load_config({str(tmp_path / 'cfg.toml')!r}), {str(run)!r}, progre
     assert [m["loss"] for m in got] == [m["loss"] for m in want]
     assert_same_state(run / "step_000006", tmp_path / "straight" / "step_000006")
     assert sorted(p.name for p in run.iterdir()) == [".lmforge-output", "config.toml", "contract.json", "metrics.jsonl",
-                                                     "step_000003", "step_000006", "tokenizer.json",
+                                                     "plan.json", "step_000003", "step_000006", "tokenizer.json",
                                                      "tokenizer_config.json"]  # stale .tmp and lock gone
 
 

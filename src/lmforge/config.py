@@ -670,7 +670,7 @@ def validate(cfg: Config) -> Config:
         _positive(f"train.{name}", getattr(t, name))
     _positive("train.micro_batch_size", t.micro_batch_size, allow_zero=True)
     if t.micro_batch_size == AUTO_MICRO_BATCH and t.global_batch_size == 0:
-        raise ConfigError('train.micro_batch_size = "auto" needs train.global_batch_size (the rows of one optimizer '
+        raise ConfigError('train.micro_batch_size = "auto" (or 0) needs train.global_batch_size (the rows of one optimizer '
                           'step, over all ranks) to keep: set it, e.g. --set train.global_batch_size=16.')
     _positive("train.lr", t.lr)
     for name in ("warmup_steps", "checkpoint_every", "keep_last", "eval_every", "eval_tokens",

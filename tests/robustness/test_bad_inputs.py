@@ -198,7 +198,7 @@ BAD_SETS = [
     ("steps-0", "train.steps=0", r"train\.steps = 0: expected a value > 0"),
     ("steps-float", "train.steps=1.5", r"train\.steps = 1\.5 has type float, expected int.*train\.steps=600"),
     ("steps-str", "train.steps=many", r"train\.steps = 'many' has type str, expected int"),
-    ("mbs-0", "train.micro_batch_size=0", r"train\.micro_batch_size = 0"),
+    ("mbs-0", "train.micro_batch_size=0", r"train\.micro_batch_size = \"auto\" \(or 0\) needs train\.global_batch_size"),
     ("accum-neg", "train.grad_accum_steps=-2", r"train\.grad_accum_steps = -2"),
     ("warmup-neg", "train.warmup_steps=-1", r"train\.warmup_steps = -1"),
     ("keep-neg", "train.keep_last=-1", r"train\.keep_last = -1"),

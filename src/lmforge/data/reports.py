@@ -25,6 +25,8 @@ import re
 from collections import Counter
 from collections.abc import Iterable
 
+from lmforge.errors import LmforgeError, require_package
+
 SAMPLE_BYTES = 2_000_000
 KINDS = ("code", "prose", "whitespace", "non_ascii")
 _WORD = re.compile(r"[A-Za-z]+")
@@ -57,8 +59,8 @@ def sample(texts: Iterable[str], limit: int = SAMPLE_BYTES) -> list[str]:
 def _reference():
     """GPT-2's encoding through tiktoken if it loads offline, else (None, why)."""
     try:
-        import tiktoken
-    except ImportError:
+        tiktoken = require_package("tiktoken", None, "the tokenizer report's GPT-2 reference")
+    except LmforgeError:
         return None, "tiktoken is not installed"
     try:
         import os

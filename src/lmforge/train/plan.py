@@ -18,7 +18,7 @@
   (Kaplan et al. 2020, arXiv 2001.08361; the attention term as in nanoGPT's `estimate_mfu`),
   and the same with the output head (+ 6 x dim x vocab);
 - with `measure=True` (the dry run: the trainer is thrown away after): `steps` real optimizer
-  steps after one warm-up step, timed — tokens per second (median), the time to finish the
+  steps after one warm-up step (more, up to 20, until they add up to a second), timed — tokens per second (median), the time to finish the
   configured steps (the first step's time + the median x the rest; and where
   `train.time_limit_s` stops it first) — and the peak memory of
   those steps: CUDA `torch.cuda.max_memory_allocated`, CPU the process's peak resident set
@@ -41,6 +41,10 @@ from lmforge.train.optim import group_kind
 
 PLAN_FILE = "plan.json"
 MIB = 1 << 20
+#: The dry run times at least `steps` steps, and more (up to MAX_MEASURE_STEPS) until they add up to
+#: MIN_MEASURE_S seconds, so that the median of short steps is not one scheduler hiccup.
+MIN_MEASURE_S = 1.0
+MAX_MEASURE_STEPS = 20
 
 
 def _status_kb(field: str) -> int | None:
@@ -134,8 +138,8 @@ def measure_steps(trainer, steps: int, tokens_per_step: int) -> dict:
     if cuda:
         torch.cuda.synchronize()
     first_s = time.perf_counter() - t0
-    times = []
-    for _ in range(steps):
+    times: list[float] = []
+    while len(times) < steps or (sum(times) < MIN_MEASURE_S and len(times) < MAX_MEASURE_STEPS):
         t0 = time.perf_counter()
         trainer.train_step()
         if cuda:
@@ -148,7 +152,7 @@ def measure_steps(trainer, steps: int, tokens_per_step: int) -> dict:
     step_s = statistics.median(times)
     cfg = trainer.cfg.train
     eta = first_s + step_s * max(cfg.steps - 1, 0)  # a run pays the first step's set-up too
-    out = {"measured_steps": steps, "step_seconds": round(step_s, 4), "first_step_seconds": round(first_s, 4),
+    out = {"measured_steps": len(times), "step_seconds": round(step_s, 4), "first_step_seconds": round(first_s, 4),
            "tokens_per_second": round(tokens_per_step / step_s, 1), "time_to_finish_seconds": round(eta, 1),
            "measured_peak_mib": round(peak / MIB, 1), "measured_growth_mib": round(max(peak - base, 0) / MIB, 1),
            "memory_measured_as": how}
