@@ -49,7 +49,7 @@ from lmforge.model.io import (MODEL_FILE, OPTIMIZER_FILE, RNG_FILE, STEP_RE, is_
 from lmforge.runtime import Runtime, training_runtime
 from lmforge.train import checkpoint as ckpt
 from lmforge.train.distributed import DistInfo, all_reduce_sum, gather_to_main, wrap_model
-from lmforge.train.health import UPDATE_RATIO_EVERY, HealthMonitor, verdict_line
+from lmforge.train.health import UPDATE_RATIO_EVERY, HealthMonitor, update_ratio, verdict_line, weights_snapshot
 from lmforge.train.optim import build_optimizer
 from lmforge.train.resume import check_optimizer_state, check_resume_config, check_rng_state
 from lmforge.train.schedule import lr_at
@@ -244,7 +244,8 @@ class Trainer:
         for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
             try:
                 row = json.loads(line)
-                self.health.update(row)
+                if row["step"] <= self.step:  # another rank's run folder may still hold a killed run's later rows
+                    self.health.update(row)
             except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError):
                 continue
 
@@ -306,9 +307,8 @@ class Trainer:
             self._non_finite(loss, float(grad_norm))
         # every UPDATE_RATIO_EVERY steps: |delta W| / |W| of this step, for the health monitor
         # (a copy of the trainable weights; not for FSDP2's DTensor shards)
-        before = None
-        if (self.step + 1) % UPDATE_RATIO_EVERY == 0 and not self._fsdp:
-            before = [p.detach().clone() for p in self.raw_model.parameters() if p.requires_grad]
+        trained = [p for p in self.raw_model.parameters() if p.requires_grad]
+        before = weights_snapshot(trained) if (self.step + 1) % UPDATE_RATIO_EVERY == 0 and not self._fsdp else None
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
@@ -318,11 +318,7 @@ class Trainer:
         m = {"step": self.step, "loss": loss, "grad_norm": float(grad_norm), "lr": lr,
              "tokens": self.tokens, "supervised": self.supervised, "step_tokens": step_tokens}
         if before is not None:
-            with torch.no_grad():
-                params = [p.detach() for p in self.raw_model.parameters() if p.requires_grad]
-                delta = sum(float((p.float() - b.float()).pow(2).sum()) for p, b in zip(params, before))
-                norm = sum(float(p.float().pow(2).sum()) for p in params)
-            m["update_ratio"] = math.sqrt(delta) / max(math.sqrt(norm), 1e-30)
+            m["update_ratio"] = update_ratio(trained, before)
         if self.objective.stats:  # per-unit means over every micro-batch and rank
             totals = all_reduce_sum(stat_sums.to(self.device), self.dist).cpu() / max(n_global, 1.0)
             m.update({name: float(v) for name, v in zip(self.objective.stats, totals)})
