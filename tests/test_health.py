@@ -167,6 +167,8 @@ def test_a_long_repeated_stretch_in_the_data_is_flagged(tiny_run, tiny_corpus, t
     before = sorted(m["loss"] for m in metrics[spike["step"] - 51:spike["step"] - 1])
     assert before[len(before) // 2] < 0.05 < 1.0 < spike["figure"]  # a median near 0, a real-text batch
     assert metrics[spike["step"] - 1]["loss"] == spike["figure"]
+    assert spike["message"].endswith("a median under 0.1 nats means most batches are text the model now copies "
+                                     "(repeated or duplicated data)")
 
 
 def test_a_learning_rate_far_too_low_stalls(tiny_run, tmp_path):
@@ -234,3 +236,14 @@ def test_resume_rebuilds_the_monitor_from_metrics(tiny_run, tmp_path, monkeypatc
         return {k: n for k, n in verdict["warnings"].items() if k != "slow_steps"}
 
     assert steady(resumed["health"]) == steady(straight["health"]) != {}  # none lost or repeated
+
+
+def test_the_speedrun_summary_shows_the_verdicts():
+    from lmforge.stages.speedrun import format_summary
+
+    summary = {"parameters": 10, "non_embedding_parameters": 5, "tokens_trained": 100, "tokens_per_s": 50.0,
+               "stage_seconds": {"pretrain": 2.0}, "val_loss": 3.0, "val_perplexity": 20.1, "val_bits_per_byte": 1.5,
+               "xz_bits_per_byte": 1.9, "loss_plot": None, "checkpoint": "runs/x/step_000002", "samples": [],
+               "pretrain_health": "healthy", "sft_health": "1 warning(s): loss_spike x1"}
+    row = [line for line in format_summary(summary).splitlines() if "training health" in line]
+    assert len(row) == 1 and row[0].rstrip(" |").endswith("pretrain: healthy; sft: 1 warning(s): loss_spike x1"), row

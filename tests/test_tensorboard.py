@@ -1,5 +1,5 @@
 """`train.tensorboard = true`: the metrics, as TensorBoard's own reader sees them, equal
-metrics.jsonl's; health warnings and the config are there as text; a resumed run has each
+metrics.jsonl's; the health warnings, the config and plan.json are there as text; a resumed run has each
 step once; without the package the run is refused before any work."""
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from lmforge.errors import ConfigError
 
 pytest.importorskip("tensorboard")
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
+from tensorboard.util import tensor_util  # noqa: E402
 
 
 def read_board(folder):
@@ -43,8 +44,14 @@ def test_the_events_hold_what_metrics_jsonl_holds(tiny_run, tmp_path, monkeypatc
         assert [e.step for e in events] == [s for s, _ in want], key  # each step once, the resumed run too
         for e, (_, v) in zip(events, want):
             assert e.value == pytest.approx(v, rel=1e-6), key
-    texts = set(tags.get("tensors", [])) | set(tags.get("text", []))
-    assert any("health" in t for t in texts) and any("config" in t for t in texts), tags
+    def texts(tag):
+        return [(e.step, tensor_util.make_ndarray(e.tensor_proto).item().decode()) for e in acc.Tensors(tag)]
+
+    warnings = [(w["step"], f"step {w['step']}: {w['kind']}: {w['message']}") for r in rows for w in r.get("health", ())]
+    assert warnings and texts("health/text_summary") == warnings  # each once, across the resume too
+    plan = (tmp_path / "run" / "plan.json").read_text()
+    assert [t for _, t in texts("plan/text_summary")][-1] == "```\n" + plan + "\n```"  # the resumed run's plan
+    assert "steps = 40" in texts("config/text_summary")[0][1]
 
 
 def test_without_the_package_the_run_is_refused_before_any_work(tiny_run, tmp_path, monkeypatch):

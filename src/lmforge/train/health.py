@@ -7,7 +7,8 @@ running median and a robust spread (the median absolute deviation, MAD, scaled b
 standard deviation for normal noise) over the last `WINDOW` steps — so it adapts to the run's
 own noise instead of fixed thresholds:
 
-    loss_spike       loss > median + 6 spreads and > 1.1 x median (over the last WINDOW steps)
+    loss_spike       loss > median + 6 spreads and > 1.1 x median (over the last WINDOW steps); a
+                     median under COPY_LOSS nats/token is named as a sign of repeated data
     grad_norm_spike  grad_norm > median + 6 spreads and > 3 x median
     loss_rising      the mean loss of the last third of the last 3 x WINDOW steps is 3% above
                      that of the first third (after warm-up)
@@ -46,6 +47,7 @@ LR_BAND = (1e-6, 3e-2)
 UPDATE_BAND = (1e-5, 3e-2)
 MAD_TO_SIGMA = 1.4826
 STALL_LR_FRACTION = 0.1
+COPY_LOSS = 0.1
 
 CAUSES = {
     "loss_spike": "usually a learning rate too high for this batch, a bad batch (a long repeated stretch, "
@@ -116,8 +118,10 @@ class HealthMonitor:
             recent = list(self.loss)[-WINDOW:]
             med, spread = _median_spread(recent)
             if loss > med + 6 * spread and loss > 1.1 * med:
+                copying = (f"; a median under {COPY_LOSS} nats means most batches are text the model now copies "
+                           f"(repeated or duplicated data)" if med < COPY_LOSS else "")
                 self._fire("loss_spike", step, loss, f"loss {loss:.4g} against a running median of {med:.4g} "
-                           f"(spread {spread:.2g}) over the last {len(recent)} steps", out)
+                           f"(spread {spread:.2g}) over the last {len(recent)} steps{copying}", out)
         if len(self.grad) >= WINDOW // 2:
             med, spread = _median_spread(self.grad)
             if grad > med + 6 * spread and grad > 3 * med:
