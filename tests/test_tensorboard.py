@@ -47,7 +47,8 @@ def test_the_events_hold_what_metrics_jsonl_holds(tiny_run, tmp_path, monkeypatc
     def texts(tag):
         return [(e.step, tensor_util.make_ndarray(e.tensor_proto).item().decode()) for e in acc.Tensors(tag)]
 
-    warnings = [(w["step"], f"step {w['step']}: {w['kind']}: {w['message']}") for r in rows for w in r.get("health", ())]
+    warnings = [(w["step"], f"step {w['step']}: {w['kind']}: {w['message']}")
+                for r in rows for w in r.get("health", ())]
     assert warnings and texts("health/text_summary") == warnings  # each once, across the resume too
     plan = (tmp_path / "run" / "plan.json").read_text()
     assert [t for _, t in texts("plan/text_summary")][-1] == "```\n" + plan + "\n```"  # the resumed run's plan

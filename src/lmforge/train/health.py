@@ -209,4 +209,5 @@ def verdict_line(verdict: dict) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["HealthMonitor", "HealthWarning", "verdict_line", "update_ratio", "weights_snapshot", "CAUSES", "WINDOW", "COOLDOWN", "UPDATE_RATIO_EVERY"]
+__all__ = ["HealthMonitor", "HealthWarning", "verdict_line", "update_ratio", "weights_snapshot", "CAUSES", "WINDOW",
+           "COOLDOWN", "UPDATE_RATIO_EVERY"]
