@@ -88,6 +88,18 @@ def test_update_ratio_and_slow_steps():
     assert fired(seq) == [("update_ratio", 100), ("slow_steps", 152)]
 
 
+def test_a_decay_ending_at_zero_is_not_an_update_ratio_warning():
+    """Regression (the speedrun of 2026-11-24): the last step of a decay to lr 0 updates nothing;
+    a ratio of 0 there is expected, while the same 0 at full learning rate is flagged."""
+    seq = rows(300, lr=lambda s: 1e-3 * min(1.0, (300 - s) / 150))
+    for s in (99, 199, 299):
+        seq[s]["update_ratio"] = 1e-3
+    seq[299]["update_ratio"] = 0.0  # step 300: lr 0
+    assert fired(seq) == []
+    seq[99]["update_ratio"] = 0.0  # step 100: lr at its peak
+    assert fired(seq) == [("update_ratio", 100)]
+
+
 def test_non_finite_rows_are_not_warnings():
     seq = rows(60)
     seq[40]["loss"] = float("nan")

@@ -16,9 +16,10 @@ own noise instead of fixed thresholds:
                      still above a tenth of its peak (a plateau is expected only in the last tail of
                      the decay, where the learning rate nears zero)
     lr_band          the peak learning rate (at the end of warm-up) outside [1e-6, 3e-2]
-    update_ratio     |delta W| / |W| of one optimizer step outside [1e-5, 3e-2] (the usual band
-                     is around 1e-3: A. Karpathy, "A Recipe for Training Neural Networks", 2019;
-                     measured by the trainer every `UPDATE_RATIO_EVERY` steps)
+    update_ratio     |delta W| / |W| of one optimizer step above 3e-2, or below 1e-5 while the
+                     learning rate is above a tenth of its peak (the usual band is around 1e-3: A.
+                     Karpathy, "A Recipe for Training Neural Networks", 2019; measured by the trainer
+                     every `UPDATE_RATIO_EVERY` steps; a decay's last steps update next to nothing)
     slow_steps       the median tokens per second of the last 5 steps below half the running
                      median (a sustained slowdown, not one late step)
 
@@ -151,7 +152,8 @@ class HealthMonitor:
         ratio = row.get("update_ratio")
         if ratio is not None and math.isfinite(ratio) and step > self.warmup_steps:
             low, high = UPDATE_BAND
-            if not low <= ratio <= high:
+            # the low end only while the learning rate is up: a decay ends with updates near zero
+            if ratio > high or (ratio < low and lr > 0.1 * self.peak_lr):
                 self._fire("update_ratio", step, ratio, f"|update| / |weights| = {ratio:.3g}, outside [{low:g}, "
                            f"{high:g}]", out)
         speed = row.get("tokens_per_s")
