@@ -1,10 +1,10 @@
 """The preflight plan (lmforge.train.plan): printed and measured by `--dry-run` (which writes
-nothing), written as plan.json by a real run, and close to what the run then shows."""
+nothing), written as plan.json by a real run. How close its tokens/s and time to finish come to the run
+that follows is timing, measured in bench/bench_plan.py, not here."""
 
 from __future__ import annotations
 
 import json
-import statistics
 from dataclasses import replace
 
 import pytest
@@ -46,23 +46,6 @@ def test_a_real_run_writes_plan_json_with_the_estimates(tiny_run, tmp_path):
     pretrain_stage(plan_cfg(cfg, steps=2), tmp_path / "run", progress=False)
     plan = json.loads((tmp_path / "run" / PLAN_FILE).read_text())
     assert plan["steps"] == 2 and "memory_estimate_per_rank" in plan and "tokens_per_second" not in plan
-
-
-@pytest.mark.slow
-def test_the_dry_runs_tokens_per_second_and_eta_are_within_15_percent_of_the_run(tiny_run, tmp_path):
-    """On a quiet CPU: the dry run's median over its timed steps against the real run's median
-    step (after its first 5), in one thread, as the tests run."""
-    from lmforge.stages import pretrain_stage
-
-    cfg, _ = tiny_run
-    c = plan_cfg(cfg, steps=60)
-    dry = pretrain_stage(c, tmp_path / "run", dry_run=True, progress=False)["plan"]
-    pretrain_stage(c, tmp_path / "run", progress=False)
-    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    real = statistics.median(r["tokens_per_s"] for r in rows[5:])
-    real_eta = rows[-1]["elapsed_s"]
-    assert dry["tokens_per_second"] == pytest.approx(real, rel=0.15), (dry["tokens_per_second"], real)
-    assert dry["time_to_finish_seconds"] == pytest.approx(real_eta, rel=0.15), (dry["time_to_finish_seconds"], real_eta)
 
 
 # -- train.micro_batch_size = "auto" ---------------------------------------------------------------
