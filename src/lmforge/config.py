@@ -170,6 +170,13 @@ class TrainConfig:
     log_every: int = 10
     time_limit_s: float = 0.0
     """Stop (with a checkpoint) after this many seconds of training (0 = no limit)."""
+    time_budget_s: float = 0.0
+    """Pretraining only: seconds of optimizer steps to plan the run for (0 = off: train.steps).
+    At the start of a new run a few steps are timed on a throw-away copy (as `--dry-run` does)
+    and train.steps becomes budget / the median step time, so the schedule's warm-up and decay
+    fit the machine; the step count is written to the run's config.toml, and `--resume` keeps
+    it (no new measurement), so a resumed run stays exact. Validation and checkpoints are not
+    counted in the budget."""
     tensorboard: bool = False
     """Also write the metrics, the health warnings and the config as TensorBoard events into
     the run folder's `tensorboard/` (needs the tensorboard package: lmforge[tensorboard])."""
@@ -392,6 +399,7 @@ BOUNDS: dict[str, tuple[float, float, bool, bool]] = {
     "train.eval_tokens": (0, 1 << 50, False, False),
     "train.log_every": (1, MAX_STEPS, False, False),
     "train.time_limit_s": (0.0, 1e8, False, False),  # about three years
+    "train.time_budget_s": (0.0, 1e8, False, False),
     "sft.steps": (1, MAX_STEPS, False, False),
     "sft.micro_batch_size": (1, 1 << 20, False, False),
     "sft.grad_accum_steps": (1, 1 << 16, False, False),
@@ -674,7 +682,7 @@ def validate(cfg: Config) -> Config:
                           'step, over all ranks) to keep: set it, e.g. --set train.global_batch_size=16.')
     _positive("train.lr", t.lr)
     for name in ("warmup_steps", "checkpoint_every", "keep_last", "eval_every", "eval_tokens",
-                 "weight_decay", "grad_clip", "time_limit_s", "min_lr_ratio"):
+                 "weight_decay", "grad_clip", "time_limit_s", "time_budget_s", "min_lr_ratio"):
         _positive(f"train.{name}", getattr(t, name), allow_zero=True)
     if t.log_every < 1:
         raise ConfigError(f"train.log_every = {t.log_every}: expected at least 1.")

@@ -22,7 +22,7 @@ from lmforge.model.io import CONTRACT_FILES, latest_checkpoint, list_checkpoints
 from lmforge.runtime import Runtime, training_runtime
 from lmforge.tokenizer import Tokenizer
 from lmforge.train.distributed import DistInfo, all_reduce_min, all_reduce_sum, barrier, init_distributed, shutdown
-from lmforge.train.plan import PLAN_FILE, auto_micro_batch, available_memory, make_plan, plan_lines
+from lmforge.train.plan import PLAN_FILE, auto_micro_batch, available_memory, make_plan, measure_steps, plan_lines
 from lmforge.train.trainer import TokenObjective, Trainer, seed_everything
 
 
@@ -124,6 +124,56 @@ def resolve_auto_batch(cfg: Config, out: Path, resume: bool, info: DistInfo) -> 
     return replace(cfg, train=replace(t, micro_batch_size=micro, grad_accum_steps=rows // micro))
 
 
+def budget_steps(budget_s: float, step_s: float) -> int:
+    """The whole steps of `step_s` seconds that fit `budget_s` (at least 1; a quotient a rounding
+    error below an integer counts as that integer)."""
+    return max(1, int(budget_s / step_s + 1e-9))
+
+
+def resolve_time_budget(session: TrainingSession, model: Transformer, stream, objective: TokenObjective,
+                        rows_per_sample: int = 1) -> Config:
+    """`train.time_budget_s`: the config with train.steps = the budget / the median step time,
+    decided once and said in one line. A new run times steps on a throw-away copy of the model
+    and optimizer (`train.plan.measure_steps`, as `--dry-run` does), then puts the data stream and
+    every RNG back where they were, so the run is the one `train.steps = N` would give; the
+    smallest step count over the ranks wins. A `--resume` takes the run's own step count from its
+    newest checkpoint's config.toml: no new measurement, so the schedule of the steps taken stays.
+
+    Raises:
+        CheckpointError: (later, at the resume check) a budget other than the run's.
+    """
+    import copy
+    import random
+
+    import numpy as np
+
+    cfg, out, info = session.cfg, session.out, session.info
+    t = cfg.train
+    latest = latest_checkpoint(out) if session.resume and out.is_dir() else None
+    if latest is not None:
+        saved = read_checkpoint_meta(latest)[0].train
+        steps, why = saved.steps, f"as in {latest / CONFIG_FILE}, the run being resumed: no new measurement"
+    else:
+        rng = (torch.get_rng_state(), random.getstate(), np.random.get_state(), stream.state_dict())
+        probe = Trainer(cfg, Path("."), Path("."), copy.deepcopy(model), stream, None, info, False, log,
+                        runtime=session.runtime, objective=objective)
+        tokens_per_step = t.micro_batch_size * rows_per_sample * t.grad_accum_steps * info.world_size \
+            * cfg.data.seq_len
+        measured = measure_steps(probe, 3, tokens_per_step)
+        del probe
+        torch.set_rng_state(rng[0])
+        random.setstate(rng[1])
+        np.random.set_state(rng[2])
+        stream.load_state_dict(rng[3])
+        step_s = measured["step_seconds"]
+        steps = all_reduce_min(budget_steps(t.time_budget_s, step_s), info)
+        why = f"{step_s:.3f} s per step over {measured['measured_steps']} timed steps on a throw-away copy"
+    if info.is_main:
+        log(f"train.time_budget_s = {t.time_budget_s:g}: {steps:,} steps ({why}); warm-up {t.warmup_steps}, "
+            f"{t.schedule} schedule over {steps:,} steps; written to {out / CONFIG_FILE}")
+    return replace(cfg, train=replace(t, steps=steps))
+
+
 def copy_contract_files(src: Path, dst: Path) -> None:
     """The contract and tokenizer files of `src` into `dst`, each atomically; a file already
     identical is not rewritten (a resumed run's folder keeps its bytes and times)."""
@@ -168,6 +218,8 @@ def run_training(session: TrainingSession, contract_dir: Path, model: Transforme
     rows = 2 if objective.unit == "pair" else 1
     if dry_run:
         return dry_run_step(model, stream, session.runtime, objective, cfg, info, rows)
+    if cfg.train.time_budget_s:
+        cfg = session.cfg = resolve_time_budget(session, model, stream, objective, rows)
     trainer = Trainer(cfg, out, Path(contract_dir), model, stream, val_batches, info, progress, log,
                       runtime=session.runtime, objective=objective)
     # before any write: a refused --resume leaves the run folder as it was
@@ -206,6 +258,10 @@ def dry_run_step(model: Transformer, stream, runtime: Runtime, objective: TokenO
         out["plan"] = make_plan(trainer, measure=True, steps=steps, rows_per_sample=rows_per_sample)
         if (info or DistInfo()).is_main:
             log(plan_lines(out["plan"]))
+            if cfg.train.time_budget_s:
+                n = budget_steps(cfg.train.time_budget_s, out["plan"]["step_seconds"])
+                log(f"train.time_budget_s = {cfg.train.time_budget_s:g}: a run would take about {n:,} "
+                    f"steps at this step time (measured again at the start of the run)")
     log(f"dry run: one micro-batch forward and backward, loss {loss:.4f} nats/{objective.unit}; all checks passed")
     return out
 

@@ -44,7 +44,7 @@ def dpo_config(cfg: Config, init_cfg: Config) -> Config:
     """The config a DPO run trains and saves: [model] from the initial checkpoint, and [train]
     steps / micro_batch_size / grad_accum_steps / lr / warmup_steps from [dpo]."""
     d = cfg.dpo
-    train = replace(cfg.train, steps=d.steps, micro_batch_size=d.micro_batch_size,
+    train = replace(cfg.train, steps=d.steps, time_budget_s=0.0, micro_batch_size=d.micro_batch_size,
                     grad_accum_steps=d.grad_accum_steps, lr=d.lr, warmup_steps=d.warmup_steps)
     return replace(cfg, model=init_cfg.model, train=train).validate()
 

@@ -46,7 +46,7 @@ def sft_config(cfg: Config, init_cfg: Config) -> Config:
         ConfigError: e.g. data.seq_len above the checkpoint's model.max_seq_len.
     """
     s = cfg.sft
-    train = replace(cfg.train, steps=s.steps, micro_batch_size=s.micro_batch_size,
+    train = replace(cfg.train, steps=s.steps, time_budget_s=0.0, micro_batch_size=s.micro_batch_size,
                     grad_accum_steps=s.grad_accum_steps, lr=s.lr, warmup_steps=s.warmup_steps)
     return replace(cfg, model=init_cfg.model, train=train).validate()
 

@@ -120,22 +120,27 @@ class MuonAdamW(torch.optim.Optimizer):
             return
         lr = group["lr"] * group["lr_scale"]
         mom = group["momentum"]
-        # momentum per parameter (the state the checkpoint holds), then the Nesterov update
-        by_shape: dict[tuple[int, int], list[tuple[torch.Tensor, torch.Tensor]]] = defaultdict(list)
+        # momentum per parameter (the state the checkpoint holds), then the Nesterov update, as
+        # foreach ops over the group (one kernel launch per op, not one per matrix)
         for p in params:
-            st = self.state[p]
-            if "momentum_buffer" not in st:
-                st["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            buf = st["momentum_buffer"]
-            buf.lerp_(p.grad, 1 - mom)
-            u = p.grad.lerp(buf, mom) if group["nesterov"] else buf
+            if "momentum_buffer" not in self.state[p]:
+                self.state[p]["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        bufs = [self.state[p]["momentum_buffer"] for p in params]
+        grads = [p.grad for p in params]
+        torch._foreach_lerp_(bufs, grads, 1 - mom)
+        updates = torch._foreach_lerp(grads, bufs, mom) if group["nesterov"] else bufs
+        by_shape: dict[tuple[int, int], list[tuple[torch.Tensor, torch.Tensor]]] = defaultdict(list)
+        for p, u in zip(params, updates):
             u = u.full_tensor() if hasattr(u, "full_tensor") else u  # FSDP2: the whole matrix
             rows, cols = u.shape
             by_shape[(min(rows, cols), max(rows, cols))].append((p, u if rows <= cols else u.mT))
+        if group["weight_decay"]:
+            torch._foreach_mul_([_local(p) for p in params], 1 - lr * group["weight_decay"])
         for (rows, cols), items in by_shape.items():
             ortho = newton_schulz(torch.stack([u for _, u in items]), group["ns_steps"],
                                   getattr(torch, group["ns_dtype"]))
             scale = 0.2 * math.sqrt(cols)  # Moonlight: match AdamW's update RMS
+            targets, deltas = [], []
             for (p, u), o in zip(items, ortho.unbind(0)):
                 o = o if p.shape[0] <= p.shape[1] else o.mT
                 if hasattr(p, "device_mesh"):  # FSDP2: this rank's shard of the full update
@@ -144,10 +149,9 @@ class MuonAdamW(torch.optim.Optimizer):
                     # every rank computed the same full update: keep the local chunk, no collective
                     o = distribute_tensor(o.to(p.dtype).contiguous(), p.device_mesh, p.placements,
                                           src_data_rank=None)
-                if group["weight_decay"]:
-                    p.mul_(1 - lr * group["weight_decay"])
-                _local(p).add_(_local(o).to(p.dtype), alpha=-lr * scale)
-
+                targets.append(_local(p))
+                deltas.append(_local(o).to(p.dtype))
+            torch._foreach_add_(targets, deltas, alpha=-lr * scale)
 
 #: The per-parameter state each update rule keeps (what a checkpoint's optimizer.pt must hold):
 #: Muon its momentum; AdamW (this file's groups and torch.optim.AdamW alike) its step count and moments.

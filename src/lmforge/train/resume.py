@@ -154,6 +154,9 @@ RESUME_RULES: tuple[ResumeRule, ...] = (
     R("train.log_every", (), "how often the progress bar prints"),
     R("train.tensorboard", (), "a copy of the metrics as TensorBoard events, not what is computed"),
     R("train.time_limit_s", (), "when to stop with a checkpoint; elapsed_s counts the whole run"),
+    R("train.time_budget_s", PRE, "decided train.steps once, when the run started (the step count is in the "
+      "run's config.toml and --resume keeps it); another budget would be another schedule",
+      "SFT and DPO train sft.steps / dpo.steps (their [train] copy has no budget)"),
     R("sft.init", SFT, "the checkpoint fine-tuned; compared as a resolved path by stages/sft.py "
       "(check_same_init), before the model is loaded", _NO_PRE, elsewhere=True),
     R("sft.data", SFT, "the conversations trained on", _NO_PRE, path=True),
