@@ -238,18 +238,20 @@ def sft_speedrun(cfg: Config, out: Path, init: Path, runtime: Runtime, resume: b
 
 # -- scoring SFT bodies -----------------------------------------------------------------------
 def body_parse_rate(model, tok: Tokenizer, items: Sequence[dict], max_new_tokens: int = 64,
-                    batch_size: int = 8, runtime: Runtime | None = None) -> dict:
+                    batch_size: int = 8, runtime: Runtime | None = None,
+                    sampling: SamplingConfig | None = None) -> dict:
     """Greedy bodies for held-out stdlib prompts; the fraction that parse with `ast.parse`
     when placed under their signature. A body counts only if the model also ended its turn
     (<|im_end|> or <|eos|>) within `max_new_tokens`: a reply cut off by the budget is not a
     body, even when the cut happens to leave valid Python.
 
     `items`: records of sft_val.jsonl with `messages` (user prompt first), `signature`;
-    `runtime`: the decoding runtime (see `generate`).
+    `runtime`: the decoding runtime (see `generate`); `sampling`: the decoding policy (default:
+    greedy, no repetition penalty), its max_new_tokens replaced by `max_new_tokens`.
     Returns {"fraction", "parsed", "stopped", "n", "im_end" (ended with <|im_end|>),
     "parsed_and_im_end", "max_new_tokens", "examples": [{name, body, stopped, parses, im_end}]}.
     """
-    sampling = SamplingConfig(max_new_tokens=max_new_tokens, greedy=True)
+    sampling = replace(sampling or SamplingConfig(greedy=True), max_new_tokens=max_new_tokens)
     results = []
     for i in range(0, len(items), batch_size):
         chunk = items[i: i + batch_size]
