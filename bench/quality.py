@@ -322,19 +322,26 @@ def sft_seeds(cfg: Config, seeds: list[int], init: Path, cache: Path) -> dict:
             r = sft_speedrun(c, Path(tmp) / f"seed-{seed}", init, decode_runtime(), progress=False)
             row = {"seed": seed, "val_loss": r["sft_val_loss"], "n": r["sft_parse_n"],
                    "parse_and_im_end": r["sft_parse_and_im_end_fraction"], "parse": r["sft_parse_fraction"],
-                   "im_end": r["sft_im_end"], "stopped": r["sft_stopped"], "wall_s": time.perf_counter() - t0}
+                   "im_end": r["sft_im_end"], "stopped": r["sft_stopped"], "wall_s": time.perf_counter() - t0,
+                   "greedy_parse_and_im_end": r["sft_greedy_parse_and_im_end_fraction"],
+                   "repetition_penalty": r["sft_repetition_penalty"]}
             runs.append(row)
             print(f"quality: sft seed {seed}: {row['parse_and_im_end']:.0%} of {row['n']} parse and end with "
                   f"<|im_end|> ({row['im_end']} ended with it), val loss {row['val_loss']:.4f}", flush=True)
     frac = [r["parse_and_im_end"] for r in runs]
+    greedy = [r["greedy_parse_and_im_end"] for r in runs]
     loss = [r["val_loss"] for r in runs]
     summary = {"seeds": seeds, "mean": sum(frac) / len(frac), "min": min(frac), "max": max(frac),
+               "greedy_mean": sum(greedy) / len(greedy), "greedy_min": min(greedy), "greedy_max": max(greedy),
                "val_loss_mean": sum(loss) / len(loss), "val_loss_min": min(loss), "val_loss_max": max(loss)}
-    print(common.table(["SFT seed", "parse + <|im_end|>", "ended with <|im_end|>", "parse", "held-out SFT loss"],
+    pen = runs[0]["repetition_penalty"]
+    print(common.table(["SFT seed", f"parse + <|im_end|> (greedy, repetition penalty {pen})", "ended with <|im_end|>",
+                        "parse", "plain greedy: parse + <|im_end|>", "held-out SFT loss"],
                        [[r["seed"], f"{r['parse_and_im_end']:.1%}", f"{r['im_end']}/{r['n']}", f"{r['parse']:.1%}",
-                         f"{r['val_loss']:.4f}"] for r in runs]
+                         f"{r['greedy_parse_and_im_end']:.1%}", f"{r['val_loss']:.4f}"] for r in runs]
                        + [["mean (min-max)", f"{summary['mean']:.1%} ({summary['min']:.1%}-{summary['max']:.1%})",
-                           "", "", f"{summary['val_loss_mean']:.4f}"]],
+                           "", "", f"{summary['greedy_mean']:.1%} ({summary['greedy_min']:.1%}-"
+                                   f"{summary['greedy_max']:.1%})", f"{summary['val_loss_mean']:.4f}"]],
                        title=f"The speedrun's SFT from {init}, {len(seeds)} seeds; {common.machine_line()}"))
     return {"runs": runs, "summary": summary}
 
