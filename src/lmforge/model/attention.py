@@ -57,9 +57,11 @@ def additive_document_mask(document_ids: torch.Tensor, dtype: torch.dtype) -> to
     return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
 
 
+@torch.compiler.disable
 def one_segment_per_row(document_ids: torch.Tensor) -> bool:
     """True when every row of `document_ids` (B, T) holds a single segment (plain causal
-    attention is then exact). A host sync on CUDA."""
+    attention is then exact). A host sync on CUDA. Under `train.compile` it runs eagerly: a
+    Python bool decides the graph (one for plain causal rows, one for the document mask)."""
     return bool((document_ids == document_ids[:, :1]).all())
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import random
 import signal
 import sys
@@ -82,6 +83,21 @@ class TokenObjective:
         return {"val_loss": float(totals[0] / max(totals[1], 1.0))}
 
 
+def compiler_available(device: torch.device, log: Callable[[str], None] | None = None) -> bool:
+    """`train.compile` on `device`: on CPU, torch.compile's inductor builds C++ kernels and needs a
+    C++ compiler (`$CXX`, g++, c++ or clang++ on PATH); without one the run trains eagerly and
+    says so in one line, instead of failing deep inside torch at the first step."""
+    if device.type != "cpu":
+        return True
+    import shutil
+
+    found = [c for c in (os.environ.get("CXX"), "g++", "c++", "clang++") if c and shutil.which(c)]
+    if not found and log is not None:
+        log("train.compile = true: no C++ compiler on PATH ($CXX, g++, c++, clang++), which torch.compile needs "
+            "on a CPU; training without compiling (install g++ to compile, or set train.compile = false)")
+    return bool(found)
+
+
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
@@ -117,7 +133,7 @@ class Trainer:
         self.device = self.runtime.device
         self.raw_model = self.model.to(self.device)
         self.model = wrap_model(self.raw_model, self.cfg.train.data_parallel, self.dist)
-        if self.cfg.train.compile:
+        if self.cfg.train.compile and compiler_available(self.device, self.log if self.dist.is_main else None):
             self.model = torch.compile(self.model)
         self.optimizer = build_optimizer(self.raw_model, self.cfg.train, self.runtime)
         self.step = 0

@@ -1,4 +1,5 @@
-"""`train.time_budget_s`: pretraining planned for seconds of steps instead of a step count.
+"""The speedrun's step-time levers: `train.time_budget_s` (pretraining planned for seconds of
+steps instead of a step count) and `train.compile` without a C++ compiler (trains eagerly).
 
 The step count comes from steps timed on a throw-away copy before the run (the measurement is
 wrapped here so that it reports a fixed step time: the arithmetic, not the machine, is tested);
@@ -103,3 +104,19 @@ def test_a_negative_budget_is_refused():
     with pytest.raises(ConfigError, match="train.time_budget_s"):
         load_config(None, ["train.time_budget_s=-1"])
     assert replace(load_config(None, ["train.time_budget_s=60"]).train).time_budget_s == 60.0
+
+
+def test_compile_without_a_cxx_compiler_trains_eagerly_and_says_so(monkeypatch):
+    import shutil
+
+    import torch
+
+    from lmforge.train.trainer import compiler_available
+
+    lines: list[str] = []
+    monkeypatch.delenv("CXX", raising=False)
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    assert not compiler_available(torch.device("cpu"), lines.append)
+    assert len(lines) == 1 and "no C++ compiler on PATH" in lines[0] and "train.compile = false" in lines[0]
+    monkeypatch.setattr(shutil, "which", lambda name: "/usr/bin/g++" if name == "g++" else None)
+    assert compiler_available(torch.device("cpu"), lines.append) and len(lines) == 1
