@@ -105,7 +105,8 @@ def speedrun_config(args):
     from lmforge.config import load_config
 
     sets = [f"model.vocab_size={VOCAB}", "model.attention=\"sdpa\"", "train.steps=1000000",
-            f"train.micro_batch_size={args.batch}", f"data.seq_len={args.seq_len}", "train.precision=\"auto\""]
+            f"train.micro_batch_size={args.batch}", f"data.seq_len={args.seq_len}", "train.precision=\"auto\"",
+            "train.compile=false"]  # the eager step: what the masking itself costs
     if args.smoke:
         sets += ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2"]
     return load_config(RECIPE, sets)

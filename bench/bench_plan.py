@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> dict:
         sets += [f"train.steps={steps}", "train.eval_every=0", "train.checkpoint_every=0", "train.keep_last=1"]
         if args.smoke:
             sets += ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
-                     "data.seq_len=64", "train.micro_batch_size=8", "train.precision=fp32"]
+                     "data.seq_len=64", "train.micro_batch_size=8", "train.precision=fp32", "train.compile=false"]
         cfg = load_config(RECIPE, sets)
         rows, runs = [], []
         for r in range(args.repeat):

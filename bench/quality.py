@@ -382,7 +382,7 @@ def main(argv: list[str] | None = None) -> dict:
 #: --smoke: a tiny model and tokenizer (on `common.smoke_corpus`), short rows
 SMOKE_SETS = ["tokenizer.vocab_size=512", "data.val_fraction=0.2", "data.seq_len=64", "model.dim=64",
               "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "train.micro_batch_size=4",
-              "train.warmup_steps=1", "train.precision=fp32"]
+              "train.warmup_steps=1", "train.precision=fp32", "train.compile=false"]
 
 
 def _main(args, cache: Path) -> dict:
@@ -452,9 +452,29 @@ def _main(args, cache: Path) -> dict:
     print(f"- budget: {how}; machine possibly shared: compare ms/step within one run.")
     out = {"arms": results, "reference": refs[0] if refs else None, "references": refs, "steps": steps,
            "summary": summary}
+    if args.smoke:  # the SFT path too: from a 3-step checkpoint, 2 SFT steps, 8 held-out prompts
+        args.sft_seeds = args.sft_seeds or "1"
+        args.init = str(smoke_init(base, cache))
+        base = apply_overrides(base, SMOKE_SFT_SETS)
     if args.sft_seeds:
         out["sft"] = sft_seeds(base, [int(x) for x in args.sft_seeds.split(",") if x], Path(args.init), cache)
     return out
+
+
+#: --smoke's SFT: 2 steps on 16 conversations, 8 held-out prompts
+SMOKE_SFT_SETS = ["sft.steps=2", "sft.max_examples=16", "sft.val_examples=8", "sft.micro_batch_size=2",
+                  "sft.warmup_steps=1"]
+
+
+def smoke_init(cfg: Config, cache: Path) -> Path:
+    """--smoke: a 3-step pretrained checkpoint of cfg's model on its prepared data, under `cache`."""
+    from lmforge.stages import pretrain_stage
+
+    tok_dir, data_dir = prepared(cfg, print, cache)
+    c = apply_overrides(cfg, [f"tokenizer.dir={tok_dir}", f"data.dir={data_dir}", "train.steps=3",
+                              "train.checkpoint_every=0"])
+    pretrain_stage(c, cache / "smoke-pretrain", progress=False)
+    return cache / "smoke-pretrain"
 
 
 if __name__ == "__main__":
