@@ -94,8 +94,11 @@ def check_gguf(out: str) -> None:
 
 
 def check_quality(out: str) -> None:
-    bpb = [float(x) for x in re.findall(r"^\| (?:lmforge|reference[^|]*) +\| \d+ +\| ([\d.]+) ", out, re.M)]
+    per_seed, _, over = out.partition("### Over seeds")  # the per-seed table, then the one over seeds
+    row = r"^\| (?:lmforge|reference[^|]*) +\| \d+ +\| ([\d.]+) "
+    bpb = [float(x) for x in re.findall(row, per_seed, re.M)]
     assert len(bpb) == 2 and all(0 < b < 20 for b in bpb), out
+    assert [float(x) for x in re.findall(row, over.split("###")[0], re.M)] == bpb, out  # 1 seed: mean = it
 
 
 CHECKS = {"decode": check_decode, "train": check_train, "gguf": check_gguf, "quality": check_quality}
