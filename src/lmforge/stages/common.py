@@ -98,8 +98,10 @@ def training_session(cfg: Config, out: str | Path, command: str, resume: bool, d
         with contextlib.ExitStack() as stack:
             seed_everything(cfg.train.seed)
             yield TrainingSession(cfg, Path(out), command, resume, dry_run, info, backend, runtime, stack)
-    finally:
+    except BaseException:
         shutdown(info)
+        raise
+    shutdown(info, together=True)
 
 
 def resolve_auto_batch(cfg: Config, out: Path, resume: bool, info: DistInfo) -> Config:

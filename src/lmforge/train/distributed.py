@@ -116,6 +116,12 @@ def barrier(info: DistInfo) -> None:
         dist.barrier()
 
 
-def shutdown(info: DistInfo) -> None:
+def shutdown(info: DistInfo, together: bool = False) -> None:
+    """Destroy the process group. `together` (a stage that finished on every rank): meet at a
+    barrier first, so no rank tears its gloo connections down while a peer still uses them (a
+    rank of a 2-rank CPU test once aborted at exit with "terminate called without an active
+    exception"). A stage that raised skips the barrier: its peers may never reach it."""
     if info.distributed and dist.is_initialized():
+        if together:
+            dist.barrier()
         dist.destroy_process_group()
