@@ -205,6 +205,8 @@ def gpt2_model(vocab: int, dim: int, n_layers: int, n_heads: int, seq_len: int):
 #: the reference's warm-up as a share of its steps: lmforge's recipe's (50 of 600 steps), so
 #: neither arm spends more of its budget warming up (a fixed 100 steps was 80% of a short run)
 REF_WARMUP_FRACTION = 50 / 600
+#: after this many of its steps, a reference run given seconds re-plans its step count from them
+REF_REPLAN_AT = 20
 
 
 def reference_stepper(cfg: Config, seed: int, log=print, cache: Path = CACHE):
@@ -248,9 +250,10 @@ def reference_stepper(cfg: Config, seed: int, log=print, cache: Path = CACHE):
 
 def train_reference(cfg: Config, steps: int | None, seconds: float | None, seed: int, log=print,
                     cache: Path = CACHE) -> dict:
-    """nanoGPT's recipe for `steps` steps, or for `seconds` of training: the step count fixed
-    before training from 5 timed steps of a throw-away copy (after 2 warm-up steps), the
-    warm-up REF_WARMUP_FRACTION of the steps (at least 10), then cosine to a tenth."""
+    """nanoGPT's recipe for `steps` steps, or for `seconds` of training: the step count planned
+    before training from 5 timed steps of a throw-away copy (after 2 warm-up steps) and planned
+    again from the run's own steps 5-20 at step REF_REPLAN_AT (the warm-up, REF_WARMUP_FRACTION
+    of the first plan and at least 10 steps, stays; the cosine to a tenth ends at the new count)."""
     import copy
 
     model, adamw, step, gen = reference_stepper(cfg, seed, log, cache)
@@ -275,7 +278,15 @@ def train_reference(cfg: Config, steps: int | None, seconds: float | None, seed:
         log(f"quality: reference: {1000 * np.median(probe_times[2:]):.0f} ms/step -> {total} steps for {seconds:.0f}s")
     warmup = max(10, round(REF_WARMUP_FRACTION * total))
     t_train, times = 0.0, []
-    for i in range(total):
+    i = 0
+    while i < total:
+        if seconds and i == REF_REPLAN_AT and total > 2 * REF_REPLAN_AT:
+            # the probe's steps ran faster than the run's (415 vs 478 ms: the run overran its
+            # seconds by 14%): the rest of the run is planned from its own steps 5-20; the warm-up
+            # stays, only the cosine's end moves
+            per_step = float(np.median(times[5:]))
+            total = max(warmup + 1, i + int((seconds - t_train) / per_step))
+            log(f"quality: reference: its own steps take {1000 * per_step:.0f} ms -> {total} steps in all")
         t0 = time.perf_counter()
         lr = peak * (i + 1) / warmup if i < warmup else \
             floor + (peak - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, (i - warmup) / max(1, total - warmup))))
@@ -283,6 +294,7 @@ def train_reference(cfg: Config, steps: int | None, seconds: float | None, seed:
         dt = time.perf_counter() - t0
         t_train += dt
         times.append(dt)
+        i += 1
     tokens = total * B * L
     model.eval()
     res = evaluate_shard(SegmentScorer(model), val, L, 16, runtime, cfg.data.document_masking)

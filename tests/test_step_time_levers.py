@@ -120,3 +120,34 @@ def test_compile_without_a_cxx_compiler_trains_eagerly_and_says_so(monkeypatch):
     assert len(lines) == 1 and "no C++ compiler on PATH" in lines[0] and "train.compile = false" in lines[0]
     monkeypatch.setattr(shutil, "which", lambda name: "/usr/bin/g++" if name == "g++" else None)
     assert compiler_available(torch.device("cpu"), lines.append) and len(lines) == 1
+
+
+def test_validation_never_runs_the_compiled_graph(tiny_run, tmp_path, monkeypatch):
+    """With train.compile, the steps run the compiled model and validation the plain one: under
+    no_grad torch.compile would build a second graph (20 s of the speedrun's pretraining for 4
+    validation batches). A stand-in for torch.compile records every call of the compiled module."""
+    import torch
+
+    from lmforge.train import trainer as trainer_mod
+
+    calls: list[bool] = []  # torch.is_grad_enabled() at each call of the "compiled" module
+
+    class Compiled(torch.nn.Module):
+        def __init__(self, module):
+            super().__init__()
+            self.module = module
+
+        def forward(self, *args, **kwargs):
+            calls.append(torch.is_grad_enabled())
+            return self.module(*args, **kwargs)
+
+    monkeypatch.setattr(trainer_mod, "compiler_available", lambda *a, **k: True)
+    monkeypatch.setattr(torch, "compile", Compiled)
+    cfg, _ = tiny_run
+    run = with_train(cfg, steps=4, eval_every=2, checkpoint_every=0, keep_last=0, warmup_steps=1)
+    pretrain_stage(with_train(run, compile=True), tmp_path / "compiled", progress=False)
+    assert calls and all(calls)  # the steps went through it, validation never did
+    pretrain_stage(run, tmp_path / "eager", progress=False)
+    a, b = read_metrics(tmp_path / "compiled"), read_metrics(tmp_path / "eager")
+    assert [m.get("val_loss") for m in a] == [m.get("val_loss") for m in b]
+    assert sum(m.get("val_loss") is not None for m in a) == 2

@@ -133,6 +133,9 @@ class Trainer:
         self.device = self.runtime.device
         self.raw_model = self.model.to(self.device)
         self.model = wrap_model(self.raw_model, self.cfg.train.data_parallel, self.dist)
+        # validation runs this one, never the compiled graph: under no_grad torch.compile builds a
+        # second graph, 20 s of the speedrun's pretraining for 4 batches of validation
+        self.eval_model = self.model
         if self.cfg.train.compile and compiler_available(self.device, self.log if self.dist.is_main else None):
             self.model = torch.compile(self.model)
         self.optimizer = build_optimizer(self.raw_model, self.cfg.train, self.runtime)
@@ -355,7 +358,7 @@ class Trainer:
         validation data)."""
         if self.val_batches is None:
             return {"val_loss": None}
-        return self.objective.validate(self.model, self.val_batches(), self.runtime, self.dist)
+        return self.objective.validate(self.eval_model, self.val_batches(), self.runtime, self.dist)
 
     # -- the loop -------------------------------------------------------------------
     def fit(self) -> dict:
