@@ -70,7 +70,8 @@ def main(argv: list[str] | None = None) -> dict:
         tmp = Path(tmp)
         sets = prepared_data(tmp, args.smoke, print)
         steps = 30 if args.smoke else args.steps
-        sets += [f"train.steps={steps}", "train.eval_every=0", "train.checkpoint_every=0", "train.keep_last=1"]
+        sets += [f"train.steps={steps}", "train.time_budget_s=0", "train.eval_every=0", "train.checkpoint_every=0",
+                 "train.keep_last=1"]
         if args.smoke:
             sets += ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
                      "data.seq_len=64", "train.micro_batch_size=8", "train.precision=fp32", "train.compile=false"]

@@ -394,7 +394,8 @@ def main(argv: list[str] | None = None) -> dict:
 #: --smoke: a tiny model and tokenizer (on `common.smoke_corpus`), short rows
 SMOKE_SETS = ["tokenizer.vocab_size=512", "data.val_fraction=0.2", "data.seq_len=64", "model.dim=64",
               "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "train.micro_batch_size=4",
-              "train.warmup_steps=1", "train.precision=fp32", "train.compile=false"]
+              "train.warmup_steps=1", "train.precision=fp32", "train.compile=false",
+              "train.time_budget_s=0"]
 
 
 def _main(args, cache: Path) -> dict:
@@ -484,7 +485,7 @@ def smoke_init(cfg: Config, cache: Path) -> Path:
 
     tok_dir, data_dir = prepared(cfg, print, cache)
     c = apply_overrides(cfg, [f"tokenizer.dir={tok_dir}", f"data.dir={data_dir}", "train.steps=3",
-                              "train.checkpoint_every=0"])
+                              "train.time_budget_s=0", "train.checkpoint_every=0"])
     pretrain_stage(c, cache / "smoke-pretrain", progress=False)
     return cache / "smoke-pretrain"
 
