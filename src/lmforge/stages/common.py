@@ -126,6 +126,12 @@ def resolve_auto_batch(cfg: Config, out: Path, resume: bool, info: DistInfo) -> 
     return replace(cfg, train=replace(t, micro_batch_size=micro, grad_accum_steps=rows // micro))
 
 
+#: steps timed for `train.time_budget_s` (after one warm-up): the median of 3 right after a compile
+#: said 0.453 s where the run then took 0.378 s a step (the speedrun trained 17% fewer steps than
+#: its budget held); 10 cost about 4 s at the speedrun's shape
+BUDGET_TIMED_STEPS = 10
+
+
 def budget_steps(budget_s: float, step_s: float) -> int:
     """The whole steps of `step_s` seconds that fit `budget_s` (at least 1; a quotient a rounding
     error below an integer counts as that integer)."""
@@ -161,7 +167,7 @@ def resolve_time_budget(session: TrainingSession, model: Transformer, stream, ob
                         runtime=session.runtime, objective=objective)
         tokens_per_step = t.micro_batch_size * rows_per_sample * t.grad_accum_steps * info.world_size \
             * cfg.data.seq_len
-        measured = measure_steps(probe, 3, tokens_per_step)
+        measured = measure_steps(probe, BUDGET_TIMED_STEPS, tokens_per_step)
         del probe
         torch.set_rng_state(rng[0])
         random.setstate(rng[1])
