@@ -485,7 +485,7 @@ def smoke_init(cfg: Config, cache: Path) -> Path:
 
     tok_dir, data_dir = prepared(cfg, print, cache)
     c = apply_overrides(cfg, [f"tokenizer.dir={tok_dir}", f"data.dir={data_dir}", "train.steps=3",
-                              "train.time_budget_s=0", "train.checkpoint_every=0"])
+                              "train.checkpoint_every=0"])
     pretrain_stage(c, cache / "smoke-pretrain", progress=False)
     return cache / "smoke-pretrain"
 
