@@ -347,3 +347,40 @@ def test_a_missing_or_empty_dpo_init_is_refused(tiny_run, tmp_path):
     cfg, _ = tiny_run
     with pytest.raises(ConfigError, match="dpo.init is empty"):
         dpo_stage(cfg, tmp_path / "dpo", progress=False)
+
+
+# -- validation per kind on the default pairs (issue 28) --------------------------------------------
+def test_validation_per_kind_on_the_default_pairs_equals_a_recount(tiny_run, init_ckpt, tmp_path):
+    """`lmforge dpo` on the embedded pairs (several mutation kinds) through its validation: every
+    `val_pairwise_accuracy/KIND` and `val_pairs/KIND` equals a recount from per-pair
+    log-probabilities of the final weights, the kinds' pairs add up to every held-out pair, and
+    the overall accuracy is their weighted mean. (The per-kind totals were one slot short: an
+    IndexError at the first validation.)"""
+    from lmforge.stages.dpo import load_pairs
+
+    cfg, tok = tiny_run
+    c = dpo_cfg(cfg, init_ckpt, "stdlib", steps=2, max_examples=24, max_chars=400, micro_batch_size=4)
+    c = replace(c, data=replace(c.data, val_fraction=0.2, seq_len=128), model=replace(c.model, max_seq_len=128))
+    last = dpo_stage(c, tmp_path / "dpo", progress=False)
+    pairs, _ = load_pairs(replace(c, data=replace(c.data, seq_len=128)))
+    val = render_pairs(pairs["val"], tok, 128)
+    kinds = sorted(set(val.mutations))
+    assert len(kinds) >= 3 and "" not in kinds, kinds
+    model = load_model(tmp_path / "dpo")[0].eval()
+    pc, pr = [], []
+    with torch.no_grad():
+        for b in pair_batches(val, 128, 5, tok.pad_id):  # another batch size than the run's
+            c_, r_ = sequence_logps(model, b)
+            pc += c_.tolist()
+            pr += r_.tolist()
+    correct = [a > b for a, b in zip(pc, pr)]
+    assert len(correct) == len(val.mutations)
+    assert sum(last[f"val_pairs/{k}"] for k in kinds) == len(val) > 0
+    assert not [k for k in last if k.startswith("val_pairs/") and k[len("val_pairs/"):] not in kinds]
+    for k in kinds:
+        sel = [ok for ok, m in zip(correct, val.mutations) if m == k]
+        assert last[f"val_pairs/{k}"] == len(sel), k
+        assert last[f"val_pairwise_accuracy/{k}"] == pytest.approx(sum(sel) / len(sel), abs=1e-12), k
+    assert last["val_pairwise_accuracy"] == pytest.approx(sum(correct) / len(correct), abs=1e-12)
+    row = read_metrics(tmp_path / "dpo")[-1]  # and the same numbers in metrics.jsonl
+    assert all(row[f"val_pairwise_accuracy/{k}"] == last[f"val_pairwise_accuracy/{k}"] for k in kinds)

@@ -13,6 +13,7 @@ import dataclasses
 import difflib
 import math
 import os
+import sys
 import tomllib
 import typing
 from dataclasses import dataclass, field
@@ -596,7 +597,43 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise ConfigError(f"config file {path}: cannot be read ({exc.strerror}); {os_advice(exc)}.") from None
         cfg = from_dict(raw, where=str(path))
     cfg = apply_overrides(cfg, overrides)
+    cfg = apply_overlay(cfg, os.environ.get(OVERLAY_ENV))
     return validate(cfg)
+
+
+#: An environment variable naming a TOML file whose keys are applied after `--config` and
+#: `--set`: how tests/test_readme.py runs the README's commands, as written, on a tiny model.
+OVERLAY_ENV = "LMFORGE_CONFIG_OVERLAY"
+_overlay_said: set[str] = set()
+
+
+def apply_overlay(cfg: Config, path: str | None) -> Config:
+    """`cfg` with the keys of the TOML file `path` (the `LMFORGE_CONFIG_OVERLAY` environment
+    variable) replaced; None or "" changes nothing. One line on stderr names the file and its keys
+    (once per process), so a run never takes them silently.
+
+    Raises:
+        ConfigError: the file is missing, not TOML, or holds an unknown key or a wrong type.
+    """
+    if not path:
+        return cfg
+    try:
+        raw = tomllib.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"{OVERLAY_ENV}={path}: cannot be read as a TOML file ({exc}). Point it at a TOML "
+                          f"file or unset it.") from None
+    merged = cfg.to_dict()
+    keys = []
+    for section, values in raw.items():
+        if not isinstance(values, dict) or section not in merged:
+            raise ConfigError(f"{OVERLAY_ENV}={path}: [{section}] is not a config section.{_suggest(section, list(merged))}")
+        merged[section].update(values)
+        keys += [f"{section}.{k}" for k in values]
+    out = from_dict(merged, where=f"{OVERLAY_ENV}={path}")
+    if path not in _overlay_said:
+        _overlay_said.add(path)
+        print(f"config: {OVERLAY_ENV}={path} sets {', '.join(keys)} (over --config and --set)", file=sys.stderr)
+    return out
 
 
 def _choice(name: str, value: str, options: tuple[str, ...]) -> None:

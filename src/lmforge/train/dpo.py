@@ -162,7 +162,7 @@ class DPOObjective(TokenObjective):
         model.eval()
         K = len(self.kinds)
         # [loss, *stats, pairwise correct, pairs] then per kind [correct, pairs]
-        totals = torch.zeros(2 + len(STATS) + 2 * K, dtype=torch.float64)
+        totals = torch.zeros(3 + len(STATS) + 2 * K, dtype=torch.float64)
         for b in batches:
             b = b.to(runtime.device)
             with runtime.autocast():
