@@ -27,6 +27,8 @@ from lmforge.fileio import write_text
 
 #: The resolved config, written into every output folder and checkpoint.
 CONFIG_FILE = "config.toml"
+#: sft.max_chars / dpo.max_chars: 0 (no limit) or at least this many characters of prompt + body.
+MIN_MAX_CHARS = 100
 #: The largest tokenizer vocabulary lmforge trains or accepts (Gemma's is 256K; the BPE
 #: trainer aborts the process on sizes near 2^31).
 MAX_VOCAB = 1 << 22
@@ -369,9 +371,9 @@ BOUNDS: dict[str, tuple[float, float, bool, bool]] = {
     "model.vocab_size": (0, MAX_VOCAB, False, False),
     "model.ffn_dim": (0, 1 << 20, False, False),
     "model.norm_eps": (0.0, 1.0, True, False),
-    "model.rope_theta": (0.0, 1e12, True, False),  # Llama 3: 5e5; long-context models: up to ~1e8
+    "model.rope_theta": (1.0, 1e12, True, False),  # Llama 3: 5e5; long-context models: up to ~1e8; <= 1: no rotation spread
     "model.max_seq_len": (1, MAX_SEQ_LEN, False, False),
-    "model.rope_factor": (0.0, 1e6, True, False),  # llama3 rope scaling; Llama 3.1: 8
+    "model.rope_factor": (1.0, 1e6, False, False),  # llama3 rope scaling stretches (Llama 3.1: 8); 1 = none
     "model.rope_low_freq_factor": (0.0, 1e6, True, False),  # Llama 3.1: 1
     "model.rope_high_freq_factor": (0.0, 1e6, True, False),  # Llama 3.1: 4
     "model.rope_original_max_seq_len": (1, MAX_SEQ_LEN, False, False),  # Llama 3.1: 8192
@@ -386,11 +388,11 @@ BOUNDS: dict[str, tuple[float, float, bool, bool]] = {
     "train.beta1": (0.0, 1.0, False, True),
     "train.beta2": (0.0, 1.0, False, True),
     "train.grad_clip": (0.0, 1e6, False, False),  # 0 = off
-    "train.muon_lr_scale": (0.0, 100.0, False, False),  # 0 freezes the blocks' matrices
+    "train.muon_lr_scale": (0.0, 100.0, True, False),  # 0 would freeze the blocks' matrices while they take a step
     "train.muon_momentum": (0.0, 1.0, False, True),  # 1 would never forget a gradient
     "train.muon_ns_steps": (1, 100, False, False),
-    "train.embed_lr_scale": (0.0, 100.0, False, False),
-    "train.head_lr_scale": (0.0, 100.0, False, False),
+    "train.embed_lr_scale": (0.0, 100.0, True, False),
+    "train.head_lr_scale": (0.0, 100.0, True, False),
     "train.seed": (0, 2**63, False, True),
     "train.context_parallel": (1, 1 << 12, False, False),
     "train.global_batch_size": (0, 1 << 30, False, False),
@@ -490,13 +492,19 @@ def _coerce(section: str, key: str, value: Any, typ: type, where: str) -> Any:
             return float(value)
     elif typ is str:
         if isinstance(value, str):
+            bad = next((c for c in value if ord(c) < 32 or ord(c) == 127), None)
+            if bad is not None:
+                raise ConfigError(f"{where}: {name} = {value!r} holds the control character {bad!r} (a line break, a "
+                                  f"tab, ...): every text field of the config is one line. Give the value on one line "
+                                  f"(default {_default(section, key)!r}).")
             return value
     elif typing.get_origin(typ) is list:
         (item,) = typing.get_args(typ)
         if isinstance(value, list) and all(isinstance(v, item) for v in value):
             return list(value)
+    shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
     raise ConfigError(
-        f"{where}: {name} = {value!r} has type {type(value).__name__}, expected {getattr(typ, '__name__', typ)}. "
+        f"{where}: {name} = {shown} has type {type(value).__name__}, expected {getattr(typ, '__name__', typ)}. "
         f"Fix the value (for example {name}={_default(section, key)!r}, the default)."
     )
 
@@ -537,6 +545,9 @@ def _parse_override_value(text: str) -> Any:
         return tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError:
         return text
+    except RecursionError:
+        raise ConfigError(f"--set value {text[:40]!r}...: nested too deeply to read (Python's recursion limit). "
+                          f"Give a plain value.") from None
 
 
 def apply_overrides(cfg: Config, overrides: list[str] | None) -> Config:
@@ -549,6 +560,10 @@ def apply_overrides(cfg: Config, overrides: list[str] | None) -> Config:
             )
         dotted, text = item.split("=", 1)
         section, key = dotted.strip().split(".", 1)
+        bad = next((c for c in item if ord(c) < 32 or ord(c) == 127), None)
+        if bad is not None:
+            raise ConfigError(f"--set {item!r}: holds the control character {bad!r} (a line break, a tab, ...); a "
+                              f"--set value is one line, e.g. --set train.steps=100.")
         if section not in raw:
             raise ConfigError(
                 f"--set {item!r}: unknown section {section!r}.{_suggest(section, list(raw))}"
@@ -559,6 +574,11 @@ def apply_overrides(cfg: Config, overrides: list[str] | None) -> Config:
             )
         value = _parse_override_value(text.strip())
         typ = _field_types(type(getattr(cfg, section)))[key]
+        if typ is str and isinstance(value, (list, dict)):
+            kind = "a list" if isinstance(value, list) else "a table"
+            raise ConfigError(f"--set {item!r}: {section}.{key} is a text field, and {text.strip()!r} is {kind}. Give "
+                              f"one value (default {_default(section, key)!r}); quote it (\"...\") if the brackets are "
+                              f"part of it.")
         if typ is str and not isinstance(value, str):
             value = text.strip()  # e.g. --set sft.init=123 names a folder "123"
         raw[section][key] = value
@@ -590,6 +610,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raw = tomllib.loads(path.read_text(encoding="utf-8"))
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"{path}: not valid TOML: {exc}. Fix the syntax.") from None
+        except RecursionError:
+            raise ConfigError(f"{path}: nested too deeply to read (Python's recursion limit); a recipe is sections "
+                              f"of plain keys. Fix the file.") from None
         except UnicodeDecodeError as exc:
             raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start}: {exc.reason}); a TOML file is UTF-8. "
                               f"Re-save it as UTF-8.") from None
@@ -619,8 +642,8 @@ def apply_overlay(cfg: Config, path: str | None) -> Config:
         return cfg
     try:
         raw = tomllib.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
-        raise ConfigError(f"{OVERLAY_ENV}={path}: cannot be read as a TOML file ({exc}). Point it at a TOML "
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError, RecursionError) as exc:
+        raise ConfigError(f"{OVERLAY_ENV}={path}: cannot be read as a TOML file ({type(exc).__name__}: {exc}). Point it at a TOML "
                           f"file or unset it.") from None
     merged = cfg.to_dict()
     keys = []
@@ -752,6 +775,12 @@ def validate(cfg: Config) -> Config:
     check_lora(cfg.lora)
     _choice("dpo.loss", cfg.dpo.loss, ("sigmoid", "ipo"))
     _choice("dpo.reference", cfg.dpo.reference, ("live", "precomputed"))
+    for name in ("sft.max_chars", "dpo.max_chars"):
+        value = getattr(cfg.sft if name.startswith("sft") else cfg.dpo, "max_chars")
+        if 0 < value < MIN_MAX_CHARS:
+            raise ConfigError(f"{name} = {value}: the prompt's instruction alone is 40 characters, so a limit under "
+                              f"{MIN_MAX_CHARS} leaves out every function. Set 0 (no limit) or at least "
+                              f"{MIN_MAX_CHARS} (default {_default(*name.split('.'))!r}).")
     for name in BOUNDS:  # every number, both ends (the checks above keep their own wording)
         section, key = name.split(".", 1)
         check_bounds(name, getattr(getattr(cfg, section), key))

@@ -94,8 +94,8 @@ def test_the_message_names_field_value_range_and_default(name):
 
 @pytest.mark.parametrize("name,value,range_", [
     ("train.muon_momentum", 1.0, r"0\.0 <= value < 1\.0"), ("train.muon_momentum", -0.1, r"0\.0 <= value < 1\.0"),
-    ("train.muon_ns_steps", 0, r"1 <= value <= 100"), ("train.muon_lr_scale", -1.0, r"0\.0 <= value <= 100\.0"),
-    ("train.head_lr_scale", 1e3, r"0\.0 <= value <= 100\.0"),
+    ("train.muon_ns_steps", 0, r"1 <= value <= 100"), ("train.muon_lr_scale", -1.0, r"0\.0 < value <= 100\.0"),
+    ("train.head_lr_scale", 1e3, r"0\.0 < value <= 100\.0"),
 ])
 def test_muon_settings_are_bounded(name, value, range_):
     with pytest.raises(ConfigError, match=re.escape(f"{name} = {value!r}: expected ") + range_ + r" \(default"):
@@ -120,7 +120,7 @@ for rid, s, m in [
     ("warmup-huge", "train.warmup_steps=200000000", r"train\.warmup_steps = 200000000"),
     ("eval-every-huge", "train.eval_every=200000000", r"train\.eval_every = 200000000"),
     ("muon-momentum-1", "train.muon_momentum=1.0", r"train\.muon_momentum = 1\.0: expected 0\.0 <= value < 1\.0 \(default 0\.95\)"),
-    ("muon-lr-scale", "train.muon_lr_scale=1e9", r"train\.muon_lr_scale = 1000000000\.0: expected 0\.0 <= value <= 100\.0"),
+    ("muon-lr-scale", "train.muon_lr_scale=1e9", r"train\.muon_lr_scale = 1000000000\.0: expected 0\.0 < value <= 100\.0"),
 ]:
     ROWS.append(Row(f"bound-{rid}", ("pretrain", "--set", s, *PRETRAIN[1:]), m))
 SFT = ("sft", *C, *SFT_SETS, "--set", "sft.data=bad.jsonl", "--out", "newsft", "--no-progress")

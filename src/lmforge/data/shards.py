@@ -139,7 +139,9 @@ def _prepare_into(tmp: Path, source: str, tokenizer: Tokenizer, val_fraction: fl
             if split_meta[s]["documents"] == 0:
                 raise DataError(
                     f"data.source = {source!r}: the {s!r} split has no documents ({total} in all, "
-                    f"data.val_fraction = {val_fraction}). Add documents or change data.val_fraction."
+                    f"data.val_fraction = {val_fraction}). Add documents or change data.val_fraction"
+                    + (f" (about 3 of {total} documents: --set data.val_fraction={min(0.5, 3 / total):.2g})."
+                       if s == "val" and total >= 6 else ".")
                 )
         meta["splits"] = split_meta
         meta["skipped_bad_utf8"] = stats.bad_utf8
