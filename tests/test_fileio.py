@@ -198,7 +198,7 @@ def test_checkpoint_writer_keeps_the_previous_checkpoint(tmp_path, monkeypatch, 
     def boom(*a, **k):
         raise Boom("disk full")
 
-    monkeypatch.setattr(mio, "save_file", boom)
+    monkeypatch.setattr(mio, "save_safetensors", boom)
     with pytest.raises(Boom):
         save_checkpoint(run, 3, model, cfg, tok.folder, state={"tokens": 0, "data": {}})  # the same step again
     with pytest.raises(Boom):

@@ -85,10 +85,12 @@ def _seed(text: str) -> int:
 
 
 def _path_arg(text: str) -> str:
-    """A path on the command line: not empty (an empty --out would silently mean the config's folder)."""
+    """A path on the command line: not empty (an empty --out would silently mean the config's folder).
+    Bytes that are not UTF-8 are a real Linux file name (Python keeps them as surrogate escapes);
+    what no file system can take is refused by `_check_path_args`."""
     if not text.strip():
         raise argparse.ArgumentTypeError("empty path; give a path")
-    return _text_arg(text)
+    return text
 
 
 def _text_arg(text: str) -> str:
@@ -425,6 +427,9 @@ def main(argv: list[str] | None = None) -> int:
     import threading
 
     clear_stop_requests()
+    for stream in (sys.stdout, sys.stderr):  # a path with non-UTF-8 bytes in a message: \xNN, never a crash
+        if getattr(stream, "errors", None) == "strict" and hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="backslashreplace")
     previous: dict = {}
     if threading.current_thread() is threading.main_thread():
         previous = {s: signal.signal(s, _on_signal) for s in (signal.SIGINT, signal.SIGTERM)}

@@ -23,7 +23,7 @@ from typing import Any
 import tomli_w
 
 from lmforge.errors import ConfigError, os_advice
-from lmforge.fileio import write_text
+from lmforge.fileio import path_from_text, path_text, write_text
 
 #: The resolved config, written into every output folder and checkpoint.
 CONFIG_FILE = "config.toml"
@@ -333,7 +333,11 @@ class Config:
         return dataclasses.asdict(self)
 
     def to_toml(self) -> str:
-        return tomli_w.dumps(self.to_dict())
+        """The config as TOML; a path whose bytes are not UTF-8 is kept through `fileio.path_text`
+        (read back by `from_dict`)."""
+        raw = {section: {k: path_text(v) if isinstance(v, str) else v for k, v in values.items()}
+               for section, values in self.to_dict().items()}
+        return tomli_w.dumps(raw)
 
     def save(self, path: str | Path) -> None:
         """Write the resolved config as TOML (atomically)."""
@@ -492,7 +496,8 @@ def _coerce(section: str, key: str, value: Any, typ: type, where: str) -> Any:
             return float(value)
     elif typ is str:
         if isinstance(value, str):
-            bad = next((c for c in value if ord(c) < 32 or ord(c) == 127), None)
+            value = path_from_text(value)  # a path config.toml keeps as bytes (Config.to_toml)
+            bad = next((c for c in value if 0 < ord(c) < 32 or ord(c) == 127), None)  # NUL: the path check says it
             if bad is not None:
                 raise ConfigError(f"{where}: {name} = {value!r} holds the control character {bad!r} (a line break, a "
                                   f"tab, ...): every text field of the config is one line. Give the value on one line "
@@ -560,7 +565,7 @@ def apply_overrides(cfg: Config, overrides: list[str] | None) -> Config:
             )
         dotted, text = item.split("=", 1)
         section, key = dotted.strip().split(".", 1)
-        bad = next((c for c in item if ord(c) < 32 or ord(c) == 127), None)
+        bad = next((c for c in item if 0 < ord(c) < 32 or ord(c) == 127), None)  # NUL: the path check says it
         if bad is not None:
             raise ConfigError(f"--set {item!r}: holds the control character {bad!r} (a line break, a tab, ...); a "
                               f"--set value is one line, e.g. --set train.steps=100.")

@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from lmforge.errors import ContractError
+from lmforge.fileio import loads_json
 
 CONTRACT_FILE = "contract.json"
 #: The tokenizer files that travel with the contract into every data folder and checkpoint.
@@ -121,7 +122,7 @@ class Contract:
                 f"with the stage that writes it (train-tokenizer, prepare, pretrain)."
             )
         try:
-            raw = json.loads(path.read_text(encoding="utf-8"))
+            raw = loads_json(path.read_text(encoding="utf-8"))
             fields = {f.name for f in dataclasses.fields(cls)}
             if not isinstance(raw, dict):
                 raise ValueError(f"expected a JSON object, found {type(raw).__name__}")

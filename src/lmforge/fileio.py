@@ -57,7 +57,7 @@ def read_marker(folder: Path) -> dict | None:
     """
     path = Path(folder) / MARKER_FILE
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = loads_json(path.read_text(encoding="utf-8"))
     except (FileNotFoundError, NotADirectoryError, IsADirectoryError, ValueError, UnicodeDecodeError):
         return None
     except OSError as exc:
@@ -620,8 +620,57 @@ def _holds(path: Path, data: bytes) -> bool:
         return False
 
 
+def loads_json(text: str):
+    """`json.loads`; input nested past Python's recursion limit is a ValueError that says so
+    (callers that report ValueError as damaged JSON then name the file)."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError("nested too deeply to read (Python's recursion limit)") from None
+
+
 def write_json(path: str | Path, obj, fsync: bool = False) -> Path:
-    return write_text(path, json.dumps(obj, indent=2, ensure_ascii=False) + "\n", fsync=fsync)
+    """`obj` as indented JSON; text that UTF-8 cannot hold (a file name's bytes that are not
+    UTF-8, kept by Python as surrogate escapes) is written as JSON's \\u escapes instead."""
+    text = json.dumps(obj, indent=2, ensure_ascii=False) + "\n"
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        text = json.dumps(obj, indent=2) + "\n"
+    return write_text(path, text, fsync=fsync)
+
+
+#: The prefix of a path that `path_text` had to encode: a NUL, which no path can hold, so no
+#: real path is ever read as one.
+FS_BYTES_PREFIX = "\x00fs-bytes:"
+
+
+def path_text(text: str) -> str:
+    """A path as text that UTF-8 files (config.toml, JSON, safetensors metadata) can hold:
+    `text` itself when it is UTF-8, else (a Linux file name whose bytes are not UTF-8, which
+    Python keeps as surrogate escapes) FS_BYTES_PREFIX + its bytes percent-encoded.
+    `path_from_text` reverses it."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        from urllib.parse import quote
+
+        return FS_BYTES_PREFIX + quote(os.fsencode(text), safe="/._-~")
+
+
+def path_from_text(text: str) -> str:
+    """The path `path_text` encoded (any other text is returned as it is)."""
+    if isinstance(text, str) and text.startswith(FS_BYTES_PREFIX):
+        from urllib.parse import unquote_to_bytes
+
+        return os.fsdecode(unquote_to_bytes(text[len(FS_BYTES_PREFIX):]))
+    return text
+
+
+def shown_path(path: str | Path) -> str:
+    """A path for messages and reports: bytes that are not UTF-8 as \\xNN (always printable)."""
+    return os.fsencode(str(path)).decode("utf-8", "backslashreplace")
 
 
 class AppendFile:
@@ -762,3 +811,68 @@ __all__ = ["MARKER_FILE", "OutputError", "AppendFile", "open_append", "copy_file
            "write_failure", "atomic_dir", "atomic_file", "check_output", "check_not_inside_output",
            "check_user_file", "describe", "make_parent", "open_run_dir", "user_file",
            "output_lock", "read_marker", "replace_dir", "write_json", "write_marker", "write_text", "fsync_tree"]
+
+
+# -- native readers and writers (safetensors, tokenizers) take str paths, which must be UTF-8 ------
+def _native(path: str | Path) -> str | None:
+    """str(path) when a native library can take it, None when its bytes are not UTF-8."""
+    try:
+        str(path).encode("utf-8")
+        return str(path)
+    except UnicodeEncodeError:
+        return None
+
+
+def load_safetensors(path: str | Path) -> dict:
+    """`safetensors.torch.load_file`, also for a path whose bytes are not UTF-8 (read by Python)."""
+    from safetensors.torch import load, load_file
+
+    native = _native(path)
+    return load_file(native) if native is not None else load(Path(path).read_bytes())
+
+
+def save_safetensors(tensors: dict, path: str | Path, metadata: dict[str, str] | None = None) -> None:
+    """`safetensors.torch.save_file`, also into a folder whose name is not UTF-8."""
+    from safetensors.torch import save, save_file
+
+    native = _native(path)
+    if native is not None:
+        save_file(tensors, native, metadata=metadata)
+    else:
+        Path(path).write_bytes(save(tensors, metadata=metadata))
+
+
+def safetensors_metadata(path: str | Path) -> dict[str, str]:
+    """The `__metadata__` of a safetensors file (its JSON header), read without the weights.
+
+    Raises:
+        ValueError: not a safetensors header.
+    """
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) != 8:
+            raise ValueError("shorter than a safetensors header")
+        n = int.from_bytes(head, "little")
+        if n > 100 * 1024 * 1024:
+            raise ValueError(f"a header of {n} bytes")
+        header = json.loads(f.read(n))
+    meta = header.get("__metadata__") if isinstance(header, dict) else None
+    return meta if isinstance(meta, dict) else {}
+
+
+def load_hf_tokenizer(path: str | Path):
+    """`tokenizers.Tokenizer.from_file`, also for a path whose bytes are not UTF-8."""
+    from tokenizers import Tokenizer
+
+    native = _native(path)
+    return Tokenizer.from_file(native) if native is not None else Tokenizer.from_str(
+        Path(path).read_text(encoding="utf-8"))
+
+
+def save_hf_tokenizer(tok, path: str | Path) -> None:
+    """`tokenizers.Tokenizer.save` (pretty JSON), also into a folder whose name is not UTF-8."""
+    native = _native(path)
+    if native is not None:
+        tok.save(native)
+    else:
+        Path(path).write_text(tok.to_str(pretty=True), encoding="utf-8")

@@ -44,7 +44,7 @@ from lmforge.contract import (
     token_dtype_for,
 )
 from lmforge.errors import ContractError, DataError, LmforgeError, os_error, raise_if_stopped
-from lmforge.fileio import atomic_dir, check_output
+from lmforge.fileio import atomic_dir, check_output, load_hf_tokenizer, loads_json, save_hf_tokenizer
 
 #: Special tokens by name (the one place they are spelled). Order = id order when
 #: lmforge trains a tokenizer; nothing depends on that order (a test permutes it).
@@ -217,7 +217,7 @@ def save_tokenizer(tok: HFTokenizer, out_dir: str | Path, spellings: dict[str, s
 
 def _save_into(tok: HFTokenizer, tmp: Path, spellings: dict[str, str | None], extra: dict, chat_template: str,
                add_bos: bool) -> None:
-    tok.save(str(tmp / TOKENIZER_FILE))
+    save_hf_tokenizer(tok, tmp / TOKENIZER_FILE)
     specials = special_ids_of(tok, where=str(tmp / TOKENIZER_FILE), spellings=spellings)
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
@@ -439,7 +439,7 @@ class Tokenizer:
         contract = Contract.load(folder, what="tokenizer folder")
         check_tokenizer_hash(contract, folder / CONTRACT_FILE, path)
         try:
-            hf = HFTokenizer.from_file(str(path))
+            hf = load_hf_tokenizer(path)
         except Exception as exc:  # the tokenizers library raises a bare Exception on a file it cannot parse
             raise ContractError(
                 f"{path} is not a tokenizer the `tokenizers` library can read ({str(exc).splitlines()[0][:200]}). "
@@ -607,10 +607,10 @@ ROUND_TRIP_PROBES: tuple[str, ...] = (
 
 def _read_json(path: str | Path) -> dict:
     try:
-        raw = json.loads(Path(path).read_text(encoding="utf-8"))
+        raw = loads_json(Path(path).read_text(encoding="utf-8"))
     except OSError as exc:  # the system's refusal, in its own words (not a damaged file)
         raise os_error(exc, path, "read") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (UnicodeDecodeError, ValueError) as exc:
         raise ContractError(f"{path}: not readable JSON ({exc}). Restore the file from where it came from.") from None
     if not isinstance(raw, dict):
         raise ContractError(f"{path}: expected a JSON object, found {type(raw).__name__}.")
@@ -725,7 +725,7 @@ def import_tokenizer(src_dir: str | Path, out_dir: str | Path,
         raise LmforgeError(f"--out {out} is the --from folder; the source is never modified. Choose another --out.")
     check_output(out, TOKENIZER_OUTPUT, "import-tokenizer", replace_whole=True)  # before any work
     try:
-        hf = HFTokenizer.from_file(str(path))
+        hf = load_hf_tokenizer(path)
     except Exception as exc:  # the Rust library raises plain Exception subclasses
         raise ContractError(f"{path}: HF tokenizers cannot read it ({exc}). Use a tokenizer.json that "
                             f"`tokenizers.Tokenizer.from_file` loads.") from None

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from lmforge.errors import DataError, require_package
+from lmforge.fileio import shown_path
 
 RECORD_SUFFIXES = (".jsonl", ".parquet")
 
@@ -79,7 +80,7 @@ def _jsonl(path: Path) -> Iterator[tuple[str, object]]:
         for lineno, raw in enumerate(f, 1):
             if not raw.strip():
                 continue
-            where = f"{path}:{lineno}"
+            where = f"{shown_path(path)}:{lineno}"
             try:
                 record = json.loads(raw)
             except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -113,7 +114,7 @@ def _parquet(path: Path, columns: list[str] | None) -> Iterator[tuple[str, objec
             raise DataError(f"{path}: damaged after row {row} ({_first_line(exc)}). Re-write the file.") from None
         for record in records:
             row += 1
-            yield f"{path} row {row}", record
+            yield f"{shown_path(path)} row {row}", record
 
 
 def _first_line(exc: BaseException) -> str:

@@ -146,6 +146,8 @@ def _prepare_into(tmp: Path, source: str, tokenizer: Tokenizer, val_fraction: fl
         meta["splits"] = split_meta
         meta["skipped_bad_utf8"] = stats.bad_utf8
         meta["skipped_empty"] = stats.empty
+        meta["skipped_not_regular"] = stats.not_regular
+        meta["skipped_names"] = stats.skipped_names[:20]
         meta["skipped_duplicates"] = duplicates
         meta["seconds"] = round(time.perf_counter() - t0, 2)
         (tmp / "hashes.json").write_text(json.dumps(hashes), encoding="utf-8")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import stat
 import sysconfig
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -17,6 +18,7 @@ from pathlib import Path
 
 from lmforge.data.records import RECORD_SUFFIXES, check_text, content_key, iter_records, short
 from lmforge.errors import DataError, os_error
+from lmforge.fileio import shown_path
 
 TEXT_SUFFIXES = (".txt", ".md", ".py")
 SPLITS = ("train", "val")
@@ -36,6 +38,8 @@ class SourceStats:
     documents: int = 0
     bad_utf8: int = 0
     empty: int = 0
+    not_regular: int = 0
+    """Files with a corpus suffix that are not regular files (a FIFO, a device, a link to one): never read."""
     skipped_names: list[str] = field(default_factory=list)
 
 
@@ -62,40 +66,45 @@ def _unlistable(exc: OSError) -> None:
     raise os_error(exc, doing="list", what="Its files would be missing from the corpus.")
 
 
-def _walk(root: Path, suffixes: tuple[str, ...], skip_dirs: set[str]) -> Iterator[Path]:
+def _walk(root: Path, suffixes: tuple[str, ...], skip_dirs: set[str], stats: "SourceStats | None" = None
+          ) -> Iterator[Path]:
     for dirpath, dirnames, filenames in os.walk(root, onerror=_unlistable):
         dirnames[:] = sorted(d for d in dirnames if d not in skip_dirs and not d.startswith("."))
         for name in sorted(filenames):
             path = Path(dirpath) / name
-            # regular files only: a FIFO or a device named *.txt would block the read forever
-            if name.endswith(suffixes) and path.is_file():
+            if not name.endswith(suffixes):
+                continue
+            # regular files only, never read otherwise: a FIFO, a device or a link to one named *.txt would
+            # block the read forever or never end (/dev/zero); each is counted and named in the report
+            try:
+                regular = stat.S_ISREG(path.stat().st_mode)
+            except OSError:  # a broken link or a loop: _read_text names the system's reason
+                regular = True
+            if regular:
                 yield path
+            elif stats is not None:
+                stats.not_regular += 1
+                stats.skipped_names.append(shown_path(path))
 
 
 def _read_text(path: Path, stats: SourceStats, on_bad_utf8: str) -> str | None:
-    try:
-        str(path).encode("utf-8")
-    except UnicodeEncodeError:  # a file name that is not UTF-8: it cannot name a document
-        if on_bad_utf8 == "error":
-            raise DataError(f"{str(path)!r}: the file name is not UTF-8. Rename the file, or set "
-                            f"data.on_bad_utf8=\"skip\" to skip such files with a count.") from None
-        stats.bad_utf8 += 1
-        stats.skipped_names.append(repr(str(path)))
-        return None
+    # A file name whose bytes are not UTF-8 is a real Linux name: its text is read like any other,
+    # and the document is named with those bytes as \xNN (shown_path).
     try:
         data = path.read_bytes()
     except OSError as exc:  # vanished, unreadable, a broken link
-        raise DataError(f"{path}: cannot be read ({exc.strerror}). Restore it or remove it from the corpus.") from None
+        raise DataError(f"{shown_path(path)}: cannot be read ({exc.strerror}). Restore it or remove it from the "
+                        f"corpus.") from None
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:
         if on_bad_utf8 == "error":
             raise DataError(
-                f"{path} is not UTF-8 ({exc.reason} at byte {exc.start}). Convert it to UTF-8, "
+                f"{shown_path(path)} is not UTF-8 ({exc.reason} at byte {exc.start}). Convert it to UTF-8, "
                 f"remove it, or set data.on_bad_utf8=\"skip\" to skip such files with a count."
             ) from None
         stats.bad_utf8 += 1
-        stats.skipped_names.append(str(path))
+        stats.skipped_names.append(shown_path(path))
         return None
 
 
@@ -133,7 +142,7 @@ def _iter_all(source: str, include_tests: bool, on_bad_utf8: str, stats: SourceS
         skip = {"site-packages", "dist-packages", "__pycache__"}
         if not include_tests:
             skip |= {"test", "tests"}
-        for path in _walk(root, (".py",), skip):
+        for path in _walk(root, (".py",), skip, stats):
             text = _read_text(path, stats, on_bad_utf8)
             if text is not None:
                 rel = path.relative_to(root)
@@ -147,11 +156,11 @@ def _iter_all(source: str, include_tests: bool, on_bad_utf8: str, stats: SourceS
         )
     if path.is_dir():
         found = False
-        for file in _walk(path, TEXT_SUFFIXES, {"__pycache__"}):
+        for file in _walk(path, TEXT_SUFFIXES, {"__pycache__"}, stats):
             found = True
             text = _read_text(file, stats, on_bad_utf8)
             if text is not None:
-                rel = file.relative_to(path).as_posix()
+                rel = shown_path(file.relative_to(path).as_posix())
                 yield Document(rel, text, key=rel)
         if not found:
             raise DataError(

@@ -112,7 +112,7 @@ from lmforge.config import ModelConfig
 from lmforge.contract import Contract
 from lmforge.errors import require_package
 from lmforge.export.options import EXPORT_DTYPES, ExportError, check_dtype_range, check_export_options
-from lmforge.fileio import check_user_file, user_file
+from lmforge.fileio import check_user_file, loads_json, user_file
 from lmforge.loading import load_checkpoint
 from lmforge.model.io import model_state
 from lmforge.tokenizer import CHAT_TEMPLATE, SPLIT_PATTERN, TOKENIZER_FILE, byte_decoder
@@ -325,7 +325,7 @@ def gguf_vocab(tokenizer_json: str | Path, vocab_size: int) -> GGUFVocab:
     gguf = require_gguf()
     path = Path(tokenizer_json)
     try:
-        tj = json.loads(path.read_text(encoding="utf-8"))
+        tj = loads_json(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
         raise ExportError(f"{path}: cannot read it as JSON ({exc}).") from None
     fix = ("The GGUF would tokenize differently from this checkpoint, so it is not written. Export with "

@@ -26,11 +26,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors.torch import save_file
 
 from lmforge.export.gguf import LLAMA3_PATTERN, QWEN2_PATTERN, SPM_SPACE, require_gguf
 from lmforge.export.hf import import_hf
 from lmforge.export.options import ExportError
+from lmforge.fileio import save_safetensors
 
 #: llama.cpp architecture -> (HF architectures entry, model_type)
 ARCHS = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2"),
@@ -194,7 +194,7 @@ def hf_folder_from_gguf(path: str | Path, folder: Path) -> None:
         config.update(use_sliding_window=False)
     tj, tok_config = rebuild_tokenizer(kv, path)
     (folder / "config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
-    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    save_safetensors(state, folder / "model.safetensors", metadata={"format": "pt"})
     (folder / "tokenizer.json").write_text(json.dumps(tj, ensure_ascii=False), encoding="utf-8")
     (folder / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2, ensure_ascii=False),
                                                   encoding="utf-8")

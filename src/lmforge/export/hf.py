@@ -42,13 +42,12 @@ import shutil
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 
 from lmforge.config import Config, ModelConfig, from_dict, validate
 from lmforge.contract import Contract, padded_vocab_size
 from lmforge.errors import CheckpointError, ConfigError, require_package
 from lmforge.export.options import ExportError, check_dtype_range, check_export_options
-from lmforge.fileio import atomic_dir, check_output, check_readable
+from lmforge.fileio import atomic_dir, check_output, check_readable, load_hf_tokenizer, loads_json, load_safetensors, save_safetensors
 from lmforge.loading import load_checkpoint
 from lmforge.model.io import MODEL_FILE, load_weights, model_state, write_model_files
 from lmforge.tokenizer import CHAT_TEMPLATE, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, Tokenizer, short_repr
@@ -421,7 +420,7 @@ def export_hf(checkpoint: str | Path, out: str | Path, dtype: str = "float32", v
     torch_dtype = DTYPES[dtype]
     hf = to_hf_state(model_state(model), contract.vocab_size, cfg.model.tie_embeddings, torch_dtype)  # before a write
     with atomic_dir(out, EXPORT_OUTPUT, what="`lmforge export`") as tmp:
-        save_file(hf, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        save_safetensors(hf, tmp / WEIGHTS_FILE, metadata={"format": "pt"})
         config = hf_config(model.config, contract, torch_dtype)
         _write_json(tmp / HF_CONFIG_FILE, config)
         shutil.copy2(path / TOKENIZER_FILE, tmp / TOKENIZER_FILE)
@@ -455,7 +454,7 @@ def _tokenizer_config(tok: Tokenizer, max_seq_len: int) -> dict:
     tokenizer does not act on it, and chat rendering never adds a BOS the template lacks),
     no automatic EOS, and model_max_length = max_seq_len."""
     path = tok.folder / TOKENIZER_CONFIG_FILE
-    cfg = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    cfg = loads_json(path.read_text(encoding="utf-8")) if path.is_file() else {}
     spell = tok.spellings
     cfg.setdefault("tokenizer_class", "PreTrainedTokenizerFast")
     for name in ("bos", "eos", "pad"):
@@ -516,21 +515,38 @@ def verify_export(model: torch.nn.Module, folder: str | Path, tol: float | None 
 # -- import ------------------------------------------------------------------------------
 
 
+def model_root(folder: Path) -> Path:
+    """The folder whose files an import may read: `folder` itself (resolved), or, for a snapshot
+    of the Hugging Face hub cache (`.../models--ORG--NAME/snapshots/REV/`, whose files are links
+    into `../../blobs/`), that model's own cache folder `models--ORG--NAME`."""
+    try:
+        real = folder.resolve()
+    except (OSError, RuntimeError):
+        return folder
+    if real.parent.name == "snapshots" and real.parent.parent.name.startswith("models--"):
+        return real.parent.parent
+    return real
+
+
 def confined(folder: Path, name: str, what: str | None = None) -> Path:
     """`folder / name`, refused unless it stays inside `folder` once resolved: no absolute
     path, no `..`, no symbolic link to a file elsewhere (import reads only the folder it is given).
+    In a snapshot of the Hugging Face cache, links into the same model's cache folder
+    (`../../blobs/HASH`) are inside (`model_root`); links anywhere else are still refused.
 
     Raises:
         ExportError: naming the file and where it leads.
     """
     what = what or repr(name)
     path = folder / name
+    root = model_root(folder)
     try:
-        inside = Path(name).is_absolute() is False and path.resolve().is_relative_to(folder.resolve())
+        inside = Path(name).is_absolute() is False and path.resolve().is_relative_to(root)
     except (OSError, RuntimeError, ValueError):  # a link loop, a name the OS cannot take
         inside = False
     if not inside:
-        raise ExportError(f"{folder}: {what} leads outside the folder ({path}); import-hf reads only files inside "
+        where = "the folder" if root == folder.resolve() else f"the model's cache folder {root}"
+        raise ExportError(f"{folder}: {what} leads outside {where} ({path}); import-hf reads only files inside "
                           f"the folder it is given. Copy the file into {folder} under a plain name.")
     return path
 
@@ -546,7 +562,7 @@ def read_hf_weights(folder: Path) -> dict[str, torch.Tensor]:
     shards: list = []
     if (folder / WEIGHTS_INDEX_FILE).is_file() and not (folder / WEIGHTS_FILE).is_file():
         try:
-            index = json.loads(confined(folder, WEIGHTS_INDEX_FILE).read_text(encoding="utf-8"))
+            index = loads_json(confined(folder, WEIGHTS_INDEX_FILE).read_text(encoding="utf-8"))
             shards = sorted(set(index["weight_map"].values()))
         except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as exc:
             raise ExportError(f"{folder / WEIGHTS_INDEX_FILE}: not an index of shards ({type(exc).__name__}: "
@@ -557,11 +573,11 @@ def read_hf_weights(folder: Path) -> dict[str, torch.Tensor]:
             confined(folder, shard, what=f"shard {shard!r} named in {WEIGHTS_INDEX_FILE}")
     try:
         if (folder / WEIGHTS_FILE).is_file():
-            state = load_file(str(confined(folder, WEIGHTS_FILE)))
+            state = load_safetensors(confined(folder, WEIGHTS_FILE))
         elif shards:
             state = {}
             for shard in shards:
-                state.update(load_file(str(confined(folder, shard))))
+                state.update(load_safetensors(confined(folder, shard)))
         elif (folder / "pytorch_model.bin").is_file():
             state = torch.load(confined(folder, "pytorch_model.bin"), map_location="cpu", weights_only=True)
     except ExportError:
@@ -613,8 +629,6 @@ def import_hf(folder: str | Path, out: str | Path, log=None, eos_token: str = ""
         ids, or `out` holding other files.
         ContractError: no tokenizer.json, or one lmforge cannot use (see import_tokenizer).
     """
-    from tokenizers import Tokenizer as HFTokenizer
-
     from lmforge.model import Transformer, resolve_model_config
     from lmforge.tokenizer import import_tokenizer, vocab_size_of
 
@@ -628,14 +642,14 @@ def import_hf(folder: str | Path, out: str | Path, log=None, eos_token: str = ""
         if (folder / name).exists() or (folder / name).is_symlink():
             confined(folder, name)
     try:
-        raw = json.loads(cfg_path.read_text(encoding="utf-8"))
+        raw = loads_json(cfg_path.read_text(encoding="utf-8"))
     except (ValueError, UnicodeDecodeError) as exc:
         raise ExportError(f"{cfg_path}: not valid JSON ({exc}).") from None
     model_cfg = model_config_from_hf(raw, str(cfg_path), log=say)
     with atomic_dir(out, IMPORT_OUTPUT, what="`lmforge import-hf`") as tmp:
         tok = import_tokenizer(folder, tmp / "tokenizer", log=say, eos_token=eos_token)
         contract = tok.contract
-        original = vocab_size_of(HFTokenizer.from_file(str(folder / TOKENIZER_FILE)))
+        original = vocab_size_of(load_hf_tokenizer(folder / TOKENIZER_FILE))
         hf_state = read_hf_weights(folder)
         rows = hf_state.get("model.embed_tokens.weight")
         hf_vocab = raw.get("vocab_size")

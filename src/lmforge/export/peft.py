@@ -18,11 +18,10 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from lmforge.export.hf import EXPORT_OUTPUT, map_name
 from lmforge.export.options import ExportError, check_export_options
-from lmforge.fileio import atomic_dir, check_output
+from lmforge.fileio import atomic_dir, check_output, save_safetensors
 from lmforge.model import Transformer, lora, resolve_model_config
 from lmforge.model.io import MODEL_FILE, read_checkpoint_meta, read_weights, resolve_checkpoint
 from lmforge.model.transformer import check_lora_base, lora_base
@@ -73,7 +72,7 @@ def export_peft(checkpoint: str | Path, out: str | Path, dtype: str = "float32",
         "base_model_name_or_path": None,
     }
     with atomic_dir(out, EXPORT_OUTPUT, what="`lmforge export`") as tmp:
-        save_file(tensors, str(tmp / PEFT_WEIGHTS_FILE), metadata={"format": "pt"})
+        save_safetensors(tensors, tmp / PEFT_WEIGHTS_FILE, metadata={"format": "pt"})
         (tmp / PEFT_CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
     return out
 

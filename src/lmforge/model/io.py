@@ -26,13 +26,12 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
 
 from lmforge.config import CONFIG_FILE, Config, load_config
 from lmforge.contract import (CONTRACT_FILE, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, Contract,
                               check_tokenizer_hash)
 from lmforge.errors import CheckpointError, LmforgeError
-from lmforge.fileio import check_readable
+from lmforge.fileio import check_readable, load_safetensors, save_safetensors
 from lmforge.model import lora
 
 MODEL_FILE = "model.safetensors"
@@ -159,7 +158,7 @@ def read_weights(model: torch.nn.Module, path: Path) -> dict[str, torch.Tensor]:
                               f"is damaged. Use another checkpoint (or delete this step folder).")
     check_readable(path)  # the operating system's refusal in its own words (safetensors says "not found")
     try:
-        state = load_file(str(path))
+        state = load_safetensors(path)
     except (SafetensorError, OSError, ValueError) as exc:
         raise CheckpointError(f"{path}: cannot read weights ({exc}). The file is damaged; use another checkpoint.") from None
     own = model.state_dict()  # DTensor shapes are the full shapes
@@ -206,7 +205,7 @@ def write_model_files(folder: Path, weights: dict[str, torch.Tensor], config: Co
                       metadata: dict[str, str] | None = None) -> None:
     """The files every checkpoint holds (weights, config, contract, tokenizer files), into
     `folder` (a temporary folder of `lmforge.fileio.atomic_dir`)."""
-    save_file(weights, str(folder / MODEL_FILE), metadata=metadata)
+    save_safetensors(weights, folder / MODEL_FILE, metadata=metadata)
     config.save(folder / CONFIG_FILE)
     for name in CONTRACT_FILES:
         shutil.copy2(Path(contract_dir) / name, folder / name)

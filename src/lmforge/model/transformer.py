@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from lmforge.config import CONFIG_FILE, Config, ModelConfig
 from lmforge.contract import CONTRACT_FILE, Contract, check_match, padded_vocab_size
 from lmforge.errors import CheckpointError, ConfigError, ContractError
+from lmforge.fileio import path_from_text, safetensors_metadata
 from lmforge.model import decode, lora
 from lmforge.model.attention import BACKENDS, AttentionMask, prepare_mask
 from lmforge.model.decode import KVCache
@@ -398,18 +399,15 @@ def lora_base(path: Path) -> tuple[Path, str]:
     Raises:
         CheckpointError: no record (not a LoRA checkpoint lmforge wrote).
     """
-    from safetensors import safe_open
-
     try:
-        with safe_open(str(path / MODEL_FILE), "pt") as f:
-            meta = f.metadata() or {}
+        meta = safetensors_metadata(path / MODEL_FILE)
     except Exception as exc:  # safetensors raises several kinds
         raise CheckpointError(f"{path / MODEL_FILE}: cannot read ({exc}); the checkpoint is damaged.") from None
     if lora.BASE_PATH_KEY not in meta or lora.BASE_SHA256_KEY not in meta:
         raise CheckpointError(f"{path / MODEL_FILE}: a LoRA checkpoint (lora.rank > 0 in its {CONFIG_FILE}) without "
                               f"the base checkpoint's location and hash in its metadata. Use a checkpoint written "
                               f"by `lmforge sft` with lora.rank > 0.")
-    return Path(meta[lora.BASE_PATH_KEY]), meta[lora.BASE_SHA256_KEY]
+    return Path(path_from_text(meta[lora.BASE_PATH_KEY])), meta[lora.BASE_SHA256_KEY]
 
 
 def check_lora_base(path: Path, base: Path, sha256: str) -> None:

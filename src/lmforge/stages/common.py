@@ -236,10 +236,10 @@ def run_training(session: TrainingSession, contract_dir: Path, model: Transforme
     plan = make_plan(trainer, rows_per_sample=rows)
     if info.is_main:
         log(plan_lines(plan))
+        # every text made first: a side file that cannot be written leaves no half-made run folder
+        texts = {CONFIG_FILE: cfg.to_toml(), PLAN_FILE: json.dumps(plan, indent=2) + "\n", **(side_files or {})}
         copy_contract_files(Path(contract_dir), out)
-        write_text(out / CONFIG_FILE, cfg.to_toml(), skip_same=True)
-        write_text(out / PLAN_FILE, json.dumps(plan, indent=2) + "\n", skip_same=True)
-        for name, text in (side_files or {}).items():
+        for name, text in texts.items():
             write_text(out / name, text, skip_same=True)
     return trainer.fit()
 

@@ -28,7 +28,7 @@ from lmforge.config import Config
 from lmforge.data.preferences import (PairStream, cap_pairs, pair_batches, pair_from_record, read_pairs,
                                       render_pairs, split_pairs)
 from lmforge.errors import ConfigError, DataError
-from lmforge.fileio import check_output
+from lmforge.fileio import check_output, path_text
 from lmforge.loading import load_checkpoint
 from lmforge.model import lora
 from lmforge.model.io import MODEL_FILE, resolve_checkpoint
@@ -105,7 +105,7 @@ def dpo_stage(cfg: Config, out: str | Path, resume: bool = False, dry_run: bool 
         if resume:
             check_same_base(Path(out), init, base_sha)
         lora.inject(model, cfg.lora, seed=cfg.train.seed)
-        model.lora_base = {lora.BASE_PATH_KEY: str(init.resolve()), lora.BASE_SHA256_KEY: base_sha}
+        model.lora_base = {lora.BASE_PATH_KEY: path_text(str(init.resolve())), lora.BASE_SHA256_KEY: base_sha}
     cfg = dpo_config(replace(cfg, tokenizer=replace(cfg.tokenizer, dir=str(tok.folder))), init_cfg)
     with training_session(cfg, out, "dpo", resume, dry_run) as session:
         info, rt = session.info, session.runtime

@@ -21,8 +21,10 @@ def prepare_stage(cfg: Config, out: str | Path | None = None, progress: bool = T
     for split, m in meta["splits"].items():
         log(f"prepare: {split}: {m['documents']} documents, {m['tokens']:,} tokens, {m['bytes']:,} bytes "
             f"({m['bytes'] / max(1, m['tokens'] - 2 * m['documents']):.2f} bytes/token)")
-    skipped = {k: meta[k] for k in ("skipped_bad_utf8", "skipped_empty", "skipped_duplicates") if meta.get(k)}
+    skipped = {k: meta[k] for k in ("skipped_bad_utf8", "skipped_empty", "skipped_duplicates", "skipped_not_regular")
+               if meta.get(k)}
     if skipped:
-        log(f"prepare: skipped {skipped}")
+        log(f"prepare: skipped {skipped}" + (f" (not regular files, never read: {', '.join(meta['skipped_names'][:3])})"
+                                            if meta.get("skipped_not_regular") else ""))
     log(data_report_lines(meta["report"]))
     return meta

@@ -18,6 +18,7 @@ from lmforge.data.packing import shard_stream
 from lmforge.errors import ConfigError
 from lmforge.data.shards import Shard, preflight
 from lmforge.evaluate import shard_batches
+from lmforge.fileio import path_text
 from lmforge.loading import load_checkpoint
 from lmforge.model import lora
 from lmforge.model.io import MODEL_FILE, resolve_checkpoint
@@ -57,7 +58,7 @@ def pretrain_stage(cfg: Config, out: str | Path, resume: bool = False, dry_run: 
             if resume:
                 check_same_base(Path(out), init, base_sha)
             lora.inject(model, cfg.lora, seed=cfg.train.seed)
-            model.lora_base = {lora.BASE_PATH_KEY: str(init.resolve()), lora.BASE_SHA256_KEY: base_sha}
+            model.lora_base = {lora.BASE_PATH_KEY: path_text(str(init.resolve())), lora.BASE_SHA256_KEY: base_sha}
     with training_session(cfg, out, "pretrain", resume, dry_run) as s:
         cfg = s.cfg  # train.micro_batch_size = "auto" is resolved there
         tok = Tokenizer.load(cfg.tokenizer.dir)

@@ -26,7 +26,7 @@ from lmforge.data.conversations import (Conversation, cap_examples, read_convers
                                         sft_stream, split_conversations)
 from lmforge.data.stdlib_functions import StdlibStats, stdlib_examples
 from lmforge.errors import CheckpointError, ConfigError, DataError, LmforgeError
-from lmforge.fileio import check_output
+from lmforge.fileio import check_output, path_text
 from lmforge.loading import load_checkpoint
 from lmforge.model import lora
 from lmforge.model.io import MODEL_FILE, latest_checkpoint, read_checkpoint_meta, resolve_checkpoint
@@ -131,7 +131,7 @@ def sft_stage(cfg: Config, out: str | Path, resume: bool = False, dry_run: bool 
         if resume:
             check_same_base(Path(out), init, base_sha)
         lora.inject(model, cfg.lora, seed=cfg.train.seed)
-        model.lora_base = {lora.BASE_PATH_KEY: str(init.resolve()), lora.BASE_SHA256_KEY: base_sha}
+        model.lora_base = {lora.BASE_PATH_KEY: path_text(str(init.resolve())), lora.BASE_SHA256_KEY: base_sha}
     cfg = sft_config(replace(cfg, tokenizer=replace(cfg.tokenizer, dir=str(tok.folder))), init_cfg)
     with training_session(cfg, out, "sft", resume, dry_run) as session:
         info = session.info

@@ -49,7 +49,9 @@ def train_tokenizer_stage(cfg: Config, out: str | Path | None = None, progress: 
         cfg.save(out / CONFIG_FILE)
     log(f"tokenizer: {tok.vocab_size} tokens (model vocab {tok.contract.model_vocab_size}) trained on "
         f"{stats.documents} documents in {time.perf_counter() - t0:.1f}s -> {out}"
-        + (f" ({stats.bad_utf8} non-UTF-8 files skipped)" if stats.bad_utf8 else ""))
+        + (f" ({stats.bad_utf8} non-UTF-8 files skipped)" if stats.bad_utf8 else "")
+        + (f" ({stats.not_regular} files that are not regular files skipped, never read: "
+           f"{', '.join(stats.skipped_names[:3])})" if stats.not_regular else ""))
     log(report_lines(report))
     return tok
 

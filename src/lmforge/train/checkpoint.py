@@ -25,7 +25,7 @@ import torch
 
 from lmforge.config import Config
 from lmforge.errors import CheckpointError
-from lmforge.fileio import atomic_dir
+from lmforge.fileio import atomic_dir, loads_json
 from lmforge.model.io import (OPTIMIZER_FILE, RNG_FILE, STATE_FILE, is_sharded, is_tied, model_state,
                               list_checkpoints, saved_state, step_dir_name, weights_metadata,
                               write_model_files)
@@ -190,7 +190,7 @@ def load_training_state(folder: Path) -> tuple[dict, dict, dict]:
                               f"(weights alone are not a training state). Resume from a checkpoint written by "
                               f"`lmforge pretrain`/`sft`, or start a new run with sft.init pointing at it.")
     try:
-        state = json.loads((folder / STATE_FILE).read_text(encoding="utf-8"))
+        state = loads_json((folder / STATE_FILE).read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"{folder / STATE_FILE}: not readable JSON ({exc}). Resume from another checkpoint "
                               f"(delete this step folder).") from None
