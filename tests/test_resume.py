@@ -158,13 +158,13 @@ import lmforge.model.io as mio
 from lmforge.config import load_config
 from lmforge.stages import pretrain_stage
 
-write = mio.save_file
+write = mio.save_safetensors
 def slow_write(state, path, metadata=None):  # the weights of step 6 are on disk; the rest is not yet
     write(state, path, metadata=metadata)
-    if ".step_000006.tmp-" in path:
+    if ".step_000006.tmp-" in str(path):
         print("WRITING", flush=True)
         time.sleep(120)
-mio.save_file = slow_write
+mio.save_safetensors = slow_write
 pretrain_stage(load_config({str(tmp_path / 'cfg.toml')!r}), {str(run)!r}, progress=False)
 """)
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
@@ -196,7 +196,7 @@ pretrain_stage(load_config({str(tmp_path / 'cfg.toml')!r}), {str(run)!r}, progre
     assert [m["step"] for m in got] == list(range(1, 7))  # truncated to step 3 on resume, no duplicates
     assert [m["loss"] for m in got] == [m["loss"] for m in want]
     assert_same_state(run / "step_000006", tmp_path / "straight" / "step_000006")
-    assert sorted(p.name for p in run.iterdir()) == [".lmforge-output", "config.toml", "contract.json", "metrics.jsonl",
+    assert sorted(p.name for p in run.iterdir()) == [".lmforge-output", "config.toml", "contract.json", "data_inputs.json", "metrics.jsonl",
                                                      "plan.json", "step_000003", "step_000006", "tokenizer.json",
                                                      "tokenizer_config.json"]  # stale .tmp and lock gone
 

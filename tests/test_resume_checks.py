@@ -30,7 +30,7 @@ from test_bad_inputs import C, conversations, project, tree_hash  # noqa: E402,F
 from test_resume import _trainer, read_metrics, sigterm_at, with_train  # noqa: E402
 
 from lmforge.cli import main  # noqa: E402
-from lmforge.config import Config  # noqa: E402
+from lmforge.config import SECTIONS, Config  # noqa: E402
 from lmforge.errors import CheckpointError  # noqa: E402
 from lmforge.stages import pretrain_stage, sft_stage  # noqa: E402
 from lmforge.train import checkpoint as ckpt  # noqa: E402
@@ -38,8 +38,7 @@ from lmforge.train.resume import RESUME_RULES, STAGES, check_resume_config  # no
 
 
 def test_every_config_field_has_exactly_one_rule():
-    fields = [f"{s.name}.{f.name}" for s in dataclasses.fields(Config)
-              for f in dataclasses.fields(type(getattr(Config(), s.name)))]
+    fields = [f"{s}.{f.name}" for s in SECTIONS for f in dataclasses.fields(type(getattr(Config(), s)))]
     ruled = [r.field for r in RESUME_RULES]
     assert len(ruled) == len(set(ruled))
     assert sorted(ruled) == sorted(fields)

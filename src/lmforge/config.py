@@ -27,6 +27,9 @@ from lmforge.fileio import path_from_text, path_text, write_text
 
 #: The resolved config, written into every output folder and checkpoint.
 CONFIG_FILE = "config.toml"
+#: The most tokens one optimizer step may take on one data-parallel rank (micro-batch x accumulation
+#: x seq_len; the global batch x seq_len for an automatic micro-batch).
+MAX_TOKENS_PER_STEP = 1 << 30
 #: sft.max_chars / dpo.max_chars: 0 (no limit) or at least this many characters of prompt + body.
 MIN_MAX_CHARS = 100
 #: The largest tokenizer vocabulary lmforge trains or accepts (Gemma's is 256K; the BPE
@@ -328,9 +331,13 @@ class Config:
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     dpo: DPOConfig = field(default_factory=DPOConfig)
     generate: SamplingConfig = field(default_factory=SamplingConfig)
+    set_keys: tuple[str, ...] = field(default=(), compare=False, repr=False)
+    """The "section.key" names given with --set on this command line (not a section: never
+    saved), for checks that must tell a value typed now from a default or a recipe's."""
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
-        return dataclasses.asdict(self)
+        return {f.name: dataclasses.asdict(getattr(self, f.name)) for f in dataclasses.fields(self)
+                if f.name != "set_keys"}
 
     def to_toml(self) -> str:
         """The config as TOML; a path whose bytes are not UTF-8 is kept through `fileio.path_text`
@@ -456,7 +463,7 @@ def _round_up(n: int, multiple: int) -> int:
     return int(math.ceil(n / multiple) * multiple)
 
 
-SECTIONS: dict[str, type] = {f.name: f.type for f in dataclasses.fields(Config)}
+SECTIONS: dict[str, type] = {f.name: f.type for f in dataclasses.fields(Config) if f.name != "set_keys"}
 _SECTION_TYPES = {
     "tokenizer": TokenizerConfig,
     "data": DataConfig,
@@ -558,6 +565,7 @@ def _parse_override_value(text: str) -> Any:
 def apply_overrides(cfg: Config, overrides: list[str] | None) -> Config:
     """Apply `section.key=value` strings (the repeatable `--set` flag)."""
     raw = cfg.to_dict()
+    names: list[str] = []
     for item in overrides or []:
         if "=" not in item or "." not in item.split("=", 1)[0]:
             raise ConfigError(
@@ -587,7 +595,10 @@ def apply_overrides(cfg: Config, overrides: list[str] | None) -> Config:
         if typ is str and not isinstance(value, str):
             value = text.strip()  # e.g. --set sft.init=123 names a folder "123"
         raw[section][key] = value
-    return from_dict(raw, where="--set")
+        names.append(f"{section}.{key}")
+    out = from_dict(raw, where="--set")
+    out.set_keys = tuple(dict.fromkeys((*cfg.set_keys, *names)))
+    return out
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
@@ -658,6 +669,7 @@ def apply_overlay(cfg: Config, path: str | None) -> Config:
         merged[section].update(values)
         keys += [f"{section}.{k}" for k in values]
     out = from_dict(merged, where=f"{OVERLAY_ENV}={path}")
+    out.set_keys = cfg.set_keys
     if path not in _overlay_said:
         _overlay_said.add(path)
         print(f"config: {OVERLAY_ENV}={path} sets {', '.join(keys)} (over --config and --set)", file=sys.stderr)
@@ -780,6 +792,14 @@ def validate(cfg: Config) -> Config:
     check_lora(cfg.lora)
     _choice("dpo.loss", cfg.dpo.loss, ("sigmoid", "ipo"))
     _choice("dpo.reference", cfg.dpo.reference, ("live", "precomputed"))
+    tokens = (t.global_batch_size if t.micro_batch_size == AUTO_MICRO_BATCH else
+              t.micro_batch_size * t.grad_accum_steps) * d.seq_len
+    if tokens > MAX_TOKENS_PER_STEP:
+        what = (f"train.global_batch_size {t.global_batch_size:,}" if t.micro_batch_size == AUTO_MICRO_BATCH else
+                f"train.micro_batch_size {t.micro_batch_size:,} x train.grad_accum_steps {t.grad_accum_steps:,}")
+        raise ConfigError(f"{what} x data.seq_len {d.seq_len:,} = {tokens:,} tokens per optimizer step (per "
+                          f"data-parallel rank), above {MAX_TOKENS_PER_STEP:,} (2^30; the largest published runs "
+                          f"take about 16 million): one step would never end. Lower the batch.")
     for name in ("sft.max_chars", "dpo.max_chars"):
         value = getattr(cfg.sft if name.startswith("sft") else cfg.dpo, "max_chars")
         if 0 < value < MIN_MAX_CHARS:
@@ -790,6 +810,30 @@ def validate(cfg: Config) -> Config:
         section, key = name.split(".", 1)
         check_bounds(name, getattr(getattr(cfg, section), key))
     return cfg
+
+
+def model_from_init(cfg: Config, init_model: ModelConfig, key: str, init: str | Path) -> Config:
+    """`cfg` with the [model] section of the checkpoint it starts from (`key`: "train.init",
+    "sft.init", "dpo.init" = `init`). A `--set model.X` typed on this command line that
+    disagrees with the checkpoint is refused, never silently dropped; `model.attention` (how
+    attention is computed, not what the weights are) is the one typed field that applies.
+
+    Raises:
+        ConfigError: naming the field, both values and the checkpoint.
+    """
+    model = init_model
+    for name in cfg.set_keys:
+        if not name.startswith("model."):
+            continue
+        field_name = name.split(".", 1)[1]
+        typed, theirs = getattr(cfg.model, field_name), getattr(init_model, field_name)
+        if field_name == "attention":
+            model = dataclasses.replace(model, attention=typed)
+        elif typed != theirs:
+            raise ConfigError(f"{name} = {typed!r} (--set), but {key} = {str(init)!r} has {name} = {theirs!r}: a run "
+                              f"from a checkpoint keeps its [model] section (its weights have that shape). Remove "
+                              f"--set {name}, or start from random weights without {key}.")
+    return dataclasses.replace(cfg, model=model).validate()
 
 
 def check_lora(lo: LoRAConfig) -> None:

@@ -80,7 +80,9 @@ KINDS = {
     "pretrain": "a pretraining run folder",
     "sft": "an SFT run folder",
     "checkpoint": "a checkpoint (a step_NNNNNN folder of a run)",
-    "export": "a Hugging Face export folder (lmforge export)",
+    "export": "a Hugging Face export folder (lmforge export --format hf)",
+    "export-peft": "a PEFT adapter folder (lmforge export --format peft)",
+    "dpo": "a DPO run folder",
     "import-hf": "a checkpoint imported from Hugging Face (lmforge import-hf)",
     "speedrun": "a speedrun folder",
 }

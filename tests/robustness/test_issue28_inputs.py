@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 import test_bad_inputs as table
-from test_bad_inputs import C, PRETRAIN, SFT_SETS, Row, edit_json, project, setcfg, write  # noqa: F401
+from test_bad_inputs import C, PRETRAIN, SFT_SETS, Row, project, setcfg, write  # noqa: F401
 
 from lmforge.config import load_config
 from lmforge.errors import ConfigError

@@ -29,6 +29,7 @@ import torch
 
 from lmforge.export.gguf import LLAMA3_PATTERN, QWEN2_PATTERN, SPM_SPACE, require_gguf
 from lmforge.export.hf import import_hf
+from lmforge.errors import LmforgeError
 from lmforge.export.options import ExportError
 from lmforge.fileio import save_safetensors
 
@@ -156,9 +157,20 @@ def hf_folder_from_gguf(path: str | Path, folder: Path) -> None:
             raise ExportError(f"{path}: no {arch}.{key}; a {arch} GGUF has it.")
         return value
 
-    dim, n_heads = int(num("embedding_length")), int(num("attention.head_count"))
-    n_kv = int(num("attention.head_count_kv", n_heads))
-    hd = int(num("attention.key_length", dim // n_heads))
+    def size(key: str, default=None) -> int:
+        """A size field: a positive integer, or the file is refused naming the field."""
+        value = num(key, default)
+        ok = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool) \
+            and np.isfinite(value) and value == int(value) and int(value) > 0
+        if not ok:
+            raise ExportError(f"{path}: {arch}.{key} = {value!r}: expected a positive integer; the file does not "
+                              f"describe a model lmforge can build. Re-convert it from the model's Hugging Face "
+                              f"folder.")
+        return int(value)
+
+    dim, n_heads = size("embedding_length"), size("attention.head_count")
+    n_kv = size("attention.head_count_kv", n_heads)
+    hd = size("attention.key_length", dim // n_heads if dim % n_heads == 0 else 0)
     if hd * n_heads != dim or int(num("rope.dimension_count", hd)) != hd:
         raise ExportError(f"{path}: head size {hd} (rope over {num('rope.dimension_count', hd)}) with {n_heads} heads "
                           f"of a {dim}-wide model; lmforge rotates whole heads of dim / n_heads.")
@@ -182,10 +194,10 @@ def hf_folder_from_gguf(path: str | Path, folder: Path) -> None:
         raise ExportError(f"{path}: no token_embd.weight tensor.")
     hf_arch, model_type = ARCHS[arch]
     config = {"architectures": [hf_arch], "model_type": model_type, "hidden_size": dim,
-              "intermediate_size": int(num("feed_forward_length")), "num_hidden_layers": int(num("block_count")),
+              "intermediate_size": size("feed_forward_length"), "num_hidden_layers": size("block_count"),
               "num_attention_heads": n_heads, "num_key_value_heads": n_kv, "head_dim": hd, "hidden_act": "silu",
               "rms_norm_eps": float(num("attention.layer_norm_rms_epsilon")),
-              "rope_theta": float(num("rope.freq_base", 10000.0)), "max_position_embeddings": int(num("context_length")),
+              "rope_theta": float(num("rope.freq_base", 10000.0)), "max_position_embeddings": size("context_length"),
               "vocab_size": int(state["model.embed_tokens.weight"].shape[0]),
               "tie_word_embeddings": "lm_head.weight" not in state, "torch_dtype": "float32"}
     if arch == "llama":
@@ -215,7 +227,15 @@ def import_gguf(path: str | Path, out: str | Path, log=None, eos_token: str = ""
         raise ExportError(f"{path} is not a file; give the .gguf file to import.")
     with tempfile.TemporaryDirectory(prefix="lmforge-gguf-") as tmp:
         hf_folder_from_gguf(path, Path(tmp))
-        return import_hf(tmp, out, log=log, eos_token=eos_token)
+        try:
+            return import_hf(tmp, out, log=log, eos_token=eos_token)
+        except LmforgeError as exc:  # its words name the converted folder, a temporary: name the file given
+            msg = str(exc).replace(f"{tmp}/", f"{path} (converted to Hugging Face files) ").replace(str(tmp), str(path))
+            try:
+                renamed = type(exc)(msg)
+            except TypeError:  # an error class with other arguments: keep it as it is
+                raise exc from None
+            raise renamed from None
 
 
 __all__ = ["import_gguf", "hf_folder_from_gguf", "rebuild_tokenizer"]

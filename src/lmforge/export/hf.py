@@ -310,8 +310,9 @@ def _rope_settings(cfg: dict, where: str) -> dict:
 def _number(value, key: str, typ: type, where: str):
     if value is None:
         raise ExportError(f"{where}: missing field {key!r}; a transformers config.json of this family has it.")
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and (typ is float or value == int(value))
-    if not ok or (typ is float and not math.isfinite(value)):
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) \
+        and (typ is float or value == int(value))
+    if not ok:
         raise ExportError(f"{where}: {key} = {value!r}: expected {'an integer' if typ is int else 'a number'}.")
     return typ(value)
 
@@ -381,9 +382,13 @@ def model_config_from_hf(cfg: dict, where: str, log=None) -> ModelConfig:
         qkv_bias=family == "qwen2",
         **rope,
     )
-    if min(dim, n_heads, model.n_layers, model.n_kv_heads, model.ffn_dim, model.max_seq_len) <= 0:
-        raise ExportError(f"{where}: sizes must be positive (hidden_size {dim}, num_attention_heads {n_heads}, "
-                          f"num_hidden_layers {model.n_layers}, ...).")
+    sizes = {"hidden_size": dim, "num_attention_heads": n_heads, "num_hidden_layers": model.n_layers,
+             "num_key_value_heads": model.n_kv_heads, "intermediate_size": model.ffn_dim,
+             "max_position_embeddings": model.max_seq_len}
+    bad = [f"{k} = {v}" for k, v in sizes.items() if v <= 0]
+    if bad:
+        raise ExportError(f"{where}: {', '.join(bad)}: expected positive sizes; this config.json does not describe a "
+                          f"model. Fix it (or use the folder transformers saved).")
     head_dim = cfg.get("head_dim")
     if head_dim is not None and _number(head_dim, "head_dim", int, where) * n_heads != dim:
         raise ExportError(
@@ -571,14 +576,18 @@ def read_hf_weights(folder: Path) -> dict[str, torch.Tensor]:
             if not isinstance(shard, str):
                 raise ExportError(f"{folder / WEIGHTS_INDEX_FILE}: shard name {shard!r} is not a file name.")
             confined(folder, shard, what=f"shard {shard!r} named in {WEIGHTS_INDEX_FILE}")
+    reading = folder
     try:
         if (folder / WEIGHTS_FILE).is_file():
+            reading = folder / WEIGHTS_FILE
             state = load_safetensors(confined(folder, WEIGHTS_FILE))
         elif shards:
             state = {}
             for shard in shards:
+                reading = folder / shard
                 state.update(load_safetensors(confined(folder, shard)))
         elif (folder / "pytorch_model.bin").is_file():
+            reading = folder / "pytorch_model.bin"
             state = torch.load(confined(folder, "pytorch_model.bin"), map_location="cpu", weights_only=True)
     except ExportError:
         raise
@@ -587,7 +596,8 @@ def read_hf_weights(folder: Path) -> dict[str, torch.Tensor]:
             if (folder / name).is_file():
                 check_readable(folder / name)  # permission denied is said as such, not as "damaged"
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:160]
-        raise ExportError(f"{folder}: cannot read the weights ({first}). The files are damaged or incomplete.") from None
+        raise ExportError(f"{reading}: cannot read the weights ({first}). The file is damaged or incomplete: "
+                          f"download or copy it again.") from None
     if state is None:
         raise ExportError(
             f"{folder} has no {WEIGHTS_FILE}, {WEIGHTS_INDEX_FILE} or pytorch_model.bin; point at a folder "
@@ -596,6 +606,10 @@ def read_hf_weights(folder: Path) -> dict[str, torch.Tensor]:
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise ExportError(f"{folder}: the weights file does not hold a dictionary of tensors.")
     for name, t in state.items():
+        if t.is_floating_point() and t.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ExportError(f"{folder}: weight {name} has dtype {str(t.dtype).removeprefix('torch.')}; lmforge imports "
+                              f"float32, bfloat16 and float16 weights only (a float8 or float64 weight would be "
+                              f"converted, not read as it is). Use the model's float32, bfloat16 or float16 weights.")
         if not t.is_floating_point():
             raise ExportError(f"{folder}: weight {name} has dtype {str(t.dtype).removeprefix('torch.')}; lmforge imports "
                               f"float32, bfloat16 and float16 weights only (integer or quantized weights would need a "
@@ -646,14 +660,18 @@ def import_hf(folder: str | Path, out: str | Path, log=None, eos_token: str = ""
     except (ValueError, UnicodeDecodeError) as exc:
         raise ExportError(f"{cfg_path}: not valid JSON ({exc}).") from None
     model_cfg = model_config_from_hf(raw, str(cfg_path), log=say)
+    hf_vocab = raw.get("vocab_size")
+    if hf_vocab is not None:
+        hf_vocab = _number(hf_vocab, "vocab_size", int, str(cfg_path))
+        if hf_vocab <= 0:
+            raise ExportError(f"{cfg_path}: vocab_size = {hf_vocab}: expected the number of embedding rows (> 0).")
     with atomic_dir(out, IMPORT_OUTPUT, what="`lmforge import-hf`") as tmp:
         tok = import_tokenizer(folder, tmp / "tokenizer", log=say, eos_token=eos_token)
         contract = tok.contract
         original = vocab_size_of(load_hf_tokenizer(folder / TOKENIZER_FILE))
         hf_state = read_hf_weights(folder)
         rows = hf_state.get("model.embed_tokens.weight")
-        hf_vocab = raw.get("vocab_size")
-        if rows is not None and hf_vocab is not None and int(hf_vocab) != rows.shape[0]:
+        if rows is not None and hf_vocab is not None and hf_vocab != rows.shape[0]:
             raise ExportError(
                 f"{cfg_path}: vocab_size = {hf_vocab} but model.embed_tokens.weight has {rows.shape[0]} rows; "
                 f"the config and the weights disagree. Fix vocab_size in config.json."

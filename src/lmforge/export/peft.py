@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from lmforge.export.hf import EXPORT_OUTPUT, map_name
+from lmforge.export.hf import map_name
 from lmforge.export.options import ExportError, check_export_options
 from lmforge.fileio import atomic_dir, check_output, save_safetensors
 from lmforge.model import Transformer, lora, resolve_model_config
@@ -29,6 +29,10 @@ from lmforge.model.transformer import check_lora_base, lora_base
 PEFT_WEIGHTS_FILE = "adapter_model.safetensors"
 PEFT_CONFIG_FILE = "adapter_config.json"
 _SIDE = {"lora_a": "lora_A", "lora_b": "lora_B"}
+
+#: The marker command of a PEFT adapter folder: not "export" (a Hugging Face model folder), so
+#: neither export replaces the other's folder.
+PEFT_OUTPUT = "export-peft"
 
 
 def peft_name(name: str) -> str:
@@ -51,7 +55,7 @@ def export_peft(checkpoint: str | Path, out: str | Path, dtype: str = "float32",
     """
     check_export_options("peft", dtype, verify, force)
     out = Path(out)
-    check_output(out, EXPORT_OUTPUT, "`lmforge export`", replace_whole=True)  # before any work
+    check_output(out, PEFT_OUTPUT, "`lmforge export --format peft`", replace_whole=True)  # before any work
     path = resolve_checkpoint(checkpoint)
     cfg, contract = read_checkpoint_meta(path)
     lo = cfg.lora
@@ -71,7 +75,7 @@ def export_peft(checkpoint: str | Path, out: str | Path, dtype: str = "float32",
         "modules_to_save": None, "init_lora_weights": True, "inference_mode": True,
         "base_model_name_or_path": None,
     }
-    with atomic_dir(out, EXPORT_OUTPUT, what="`lmforge export`") as tmp:
+    with atomic_dir(out, PEFT_OUTPUT, what="`lmforge export --format peft`") as tmp:
         save_safetensors(tensors, tmp / PEFT_WEIGHTS_FILE, metadata={"format": "pt"})
         (tmp / PEFT_CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
     return out

@@ -137,6 +137,13 @@ def inject(model: nn.Module, lo: LoRAConfig, seed: int = 0) -> nn.Module:
         raise ConfigError(f"lora.rank = {lo.rank}: adapters need rank >= 1 (0 means full fine-tuning).")
     if has_adapters(model):
         raise ValueError("the model already has LoRA adapters; merge them into a plain model first")
+    for target in lo.targets:  # B A of rank r can be no richer than min(in, out): a larger r only costs
+        parent = model.layers[0].attention if target in LORA_TARGETS[:4] else model.layers[0].feed_forward
+        out_f, in_f = getattr(parent, target).weight.shape
+        if lo.rank > min(out_f, in_f):
+            raise ConfigError(f"lora.rank = {lo.rank} exceeds the smaller side of the {target} layer ({out_f} x {in_f}: "
+                              f"{min(out_f, in_f)}); a rank past it adds parameters and no expressiveness. Set "
+                              f"lora.rank <= {min(out_f, in_f)}, or leave {target} out of lora.targets.")
     for p in model.parameters():
         p.requires_grad_(False)
     gen = torch.Generator().manual_seed(seed)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -14,7 +15,8 @@ import torch
 
 from lmforge.config import AUTO_MICRO_BATCH, CONFIG_FILE, Config
 from lmforge.errors import ConfigError, LmforgeError, require_package
-from lmforge.fileio import OutputError, copy_file, make_folder, open_run_dir, output_lock, write_text
+from lmforge.fileio import (OutputError, copy_file, loads_json, make_folder, open_run_dir, output_lock, path_from_text,
+                            path_text, shown_path, write_text)
 from lmforge.model import Transformer
 from lmforge.model.transformer import check_fits_in_memory
 from lmforge.model.attention import resolve_backend
@@ -46,11 +48,19 @@ class TrainingSession:
     runtime: Runtime
     stack: contextlib.ExitStack
 
+    def check_run(self) -> None:
+        """The run folder's checks alone (`open_run_dir` with create=False): nothing locked or
+        written. A dry run without --out (Path(".")) names no folder."""
+        if not (self.dry_run and self.out == Path(".")):
+            open_run_dir(self.out, self.command, self.resume, list_checkpoints, create=False)
+
     def open_run(self) -> None:
         """Check, lock and mark the run folder (`fileio.open_run_dir`: refused unless absent,
         empty, or this command's own run, which needs `--resume` once it holds checkpoints).
-        Call it after the stage's own input checks, so refused input leaves no folder behind."""
+        Call it after the stage's own input checks, so refused input leaves no folder behind.
+        A dry run makes the same checks and writes nothing (without --out it names no folder)."""
         if self.dry_run:
+            self.check_run()
             return
         # Every rank checks the folder before rank 0 changes anything (a rank that checked
         # while rank 0 wrote the marker would see a half-made folder), then all agree: a
@@ -120,6 +130,9 @@ def resolve_auto_batch(cfg: Config, out: Path, resume: bool, info: DistInfo) -> 
         model_cfg = replace(cfg.model, vocab_size=cfg.model.vocab_size or cfg.tokenizer.vocab_size)
         micro, why = auto_micro_batch(model_cfg, cfg.data.seq_len, rows, available_memory(info.device))
         micro = all_reduce_min(micro, info)
+    derived(replace(cfg, train=replace(t, micro_batch_size=micro, grad_accum_steps=rows // micro)),
+            "train.grad_accum_steps", f'train.micro_batch_size = "auto" ({micro} rows fit) with train.global_batch_size '
+            f"= {t.global_batch_size}", "Lower train.global_batch_size")
     if info.is_main:
         log(f'train.micro_batch_size = "auto": {micro} rows per micro-batch, train.grad_accum_steps = {rows // micro} '
             f"({why}); train.global_batch_size {t.global_batch_size} kept over {dp} rank(s)")
@@ -130,6 +143,19 @@ def resolve_auto_batch(cfg: Config, out: Path, resume: bool, info: DistInfo) -> 
 #: said 0.453 s where the run then took 0.378 s a step (the speedrun trained 17% fewer steps than
 #: its budget held); 10 cost about 4 s at the speedrun's shape
 BUDGET_TIMED_STEPS = 10
+
+
+def derived(cfg: Config, name: str, source: str, fix: str) -> Config:
+    """`cfg` after lmforge derived `name` from `source`: validated as a typed config is (every
+    bound, every cross-field check), before any work; the error says where the value came from.
+
+    Raises:
+        ConfigError: the typed check's words, then "derived from SOURCE", then `fix`.
+    """
+    try:
+        return cfg.validate()
+    except ConfigError as exc:
+        raise ConfigError(f"{exc} ({name} is derived from {source}.) {fix}.") from None
 
 
 def budget_steps(budget_s: float, step_s: float) -> int:
@@ -176,6 +202,8 @@ def resolve_time_budget(session: TrainingSession, model: Transformer, stream, ob
         step_s = measured["step_seconds"]
         steps = all_reduce_min(budget_steps(t.time_budget_s, step_s), info)
         why = f"{step_s:.3f} s per step over {measured['measured_steps']} timed steps on a throw-away copy"
+        derived(replace(cfg, train=replace(t, steps=steps)), "train.steps",
+                f"train.time_budget_s = {t.time_budget_s:g} at {why}", "Lower train.time_budget_s")
     if info.is_main:
         log(f"train.time_budget_s = {t.time_budget_s:g}: {steps:,} steps ({why}); warm-up {t.warmup_steps}, "
             f"{t.schedule} schedule over {steps:,} steps; written to {out / CONFIG_FILE}")
@@ -212,22 +240,95 @@ def startup_report(model: Transformer, tok: Tokenizer, data: dict, cfg: Config, 
     return "\n".join(lines)
 
 
+#: The content hashes of a run's data inputs (data.dir, sft.data, dpo.data), recorded when it
+#: starts; `--resume` refuses an input whose content changed under the same name.
+INPUTS_FILE = "data_inputs.json"
+#: The files of a prepared data folder that change with its documents (the .bin files are not
+#: read: hashes.json holds every document's hash, the .idx files every boundary).
+DATA_DIR_FINGERPRINT = ("meta.json", "hashes.json", "train.idx", "val.idx")
+
+
+def data_fingerprints(inputs: dict[str, Path]) -> dict[str, dict]:
+    """{key: {"path", "sha256"}} for each data input (a file, or a prepared data folder by
+    DATA_DIR_FINGERPRINT). Read in 1 MiB chunks: memory stays flat for any size."""
+    import hashlib
+
+    out = {}
+    for key, path in inputs.items():
+        path = Path(path)
+        files = [path / n for n in DATA_DIR_FINGERPRINT if (path / n).is_file()] if path.is_dir() else [path]
+        h = hashlib.sha256()
+        for f in files:
+            h.update(os.fsencode(f.name) + b"\0")
+            try:
+                with open(f, "rb") as fh:
+                    for chunk in iter(lambda: fh.read(1 << 20), b""):
+                        h.update(chunk)
+            except OSError:
+                continue  # the stage's own reader has already said why it cannot be read
+        out[key] = {"path": path_text(str(path)), "sha256": h.hexdigest()}
+    return out
+
+
+def check_same_inputs(out: Path, fingerprints: dict[str, dict]) -> None:
+    """`--resume`: every data input whose recorded path is the same must have the same content.
+
+    Raises:
+        CheckpointError: naming the field, the file, both hashes and INPUTS_FILE.
+    """
+    from lmforge.errors import CheckpointError
+
+    path = out / INPUTS_FILE
+    if not path.is_file():
+        return  # a run started before inputs were recorded: nothing to compare with
+    try:
+        saved = loads_json(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{path}: not readable JSON ({exc}). Restore it, or start a new run with another "
+                              f"--out.") from None
+    for key, now in fingerprints.items():
+        then = saved.get(key) if isinstance(saved, dict) else None
+        if not isinstance(then, dict) or then.get("path") != now["path"]:
+            continue  # another path is the resume rules' to refuse
+        if then.get("sha256") != now["sha256"]:
+            shown = shown_path(path_from_text(now["path"]))
+            raise CheckpointError(
+                f"{key} = {shown!r} changed since the run started: its sha256 is now {now['sha256'][:16]}..., the "
+                f"run recorded {str(then.get('sha256'))[:16]}... ({path}). Resuming would train the remaining steps "
+                f"on other data than the steps before. Restore the original, or start a new run with another --out.")
+
+
 def run_training(session: TrainingSession, contract_dir: Path, model: Transformer, stream, val_batches,
                  resume: bool = False, dry_run: bool = False, progress: bool = True,
-                 side_files: dict[str, str] | None = None, objective: TokenObjective | None = None) -> dict:
-    """The common tail of every training stage (pretrain, sft): one dry-run step, or the one
-    `Trainer.fit` into the session's run folder (continuing its newest checkpoint with
-    `resume`). `contract_dir` holds the contract and tokenizer files copied into the run
-    folder and its checkpoints; `side_files` ({name: text}) are written into the run folder
-    only once `--resume` has been accepted (a refused resume changes no file). `objective`:
-    the loss (default: the token loss of pretraining and SFT; DPO's for `dpo`)."""
+                 side_files: dict[str, str] | None = None, objective: TokenObjective | None = None,
+                 inputs: dict[str, Path] | None = None) -> dict:
+    """The shared tail of a training stage: check the run folder, derive the settings that are
+    measured (train.time_budget_s), claim the folder (`session.open_run`), build the trainer,
+    resume (or start), write the side files, fit. A dry run makes every check of the run,
+    `--resume` included (the checkpoint is loaded; nothing is written), then measures.
+    `contract_dir` holds the contract and tokenizer files copied into the run folder and its
+    checkpoints; `side_files` ({name: text}) are written into the run folder; `inputs`
+    ({config key: file or data folder}) are hashed and recorded (INPUTS_FILE), and `--resume`
+    refuses one that changed. `objective` (default `TokenObjective`) is what the trainer minimises.
+    """
     cfg, out, info = session.cfg, session.out, session.info
     objective = objective or TokenObjective()
     rows = 2 if objective.unit == "pair" else 1
+    session.check_run()  # refused here, a dry run and a run say the same words
+    fingerprints = data_fingerprints(inputs or {})
+    if resume:
+        check_same_inputs(out, fingerprints)
     if dry_run:
+        if resume:  # the resume rules, the checkpoint's files and weights, as the run would load them
+            probe = Trainer(cfg, out, Path(contract_dir), model, stream, None, info, False, log,
+                            runtime=session.runtime, objective=objective)
+            if not probe.resume(session.command, dry_run=True):
+                log(f"--resume: no checkpoint in {out} yet; a run would start from step 0")
+            del probe
         return dry_run_step(model, stream, session.runtime, objective, cfg, info, rows)
-    if cfg.train.time_budget_s:
+    if cfg.train.time_budget_s:  # measured and checked before the folder is claimed
         cfg = session.cfg = resolve_time_budget(session, model, stream, objective, rows)
+    session.open_run()
     trainer = Trainer(cfg, out, Path(contract_dir), model, stream, val_batches, info, progress, log,
                       runtime=session.runtime, objective=objective)
     # before any write: a refused --resume leaves the run folder as it was
@@ -238,6 +339,8 @@ def run_training(session: TrainingSession, contract_dir: Path, model: Transforme
         log(plan_lines(plan))
         # every text made first: a side file that cannot be written leaves no half-made run folder
         texts = {CONFIG_FILE: cfg.to_toml(), PLAN_FILE: json.dumps(plan, indent=2) + "\n", **(side_files or {})}
+        if fingerprints:
+            texts[INPUTS_FILE] = json.dumps(fingerprints, indent=2) + "\n"
         copy_contract_files(Path(contract_dir), out)
         for name, text in texts.items():
             write_text(out / name, text, skip_same=True)

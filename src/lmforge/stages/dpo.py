@@ -24,7 +24,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from lmforge.config import Config
+from lmforge.config import Config, model_from_init
 from lmforge.data.preferences import (PairStream, cap_pairs, pair_batches, pair_from_record, read_pairs,
                                       render_pairs, split_pairs)
 from lmforge.errors import ConfigError, DataError
@@ -46,7 +46,7 @@ def dpo_config(cfg: Config, init_cfg: Config) -> Config:
     d = cfg.dpo
     train = replace(cfg.train, steps=d.steps, time_budget_s=0.0, micro_batch_size=d.micro_batch_size,
                     grad_accum_steps=d.grad_accum_steps, lr=d.lr, warmup_steps=d.warmup_steps)
-    return replace(cfg, model=init_cfg.model, train=train).validate()
+    return model_from_init(replace(cfg, train=train), init_cfg.model, "dpo.init", cfg.dpo.init)
 
 
 def load_pairs(cfg: Config) -> tuple[dict[str, list], dict]:
@@ -155,11 +155,10 @@ def dpo_stage(cfg: Config, out: str | Path, resume: bool = False, dry_run: bool 
                     f"(tail cut), {c['dropped_empty']} dropped (a completion was cut away entirely), "
                     f"{c['completion_tokens']:,} completion tokens" + (f"; kinds {kinds}" if kinds else ""))
             log(f"dpo data read and rendered in {data_info['seconds']:.1f}s")
-        session.open_run()  # after every input check: refused input leaves no run folder behind
         side = {DPO_DATA_FILE: json.dumps(data_info, indent=2, default=str) + "\n"}
         return run_training(session, tok.folder, model, stream, val_batches if len(val) else None,
                             resume=resume, dry_run=dry_run, progress=progress, side_files=side,
-                            objective=objective)
+                            objective=objective, inputs={} if p.data == "stdlib" else {"dpo.data": Path(p.data)})
 
 
 def _reference_line(cfg: Config) -> str:

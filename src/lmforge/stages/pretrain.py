@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from lmforge.config import Config
+from lmforge.config import Config, model_from_init
 from lmforge.contract import CONTRACT_FILE
 from lmforge.data.packing import shard_stream
 from lmforge.errors import ConfigError
@@ -52,7 +52,7 @@ def pretrain_stage(cfg: Config, out: str | Path, resume: bool = False, dry_run: 
                           f"(0 = train every weight).")
     if init is not None:  # its [model] is the run's; its contract must be tokenizer.dir's (checked at load)
         model, _, init_cfg, _ = load_checkpoint(init, cfg.tokenizer.dir)
-        cfg = replace(cfg, model=init_cfg.model).validate()
+        cfg = model_from_init(cfg, init_cfg.model, "train.init", cfg.train.init)
         if cfg.lora.rank > 0:
             base_sha = lora.file_sha256(init / MODEL_FILE)
             if resume:
@@ -85,6 +85,5 @@ def pretrain_stage(cfg: Config, out: str | Path, resume: bool = False, dry_run: 
                 log(f"pretrain: continuing {init}: {what}")
             log(startup_report(model, tok, data, cfg, s.info.world_size, s.runtime))
             log(stream.epoch_report())
-        s.open_run()  # after every input check: refused input leaves no run folder behind
         return run_training(s, Path(cfg.tokenizer.dir), model, stream, val_batches, resume=resume,
-                            dry_run=dry_run, progress=progress)
+                            dry_run=dry_run, progress=progress, inputs={"data.dir": Path(cfg.data.dir)})

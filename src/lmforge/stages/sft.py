@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
-from lmforge.config import Config
+from lmforge.config import Config, model_from_init
 from lmforge.contract import TOKENIZER_FILE
 from lmforge.data.conversations import (Conversation, cap_examples, read_conversations, render_samples, sft_batches,
                                         sft_stream, split_conversations)
@@ -48,7 +48,7 @@ def sft_config(cfg: Config, init_cfg: Config) -> Config:
     s = cfg.sft
     train = replace(cfg.train, steps=s.steps, time_budget_s=0.0, micro_batch_size=s.micro_batch_size,
                     grad_accum_steps=s.grad_accum_steps, lr=s.lr, warmup_steps=s.warmup_steps)
-    return replace(cfg, model=init_cfg.model, train=train).validate()
+    return model_from_init(replace(cfg, train=train), init_cfg.model, "sft.init", cfg.sft.init)
 
 
 def sft_tokenizer_dir(cfg: Config) -> Path | None:
@@ -172,11 +172,11 @@ def sft_stage(cfg: Config, out: str | Path, resume: bool = False, dry_run: bool 
                     f"was cut), {c['supervised']:,} supervised targets")
             log(f"sft rows: padding {data_info['padding_fraction']:.1%} of the training rows; data read and "
                 f"rendered in {data_info['seconds']:.1f}s")
-        session.open_run()  # after every input check: refused input leaves no run folder behind
         side = {SFT_DATA_FILE: json.dumps(data_info, indent=2) + "\n",
                 SFT_VAL_FILE: val_records(convs["val"], functions.get("val", []))}
         return run_training(session, tok.folder, model, stream, val_batches if val.ids else None,
-                            resume=resume, dry_run=dry_run, progress=progress, side_files=side)
+                            resume=resume, dry_run=dry_run, progress=progress, side_files=side,
+                            inputs={} if cfg.sft.data == "stdlib" else {"sft.data": Path(cfg.sft.data)})
 
 
 def chat_template_line(tok: Tokenizer) -> str:

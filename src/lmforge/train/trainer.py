@@ -182,12 +182,13 @@ class Trainer:
                                       f"step_NNNNNN entries are checkpoints lmforge wrote. Move it away, or use "
                                       f"another --out.")
 
-    def resume(self, stage: str = "pretrain") -> bool:
+    def resume(self, stage: str = "pretrain", dry_run: bool = False) -> bool:
         """Continue from the newest complete checkpoint in run_dir. False if there is none.
 
         Exact or refused (lmforge.train.resume): the tokenizer contract, every config field
         (`RESUME_RULES`, for `stage` "pretrain" or "sft"), state.json, optimizer.pt and rng.pt are
-        checked before anything is loaded; nothing is written here.
+        checked before anything is loaded; nothing is written here. `dry_run`: the checks and the
+        loads only (metrics.jsonl is not cut back to the checkpoint's step).
 
         Raises:
             CheckpointError / ContractError: naming the file and the field.
@@ -221,7 +222,8 @@ class Trainer:
         except (LmforgeError, KeyError, TypeError, ValueError) as exc:
             raise CheckpointError(f"{latest / 'state.json'}: its data position does not fit this run's data "
                                   f"({exc}). Resume from another checkpoint.") from None
-        self._truncate_metrics(self.step)
+        if not dry_run:
+            self._truncate_metrics(self.step)
         self._replay_health()
         if self.dist.is_main:
             self.log(f"resumed from {latest} at step {self.step}")
