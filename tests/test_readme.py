@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import glob
 import os
-import shlex
+import re
 import sys
 from pathlib import Path
 
@@ -21,6 +21,7 @@ from readme_runner import (ROOT, Block, ReadmeError, environment, parse_blocks, 
                            readme_files, run_readme, skip_reason, table)
 
 OVERLAY = Path(__file__).parent / "readme_smoke.toml"
+COMMENT = re.compile(r"\s{2,}#.*$")  # a trailing shell comment, as the README aligns them
 
 
 def all_blocks() -> list[Block]:
@@ -45,7 +46,7 @@ def test_every_readme_command_runs_and_leaves_what_it_promises(tmp_path):
 def test_commands_that_need_what_is_missing_are_listed():
     """The README commands this machine does not run, each with why (a skip, not a pass)."""
     path = environment(None)["PATH"]
-    skipped = [f"{b.source}: `{shlex.join(c.words)}`: {why}" for b in all_blocks() for c in b.commands
+    skipped = [f"{b.source}: `{COMMENT.sub('', c.text)}`: {why}" for b in all_blocks() for c in b.commands
                if (why := skip_reason(b, c, path))]
     if skipped:
         pytest.skip("README commands not run here: " + "; ".join(skipped))
@@ -83,8 +84,6 @@ def test_blocks_the_runner_would_leave_out_are_errors(tmp_path):
 
 def test_every_command_of_the_readme_table_explains_itself(capsys):
     """`lmforge COMMAND --help` for every command the README's table lists."""
-    import re
-
     from lmforge.cli import main
 
     text = (ROOT / "README.md").read_text(encoding="utf-8")
