@@ -11,12 +11,16 @@ dependency). Layers, lowest first (docs/design.md, "Layers"):
     model, data               4  the model sits at the bottom: it imports only layers 0-2
     loading                   4.5  a checkpoint with its tokenizer, the contract checked
     evaluate, generate        5  running a model over batches; decoding
+    scorers                   5.5  grading what a model wrote (parse checks, doctests)
     train, export             6
     serve                     7
     stages                    8  one module per command
     cli                       9
     __main__                  10
-A module may import its own package and any lower layer, never a higher one.
+A module may import its own package and any lower layer, never a higher one. Within
+`stages`, no stage imports another stage: they share `stages.common` and `stages.tuning`;
+only `stages.speedrun` (every stage in order, by design) and the package's `__init__` import
+stages.
 """
 
 from __future__ import annotations
@@ -34,11 +38,16 @@ LAYERS = {
     "model": 4, "data": 4,
     "loading": 4.5,
     "evaluate": 5, "generate": 5,
+    "scorers": 5.5,
     "train": 6, "export": 6,
     "serve": 7,
     "stages": 8,
     "cli": 9, "__main__": 10,
 }
+#: Modules of `stages/` that are not a command: what the stages share.
+STAGES_SHARED = {"common", "tuning", "sft_checks"}
+#: Modules of `stages/` that compose other stages.
+STAGES_COMPOSING = {"speedrun"}
 #: What `model/` may import besides itself: nothing above the contract.
 MODEL_MAY_IMPORT = {"errors", "fileio", "config", "runtime", "contract"}
 
@@ -152,3 +161,30 @@ def test_the_checker_sees_a_cycle_and_an_upward_import(tmp_path, monkeypatch):
         test_no_cycle()
     with pytest.raises(AssertionError, match="lmforge.model.a -> lmforge.train.b"):
         test_imports_point_down()
+
+
+def stage_imports(g: dict[str, set[str]]) -> list[str]:
+    """`a -> b` for every stage module importing another stage module (module docstring)."""
+    def stage(name: str) -> str | None:
+        parts = name.split(".")
+        return parts[2] if len(parts) == 3 and parts[1] == "stages" else None
+
+    wrong = []
+    for mod, deps in g.items():
+        here = stage(mod)
+        if here is None or here in STAGES_SHARED | STAGES_COMPOSING:
+            continue
+        wrong += [f"{mod} -> {d}" for d in sorted(deps) if stage(d) and stage(d) not in STAGES_SHARED and d != mod]
+    return wrong
+
+
+def test_no_stage_imports_another_stage():
+    wrong = stage_imports(graph())
+    assert not wrong, "a stage imports another stage (share it through stages.common or stages.tuning):\n" + \
+        "\n".join(wrong)
+
+
+def test_the_stage_rule_can_fail():
+    g = {"lmforge.stages.dpo": {"lmforge.stages.sft", "lmforge.stages.tuning"}, "lmforge.stages.tuning": set(),
+         "lmforge.stages.speedrun": {"lmforge.stages.sft"}}
+    assert stage_imports(g) == ["lmforge.stages.dpo -> lmforge.stages.sft"]

@@ -34,7 +34,7 @@ from lmforge.errors import ConfigError, ContractError, DataError
 from lmforge.model import Transformer, resolve_model_config
 from lmforge.stages.generate import chat_loop, chat_prompt
 from lmforge.stages.sft import SFT_DATA_FILE, SFT_VAL_FILE, sft_stage
-from lmforge.stages.speedrun import body_parse_rate
+from lmforge.scorers import body_parse_rate
 from lmforge.tokenizer import train_tokenizer
 from lmforge.model import load_model
 from lmforge.train.checkpoint import save_checkpoint
@@ -600,7 +600,7 @@ def test_chat_subprocess_reads_stdin_until_eof(init_ckpt):
 
 
 def test_body_parse_rate_counts_bodies_that_parse(tiny_tokenizer, monkeypatch):
-    from lmforge.stages import speedrun as sft_mod
+    from lmforge.scorers import python_bodies as sft_mod
 
     tok = tiny_tokenizer
     items = [{"name": f"m:f{i}", "signature": f"def f{i}(x):",

@@ -1,10 +1,10 @@
-"""lmforge.stages.sft_checks: docstring examples run against generated bodies, in a subprocess."""
+"""lmforge.scorers.doctests: docstring examples run against generated bodies, in a subprocess."""
 
 import inspect
 import statistics
 import textwrap
 
-from lmforge.stages.sft_checks import doctest_pass_rate, run_doctests
+from lmforge.scorers import doctest_pass_rate, run_doctests
 
 
 def _median_parts():

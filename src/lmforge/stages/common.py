@@ -165,7 +165,7 @@ def budget_steps(budget_s: float, step_s: float) -> int:
 
 
 def resolve_time_budget(session: TrainingSession, model: Transformer, stream, objective: TokenObjective,
-                        rows_per_sample: int = 1) -> Config:
+                        ) -> Config:
     """`train.time_budget_s`: the config with train.steps = the budget / the median step time,
     decided once and said in one line. A new run times steps on a throw-away copy of the model
     and optimizer (`train.plan.measure_steps`, as `--dry-run` does), then puts the data stream and
@@ -191,8 +191,8 @@ def resolve_time_budget(session: TrainingSession, model: Transformer, stream, ob
         rng = (torch.get_rng_state(), random.getstate(), np.random.get_state(), stream.state_dict())
         probe = Trainer(cfg, Path("."), Path("."), copy.deepcopy(model), stream, None, info, False, log,
                         runtime=session.runtime, objective=objective)
-        tokens_per_step = t.micro_batch_size * rows_per_sample * t.grad_accum_steps * info.world_size \
-            * cfg.data.seq_len
+        tokens_per_step = objective.tokens_per_step(t.micro_batch_size, t.grad_accum_steps, info.world_size,
+                                                    cfg.data.seq_len)
         measured = measure_steps(probe, BUDGET_TIMED_STEPS, tokens_per_step)
         del probe
         torch.set_rng_state(rng[0])
@@ -218,12 +218,12 @@ def copy_contract_files(src: Path, dst: Path) -> None:
 
 
 def startup_report(model: Transformer, tok: Tokenizer, data: dict, cfg: Config, world: int,
-                   runtime: Runtime, unit: str = "") -> str:
-    """The start-up lines of a training stage. `unit`: what a micro-batch counts when it is not
-    rows ("pairs": DPO's two rows each)."""
+                   runtime: Runtime, objective: TokenObjective | None = None) -> str:
+    """The start-up lines of a training stage; the batch line in the words of its `objective`
+    (default: the token objective of pretraining and SFT)."""
     c, t = model.config, cfg.train
-    rows = 2 if unit == "pairs" else 1
-    per_step = t.micro_batch_size * rows * t.grad_accum_steps * world * cfg.data.seq_len
+    objective = objective or TokenObjective()
+    per_step = objective.tokens_per_step(t.micro_batch_size, t.grad_accum_steps, world, cfg.data.seq_len)
     lines = [
         f"model: dim {c.dim}, {c.n_layers} layers, {c.n_heads} heads / {c.n_kv_heads} kv heads, "
         f"ffn {c.resolved_ffn_dim()}, {model.num_parameters():,} parameters "
@@ -233,7 +233,7 @@ def startup_report(model: Transformer, tok: Tokenizer, data: dict, cfg: Config, 
     ]
     for split, m in data.items():
         lines.append(f"data {split}: {m['documents']:,} documents, {m['tokens']:,} tokens, max id {m['max_id']}")
-    shape = f"{t.micro_batch_size} pairs (2 rows each)" if unit == "pairs" else f"{t.micro_batch_size}"
+    shape = objective.batch_shape(t.micro_batch_size)
     lines.append(f"batch: {shape} x {cfg.data.seq_len} tokens x {t.grad_accum_steps} accumulation x "
                  f"{world} ranks = {per_step:,} tokens/step; {t.steps} steps = {per_step * t.steps:,} tokens; "
                  f"device {runtime.label}")
@@ -313,7 +313,6 @@ def run_training(session: TrainingSession, contract_dir: Path, model: Transforme
     """
     cfg, out, info = session.cfg, session.out, session.info
     objective = objective or TokenObjective()
-    rows = 2 if objective.unit == "pair" else 1
     session.check_run()  # refused here, a dry run and a run say the same words
     fingerprints = data_fingerprints(inputs or {})
     if resume:
@@ -325,16 +324,16 @@ def run_training(session: TrainingSession, contract_dir: Path, model: Transforme
             if not probe.resume(session.command, dry_run=True):
                 log(f"--resume: no checkpoint in {out} yet; a run would start from step 0")
             del probe
-        return dry_run_step(model, stream, session.runtime, objective, cfg, info, rows)
+        return dry_run_step(model, stream, session.runtime, objective, cfg, info)
     if cfg.train.time_budget_s:  # measured and checked before the folder is claimed
-        cfg = session.cfg = resolve_time_budget(session, model, stream, objective, rows)
+        cfg = session.cfg = resolve_time_budget(session, model, stream, objective)
     session.open_run()
     trainer = Trainer(cfg, out, Path(contract_dir), model, stream, val_batches, info, progress, log,
                       runtime=session.runtime, objective=objective)
     # before any write: a refused --resume leaves the run folder as it was
     if resume and not trainer.resume(session.command):
         log(f"--resume: no checkpoint in {out} yet; starting from step 0")
-    plan = make_plan(trainer, rows_per_sample=rows)
+    plan = make_plan(trainer)
     if info.is_main:
         log(plan_lines(plan))
         # every text made first: a side file that cannot be written leaves no half-made run folder
@@ -348,7 +347,7 @@ def run_training(session: TrainingSession, contract_dir: Path, model: Transforme
 
 
 def dry_run_step(model: Transformer, stream, runtime: Runtime, objective: TokenObjective | None = None,
-                 cfg: Config | None = None, info: DistInfo | None = None, rows_per_sample: int = 1,
+                 cfg: Config | None = None, info: DistInfo | None = None,
                  steps: int = 3) -> dict:
     """The dry run: one micro-batch forward and backward (its loss reported), then, with `cfg`,
     the plan with measured figures (`lmforge.train.plan`: 1 + `steps` real optimizer steps on
@@ -366,7 +365,7 @@ def dry_run_step(model: Transformer, stream, runtime: Runtime, objective: TokenO
     if cfg is not None:
         trainer = Trainer(cfg, Path("."), Path("."), model, stream, None, info or DistInfo(), False, log,
                           runtime=runtime, objective=objective)
-        out["plan"] = make_plan(trainer, measure=True, steps=steps, rows_per_sample=rows_per_sample)
+        out["plan"] = make_plan(trainer, measure=True, steps=steps)
         if (info or DistInfo()).is_main:
             log(plan_lines(out["plan"]))
             if cfg.train.time_budget_s:

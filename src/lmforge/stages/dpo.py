@@ -24,17 +24,13 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from lmforge.config import Config, model_from_init
+from lmforge.config import Config
 from lmforge.data.preferences import (PairStream, cap_pairs, pair_batches, pair_from_record, read_pairs,
                                       render_pairs, split_pairs)
 from lmforge.errors import ConfigError, DataError
-from lmforge.fileio import check_output, path_text
-from lmforge.loading import load_checkpoint
-from lmforge.model import lora
-from lmforge.model.io import MODEL_FILE, resolve_checkpoint
+from lmforge.fileio import check_output
 from lmforge.stages.common import log, run_training, startup_report, training_session
-from lmforge.stages.sft import (chat_template_line, check_same_base, check_same_init, refuse_init_as_out,
-                                sft_tokenizer_dir)
+from lmforge.stages.tuning import chat_template_line, lora_line, own_tokenizer_dir, start_from_checkpoint, tuning_config
 from lmforge.train.dpo import DPOObjective, live_reference, precompute, table_reference
 
 DPO_DATA_FILE = "dpo_data.json"
@@ -42,11 +38,9 @@ DPO_DATA_FILE = "dpo_data.json"
 
 def dpo_config(cfg: Config, init_cfg: Config) -> Config:
     """The config a DPO run trains and saves: [model] from the initial checkpoint, and [train]
-    steps / micro_batch_size / grad_accum_steps / lr / warmup_steps from [dpo]."""
-    d = cfg.dpo
-    train = replace(cfg.train, steps=d.steps, time_budget_s=0.0, micro_batch_size=d.micro_batch_size,
-                    grad_accum_steps=d.grad_accum_steps, lr=d.lr, warmup_steps=d.warmup_steps)
-    return model_from_init(replace(cfg, train=train), init_cfg.model, "dpo.init", cfg.dpo.init)
+    steps / micro_batch_size / grad_accum_steps / lr / warmup_steps from [dpo]
+    (`stages.tuning.tuning_config`)."""
+    return tuning_config(cfg, init_cfg.model, "dpo")
 
 
 def load_pairs(cfg: Config) -> tuple[dict[str, list], dict]:
@@ -95,18 +89,9 @@ def dpo_stage(cfg: Config, out: str | Path, resume: bool = False, dry_run: bool 
                           f"dropout would make that comparison random (the loss at step 0 would not be ln 2). Set "
                           f"lora.dropout = 0 for dpo.")
     check_output(Path(out), "dpo")
-    init = resolve_checkpoint(cfg.dpo.init)
-    refuse_init_as_out(Path(out), Path(cfg.dpo.init), init, "dpo")
-    if resume:
-        check_same_init(Path(out), init, "dpo")
-    model, tok, init_cfg, _ = load_checkpoint(init, sft_tokenizer_dir(cfg))
-    if cfg.lora.rank > 0:  # load the base, inject, freeze; the trainer then wraps and builds the optimizer
-        base_sha = lora.file_sha256(init / MODEL_FILE)
-        if resume:
-            check_same_base(Path(out), init, base_sha)
-        lora.inject(model, cfg.lora, seed=cfg.train.seed)
-        model.lora_base = {lora.BASE_PATH_KEY: path_text(str(init.resolve())), lora.BASE_SHA256_KEY: base_sha}
-    cfg = dpo_config(replace(cfg, tokenizer=replace(cfg.tokenizer, dir=str(tok.folder))), init_cfg)
+    start = start_from_checkpoint(cfg, out, resume, "dpo", own_tokenizer_dir(cfg))
+    model, tok, init = start.model, start.tok, start.init
+    cfg = dpo_config(replace(start.cfg, tokenizer=replace(cfg.tokenizer, dir=str(tok.folder))), start.cfg)
     with training_session(cfg, out, "dpo", resume, dry_run) as session:
         info, rt = session.info, session.runtime
         model.set_attention(session.backend)
@@ -141,13 +126,10 @@ def dpo_stage(cfg: Config, out: str | Path, resume: bool = False, dry_run: bool 
                       for split, smp in samples.items()}
             log(f"dpo: init {init} (also the reference: {_reference_line(cfg)}); data {p.data!r}; loss {p.loss}, "
                 f"beta {p.beta:g}")
-            log(startup_report(model, tok, report, cfg, info.world_size, rt, unit="pairs"))
+            log(startup_report(model, tok, report, cfg, info.world_size, rt, objective))
             log(f"dpo: {chat_template_line(tok)}")
             if cfg.lora.rank > 0:
-                lo = cfg.lora
-                log(f"dpo: LoRA rank {lo.rank}, alpha {lo.alpha:g} (scale {lora.lora_scale(lo):g}), targets "
-                    f"{' '.join(lo.targets)}: {lora.trainable_parameters(model):,} trainable parameters of "
-                    f"{model.num_parameters():,}; checkpoints hold the adapters only, on the base {init}")
+                log(f"dpo: {lora_line(cfg, model, init)}")
             for split, smp in samples.items():
                 c = smp.counts()
                 kinds = data_info.get("kinds", {}).get(split)

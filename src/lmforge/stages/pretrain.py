@@ -9,22 +9,18 @@ config.toml, the contract and tokenizer files, and `step_NNNNNN/` checkpoints.
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 
-from lmforge.config import Config, model_from_init
+from lmforge.config import Config
 from lmforge.contract import CONTRACT_FILE
 from lmforge.data.packing import shard_stream
 from lmforge.errors import ConfigError
 from lmforge.data.shards import Shard, preflight
 from lmforge.evaluate import shard_batches
-from lmforge.fileio import path_text
-from lmforge.loading import load_checkpoint
 from lmforge.model import lora
-from lmforge.model.io import MODEL_FILE, resolve_checkpoint
 from lmforge.model import Transformer, resolve_model_config
 from lmforge.stages.common import log, run_training, startup_report, training_session
-from lmforge.stages.sft import check_same_base, check_same_init, refuse_init_as_out
+from lmforge.stages.tuning import start_from_checkpoint
 from lmforge.tokenizer import Tokenizer
 
 
@@ -40,25 +36,14 @@ def pretrain_stage(cfg: Config, out: str | Path, resume: bool = False, dry_run: 
         than tokenizer.dir.
     """
     init = None
-    if cfg.train.init:
-        init = resolve_checkpoint(cfg.train.init)
-        refuse_init_as_out(Path(out), Path(cfg.train.init), init, "train")
-        if resume:
-            check_same_init(Path(out), init, "train")
+    if cfg.train.init:  # its [model] is the run's; its contract must be tokenizer.dir's (checked at load)
+        start = start_from_checkpoint(cfg, out, resume, "train", cfg.tokenizer.dir)
+        cfg, model, init = start.cfg, start.model, start.init
     elif cfg.lora.rank > 0:
         raise ConfigError(f"lora.rank = {cfg.lora.rank}: pretraining from random weights has no base for adapters. "
                           f"Set train.init to a trained checkpoint to continue pretraining it with LoRA, use "
                           f"`lmforge sft --set sft.init=RUN --set lora.rank={cfg.lora.rank}`, or remove lora.rank "
                           f"(0 = train every weight).")
-    if init is not None:  # its [model] is the run's; its contract must be tokenizer.dir's (checked at load)
-        model, _, init_cfg, _ = load_checkpoint(init, cfg.tokenizer.dir)
-        cfg = model_from_init(cfg, init_cfg.model, "train.init", cfg.train.init)
-        if cfg.lora.rank > 0:
-            base_sha = lora.file_sha256(init / MODEL_FILE)
-            if resume:
-                check_same_base(Path(out), init, base_sha)
-            lora.inject(model, cfg.lora, seed=cfg.train.seed)
-            model.lora_base = {lora.BASE_PATH_KEY: path_text(str(init.resolve())), lora.BASE_SHA256_KEY: base_sha}
     with training_session(cfg, out, "pretrain", resume, dry_run) as s:
         cfg = s.cfg  # train.micro_batch_size = "auto" is resolved there
         tok = Tokenizer.load(cfg.tokenizer.dir)

@@ -20,18 +20,18 @@ from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
-from lmforge.config import Config, model_from_init
-from lmforge.contract import TOKENIZER_FILE
+from lmforge.config import Config
 from lmforge.data.conversations import (Conversation, cap_examples, read_conversations, render_samples, sft_batches,
                                         sft_stream, split_conversations)
 from lmforge.data.stdlib_functions import StdlibStats, stdlib_examples
-from lmforge.errors import CheckpointError, ConfigError, DataError, LmforgeError
-from lmforge.fileio import check_output, path_text
-from lmforge.loading import load_checkpoint
-from lmforge.model import lora
-from lmforge.model.io import MODEL_FILE, latest_checkpoint, read_checkpoint_meta, resolve_checkpoint
-from lmforge.model.transformer import lora_base
+from lmforge.errors import ConfigError, DataError
+from lmforge.fileio import check_output
 from lmforge.stages.common import log, run_training, startup_report, training_session
+from lmforge.stages.tuning import (chat_template_line, check_same_base, check_same_init, lora_line,  # noqa: F401
+                                   own_tokenizer_dir, refuse_init_as_out, start_from_checkpoint, tuning_config)
+
+#: Kept under its old name (tests and scripts import it from here).
+sft_tokenizer_dir = own_tokenizer_dir
 
 SFT_DATA_FILE = "sft_data.json"
 SFT_VAL_FILE = "sft_val.jsonl"
@@ -40,21 +40,13 @@ SFT_VAL_FILE = "sft_val.jsonl"
 # -- configuration -------------------------------------------------------------------------
 def sft_config(cfg: Config, init_cfg: Config) -> Config:
     """The config an SFT run trains and saves: [model] from the initial checkpoint, and
-    [train] steps / micro_batch_size / grad_accum_steps / lr / warmup_steps from [sft].
+    [train] steps / micro_batch_size / grad_accum_steps / lr / warmup_steps from [sft]
+    (`stages.tuning.tuning_config`).
 
     Raises:
         ConfigError: e.g. data.seq_len above the checkpoint's model.max_seq_len.
     """
-    s = cfg.sft
-    train = replace(cfg.train, steps=s.steps, time_budget_s=0.0, micro_batch_size=s.micro_batch_size,
-                    grad_accum_steps=s.grad_accum_steps, lr=s.lr, warmup_steps=s.warmup_steps)
-    return model_from_init(replace(cfg, train=train), init_cfg.model, "sft.init", cfg.sft.init)
-
-
-def sft_tokenizer_dir(cfg: Config) -> Path | None:
-    """tokenizer.dir when that folder holds a tokenizer, else None: the checkpoint's own copy."""
-    tok_dir = Path(cfg.tokenizer.dir)
-    return tok_dir if (tok_dir / TOKENIZER_FILE).is_file() else None
+    return tuning_config(cfg, init_cfg.model, "sft")
 
 
 # -- data ---------------------------------------------------------------------------------
@@ -121,18 +113,9 @@ def sft_stage(cfg: Config, out: str | Path, resume: bool = False, dry_run: bool 
         raise ConfigError("sft.init is empty: set the checkpoint to fine-tune, e.g. --set sft.init=runs/pre "
                           "(a pretraining run folder or one of its step_NNNNNN folders).")
     check_output(Path(out), "sft")  # `.`, a parent, another command's output: before anything else
-    init = resolve_checkpoint(cfg.sft.init)
-    refuse_init_as_out(Path(out), Path(cfg.sft.init), init)
-    if resume:
-        check_same_init(Path(out), init)
-    model, tok, init_cfg, _ = load_checkpoint(init, sft_tokenizer_dir(cfg))
-    if cfg.lora.rank > 0:  # load the base, inject, freeze; the trainer then wraps and builds the optimizer
-        base_sha = lora.file_sha256(init / MODEL_FILE)
-        if resume:
-            check_same_base(Path(out), init, base_sha)
-        lora.inject(model, cfg.lora, seed=cfg.train.seed)
-        model.lora_base = {lora.BASE_PATH_KEY: path_text(str(init.resolve())), lora.BASE_SHA256_KEY: base_sha}
-    cfg = sft_config(replace(cfg, tokenizer=replace(cfg.tokenizer, dir=str(tok.folder))), init_cfg)
+    start = start_from_checkpoint(cfg, out, resume, "sft", own_tokenizer_dir(cfg))
+    model, tok, init = start.model, start.tok, start.init
+    cfg = sft_config(replace(start.cfg, tokenizer=replace(cfg.tokenizer, dir=str(tok.folder))), start.cfg)
     with training_session(cfg, out, "sft", resume, dry_run) as session:
         info = session.info
         model.set_attention(session.backend)
@@ -161,11 +144,7 @@ def sft_stage(cfg: Config, out: str | Path, resume: bool = False, dry_run: bool 
             log(startup_report(model, tok, report, cfg, info.world_size, session.runtime))
             log(f"sft: {chat_template_line(tok)}")
             if cfg.lora.rank > 0:
-                lo = cfg.lora
-                log(f"sft: LoRA rank {lo.rank}, alpha {lo.alpha:g} (scale {lora.lora_scale(lo):g}), dropout "
-                    f"{lo.dropout:g}, targets {' '.join(lo.targets)}: {lora.trainable_parameters(model):,} trainable "
-                    f"parameters of {model.num_parameters():,}; checkpoints hold the adapters only, on the base "
-                    f"{init}")
+                log(f"sft: {lora_line(cfg, model, init)}")
             for split, c in counts.items():
                 log(f"sft data {split}: {c['conversations']} conversations, {c['truncated']} truncated to "
                     f"seq_len {d.seq_len} (tail cut), {c['dropped_all_cut']} dropped (every supervised token "
@@ -177,64 +156,3 @@ def sft_stage(cfg: Config, out: str | Path, resume: bool = False, dry_run: bool 
         return run_training(session, tok.folder, model, stream, val_batches if val.ids else None,
                             resume=resume, dry_run=dry_run, progress=progress, side_files=side,
                             inputs={} if cfg.sft.data == "stdlib" else {"sft.data": Path(cfg.sft.data)})
-
-
-def chat_template_line(tok: Tokenizer) -> str:
-    """What conversations are rendered with: lmforge's ChatML, or the imported model's own template."""
-    from lmforge.tokenizer import CHAT_TEMPLATE
-
-    ends = f"replies end with {tok.spellings['im_end']!r}"
-    if tok.contract.chat_template == CHAT_TEMPLATE:
-        return f"chat template: lmforge's ChatML; {ends}"
-    first = tok.contract.chat_template.strip().splitlines()[0][:60] if tok.contract.chat_template.strip() else ""
-    return (f"chat template: the model's own ({len(tok.contract.chat_template):,} characters, from "
-            f"{tok.folder / 'tokenizer_config.json'}: {first!r}…); {ends}; documents "
-            f"{'start with ' + repr(tok.spellings['bos']) if tok.contract.add_bos else 'have no BOS'}")
-
-
-def check_same_init(out: Path, init: Path, section: str = "sft") -> None:
-    """`--resume` continues a fine-tuning run (`section` "sft" or "dpo") only from the
-    checkpoint it started from (`section`.init)."""
-    latest = latest_checkpoint(out)
-    if latest is None:
-        return
-    saved, _ = read_checkpoint_meta(latest)
-    was = getattr(saved, section).init
-    try:
-        before = resolve_checkpoint(was).resolve() if was else None
-    except LmforgeError:
-        before = None
-    if before != init.resolve():
-        raise ConfigError(f"--resume: {out} is a {section.upper()} run from {section}.init = {was!r}, but this "
-                          f"command sets {section}.init = {str(init)!r}. Resume with the same {section}.init, or "
-                          f"choose another --out.")
-
-
-def check_same_base(out: Path, init: Path, sha256: str) -> None:
-    """`--resume` of a LoRA run: the base weights are the ones its adapters were trained on
-    (same sha256 of model.safetensors), not merely the same folder."""
-    latest = latest_checkpoint(out)
-    if latest is None:
-        return
-    saved, _ = read_checkpoint_meta(latest)
-    if saved.lora.rank <= 0:
-        raise ConfigError(f"--resume: {out} is a full fine-tuning run (lora.rank = 0 in {latest}/config.toml); this "
-                          f"command sets lora.rank > 0. Resume with lora.rank = 0, or choose another --out.")
-    _, before = lora_base(latest)
-    if before != sha256:
-        raise CheckpointError(f"--resume: {out}'s adapters were trained on a base whose {MODEL_FILE} has sha256 "
-                              f"{before}; {init / MODEL_FILE} now has sha256 {sha256}: another model. Restore the "
-                              f"original base, or start a new run (another --out).")
-
-
-def refuse_init_as_out(out: Path, init_arg: Path, init: Path, section: str = "sft") -> None:
-    """The run being fine-tuned is never the fine-tuning run folder, nor inside it (its
-    checkpoints would be pruned by keep_last, or continued with other data)."""
-    try:
-        o, i, c = out.resolve(), init_arg.resolve(), init.resolve()
-    except OSError:
-        return
-    if o in (i, c) or o in c.parents:
-        raise ConfigError(f"--out {out} is the checkpoint being fine-tuned ({section}.init = {init_arg}) or holds "
-                          f"it; {section.upper()} writes a run of its own. Choose another --out, e.g. "
-                          f"{out}-{section}.")

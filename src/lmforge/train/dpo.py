@@ -129,6 +129,7 @@ class DPOObjective(TokenObjective):
 
     stats = STATS
     unit = "pair"
+    rows_per_sample = 2  # chosen and rejected, in one forward
 
     def __init__(self, cfg: DPOConfig, reference: Reference, val_reference: Reference | None = None,
                  val_mutations: Sequence[str] = ()):

@@ -93,14 +93,15 @@ def flops_per_token(model: torch.nn.Module, seq_len: int) -> dict:
     return {"model_flops_per_token": float(base), "model_flops_per_token_with_head": float(base + 6 * c.dim * c.vocab_size)}
 
 
-def make_plan(trainer, measure: bool = False, steps: int = 3, rows_per_sample: int = 1) -> dict:
+def make_plan(trainer, measure: bool = False, steps: int = 3) -> dict:
     """The plan of `trainer`'s run (module docstring). `measure` takes 1 + `steps` real steps
-    (only for a trainer that is thrown away after: the dry run). `rows_per_sample`: rows per
-    micro-batch item (DPO: 2)."""
+    (only for a trainer that is thrown away after: the dry run). Rows per micro-batch item and
+    tokens per step are the trainer's objective's."""
     cfg, model = trainer.cfg, trainer.raw_model
     t = cfg.train
     world = trainer.dist.world_size
-    tokens_per_step = t.micro_batch_size * rows_per_sample * t.grad_accum_steps * world * cfg.data.seq_len
+    rows_per_sample = trainer.objective.rows_per_sample
+    tokens_per_step = trainer.objective.tokens_per_step(t.micro_batch_size, t.grad_accum_steps, world, cfg.data.seq_len)
     compute_bytes = torch.empty((), dtype=trainer.runtime.dtype or torch.float32).element_size()
     plan = {
         "parameters": model.num_parameters(),

@@ -68,9 +68,26 @@ class TokenObjective:
     stats: tuple[str, ...] = ()
     unit = "token"
     """What `count` counts (the loss is in nats per unit)."""
+    rows_per_sample = 1
+    """Rows of seq_len tokens one micro-batch item takes (DPO: 2, chosen and rejected)."""
 
     def count(self, batch: Batch) -> int:
         return batch.n_supervised
+
+    def tokens_per_step(self, micro_batch_size: int, grad_accum_steps: int, world_size: int, seq_len: int) -> int:
+        """Tokens one optimizer step processes over every rank (rows x seq_len, padding included)."""
+        return micro_batch_size * self.rows_per_sample * grad_accum_steps * world_size * seq_len
+
+    def batch_shape(self, micro_batch_size: int) -> str:
+        """The start-up report's words for one micro-batch ("16"; DPO: "8 pairs (2 rows each)")."""
+        return f"{micro_batch_size}" if self.rows_per_sample == 1 else \
+            f"{micro_batch_size} {self.unit}s ({self.rows_per_sample} rows each)"
+
+    def next_batch(self, stream, model: torch.nn.Module) -> Batch:
+        """The next micro-batch to train on: drawn from the data stream. An objective that makes its
+        own batches (a rollout of the model being trained) overrides this; `stream` then holds
+        its prompts, and resume restores its position as for any stream."""
+        return stream.next_batch()
 
     def loss(self, model: torch.nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(summed loss, a 0-dim float32 tensor with grad; the sums of `stats` (float64, detached) or None)."""
@@ -294,7 +311,7 @@ class Trainer:
         lr = lr_at(self.step, cfg)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        batches = [self.stream.next_batch() for _ in range(cfg.grad_accum_steps)]
+        batches = [self.objective.next_batch(self.stream, self.model) for _ in range(cfg.grad_accum_steps)]
         local = torch.tensor(float(sum(self.objective.count(b) for b in batches)), dtype=torch.float64)
         n_global = float(all_reduce_sum(local.to(self.device), self.dist).item())
         scale = self.dist.world_size / max(n_global, 1.0)
