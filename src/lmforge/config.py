@@ -189,40 +189,56 @@ class TrainConfig:
 
 
 @dataclass
-class SFTConfig:
+class TuningConfig:
+    """The keys every fine-tuning section shares ([sft], [dpo], and those to come), declared once
+    with their bounds (TUNING_BOUNDS) and resume rules (`train.resume.tuning_rules`): the
+    checkpoint to start from, the data, and the [train] values the run takes from its section
+    (`stages.tuning.TUNING_TRAIN_KEYS`: steps, micro_batch_size, grad_accum_steps, lr,
+    warmup_steps; every other [train] key applies as it is)."""
+
     init: str = ""
-    """Checkpoint folder to start from (a pretraining run's step folder or run folder)."""
+    """Checkpoint folder to start from (a run folder or one of its step_NNNNNN folders)."""
     data: str = "stdlib"
-    """"stdlib" (functions of the standard library) or a JSONL/Parquet file of conversations."""
-    packing: bool = False
-    """Pack conversations with document masking instead of right-padding one per row."""
+    """"stdlib" (derived from the standard library) or a JSONL/Parquet file (see the section)."""
     steps: int = 150
-    """SFT optimizer steps. SFT takes steps, micro_batch_size, grad_accum_steps, lr and
-    warmup_steps from [sft]; every other [train] key applies as it is."""
+    """Optimizer steps."""
     micro_batch_size: int = 8
+    """Items (conversations, pairs) per micro-batch."""
     grad_accum_steps: int = 1
     lr: float = 1e-3
     warmup_steps: int = 10
-    max_examples: int = 2000
-    """Train on at most this many conversations (0 = all), chosen by a stable hash."""
-    val_examples: int = 200
-    """Validate on at most this many held-out conversations (0 = all)."""
+    max_examples: int = 0
+    """Train on at most this many items (0 = all), chosen by a stable hash."""
+    val_examples: int = 0
+    """Validate on at most this many held-out items (0 = all)."""
     max_chars: int = 900
     """stdlib only: leave out functions whose prompt + body exceed this many characters (0 = no limit)."""
 
 
 @dataclass
-class DPOConfig:
-    """The [dpo] section: direct preference optimisation (Rafailov et al. 2023, arXiv
-    2305.18290) of the checkpoint `init` on preference pairs (see lmforge.stages.dpo). DPO
-    takes steps, micro_batch_size, grad_accum_steps, lr and warmup_steps from here; every
-    other [train] key applies as it is."""
+class SFTConfig(TuningConfig):
+    """The [sft] section: supervised fine-tuning of `init` (a pretraining run) on conversations:
+    `data` is "stdlib" (functions of the standard library) or a JSONL/Parquet file of them."""
 
-    init: str = ""
-    """Checkpoint folder to start from (usually an SFT run); also the reference model."""
-    data: str = "stdlib"
-    """"stdlib" (standard-library functions against a mutated copy) or a JSONL/Parquet file of
-    pairs in TRL's explicit ({prompt, chosen, rejected}) or implicit ({chosen, rejected}) form."""
+    max_examples: int = 2000
+    val_examples: int = 200
+    packing: bool = False
+    """Pack conversations with document masking instead of right-padding one per row."""
+
+
+@dataclass
+class DPOConfig(TuningConfig):
+    """The [dpo] section: direct preference optimisation (Rafailov et al. 2023, arXiv
+    2305.18290) of `init` (usually an SFT run, also the reference model) on preference pairs
+    (see lmforge.stages.dpo): `data` is "stdlib" (standard-library functions against a mutated
+    copy) or a JSONL/Parquet file of pairs in TRL's explicit ({prompt, chosen, rejected}) or
+    implicit ({chosen, rejected}) form; `micro_batch_size` counts pairs (two rows each)."""
+
+    steps: int = 100
+    lr: float = 1e-4
+    """DPO's learning rate. The paper's 1e-6 (and TRL's default) is for billion-parameter models;
+    on the speedrun's 5M-parameter SFT model 1e-5 moved nothing in 150 steps and 5e-4 tripled the
+    drift of the SFT loss (bench/RESULTS.md, 2026-11-24)."""
     beta: float = 0.1
     """The pull towards the reference (paper default 0.1; IPO's tau)."""
     loss: str = "sigmoid"
@@ -231,21 +247,10 @@ class DPOConfig:
     """"live": the reference's log-probabilities are computed at every step (LoRA: the same
     model with its adapters disabled; full fine-tuning: a frozen copy); "precomputed": once for
     every pair before training (no second model; the same numbers)."""
-    steps: int = 100
-    micro_batch_size: int = 8
-    """Pairs per micro-batch (each is two rows: chosen and rejected)."""
-    grad_accum_steps: int = 1
-    lr: float = 1e-4
-    """DPO's learning rate. The paper's 1e-6 (and TRL's default) is for billion-parameter models;
-    on the speedrun's 5M-parameter SFT model 1e-5 moved nothing in 150 steps and 5e-4 tripled the
-    drift of the SFT loss (bench/RESULTS.md, 2026-11-24)."""
-    warmup_steps: int = 10
-    max_examples: int = 0
-    """Train on at most this many pairs (0 = all), chosen by a stable hash."""
-    val_examples: int = 0
-    """Validate on at most this many held-out pairs (0 = all)."""
-    max_chars: int = 900
-    """stdlib only: leave out functions whose prompt + body exceed this many characters (0 = no limit)."""
+
+
+#: The fine-tuning sections (each a TuningConfig).
+TUNING_SECTIONS = ("sft", "dpo")
 
 
 #: The linear layers of the blocks LoRA can adapt (Meta's Llama names), and the default targets.
@@ -414,32 +419,31 @@ BOUNDS: dict[str, tuple[float, float, bool, bool]] = {
     "train.log_every": (1, MAX_STEPS, False, False),
     "train.time_limit_s": (0.0, 1e8, False, False),  # about three years
     "train.time_budget_s": (0.0, 1e8, False, False),
-    "sft.steps": (1, MAX_STEPS, False, False),
-    "sft.micro_batch_size": (1, 1 << 20, False, False),
-    "sft.grad_accum_steps": (1, 1 << 16, False, False),
-    "sft.lr": (0.0, 10.0, True, False),
-    "sft.warmup_steps": (0, MAX_STEPS, False, False),
-    "sft.max_examples": (0, 1 << 40, False, False),
-    "sft.val_examples": (0, 1 << 40, False, False),
-    "sft.max_chars": (0, 1 << 40, False, False),
+    # [sft], [dpo]: TUNING_BOUNDS, added below
     "lora.rank": (0, 1 << 16, False, False),
     "lora.alpha": (0.0, 1e6, True, False),
     "lora.dropout": (0.0, 1.0, False, True),
     "dpo.beta": (0.0, 1000.0, True, False),
-    "dpo.steps": (1, MAX_STEPS, False, False),
-    "dpo.micro_batch_size": (1, 1 << 20, False, False),
-    "dpo.grad_accum_steps": (1, 1 << 16, False, False),
-    "dpo.lr": (0.0, 10.0, True, False),
-    "dpo.warmup_steps": (0, MAX_STEPS, False, False),
-    "dpo.max_examples": (0, 1 << 40, False, False),
-    "dpo.val_examples": (0, 1 << 40, False, False),
-    "dpo.max_chars": (0, 1 << 40, False, False),
     "generate.max_new_tokens": (1, MAX_SEQ_LEN, False, False),
     "generate.temperature": (0.0, 1000.0, False, False),
     "generate.top_k": (0, MAX_VOCAB, False, False),
     "generate.top_p": (0.0, 1.0, True, False),
     "generate.repetition_penalty": (0.01, 100.0, False, False),
 }
+
+
+#: The bounds of TuningConfig's numbers, for every fine-tuning section (TUNING_SECTIONS).
+TUNING_BOUNDS: dict[str, tuple[float, float, bool, bool]] = {
+    "steps": (1, MAX_STEPS, False, False),
+    "micro_batch_size": (1, 1 << 20, False, False),
+    "grad_accum_steps": (1, 1 << 16, False, False),
+    "lr": (0.0, 10.0, True, False),
+    "warmup_steps": (0, MAX_STEPS, False, False),
+    "max_examples": (0, 1 << 40, False, False),
+    "val_examples": (0, 1 << 40, False, False),
+    "max_chars": (0, 1 << 40, False, False),
+}
+BOUNDS.update({f"{section}.{key}": bound for section in TUNING_SECTIONS for key, bound in TUNING_BOUNDS.items()})
 
 
 def check_bounds(name: str, value: float, shown: str | None = None) -> None:
@@ -800,8 +804,8 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(f"{what} x data.seq_len {d.seq_len:,} = {tokens:,} tokens per optimizer step (per "
                           f"data-parallel rank), above {MAX_TOKENS_PER_STEP:,} (2^30; the largest published runs "
                           f"take about 16 million): one step would never end. Lower the batch.")
-    for name in ("sft.max_chars", "dpo.max_chars"):
-        value = getattr(cfg.sft if name.startswith("sft") else cfg.dpo, "max_chars")
+    for name in (f"{section}.max_chars" for section in TUNING_SECTIONS):
+        value = getattr(getattr(cfg, name.split(".")[0]), "max_chars")
         if 0 < value < MIN_MAX_CHARS:
             raise ConfigError(f"{name} = {value}: the prompt's instruction alone is 40 characters, so a limit under "
                               f"{MIN_MAX_CHARS} leaves out every function. Set 0 (no limit) or at least "

@@ -92,6 +92,32 @@ _OPT = "an optimizer setting applied at every step, the steps taken included"
 _MUON_ONLY = "AdamW runs (train.optimizer = 'adamw') do not read it"
 _ACCUM = ("the rows of every optimizer step: compared as accumulation x data-parallel ranks, so a run continued "
           "on another number of ranks keeps its global batch (up to the float order of the sums)")
+def tuning_rules(section: str, items: str, batch_items: str, init: str, val_rows: str) -> tuple[ResumeRule, ...]:
+    """The rules of the keys every fine-tuning section shares (`config.TuningConfig`), for
+    `section` ("sft", "dpo"), in that section's words: `items` what it trains on ("the
+    conversations"), `batch_items` what a micro-batch holds, `init` what its init is, `val_rows`
+    what validation writes."""
+    here = (section,)
+    no = f"pretraining and {'DPO' if section == 'sft' else 'SFT'} do not read [{section}]"
+    one = items.removeprefix("the ")
+    return (
+        R(f"{section}.init", here, f"the {init}; compared as a resolved path by stages/tuning.py (check_same_init), "
+          f"before the model is loaded", no, elsewhere=True),
+        R(f"{section}.data", here, f"{items} trained on", no, path=True),
+        R(f"{section}.steps", here, _SCHEDULE, no, schedule=True),
+        R(f"{section}.micro_batch_size", here, f"the {batch_items} of every micro-batch and the order of the loss sum",
+          no),
+        R(f"{section}.grad_accum_steps", here, _ACCUM, no, per_rank=True),
+        R(f"{section}.lr", here, _SCHEDULE, no, schedule=True),
+        R(f"{section}.warmup_steps", here, _SCHEDULE, no, schedule=True),
+        R(f"{section}.max_examples", here, f"which {one} are trained on", no),
+        R(f"{section}.val_examples", (), f"the held-out {one} validated on ({val_rows})"),
+        R(f"{section}.max_chars", here, "which standard-library functions are trained on",
+          no + f"; {section.upper()} on a file does not read it",
+          when=lambda cfg: getattr(cfg, section).data == "stdlib"),
+    )
+
+
 #: Every field of every config section, once (tests/test_resume_checks.py holds this).
 RESUME_RULES: tuple[ResumeRule, ...] = (
     R("tokenizer.vocab_size", (), "read by train-tokenizer only; the tokenizer itself is compared through its "
@@ -157,37 +183,16 @@ RESUME_RULES: tuple[ResumeRule, ...] = (
     R("train.time_budget_s", PRE, "decided train.steps once, when the run started (the step count is in the "
       "run's config.toml and --resume keeps it); another budget would be another schedule",
       "SFT and DPO train sft.steps / dpo.steps (their [train] copy has no budget)"),
-    R("sft.init", SFT, "the checkpoint fine-tuned; compared as a resolved path by stages/sft.py "
-      "(check_same_init), before the model is loaded", _NO_PRE, elsewhere=True),
-    R("sft.data", SFT, "the conversations trained on", _NO_PRE, path=True),
+    *tuning_rules("sft", "the conversations", "rows", "checkpoint fine-tuned",
+                  "val_loss rows and sft_val.jsonl only"),
     R("sft.packing", SFT, "how conversations are laid out in rows (and their attention)", _NO_PRE),
-    R("sft.steps", SFT, _SCHEDULE, _NO_PRE, schedule=True),
-    R("sft.micro_batch_size", SFT, "the rows of every micro-batch and the order of the loss sum", _NO_PRE),
-    R("sft.grad_accum_steps", SFT, _ACCUM, _NO_PRE, per_rank=True),
-    R("sft.lr", SFT, _SCHEDULE, _NO_PRE, schedule=True),
-    R("sft.warmup_steps", SFT, _SCHEDULE, _NO_PRE, schedule=True),
-    R("sft.max_examples", SFT, "which conversations are trained on", _NO_PRE),
-    R("sft.val_examples", (), "the held-out conversations validated on (val_loss rows and sft_val.jsonl only)"),
-    R("sft.max_chars", SFT, "which standard-library functions are trained on",
-      _NO_PRE + "; SFT on a file does not read it", when=_stdlib_sft),
     *(R(f"lora.{k}", BOTH, "the adapters trained (their shapes, their scale, which layers carry them) and the "
         "parameters the optimizer state belongs to") for k in ("rank", "alpha", "dropout", "targets", "use_rslora")),
-    R("dpo.init", DPO, "the checkpoint tuned and the reference; compared as a resolved path by stages/dpo.py "
-      "before the model is loaded", _NO_DPO, elsewhere=True),
-    R("dpo.data", DPO, "the pairs trained on", _NO_DPO, path=True),
+    *tuning_rules("dpo", "the pairs", "pairs", "checkpoint tuned and the reference", "val_* rows only"),
     R("dpo.beta", DPO, "the loss of every step, the steps taken included", _NO_DPO),
     R("dpo.loss", DPO, "the loss of every step, the steps taken included", _NO_DPO),
     R("dpo.reference", DPO, "the reference's log-probabilities: computed live and precomputed they agree within "
       "float tolerance, not bit for bit", _NO_DPO),
-    R("dpo.steps", DPO, _SCHEDULE, _NO_DPO, schedule=True),
-    R("dpo.micro_batch_size", DPO, "the pairs of every micro-batch and the order of the loss sum", _NO_DPO),
-    R("dpo.grad_accum_steps", DPO, _ACCUM, _NO_DPO, per_rank=True),
-    R("dpo.lr", DPO, _SCHEDULE, _NO_DPO, schedule=True),
-    R("dpo.warmup_steps", DPO, _SCHEDULE, _NO_DPO, schedule=True),
-    R("dpo.max_examples", DPO, "which pairs are trained on", _NO_DPO),
-    R("dpo.val_examples", (), "the held-out pairs validated on (val_* rows only)"),
-    R("dpo.max_chars", DPO, "which standard-library functions are trained on",
-      _NO_DPO + "; DPO on a file does not read it", when=_stdlib_dpo),
     *(R(f"generate.{k}", (), "sampling only (generate, chat, serve, the speedrun's samples)")
       for k in ("max_new_tokens", "temperature", "top_k", "top_p", "repetition_penalty", "greedy")),
 )
