@@ -384,3 +384,85 @@ def test_validation_per_kind_on_the_default_pairs_equals_a_recount(tiny_run, ini
     assert last["val_pairwise_accuracy"] == pytest.approx(sum(correct) / len(correct), abs=1e-12)
     row = read_metrics(tmp_path / "dpo")[-1]  # and the same numbers in metrics.jsonl
     assert all(row[f"val_pairwise_accuracy/{k}"] == last[f"val_pairwise_accuracy/{k}"] for k in kinds)
+
+
+# -- reference-free losses: SimPO and ORPO (issue 29) ---------------------------------------------
+def test_simpo_and_orpo_on_hand_computed_values():
+    """SimPO (Meng et al. 2024, eq. 6) and ORPO (Hong et al. 2024, eqs. 4-7) on mean per-token
+    log-probabilities, against a float64 recomputation with `math` and the hand values."""
+    from lmforge.model.loss import reference_free_loss
+
+    c, r = torch.tensor([-1.0, -0.5, -0.2]), torch.tensor([-2.0, -1.5, -0.1])
+
+    def log_sigmoid(x):
+        return -math.log1p(math.exp(-x))
+
+    def log_odds(p):
+        return p - math.log1p(-math.exp(p))
+
+    simpo, rc, rr = reference_free_loss(c, r, beta=2.0, kind="simpo", gamma=0.5)
+    want = [-log_sigmoid(2.0 * (a - b) - 0.5) for a, b in zip(c.tolist(), r.tolist())]
+    assert torch.allclose(simpo.double(), torch.tensor(want, dtype=torch.float64), atol=1e-6)
+    assert abs(float(simpo[0]) - 0.2014133) < 1e-6  # -log sigmoid(1.5)
+    assert torch.equal(rc, 2.0 * c) and torch.equal(rr, 2.0 * r)
+    orpo, _, _ = reference_free_loss(c, r, beta=0.1, kind="orpo")
+    want = [-a - 0.1 * log_sigmoid(log_odds(a) - log_odds(b)) for a, b in zip(c.tolist(), r.tolist())]
+    assert torch.allclose(orpo.double(), torch.tensor(want, dtype=torch.float64), atol=1e-6)
+    assert abs(float(orpo[1]) - 0.5170840) < 1e-5  # 0.5 + 0.1 x -log sigmoid(0.43275 + 1.24752)
+
+
+@pytest.mark.parametrize("kind", ["simpo", "orpo"])
+def test_reference_free_losses_learn_the_zen_pairs_without_a_reference(tiny_run, init_ckpt, tmp_path, monkeypatch,
+                                                                        kind):
+    import lmforge.stages.dpo as stage
+
+    def no_reference(*a, **k):
+        raise AssertionError("a reference-free loss built a reference model")
+
+    monkeypatch.setattr(stage, "live_reference", no_reference)
+    cfg, _ = tiny_run
+    data = write_jsonl(tmp_path / "zen.jsonl", zen_records())  # TRL's explicit form
+    beta = 2.0 if kind == "simpo" else 1.0  # ORPO's lambda raised from 0.1, so the odds-ratio term shows in 30 steps
+    last = dpo_stage(dpo_cfg(cfg, init_ckpt, data, steps=30, loss=kind, beta=beta, lr=3e-3), tmp_path / "run",
+                     progress=False)
+    rows = read_metrics(tmp_path / "run")
+    assert rows[-1]["loss"] < rows[0]["loss"] - 0.1, [r["loss"] for r in rows]
+    assert rows[-1]["rewards/margins"] > rows[0]["rewards/margins"] + 0.1, (rows[0], rows[-1])
+    assert last["rewards/accuracies"] == 1.0
+
+
+@pytest.mark.parametrize("kind", ["simpo", "orpo"])
+def test_reference_free_losses_on_the_default_pairs_resume_exactly(tiny_run, init_ckpt, tmp_path, monkeypatch, kind):
+    cfg, _ = tiny_run
+    c = dpo_cfg(cfg, init_ckpt, "stdlib", steps=4, max_examples=16, max_chars=400, loss=kind, val_examples=8)
+    c = replace(c, data=replace(c.data, val_fraction=0.2, seq_len=128), model=replace(c.model, max_seq_len=128))
+    dpo_stage(c, tmp_path / "straight", progress=False)
+    with monkeypatch.context() as m:
+        sigterm_at(m, 2)
+        assert dpo_stage(c, tmp_path / "resumed", progress=False)["step"] == 2
+    dpo_stage(c, tmp_path / "resumed", resume=True, progress=False)
+    a, b = read_metrics(tmp_path / "straight"), read_metrics(tmp_path / "resumed")
+    assert [r["loss"] for r in a] == [r["loss"] for r in b]
+    assert any(k.startswith("val_pairwise_accuracy/") for k in a[-1])  # per-kind validation, no reference
+    wa = load_file(str(latest_checkpoint(tmp_path / "straight") / MODEL_FILE))
+    wb = load_file(str(latest_checkpoint(tmp_path / "resumed") / MODEL_FILE))
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_orpo_on_two_ranks_equals_one_process_with_twice_the_accumulation(tiny_run, init_ckpt, tmp_path):
+    from test_distributed import run_ranks
+
+    cfg, _ = tiny_run
+    data = write_jsonl(tmp_path / "zen.jsonl", zen_records() * 2)
+    two = dpo_cfg(cfg, init_ckpt, data, steps=3, micro_batch_size=2, grad_accum_steps=1, loss="orpo")
+    run_ranks(2, [{"cfg": two, "out": tmp_path / "two", "stage": "dpo"}])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        dpo_stage(dpo_cfg(cfg, init_ckpt, data, steps=3, micro_batch_size=2, grad_accum_steps=2, loss="orpo"),
+                  tmp_path / "one", progress=False)
+    finally:
+        torch.set_num_threads(threads)
+    for x, y in zip(read_metrics(tmp_path / "two"), read_metrics(tmp_path / "one")):
+        for key in ("loss", "rewards/margins", "rewards/accuracies", "logps/chosen"):
+            assert abs(x[key] - y[key]) < 1e-5, (key, x, y)

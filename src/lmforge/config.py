@@ -242,13 +242,20 @@ class DPOConfig(TuningConfig):
     beta: float = 0.1
     """The pull towards the reference (paper default 0.1; IPO's tau)."""
     loss: str = "sigmoid"
-    """"sigmoid" (DPO, eq. 7) or "ipo" (Azar et al. 2023, arXiv 2310.12036)."""
+    """"sigmoid" (DPO, eq. 7), "ipo" (Azar et al. 2023, arXiv 2310.12036), or without a reference
+    model: "simpo" (Meng et al. 2024, arXiv 2405.14734: beta is SimPO's beta, e.g. 2) and "orpo"
+    (Hong et al. 2024, arXiv 2403.07691: the SFT loss on the chosen reply + beta (ORPO's lambda,
+    0.1) x the odds-ratio term)."""
+    simpo_gamma: float = 0.5
+    """SimPO's target reward margin gamma (dpo.loss = "simpo" only)."""
     reference: str = "live"
     """"live": the reference's log-probabilities are computed at every step (LoRA: the same
     model with its adapters disabled; full fine-tuning: a frozen copy); "precomputed": once for
     every pair before training (no second model; the same numbers)."""
 
 
+#: `dpo.loss`'s choices (lmforge.model.loss dispatches on them).
+DPO_LOSS_CHOICES = ("sigmoid", "ipo", "simpo", "orpo")
 #: The fine-tuning sections (each a TuningConfig).
 TUNING_SECTIONS = ("sft", "dpo")
 
@@ -424,6 +431,7 @@ BOUNDS: dict[str, tuple[float, float, bool, bool]] = {
     "lora.alpha": (0.0, 1e6, True, False),
     "lora.dropout": (0.0, 1.0, False, True),
     "dpo.beta": (0.0, 1000.0, True, False),
+    "dpo.simpo_gamma": (0.0, 100.0, False, False),
     "generate.max_new_tokens": (1, MAX_SEQ_LEN, False, False),
     "generate.temperature": (0.0, 1000.0, False, False),
     "generate.top_k": (0, MAX_VOCAB, False, False),
@@ -794,7 +802,7 @@ def validate(cfg: Config) -> Config:
     if not 0.0 < g.top_p <= 1.0:
         raise ConfigError(f"generate.top_p = {g.top_p}: expected 0 < value <= 1.")
     check_lora(cfg.lora)
-    _choice("dpo.loss", cfg.dpo.loss, ("sigmoid", "ipo"))
+    _choice("dpo.loss", cfg.dpo.loss, DPO_LOSS_CHOICES)
     _choice("dpo.reference", cfg.dpo.reference, ("live", "precomputed"))
     tokens = (t.global_batch_size if t.micro_batch_size == AUTO_MICRO_BATCH else
               t.micro_batch_size * t.grad_accum_steps) * d.seq_len

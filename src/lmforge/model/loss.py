@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from lmforge.config import DPO_LOSS_CHOICES
 from lmforge.runtime import compute_dtype
 
 #: The label of positions outside the loss mask, for F.cross_entropy (defined once, here).
@@ -110,8 +111,39 @@ def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, targets
         return _LinearCrossEntropySum.apply(h, weight, labels, dtype, chunk_rows)
 
 
-#: DPO's losses (`dpo_loss`), by `dpo.loss`.
-DPO_LOSSES = ("sigmoid", "ipo")
+#: The preference losses by `dpo.loss` (`config.DPO_LOSSES`): `dpo_loss` compares with a reference
+#: model; `reference_free_loss` needs none (REFERENCE_FREE).
+DPO_LOSSES = DPO_LOSS_CHOICES
+REFERENCE_FREE = ("simpo", "orpo")
+
+
+def reference_free_loss(chosen: torch.Tensor, rejected: torch.Tensor, beta: float, kind: str,
+                        gamma: float = 0.5) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A preference loss without a reference model, on length-normalised log-probabilities.
+
+    Args:
+        chosen, rejected: (N,) float32 mean log-probability per completion token (nats / token)
+            of the model being trained.
+        beta: SimPO's beta (the scale of the reward); ORPO's lambda (the weight of the odds-ratio
+            term beside the SFT loss; Hong et al. use 0.1).
+        kind: "simpo": -log sigmoid(beta (chosen - rejected) - gamma) (Meng et al. 2024, arXiv
+            2405.14734, eq. 6; `gamma` the target reward margin); "orpo": -chosen + beta x
+            -log sigmoid(log odds(chosen) - log odds(rejected)), odds(p) = e^p / (1 - e^p) (Hong et
+            al. 2024, arXiv 2403.07691, eqs. 4-7: the SFT loss on the chosen reply plus the
+            odds-ratio term).
+    Returns:
+        (losses (N,), chosen rewards (N,), rejected rewards (N,)), rewards = beta x the mean
+        log-probability, detached (TRL's CPO/ORPO logging).
+    """
+    if kind == "simpo":
+        losses = -F.logsigmoid(beta * (chosen - rejected) - gamma)
+    elif kind == "orpo":
+        def log_odds(p: torch.Tensor) -> torch.Tensor:  # log(e^p / (1 - e^p)), p < 0
+            return p - torch.log1p(-torch.exp(p.clamp(max=-1e-7)))
+        losses = -chosen - beta * F.logsigmoid(log_odds(chosen) - log_odds(rejected))
+    else:
+        raise ValueError(f"reference-free loss {kind!r}: expected one of {REFERENCE_FREE}")
+    return losses, beta * chosen.detach(), beta * rejected.detach()
 
 
 def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_chosen: torch.Tensor,

@@ -31,6 +31,7 @@ from lmforge.errors import ConfigError, DataError
 from lmforge.fileio import check_output
 from lmforge.stages.common import log, run_training, startup_report, training_session
 from lmforge.stages.tuning import chat_template_line, lora_line, own_tokenizer_dir, start_from_checkpoint, tuning_config
+from lmforge.model.loss import REFERENCE_FREE
 from lmforge.train.dpo import DPOObjective, live_reference, precompute, table_reference
 
 DPO_DATA_FILE = "dpo_data.json"
@@ -84,7 +85,7 @@ def dpo_stage(cfg: Config, out: str | Path, resume: bool = False, dry_run: bool 
     if not cfg.dpo.init:
         raise ConfigError("dpo.init is empty: set the checkpoint to tune, e.g. --set dpo.init=runs/sft (an SFT run "
                           "folder or one of its step_NNNNNN folders); it is also the reference model.")
-    if cfg.lora.rank > 0 and cfg.lora.dropout > 0:
+    if cfg.lora.rank > 0 and cfg.lora.dropout > 0 and cfg.dpo.loss not in REFERENCE_FREE:
         raise ConfigError(f"lora.dropout = {cfg.lora.dropout}: DPO compares the model with its reference, and "
                           f"dropout would make that comparison random (the loss at step 0 would not be ln 2). Set "
                           f"lora.dropout = 0 for dpo.")
@@ -103,9 +104,9 @@ def dpo_stage(cfg: Config, out: str | Path, resume: bool = False, dry_run: bool 
         stream = PairStream(samples["train"], d.seq_len, t.micro_batch_size, tok.pad_id, t.seed,
                             rank=info.rank, world_size=info.world_size)
         val = samples["val"]
-        reference = live_reference(model, rt)
+        reference = live_reference(model, rt) if p.loss not in REFERENCE_FREE else None
         val_reference = reference
-        if p.reference == "precomputed":
+        if p.reference == "precomputed" and reference is not None:
             ref_t0 = time.perf_counter()
             reference = table_reference(*precompute(reference, samples["train"], d.seq_len, t.micro_batch_size,
                                                     tok.pad_id, rt))
@@ -144,6 +145,8 @@ def dpo_stage(cfg: Config, out: str | Path, resume: bool = False, dry_run: bool 
 
 
 def _reference_line(cfg: Config) -> str:
+    if cfg.dpo.loss in REFERENCE_FREE:
+        return f"none: dpo.loss = {cfg.dpo.loss!r} needs no reference model"
     how = "its log-probabilities precomputed once" if cfg.dpo.reference == "precomputed" else "computed every step"
     what = "the model with its adapters disabled" if cfg.lora.rank > 0 else "a frozen copy"
     return f"{what}, {how}"

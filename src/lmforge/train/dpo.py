@@ -37,7 +37,7 @@ from lmforge.config import DPOConfig
 from lmforge.data.preferences import PairBatch, PairSamples, pair_batches
 from lmforge.errors import ConfigError
 from lmforge.model import lora
-from lmforge.model.loss import dpo_loss
+from lmforge.model.loss import REFERENCE_FREE, dpo_loss, reference_free_loss
 from lmforge.runtime import Runtime
 from lmforge.train.distributed import DistInfo
 from lmforge.train.trainer import TokenObjective
@@ -133,7 +133,7 @@ class DPOObjective(TokenObjective):
 
     def __init__(self, cfg: DPOConfig, reference: Reference, val_reference: Reference | None = None,
                  val_mutations: Sequence[str] = ()):
-        self.beta, self.kind = cfg.beta, cfg.loss
+        self.beta, self.kind, self.gamma = cfg.beta, cfg.loss, cfg.simpo_gamma
         self.reference = reference
         self.val_reference = val_reference or reference
         self.kinds = sorted({k for k in val_mutations if k})
@@ -142,10 +142,15 @@ class DPOObjective(TokenObjective):
     def count(self, batch: PairBatch) -> int:
         return batch.n_pairs
 
-    def _pairs(self, model, batch: PairBatch, reference: Reference):
-        ref_c, ref_r = reference(batch)
+    def _pairs(self, model, batch: PairBatch, reference: Reference | None):
         pc, pr = sequence_logps(model, batch)
-        losses, rc, rr = dpo_loss(pc, pr, ref_c.float(), ref_r.float(), self.beta, self.kind)
+        if self.kind in REFERENCE_FREE:  # length-normalised, no reference model
+            n = batch.loss_mask.sum(1).clamp(min=1).to(pc.dtype)
+            B = batch.n_pairs
+            losses, rc, rr = reference_free_loss(pc / n[:B], pr / n[B:], self.beta, self.kind, self.gamma)
+        else:
+            ref_c, ref_r = reference(batch)
+            losses, rc, rr = dpo_loss(pc, pr, ref_c.float(), ref_r.float(), self.beta, self.kind)
         stats = torch.stack([rc.sum(), rr.sum(), (rc - rr).sum(), (rc > rr).float().sum(), pc.detach().sum(),
                              pr.detach().sum()])
         return losses, stats, pc.detach(), pr.detach()

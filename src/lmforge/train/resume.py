@@ -191,6 +191,7 @@ RESUME_RULES: tuple[ResumeRule, ...] = (
     *tuning_rules("dpo", "the pairs", "pairs", "checkpoint tuned and the reference", "val_* rows only"),
     R("dpo.beta", DPO, "the loss of every step, the steps taken included", _NO_DPO),
     R("dpo.loss", DPO, "the loss of every step, the steps taken included", _NO_DPO),
+    R("dpo.simpo_gamma", DPO, "the loss of every step, the steps taken included", _NO_DPO),
     R("dpo.reference", DPO, "the reference's log-probabilities: computed live and precomputed they agree within "
       "float tolerance, not bit for bit", _NO_DPO),
     *(R(f"generate.{k}", (), "sampling only (generate, chat, serve, the speedrun's samples)")
