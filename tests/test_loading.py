@@ -57,4 +57,4 @@ def test_no_module_loads_a_checkpoint_another_way():
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) == "load_model":
                 callers.add(str(path.relative_to(SRC)))
-    assert callers <= {"loading.py", "model/transformer.py"}, callers
+    assert callers <= {"loading.py", "model/load.py"}, callers

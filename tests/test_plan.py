@@ -59,7 +59,7 @@ def auto_cfg(cfg, global_batch=8, steps=4):
 
 def available_for(cfg, tok, rows):
     """The available memory at which exactly `rows` rows fit (by the estimate auto uses)."""
-    from lmforge.model.transformer import memory_need
+    from lmforge.model.memory import memory_need
     from lmforge.train.plan import AUTO_MEMORY_SHARE
 
     model_cfg = replace(cfg.model, vocab_size=tok.contract.vocab_size)

@@ -104,4 +104,16 @@ def decode_runtime(device: torch.device | str | None = None) -> Runtime:
 
 
 __all__ = ["CPU_FP32", "Runtime", "autocast", "bf16_supported", "compute_dtype", "decode_runtime", "default_device",
-           "resolve_precision", "training_runtime"]
+           "resolve_precision", "seed_everything", "training_runtime"]
+
+
+def seed_everything(seed: int) -> None:
+    """Seed every generator a run draws from (Python's, numpy's, torch's on every device), once,
+    at the start of a command; `train.checkpoint.rng_state` snapshots them all."""
+    import random
+
+    import numpy as np
+
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)

@@ -24,7 +24,7 @@ from lmforge.export.options import ExportError, check_export_options
 from lmforge.fileio import atomic_dir, check_output, save_safetensors
 from lmforge.model import Transformer, lora, resolve_model_config
 from lmforge.model.io import MODEL_FILE, read_checkpoint_meta, read_weights, resolve_checkpoint
-from lmforge.model.transformer import check_lora_base, lora_base
+from lmforge.model.load import check_lora_base, lora_base
 
 PEFT_WEIGHTS_FILE = "adapter_model.safetensors"
 PEFT_CONFIG_FILE = "adapter_config.json"

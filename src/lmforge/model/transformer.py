@@ -18,22 +18,18 @@ ffn_dim, norm_eps, rope_theta, max_seq_len); Hugging Face names live in export.p
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import replace
-from pathlib import Path
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from lmforge.config import CONFIG_FILE, Config, ModelConfig
-from lmforge.contract import CONTRACT_FILE, Contract, check_match, padded_vocab_size
-from lmforge.errors import CheckpointError, ConfigError, ContractError
-from lmforge.fileio import path_from_text, safetensors_metadata
-from lmforge.model import decode, lora
+from lmforge.config import ModelConfig
+from lmforge.contract import Contract, padded_vocab_size
+from lmforge.errors import ConfigError, ContractError
+from lmforge.model import decode
 from lmforge.model.attention import BACKENDS, AttentionMask, prepare_mask
 from lmforge.model.decode import KVCache
-from lmforge.model.io import MODEL_FILE, load_weights, read_checkpoint_meta, resolve_checkpoint
 from lmforge.model.loss import linear_cross_entropy_sum
 from lmforge.runtime import compute_dtype
 
@@ -165,57 +161,6 @@ class Block(nn.Module):
     def forward(self, x, cos, sin, mask: AttentionMask, cache=None):
         x = x + self.attention(self.attention_norm(x), cos, sin, mask, cache)
         return x + self.feed_forward(self.ffn_norm(x))
-
-
-def parameter_count(cfg: ModelConfig) -> int:
-    """Parameters of the model `cfg` describes (vocab padded to 64, an untied head counted)."""
-    V, d, hd = padded_vocab_size(max(cfg.vocab_size, 1)), cfg.dim, cfg.head_dim
-    attention = d * cfg.n_heads * hd + 2 * d * cfg.n_kv_heads * hd + cfg.n_heads * hd * d
-    per_layer = attention + 3 * d * cfg.resolved_ffn_dim() + 2 * d + (2 * hd if getattr(cfg, "qk_norm", False) else 0)
-    per_layer += (cfg.n_heads + 2 * cfg.n_kv_heads) * hd if getattr(cfg, "qkv_bias", False) else 0
-    return V * d * (1 if cfg.tie_embeddings else 2) + cfg.n_layers * per_layer + d
-
-
-def memory_bytes() -> int:
-    """Physical memory of this machine (bytes), or of the CUDA device when there is one."""
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-def memory_need(cfg: ModelConfig, training: bool = True) -> tuple[int, int]:
-    """(fixed bytes, bytes per trained token) of the estimate `check_fits_in_memory` explains:
-    float32 weights (x4 when training: gradients and AdamW's two moments) and rotary tables;
-    per token the activations kept for backward and a row of the loss's logit gradient."""
-    weights = 4 * parameter_count(cfg) * (4 if training else 1)
-    rope = 8 * cfg.max_seq_len * cfg.head_dim
-    per_token = 4 * (cfg.n_layers * (12 * cfg.dim + 3 * cfg.resolved_ffn_dim()) + padded_vocab_size(max(cfg.vocab_size, 1)))
-    return weights + rope, per_token
-
-
-def check_fits_in_memory(cfg: ModelConfig, training_tokens: int = 0) -> None:
-    """Refuse a model (and, with `training_tokens` = micro-batch rows x seq_len, a training
-    step) that cannot fit in memory, before anything is allocated.
-
-    Estimate (float32): weights 4 bytes/parameter (training: x4, with gradients and AdamW's
-    two moments), rotary tables, and per trained token the activations kept for backward
-    (~ n_layers x (12 dim + 3 ffn) values) plus a row of the loss's logit gradient (V values).
-
-    Raises:
-        ConfigError: naming the estimate, the memory, and the keys to lower.
-    """
-    fixed, per_token = memory_need(cfg, training=bool(training_tokens))
-    need = fixed + training_tokens * per_token
-    have = memory_bytes()
-    if need > have:
-        gib = 2**30
-        raise ConfigError(
-            f"the model (dim {cfg.dim}, {cfg.n_layers} layers, ffn {cfg.resolved_ffn_dim()}, vocab {cfg.vocab_size}, "
-            f"max_seq_len {cfg.max_seq_len}"
-            + (f", {training_tokens:,} tokens per micro-batch" if training_tokens else "")
-            + f") needs about {need / gib:,.1f} GiB, more than the {have / gib:,.1f} GiB of memory here. Lower "
-            f"model.dim, model.n_layers, model.max_seq_len"
-            + (", train.micro_batch_size or data.seq_len." if training_tokens else "."))
 
 
 class Transformer(nn.Module):
@@ -356,86 +301,8 @@ class Transformer(nn.Module):
         """One fused T = 1 decode step: (B,) tokens -> (B, vocab_size) logits (see `decode.decode_step`)."""
         return decode.decode_step(self, tokens, positions, cache, slots, batch_invariant)
 
-    @classmethod
-    def from_checkpoint(cls, folder: str | Path, device: str | torch.device = "cpu") -> "Transformer":
-        """Load a trained model from a checkpoint folder (a `step_NNNNNN/` or a run folder,
-        whose newest complete checkpoint is used). Strict: missing or unexpected keys fail.
 
-        Raises:
-            CheckpointError / ContractError: see `load_model`.
-        """
-        return load_model(folder, device)[0]
-
-
-def load_model(folder: str | Path, device: str | torch.device = "cpu", contract: Contract | None = None,
-               contract_path: str | Path = "the tokenizer") -> tuple[Transformer, Config, Contract, Path]:
-    """(model in eval mode, config, contract, checkpoint path) from a checkpoint or run folder.
-    A LoRA checkpoint (config lora.rank > 0: adapters only) is loaded on its base, the
-    checkpoint named in its weights' metadata, whose model.safetensors must have the recorded
-    sha256; the adapters are merged (lmforge.model.lora.merged_state) and the model returned
-    is a plain Transformer.
-
-    Raises:
-        CheckpointError / ContractError: incomplete or damaged checkpoint, non-finite weights,
-        or a contract that differs from `contract` (when given); for a LoRA checkpoint, a base
-        that is gone or whose weights changed.
-    """
-    path = resolve_checkpoint(folder)
-    config, own = read_checkpoint_meta(path)
-    if contract is not None:
-        check_match(contract, contract_path, own, path / CONTRACT_FILE)
-    model = Transformer(resolve_model_config(config.model, own, where=f"{path}/{CONFIG_FILE} model.vocab_size"))
-    if config.lora.rank > 0:
-        model = _load_lora(model, config, own, path)
-    else:
-        load_weights(model, path / MODEL_FILE)
-    return model.to(device).eval(), config, own, path
-
-
-def lora_base(path: Path) -> tuple[Path, str]:
-    """(base checkpoint folder, sha256 of its model.safetensors) recorded in the LoRA
-    checkpoint `path`'s weights.
-
-    Raises:
-        CheckpointError: no record (not a LoRA checkpoint lmforge wrote).
-    """
-    try:
-        meta = safetensors_metadata(path / MODEL_FILE)
-    except Exception as exc:  # safetensors raises several kinds
-        raise CheckpointError(f"{path / MODEL_FILE}: cannot read ({exc}); the checkpoint is damaged.") from None
-    if lora.BASE_PATH_KEY not in meta or lora.BASE_SHA256_KEY not in meta:
-        raise CheckpointError(f"{path / MODEL_FILE}: a LoRA checkpoint (lora.rank > 0 in its {CONFIG_FILE}) without "
-                              f"the base checkpoint's location and hash in its metadata. Use a checkpoint written "
-                              f"by `lmforge sft` with lora.rank > 0.")
-    return Path(path_from_text(meta[lora.BASE_PATH_KEY])), meta[lora.BASE_SHA256_KEY]
-
-
-def check_lora_base(path: Path, base: Path, sha256: str) -> None:
-    """The base of the LoRA checkpoint `path` is still at `base`, with weights of hash `sha256`.
-
-    Raises:
-        CheckpointError: naming both folders and both hashes.
-    """
-    if not (base / MODEL_FILE).is_file():
-        raise CheckpointError(f"{path} holds LoRA adapters for the base checkpoint {base}, which has no "
-                              f"{MODEL_FILE} any more. Put the base back at that path (sha256 {sha256}).")
-    found = lora.file_sha256(base / MODEL_FILE)
-    if found != sha256:
-        raise CheckpointError(f"{path} holds LoRA adapters for the base checkpoint {base} with weights of sha256 "
-                              f"{sha256}, but {base / MODEL_FILE} now has sha256 {found}: another model. Restore "
-                              f"the original base; adapters are never applied to other weights.")
-
-
-def _load_lora(model: Transformer, config: Config, own: Contract, path: Path) -> Transformer:
-    """The merged model of a LoRA checkpoint `path` (see load_model)."""
-    base_dir, sha256 = lora_base(path)
-    check_lora_base(path, base_dir, sha256)
-    base, _, _, _ = load_model(base_dir, contract=own, contract_path=path / CONTRACT_FILE)
-    if base.config != model.config:
-        raise CheckpointError(f"{path}: its [model] section differs from its base {base_dir}'s; the checkpoint "
-                              f"is damaged.")
-    lora.inject(base, config.lora)
-    load_weights(base, path / MODEL_FILE)  # the adapters only (model/io.py: a model with adapters)
-    with torch.no_grad():
-        model.load_state_dict(lora.merged_state(base))
-    return model
+# Moved out of the model file (their names stay importable from here): the memory estimate
+# (lmforge.model.memory) and checkpoint reading, LoRA base included (lmforge.model.load, which
+# also binds Transformer.from_checkpoint).
+from lmforge.model.memory import check_fits_in_memory, memory_bytes, memory_need, parameter_count  # noqa: E402,F401

@@ -18,11 +18,12 @@ from lmforge.errors import ConfigError, LmforgeError, require_package
 from lmforge.fileio import (OutputError, copy_file, loads_json, make_folder, open_run_dir, output_lock, path_from_text,
                             path_text, shown_path, write_text)
 from lmforge.model import Transformer
-from lmforge.model.transformer import check_fits_in_memory
+from lmforge.model.memory import check_fits_in_memory
 from lmforge.model.attention import resolve_backend
 from lmforge.model.io import CONTRACT_FILES, latest_checkpoint, list_checkpoints, read_checkpoint_meta
 from lmforge.runtime import Runtime, training_runtime
 from lmforge.tokenizer import Tokenizer
+from lmforge.train.checkpoint import rng_state, set_rng_state
 from lmforge.train.distributed import DistInfo, all_reduce_min, all_reduce_sum, barrier, init_distributed, shutdown
 from lmforge.train.plan import PLAN_FILE, auto_micro_batch, available_memory, make_plan, measure_steps, plan_lines
 from lmforge.train.trainer import TokenObjective, Trainer, seed_everything
@@ -177,9 +178,6 @@ def resolve_time_budget(session: TrainingSession, model: Transformer, stream, ob
         CheckpointError: (later, at the resume check) a budget other than the run's.
     """
     import copy
-    import random
-
-    import numpy as np
 
     cfg, out, info = session.cfg, session.out, session.info
     t = cfg.train
@@ -188,17 +186,15 @@ def resolve_time_budget(session: TrainingSession, model: Transformer, stream, ob
         saved = read_checkpoint_meta(latest)[0].train
         steps, why = saved.steps, f"as in {latest / CONFIG_FILE}, the run being resumed: no new measurement"
     else:
-        rng = (torch.get_rng_state(), random.getstate(), np.random.get_state(), stream.state_dict())
+        rng, position = rng_state(), stream.state_dict()  # every generator, CUDA's included
         probe = Trainer(cfg, Path("."), Path("."), copy.deepcopy(model), stream, None, info, False, log,
                         runtime=session.runtime, objective=objective)
         tokens_per_step = objective.tokens_per_step(t.micro_batch_size, t.grad_accum_steps, info.world_size,
                                                     cfg.data.seq_len)
         measured = measure_steps(probe, BUDGET_TIMED_STEPS, tokens_per_step)
         del probe
-        torch.set_rng_state(rng[0])
-        random.setstate(rng[1])
-        np.random.set_state(rng[2])
-        stream.load_state_dict(rng[3])
+        set_rng_state(rng)
+        stream.load_state_dict(position)
         step_s = measured["step_seconds"]
         steps = all_reduce_min(budget_steps(t.time_budget_s, step_s), info)
         why = f"{step_s:.3f} s per step over {measured['measured_steps']} timed steps on a throw-away copy"

@@ -21,7 +21,7 @@ from lmforge.fileio import path_text
 from lmforge.loading import load_checkpoint
 from lmforge.model import Transformer, lora
 from lmforge.model.io import MODEL_FILE, latest_checkpoint, read_checkpoint_meta, resolve_checkpoint
-from lmforge.model.transformer import lora_base
+from lmforge.model.load import lora_base
 from lmforge.tokenizer import Tokenizer
 
 #: The [train] keys a fine-tuning section ([sft], [dpo]) supplies for its run.

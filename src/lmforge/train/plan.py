@@ -199,7 +199,7 @@ def available_memory(device: torch.device) -> int:
                 return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         pass
-    from lmforge.model.transformer import memory_bytes
+    from lmforge.model.memory import memory_bytes
 
     return memory_bytes()
 
@@ -207,8 +207,8 @@ def available_memory(device: torch.device) -> int:
 def auto_micro_batch(model_cfg, seq_len: int, rows_per_rank: int, available: int) -> tuple[int, str]:
     """`train.micro_batch_size = "auto"`: the largest divisor of `rows_per_rank` (the global
     batch over the data-parallel ranks) whose step fits AUTO_MEMORY_SHARE of `available` bytes
-    by `model.transformer.memory_need`'s estimate (at least 1). Returns (rows, why)."""
-    from lmforge.model.transformer import memory_need
+    by `model.memory.memory_need`'s estimate (at least 1). Returns (rows, why)."""
+    from lmforge.model.memory import memory_need
 
     fixed, per_token = memory_need(model_cfg, training=True)
     budget = available * AUTO_MEMORY_SHARE - fixed

@@ -26,7 +26,6 @@ import contextlib
 import json
 import math
 import os
-import random
 import signal
 import sys
 import time
@@ -34,7 +33,6 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
 from tqdm import tqdm
 
@@ -47,7 +45,7 @@ from lmforge.evaluate import batch_loss, evaluate_batches
 from lmforge.fileio import open_append, write_text
 from lmforge.model.io import (MODEL_FILE, OPTIMIZER_FILE, RNG_FILE, STEP_RE, is_sharded, latest_checkpoint,
                               load_weights, read_checkpoint_meta, step_dir_name)
-from lmforge.runtime import Runtime, training_runtime
+from lmforge.runtime import Runtime, seed_everything, training_runtime
 from lmforge.train import checkpoint as ckpt
 from lmforge.train.distributed import DistInfo, all_reduce_sum, gather_to_main, wrap_model
 from lmforge.train.health import UPDATE_RATIO_EVERY, HealthMonitor, update_ratio, verdict_line, weights_snapshot
@@ -113,12 +111,6 @@ def compiler_available(device: torch.device, log: Callable[[str], None] | None =
         log("train.compile = true: no C++ compiler on PATH ($CXX, g++, c++, clang++), which torch.compile needs "
             "on a CPU; training without compiling (install g++ to compile, or set train.compile = false)")
     return bool(found)
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
 
 
 @dataclass
