@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 import tomllib
 
 import pytest
@@ -278,3 +279,34 @@ def test_built_in_defaults_are_the_shipped_recipe():
     diff = [(s, k) for s in defaults for k in defaults[s]
             if defaults[s][k] != recipe[s][k] and (s, k) not in operational]
     assert diff == []
+
+
+def test_every_dispatch_table_equals_its_fields_choices():
+    """`config.CHOICES` is the one list of each text field's values; the code that dispatches on
+    a field takes every one of them (and an attention backend or a loss added on one side only
+    fails here)."""
+    import torch
+
+    from lmforge.config import CHOICES, TrainConfig
+    from lmforge.model import Transformer
+    from lmforge.model.attention import BACKENDS
+    from lmforge.model.loss import DPO_LOSSES, REFERENCE_FREE, dpo_loss, reference_free_loss
+    from lmforge.runtime import CPU_FP32
+    from lmforge.train.optim import build_optimizer
+    from lmforge.train.schedule import lr_at
+
+    assert set(CHOICES["model.attention"]) == set(BACKENDS) | {"auto"}
+    assert tuple(DPO_LOSSES) == CHOICES["dpo.loss"] and set(REFERENCE_FREE) < set(DPO_LOSSES)
+    x = torch.tensor([-1.0, -2.0])
+    for kind in DPO_LOSSES:
+        out = reference_free_loss(x, x - 1, 0.1, kind) if kind in REFERENCE_FREE else dpo_loss(x, x - 1, x, x, 0.1, kind)
+        assert torch.isfinite(out[0]).all(), kind
+    lrs = {s: [lr_at(i, TrainConfig(schedule=s, steps=10, warmup_steps=2)) for i in range(10)]
+           for s in CHOICES["train.schedule"]}
+    assert len({tuple(v) for v in lrs.values()}) == len(lrs)  # each schedule is its own
+    model = Transformer(ModelConfig(dim=32, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=64, max_seq_len=16))
+    kinds = {type(build_optimizer(model, TrainConfig(optimizer=o), CPU_FP32)).__name__ for o in CHOICES["train.optimizer"]}
+    assert len(kinds) == len(CHOICES["train.optimizer"]), kinds
+    for name, options in CHOICES.items():  # and validate refuses anything else, naming the field
+        with pytest.raises(ConfigError, match=re.escape(name)):
+            load_config(None, [f"{name}=nonsense"])

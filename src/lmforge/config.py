@@ -256,6 +256,20 @@ class DPOConfig(TuningConfig):
 
 #: `dpo.loss`'s choices (lmforge.model.loss dispatches on them).
 DPO_LOSS_CHOICES = ("sigmoid", "ipo", "simpo", "orpo")
+#: Every text field with a fixed set of values, and its values; the tables that dispatch on them
+#: (attention backends, dpo losses, optimizers, schedules) are held equal to these by
+#: tests/test_config.py::test_every_dispatch_table_equals_its_fields_choices.
+CHOICES: dict[str, tuple[str, ...]] = {
+    "model.attention": ("auto", "sdpa", "flex"),
+    "model.rope_scaling": ("none", "llama3"),
+    "data.on_bad_utf8": ("skip", "error"),
+    "train.schedule": ("cosine", "wsd"),
+    "train.optimizer": ("adamw", "muon"),
+    "train.precision": ("auto", "bf16", "fp32"),
+    "train.data_parallel": ("ddp", "fsdp"),
+    "dpo.loss": DPO_LOSS_CHOICES,
+    "dpo.reference": ("live", "precomputed"),
+}
 #: The fine-tuning sections (each a TuningConfig).
 TUNING_SECTIONS = ("sft", "dpo")
 
@@ -745,8 +759,6 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(
             f"model.dim / model.n_heads = {m.head_dim} is odd; rotary embeddings need an even head size."
         )
-    _choice("model.attention", m.attention, ("auto", "sdpa", "flex"))
-    _choice("model.rope_scaling", m.rope_scaling, ("none", "llama3"))
     if m.rope_scaling == "llama3":
         for name in ("rope_factor", "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_seq_len"):
             _positive(f"model.{name}", getattr(m, name))
@@ -762,7 +774,6 @@ def validate(cfg: Config) -> Config:
         )
     if not 0.0 <= d.val_fraction < 1.0:
         raise ConfigError(f"data.val_fraction = {d.val_fraction}: expected 0 <= value < 1.")
-    _choice("data.on_bad_utf8", d.on_bad_utf8, ("skip", "error"))
     for name in ("steps", "grad_accum_steps"):
         _positive(f"train.{name}", getattr(t, name))
     _positive("train.micro_batch_size", t.micro_batch_size, allow_zero=True)
@@ -775,10 +786,6 @@ def validate(cfg: Config) -> Config:
         _positive(f"train.{name}", getattr(t, name), allow_zero=True)
     if t.log_every < 1:
         raise ConfigError(f"train.log_every = {t.log_every}: expected at least 1.")
-    _choice("train.schedule", t.schedule, ("cosine", "wsd"))
-    _choice("train.optimizer", t.optimizer, ("adamw", "muon"))
-    _choice("train.precision", t.precision, ("auto", "bf16", "fp32"))
-    _choice("train.data_parallel", t.data_parallel, ("ddp", "fsdp"))
     if not 0.0 < t.decay_fraction <= 1.0:
         raise ConfigError(f"train.decay_fraction = {t.decay_fraction}: expected 0 < value <= 1.")
     _positive("train.context_parallel", t.context_parallel)
@@ -802,8 +809,6 @@ def validate(cfg: Config) -> Config:
     if not 0.0 < g.top_p <= 1.0:
         raise ConfigError(f"generate.top_p = {g.top_p}: expected 0 < value <= 1.")
     check_lora(cfg.lora)
-    _choice("dpo.loss", cfg.dpo.loss, DPO_LOSS_CHOICES)
-    _choice("dpo.reference", cfg.dpo.reference, ("live", "precomputed"))
     tokens = (t.global_batch_size if t.micro_batch_size == AUTO_MICRO_BATCH else
               t.micro_batch_size * t.grad_accum_steps) * d.seq_len
     if tokens > MAX_TOKENS_PER_STEP:
@@ -818,6 +823,9 @@ def validate(cfg: Config) -> Config:
             raise ConfigError(f"{name} = {value}: the prompt's instruction alone is 40 characters, so a limit under "
                               f"{MIN_MAX_CHARS} leaves out every function. Set 0 (no limit) or at least "
                               f"{MIN_MAX_CHARS} (default {_default(*name.split('.'))!r}).")
+    for name, options in CHOICES.items():  # every text field with a fixed set of values
+        section, key = name.split(".", 1)
+        _choice(name, getattr(getattr(cfg, section), key), options)
     for name in BOUNDS:  # every number, both ends (the checks above keep their own wording)
         section, key = name.split(".", 1)
         check_bounds(name, getattr(getattr(cfg, section), key))
