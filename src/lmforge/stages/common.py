@@ -59,10 +59,7 @@ class TrainingSession:
         """Check, lock and mark the run folder (`fileio.open_run_dir`: refused unless absent,
         empty, or this command's own run, which needs `--resume` once it holds checkpoints).
         Call it after the stage's own input checks, so refused input leaves no folder behind.
-        A dry run makes the same checks and writes nothing (without --out it names no folder)."""
-        if self.dry_run:
-            self.check_run()
-            return
+        A dry run never claims a folder: `run_training` gives it `check_run` alone."""
         # Every rank checks the folder before rank 0 changes anything (a rank that checked
         # while rank 0 wrote the marker would see a half-made folder), then all agree: a
         # refusal on any rank is a refusal on every rank, never a rank left waiting.
@@ -165,8 +162,7 @@ def budget_steps(budget_s: float, step_s: float) -> int:
     return max(1, int(budget_s / step_s + 1e-9))
 
 
-def resolve_time_budget(session: TrainingSession, model: Transformer, stream, objective: TokenObjective,
-                        ) -> Config:
+def resolve_time_budget(session: TrainingSession, model: Transformer, stream, objective: TokenObjective) -> Config:
     """`train.time_budget_s`: the config with train.steps = the budget / the median step time,
     decided once and said in one line. A new run times steps on a throw-away copy of the model
     and optimizer (`train.plan.measure_steps`, as `--dry-run` does), then puts the data stream and

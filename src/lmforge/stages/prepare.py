@@ -24,7 +24,8 @@ def prepare_stage(cfg: Config, out: str | Path | None = None, progress: bool = T
     skipped = {k: meta[k] for k in ("skipped_bad_utf8", "skipped_empty", "skipped_duplicates", "skipped_not_regular")
                if meta.get(k)}
     if skipped:
-        log(f"prepare: skipped {skipped}" + (f" (not regular files, never read: {', '.join(meta['skipped_names'][:3])})"
-                                            if meta.get("skipped_not_regular") else ""))
+        names = meta.get("skipped_names") or []
+        log(f"prepare: skipped {skipped}" + (f" (files: {', '.join(names[:3])}{', ...' if len(names) > 3 else ''}; "
+                                            f"all in meta.json)" if names else ""))
     log(data_report_lines(meta["report"]))
     return meta

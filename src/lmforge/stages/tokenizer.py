@@ -50,8 +50,9 @@ def train_tokenizer_stage(cfg: Config, out: str | Path | None = None, progress: 
     log(f"tokenizer: {tok.vocab_size} tokens (model vocab {tok.contract.model_vocab_size}) trained on "
         f"{stats.documents} documents in {time.perf_counter() - t0:.1f}s -> {out}"
         + (f" ({stats.bad_utf8} non-UTF-8 files skipped)" if stats.bad_utf8 else "")
-        + (f" ({stats.not_regular} files that are not regular files skipped, never read: "
-           f"{', '.join(stats.skipped_names[:3])})" if stats.not_regular else ""))
+        + (f" ({stats.not_regular} files that are not regular files skipped, never read)" if stats.not_regular else "")
+        + (f"; skipped: {', '.join(stats.skipped_names[:3])}{', ...' if len(stats.skipped_names) > 3 else ''}"
+           if stats.skipped_names else ""))
     log(report_lines(report))
     return tok
 
