@@ -310,3 +310,39 @@ def test_every_dispatch_table_equals_its_fields_choices():
     for name, options in CHOICES.items():  # and validate refuses anything else, naming the field
         with pytest.raises(ConfigError, match=re.escape(name)):
             load_config(None, [f"{name}=nonsense"])
+
+
+def test_a_field_declared_once_is_bounded_checked_and_ruled():
+    """Adding a key is one line (lmforge.config.fields): its range, choices and --resume rule come
+    from its declaration, in a fine-tuning section's own words."""
+    from dataclasses import dataclass
+
+    from lmforge.config import BOUNDS, CHOICES, check_field, resume_rules
+    from lmforge.config.fields import HERE, allowed, choice, num, refused
+    from lmforge.train.resume import RESUME_RULES
+
+    @dataclass
+    class Toy:
+        WORDS = dict(items="the toys", no="other stages do not read [toy]")
+        n: int = num(3, 1, 10, refused(HERE, "{items} counted", "{no}"))
+        mode: str = choice("a", ("a", "b"), allowed("printing only"))
+
+    n_rule, mode_rule = resume_rules("toy", Toy)
+    assert (n_rule.field, n_rule.refused_in, n_rule.why, n_rule.otherwise) == (
+        "toy.n", ("toy",), "the toys counted", "other stages do not read [toy]")
+    assert (mode_rule.field, mode_rule.refused_in, mode_rule.why) == ("toy.mode", (), "printing only")
+    check_field(Toy, "n", 10, "toy.n")
+    with pytest.raises(ConfigError, match=r"^toy\.n = 11: expected 1 <= value <= 10 \(default 3\)\.$"):
+        check_field(Toy, "n", 11, "toy.n")
+    with pytest.raises(ConfigError, match=r"toy\.mode = 'c' is not one of 'a', 'b'"):
+        check_field(Toy, "mode", "c", "toy.mode")
+    # the real sections: the tables and the rules are the declarations'
+    assert BOUNDS["dpo.max_examples"] == BOUNDS["sft.max_examples"] == (0, 1 << 40, False, False)
+    assert CHOICES["dpo.loss"] == ("sigmoid", "ipo", "simpo", "orpo")
+    rules = {r.field: r for r in RESUME_RULES}
+    assert rules["dpo.max_examples"].why == "which pairs are trained on" and rules["dpo.steps"].refused_in == ("dpo",)
+    assert rules["sft.max_examples"].why == "which conversations are trained on"
+    on_file = Config()
+    on_file.dpo.data = "pairs.jsonl"
+    assert rules["dpo.max_chars"].when(Config()) and not rules["dpo.max_chars"].when(on_file)
+    assert rules["sft.max_chars"].when(on_file)  # [sft] still reads the standard library

@@ -5,7 +5,8 @@ with the new config, bit for bit on CPU (tests/test_resume.py). Three checks, al
 weight, an optimizer state or an RNG state is loaded and before any file is written:
 
 - `check_resume_config`: the saved `config.toml` against the new config, field by field,
-  through ONE table (`RESUME_RULES`): every field of every section is listed once, refused
+  through ONE table (`RESUME_RULES`, derived from each field's declaration in lmforge.config:
+  the rule is written beside the field's default and range): every field is listed once, refused
   (another value cannot continue the run exactly, and the message names the field, both
   values and why) or allowed (with the reason it is safe). tests/test_resume_checks.py
   fails when a config field is added without a row here.
@@ -21,182 +22,21 @@ from __future__ import annotations
 
 import os
 import random
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from lmforge.config import Config
+from lmforge.config import SECTIONS, Config
+from lmforge.config.fields import STAGES, ResumeRule, resume_rules
 from lmforge.errors import CheckpointError
 from lmforge.train.optim import STATE_KEYS, group_kind
 from lmforge.train.schedule import lr_at
 
-STAGES = ("pretrain", "sft", "dpo")
-BOTH, PRE, SFT, DPO, TUNE = STAGES, ("pretrain",), ("sft",), ("dpo",), ("sft", "dpo")
-
-
-@dataclass(frozen=True)
-class ResumeRule:
-    """One config field under `--resume`.
-
-    `refused_in`: the stages (commands) in which another value is refused; in the others
-    a change is allowed. `why`: why it is refused (the message says it), or, for a field
-    refused nowhere, why a change is safe. `otherwise`: why a change is safe where the
-    field is not refused (another stage, or a run `when` does not hold for). `schedule`: the
-    field shapes the learning-rate schedule; another value is refused only when it changes
-    the learning rate of a step already taken (`lr_at`, step by step). `per_rank`: compared
-    times the data-parallel ranks (accumulation: the rows of an optimizer step are micro-batch
-    x accumulation x ranks, `RowStream`). `when`: the rule applies only to runs (saved
-    configs) for which it holds. `elsewhere`: compared by another check, named in `why`.
-    `path`: a path, compared resolved (`runs/x/data` and `./runs/x/data` are one folder).
-    """
-
-    field: str
-    refused_in: tuple[str, ...]
-    why: str
-    otherwise: str = ""
-    schedule: bool = False
-    per_rank: bool = False
-    when: Callable[[Config], bool] | None = None
-    elsewhere: bool = False
-    path: bool = False
-
-
-def _muon(cfg: Config) -> bool:
-    return cfg.train.optimizer == "muon"
-
-
-def _stdlib_sft(cfg: Config) -> bool:
-    return cfg.sft.data == "stdlib"
-
-
-def _stdlib_dpo(cfg: Config) -> bool:
-    return cfg.dpo.data == "stdlib"
-
-
-def _stdlib_tune(cfg: Config) -> bool:
-    return _stdlib_sft(cfg) or _stdlib_dpo(cfg)
-
-
-R = ResumeRule
-_MODEL = "a different [model] section is another architecture than the saved weights and optimizer state"
-_SCHEDULE = ("shapes the learning-rate schedule: refused when it changes the learning rate of a step already "
-             "taken, allowed when it only moves what is still ahead (e.g. more steps while a wsd run has not "
-             "begun its decay)")
-_NO_PRE = "pretraining and DPO do not read [sft]"
-_NO_DPO = "pretraining and SFT do not read [dpo]"
-_SFT_OWN = "SFT and DPO train with their own section's value and compare that (sft.{key}, dpo.{key})"
-_OPT = "an optimizer setting applied at every step, the steps taken included"
-_MUON_ONLY = "AdamW runs (train.optimizer = 'adamw') do not read it"
-_ACCUM = ("the rows of every optimizer step: compared as accumulation x data-parallel ranks, so a run continued "
-          "on another number of ranks keeps its global batch (up to the float order of the sums)")
-def tuning_rules(section: str, items: str, batch_items: str, init: str, val_rows: str) -> tuple[ResumeRule, ...]:
-    """The rules of the keys every fine-tuning section shares (`config.TuningConfig`), for
-    `section` ("sft", "dpo"), in that section's words: `items` what it trains on ("the
-    conversations"), `batch_items` what a micro-batch holds, `init` what its init is, `val_rows`
-    what validation writes."""
-    here = (section,)
-    no = f"pretraining and {'DPO' if section == 'sft' else 'SFT'} do not read [{section}]"
-    one = items.removeprefix("the ")
-    return (
-        R(f"{section}.init", here, f"the {init}; compared as a resolved path by stages/tuning.py (check_same_init), "
-          f"before the model is loaded", no, elsewhere=True),
-        R(f"{section}.data", here, f"{items} trained on", no, path=True),
-        R(f"{section}.steps", here, _SCHEDULE, no, schedule=True),
-        R(f"{section}.micro_batch_size", here, f"the {batch_items} of every micro-batch and the order of the loss sum",
-          no),
-        R(f"{section}.grad_accum_steps", here, _ACCUM, no, per_rank=True),
-        R(f"{section}.lr", here, _SCHEDULE, no, schedule=True),
-        R(f"{section}.warmup_steps", here, _SCHEDULE, no, schedule=True),
-        R(f"{section}.max_examples", here, f"which {one} are trained on", no),
-        R(f"{section}.val_examples", (), f"the held-out {one} validated on ({val_rows})"),
-        R(f"{section}.max_chars", here, "which standard-library functions are trained on",
-          no + f"; {section.upper()} on a file does not read it",
-          when=lambda cfg: getattr(cfg, section).data == "stdlib"),
-    )
-
-
-#: Every field of every config section, once (tests/test_resume_checks.py holds this).
-RESUME_RULES: tuple[ResumeRule, ...] = (
-    R("tokenizer.vocab_size", (), "read by train-tokenizer only; the tokenizer itself is compared through its "
-      "contract (sha256, special ids), which --resume checks first"),
-    R("tokenizer.dir", (), "the tokenizer in that folder is compared through its contract, which --resume checks "
-      "first; the same tokenizer in another folder is the same tokenizer"),
-    R("tokenizer.max_train_bytes", (), "read by train-tokenizer only"),
-    R("tokenizer.eos_token", (), "read by import-hf / import-tokenizer only; the contract they wrote is compared"),
-    R("data.source", (), "read by prepare only: pretraining reads the shards in data.dir, SFT and DPO read sft.data "
-      "and dpo.data"),
-    R("data.dir", PRE, "the shards the rows come from", "SFT and DPO do not read it", path=True),
-    R("data.seq_len", BOTH, "the length of every row, so which tokens share a row and the data position"),
-    R("data.document_masking", PRE, "the attention mask and positions of every row",
-      "SFT and DPO do not read it (sft.packing decides; DPO's rows are right-padded)"),
-    R("data.val_fraction", TUNE, "which conversations (or pairs) are trained on",
-      "pretraining: read by prepare only (the split is in the shards)"),
-    R("data.include_tests", TUNE, "which standard-library functions are trained on",
-      "pretraining: read by prepare only; SFT and DPO on a file do not read it", when=_stdlib_tune),
-    R("data.on_bad_utf8", (), "read by prepare only"),
-    *(R(f"model.{k}", BOTH, _MODEL) for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_dim",
-                                               "norm_eps", "rope_theta", "max_seq_len", "tie_embeddings", "qk_norm",
-                                               "qkv_bias", "rope_scaling", "rope_factor", "rope_low_freq_factor",
-                                               "rope_high_freq_factor", "rope_original_max_seq_len")),
-    R("model.attention", BOTH, "the attention backends agree within float tolerance, not bit for bit"),
-    R("train.init", PRE, "the weights the run started from; compared as a resolved path by stages/pretrain.py "
-      "(check_same_init) before the model is loaded", "SFT and DPO start from sft.init / dpo.init", elsewhere=True),
-    R("train.steps", PRE, _SCHEDULE, _SFT_OWN.format(key="steps"), schedule=True),
-    R("train.micro_batch_size", PRE, "the rows of every micro-batch and the order of the loss sum",
-      _SFT_OWN.format(key="micro_batch_size")),
-    R("train.grad_accum_steps", PRE, _ACCUM, _SFT_OWN.format(key="grad_accum_steps"), per_rank=True),
-    R("train.lr", PRE, _SCHEDULE, _SFT_OWN.format(key="lr"), schedule=True),
-    R("train.min_lr_ratio", BOTH, _SCHEDULE, schedule=True),
-    R("train.warmup_steps", PRE, _SCHEDULE, _SFT_OWN.format(key="warmup_steps"), schedule=True),
-    R("train.schedule", BOTH, _SCHEDULE, schedule=True),
-    R("train.decay_fraction", BOTH, _SCHEDULE, schedule=True),
-    R("train.weight_decay", BOTH, _OPT),
-    R("train.beta1", BOTH, _OPT),
-    R("train.beta2", BOTH, _OPT),
-    R("train.grad_clip", BOTH, _OPT + " (the norms of the steps taken are not known)"),
-    R("train.zero_init", PRE, "the initial weights of the run", "SFT and DPO start from sft.init's / dpo.init's weights"),
-    R("train.optimizer", BOTH, "another optimizer has another state"),
-    R("train.muon_lr_scale", BOTH, _OPT, _MUON_ONLY, when=_muon),
-    R("train.muon_momentum", BOTH, _OPT, _MUON_ONLY, when=_muon),
-    R("train.muon_ns_steps", BOTH, _OPT, _MUON_ONLY, when=_muon),
-    R("train.embed_lr_scale", BOTH, _OPT, _MUON_ONLY, when=_muon),
-    R("train.head_lr_scale", BOTH, _OPT, _MUON_ONLY, when=_muon),
-    R("train.seed", BOTH, "the initial weights and the order of the rows"),
-    R("train.precision", BOTH, "the compute dtype of every step (and Muon's Newton-Schulz dtype)"),
-    R("train.data_parallel", (), "how ranks share the same arithmetic: the checkpoint holds the full state by "
-      "parameter name, whatever the layout (a change of the number of ranks is continued too, with a note)"),
-    R("train.context_parallel", BOTH, "how each sequence is split over ranks"),
-    R("train.global_batch_size", (), "a check of micro_batch_size x grad_accum_steps x ranks, which are compared "
-      "themselves"),
-    R("train.compile", BOTH, "compiled kernels fuse and reorder float operations: the steps differ in the last bits"),
-    R("train.checkpoint_every", (), "when checkpoints are written, not what is computed"),
-    R("train.keep_last", (), "how many checkpoints are kept, not what is computed"),
-    R("train.eval_every", (), "validation runs without gradients on its own batches; it touches neither the "
-      "training RNG nor the data position, only the val_loss rows"),
-    R("train.eval_tokens", (), "how much validation data is scored (val_loss rows only), as train.eval_every"),
-    R("train.log_every", (), "how often the progress bar prints"),
-    R("train.tensorboard", (), "a copy of the metrics as TensorBoard events, not what is computed"),
-    R("train.time_limit_s", (), "when to stop with a checkpoint; elapsed_s counts the whole run"),
-    R("train.time_budget_s", PRE, "decided train.steps once, when the run started (the step count is in the "
-      "run's config.toml and --resume keeps it); another budget would be another schedule",
-      "SFT and DPO train sft.steps / dpo.steps (their [train] copy has no budget)"),
-    *tuning_rules("sft", "the conversations", "rows", "checkpoint fine-tuned",
-                  "val_loss rows and sft_val.jsonl only"),
-    R("sft.packing", SFT, "how conversations are laid out in rows (and their attention)", _NO_PRE),
-    *(R(f"lora.{k}", BOTH, "the adapters trained (their shapes, their scale, which layers carry them) and the "
-        "parameters the optimizer state belongs to") for k in ("rank", "alpha", "dropout", "targets", "use_rslora")),
-    *tuning_rules("dpo", "the pairs", "pairs", "checkpoint tuned and the reference", "val_* rows only"),
-    R("dpo.beta", DPO, "the loss of every step, the steps taken included", _NO_DPO),
-    R("dpo.loss", DPO, "the loss of every step, the steps taken included", _NO_DPO),
-    R("dpo.simpo_gamma", DPO, "the loss of every step, the steps taken included", _NO_DPO),
-    R("dpo.reference", DPO, "the reference's log-probabilities: computed live and precomputed they agree within "
-      "float tolerance, not bit for bit", _NO_DPO),
-    *(R(f"generate.{k}", (), "sampling only (generate, chat, serve, the speedrun's samples)")
-      for k in ("max_new_tokens", "temperature", "top_k", "top_p", "repetition_penalty", "greedy")),
-)
+#: Every field of every config section, once, from the fields' declarations (lmforge.config.fields;
+#: tests/test_resume_checks.py holds this).
+RESUME_RULES: tuple[ResumeRule, ...] = tuple(rule for section, cls in SECTIONS.items()
+                                             for rule in resume_rules(section, cls))
 
 
 def _value(cfg: Config, field: str):

@@ -1,0 +1,211 @@
+"""Reading a config: the `Config` of all sections, TOML files, `--set` overrides, the overlay of
+`LMFORGE_CONFIG_OVERLAY`, and the tables derived from the fields' declarations (BOUNDS, CHOICES)."""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import tomllib
+import typing
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+from lmforge.config.core import AUTO_MICRO_BATCH
+from lmforge.config.fields import suggest
+from lmforge.config.schema import _SECTION_TYPES, Config, _default
+from lmforge.errors import ConfigError, os_advice
+from lmforge.fileio import path_from_text
+
+#: The resolved config, written into every output folder and checkpoint.
+CONFIG_FILE = "config.toml"
+
+
+def _field_types(cls: type) -> dict[str, type]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def _coerce(section: str, key: str, value: Any, typ: type, where: str) -> Any:
+    """Check `value` against the dataclass field type (int/float/bool/str); floats must be
+    finite (NaN and infinity pass `x <= 0` checks and then fail deep inside torch)."""
+    name = f"{section}.{key}"
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+    elif typ is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if name == "train.micro_batch_size" and value == "auto":
+            return AUTO_MICRO_BATCH
+    elif typ is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if not math.isfinite(value):
+                raise ConfigError(f"{where}: {name} = {value!r}: expected a finite number (default "
+                                  f"{_default(section, key)!r}).")
+            return float(value)
+    elif typ is str:
+        if isinstance(value, str):
+            value = path_from_text(value)  # a path config.toml keeps as bytes (Config.to_toml)
+            bad = next((c for c in value if 0 < ord(c) < 32 or ord(c) == 127), None)  # NUL: the path check says it
+            if bad is not None:
+                raise ConfigError(f"{where}: {name} = {value!r} holds the control character {bad!r} (a line break, a "
+                                  f"tab, ...): every text field of the config is one line. Give the value on one line "
+                                  f"(default {_default(section, key)!r}).")
+            return value
+    elif typing.get_origin(typ) is list:
+        (item,) = typing.get_args(typ)
+        if isinstance(value, list) and all(isinstance(v, item) for v in value):
+            return list(value)
+    shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
+    raise ConfigError(
+        f"{where}: {name} = {shown} has type {type(value).__name__}, expected {getattr(typ, '__name__', typ)}. "
+        f"Fix the value (for example {name}={_default(section, key)!r}, the default)."
+    )
+def from_dict(raw: dict[str, Any], where: str = "config") -> Config:
+    """Build a Config from nested dicts, strictly (unknown keys are errors)."""
+    cfg = Config()
+    for section, values in raw.items():
+        if section not in _SECTION_TYPES:
+            raise ConfigError(
+                f"{where}: unknown section [{section}].{suggest(section, list(_SECTION_TYPES))}"
+            )
+        if not isinstance(values, dict):
+            raise ConfigError(f"{where}: [{section}] must be a table of keys, got {values!r}.")
+        obj = getattr(cfg, section)
+        types = _field_types(type(obj))
+        for key, value in values.items():
+            if key not in types:
+                raise ConfigError(
+                    f"{where}: unknown key {section}.{key}.{suggest(key, list(types))}"
+                )
+            setattr(obj, key, _coerce(section, key, value, types[key], where))
+    return cfg
+
+
+def _parse_override_value(text: str) -> Any:
+    """`--set` values are TOML literals; a bare word is taken as a string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+    except RecursionError:
+        raise ConfigError(f"--set value {text[:40]!r}...: nested too deeply to read (Python's recursion limit). "
+                          f"Give a plain value.") from None
+
+
+def apply_overrides(cfg: Config, overrides: list[str] | None) -> Config:
+    """Apply `section.key=value` strings (the repeatable `--set` flag)."""
+    raw = cfg.to_dict()
+    names: list[str] = []
+    for item in overrides or []:
+        if "=" not in item or "." not in item.split("=", 1)[0]:
+            raise ConfigError(
+                f"--set {item!r}: expected section.key=value, for example --set train.steps=100."
+            )
+        dotted, text = item.split("=", 1)
+        section, key = dotted.strip().split(".", 1)
+        bad = next((c for c in item if 0 < ord(c) < 32 or ord(c) == 127), None)  # NUL: the path check says it
+        if bad is not None:
+            raise ConfigError(f"--set {item!r}: holds the control character {bad!r} (a line break, a tab, ...); a "
+                              f"--set value is one line, e.g. --set train.steps=100.")
+        if section not in raw:
+            raise ConfigError(
+                f"--set {item!r}: unknown section {section!r}.{suggest(section, list(raw))}"
+            )
+        if key not in raw[section]:
+            raise ConfigError(
+                f"--set {item!r}: unknown key {section}.{key}.{suggest(key, list(raw[section]))}"
+            )
+        value = _parse_override_value(text.strip())
+        typ = _field_types(type(getattr(cfg, section)))[key]
+        if typ is str and isinstance(value, (list, dict)):
+            kind = "a list" if isinstance(value, list) else "a table"
+            raise ConfigError(f"--set {item!r}: {section}.{key} is a text field, and {text.strip()!r} is {kind}. Give "
+                              f"one value (default {_default(section, key)!r}); quote it (\"...\") if the brackets are "
+                              f"part of it.")
+        if typ is str and not isinstance(value, str):
+            value = text.strip()  # e.g. --set sft.init=123 names a folder "123"
+        raw[section][key] = value
+        names.append(f"{section}.{key}")
+    out = from_dict(raw, where="--set")
+    out.set_keys = tuple(dict.fromkeys((*cfg.set_keys, *names)))
+    return out
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Load a TOML recipe (or the defaults when `path` is None), apply overrides, validate.
+
+    Raises:
+        ConfigError: missing file, TOML syntax error, unknown key, wrong type, bad shape.
+    """
+    if path is None:
+        cfg = Config()
+    else:
+        path = Path(path)
+        try:
+            is_file = path.is_file()
+        except OSError as exc:  # e.g. a name too long for the file system
+            shown = str(path) if len(str(path)) <= 80 else str(path)[:80] + "..."
+            raise ConfigError(f"config file {shown}: cannot be read ({exc.strerror}); {os_advice(exc)}.") from None
+        if not is_file:
+            gone = "is a link to nothing or a symbolic link loop" if path.is_symlink() else "does not exist"
+            raise ConfigError(
+                f"config file {path} {gone}. Pass an existing recipe, "
+                f"for example --config configs/stdlib-tiny.toml."
+            )
+        try:
+            raw = tomllib.loads(path.read_text(encoding="utf-8"))
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{path}: not valid TOML: {exc}. Fix the syntax.") from None
+        except RecursionError:
+            raise ConfigError(f"{path}: nested too deeply to read (Python's recursion limit); a recipe is sections "
+                              f"of plain keys. Fix the file.") from None
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start}: {exc.reason}); a TOML file is UTF-8. "
+                              f"Re-save it as UTF-8.") from None
+        except OSError as exc:
+            raise ConfigError(f"config file {path}: cannot be read ({exc.strerror}); {os_advice(exc)}.") from None
+        cfg = from_dict(raw, where=str(path))
+    cfg = apply_overrides(cfg, overrides)
+    cfg = apply_overlay(cfg, os.environ.get(OVERLAY_ENV))
+    return cfg.validate()
+
+
+#: An environment variable naming a TOML file whose keys are applied after `--config` and
+#: `--set`: how tests/test_readme.py runs the README's commands, as written, on a tiny model.
+OVERLAY_ENV = "LMFORGE_CONFIG_OVERLAY"
+_overlay_said: set[str] = set()
+
+
+def apply_overlay(cfg: Config, path: str | None) -> Config:
+    """`cfg` with the keys of the TOML file `path` (the `LMFORGE_CONFIG_OVERLAY` environment
+    variable) replaced; None or "" changes nothing. One line on stderr names the file and its keys
+    (once per process), so a run never takes them silently.
+
+    Raises:
+        ConfigError: the file is missing, not TOML, or holds an unknown key or a wrong type.
+    """
+    if not path:
+        return cfg
+    try:
+        raw = tomllib.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError, RecursionError) as exc:
+        raise ConfigError(f"{OVERLAY_ENV}={path}: cannot be read as a TOML file ({type(exc).__name__}: {exc}). Point it at a TOML "
+                          f"file or unset it.") from None
+    merged = cfg.to_dict()
+    keys = []
+    for section, values in raw.items():
+        if not isinstance(values, dict) or section not in merged:
+            raise ConfigError(f"{OVERLAY_ENV}={path}: [{section}] is not a config section.{suggest(section, list(merged))}")
+        merged[section].update(values)
+        keys += [f"{section}.{k}" for k in values]
+    out = from_dict(merged, where=f"{OVERLAY_ENV}={path}")
+    out.set_keys = cfg.set_keys
+    if path not in _overlay_said:
+        _overlay_said.add(path)
+        print(f"config: {OVERLAY_ENV}={path} sets {', '.join(keys)} (over --config and --set)", file=sys.stderr)
+    return out
+
+

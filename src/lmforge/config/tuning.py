@@ -1,0 +1,214 @@
+"""The sections of the stages that start from a checkpoint ([sft], [dpo] on one TuningConfig), of
+LoRA, and of sampling ([generate]). Declared as in lmforge.config.core."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from lmforge.config.core import ACCUM, MAX_SEQ_LEN, MAX_STEPS, MAX_VOCAB, SCHEDULE
+from lmforge.config.fields import BOTH, DPO, HERE, SFT, ResumeRule, again, allowed, choice, flag, items, num, \
+    per_section, refused, suggest, text, check_number
+from lmforge.errors import ConfigError
+
+#: sft.max_chars / dpo.max_chars: 0 (no limit) or at least this many characters of prompt + body.
+MIN_MAX_CHARS = 100
+#: `dpo.loss`'s choices (lmforge.model.loss dispatches on them).
+DPO_LOSS_CHOICES = ("sigmoid", "ipo", "simpo", "orpo")
+#: The linear layers of the blocks LoRA can adapt (Meta's Llama names), and the default targets.
+LORA_TARGETS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3")
+#: Linear maps read directly (the output head slices its weight; the embedding is a lookup, and a
+#: tied head shares it): never LoRA targets.
+LORA_REFUSED = ("output", "tok_embeddings")
+
+
+def _check_max_chars(name: str, value: int) -> None:
+    if 0 < value < MIN_MAX_CHARS:
+        raise ConfigError(f"{name} = {value}: the prompt's instruction alone is 40 characters, so a limit under "
+                          f"{MIN_MAX_CHARS} leaves out every function. Set 0 (no limit) or at least {MIN_MAX_CHARS} "
+                          f"(default {getattr(TuningConfig(), 'max_chars')!r}).")
+
+
+@per_section
+def _stdlib_data(cfg, section: str) -> bool:
+    return getattr(cfg, section).data == "stdlib"
+
+
+def _tune(why: str, **flags) -> ResumeRule:
+    return refused(HERE, why, "{no}", **flags)
+
+
+@dataclass
+class TuningConfig:
+    """The keys every fine-tuning section shares ([sft], [dpo], and those to come), declared once
+    with their bounds and resume rules (a subclass's WORDS put its rules in its own words): the
+    checkpoint to start from, the data, and the [train] values the run takes from its section
+    (`stages.tuning.TUNING_TRAIN_KEYS`: steps, micro_batch_size, grad_accum_steps, lr,
+    warmup_steps; every other [train] key applies as it is)."""
+
+    init: str = text("", _tune("the {init}; compared as a resolved path by stages/tuning.py (check_same_init), before "
+                               "the model is loaded", elsewhere=True))
+    """Checkpoint folder to start from (a run folder or one of its step_NNNNNN folders)."""
+    data: str = text("stdlib", _tune("{items} trained on", path=True))
+    """"stdlib" (derived from the standard library) or a JSONL/Parquet file (see the section)."""
+    steps: int = num(150, 1, MAX_STEPS, _tune(SCHEDULE, schedule=True))
+    """Optimizer steps."""
+    micro_batch_size: int = num(8, 1, 1 << 20, _tune("the {batch_items} of every micro-batch and the order of the "
+                                                     "loss sum"))
+    """Items (conversations, pairs) per micro-batch."""
+    grad_accum_steps: int = num(1, 1, 1 << 16, _tune(ACCUM, per_rank=True))
+    lr: float = num(1e-3, 0.0, 10.0, _tune(SCHEDULE, schedule=True), low_open=True)
+    warmup_steps: int = num(10, 0, MAX_STEPS, _tune(SCHEDULE, schedule=True))
+    max_examples: int = num(0, 0, 1 << 40, _tune("which {one} are trained on"))
+    """Train on at most this many items (0 = all), chosen by a stable hash."""
+    val_examples: int = num(0, 0, 1 << 40, allowed("the held-out {one} validated on ({val_rows})"))
+    """Validate on at most this many held-out items (0 = all)."""
+    max_chars: int = num(900, 0, 1 << 40, refused(
+        HERE, "which standard-library functions are trained on", "{no}; {SECTION} on a file does not read it",
+        when=_stdlib_data), check=_check_max_chars)
+    """stdlib only: leave out functions whose prompt + body exceed this many characters (0 = no limit)."""
+
+
+@dataclass
+class SFTConfig(TuningConfig):
+    """The [sft] section: supervised fine-tuning of `init` (a pretraining run) on conversations:
+    `data` is "stdlib" (functions of the standard library) or a JSONL/Parquet file of them."""
+
+    WORDS = dict(items="the conversations", one="conversations", batch_items="rows", init="checkpoint fine-tuned",
+                 val_rows="val_loss rows and sft_val.jsonl only", no="pretraining and DPO do not read [sft]")
+    max_examples: int = again(TuningConfig, "max_examples", 2000)
+    val_examples: int = again(TuningConfig, "val_examples", 200)
+    packing: bool = flag(False, refused(SFT, "how conversations are laid out in rows (and their attention)",
+                                        "pretraining and DPO do not read [sft]"))
+    """Pack conversations with document masking instead of right-padding one per row."""
+
+
+_NO_DPO = "pretraining and SFT do not read [dpo]"
+_DPO_LOSS = refused(DPO, "the loss of every step, the steps taken included", _NO_DPO)
+
+
+@dataclass
+class DPOConfig(TuningConfig):
+    """The [dpo] section: direct preference optimisation (Rafailov et al. 2023, arXiv
+    2305.18290) of `init` (usually an SFT run, also the reference model) on preference pairs
+    (see lmforge.stages.dpo): `data` is "stdlib" (standard-library functions against a mutated
+    copy) or a JSONL/Parquet file of pairs in TRL's explicit ({prompt, chosen, rejected}) or
+    implicit ({chosen, rejected}) form; `micro_batch_size` counts pairs (two rows each)."""
+
+    WORDS = dict(items="the pairs", one="pairs", batch_items="pairs", init="checkpoint tuned and the reference",
+                 val_rows="val_* rows only", no=_NO_DPO)
+    steps: int = again(TuningConfig, "steps", 100)
+    lr: float = again(TuningConfig, "lr", 1e-4)
+    """DPO's learning rate. The paper's 1e-6 (and TRL's default) is for billion-parameter models;
+    on the speedrun's 5M-parameter SFT model 1e-5 moved nothing in 150 steps and 5e-4 tripled the
+    drift of the SFT loss (bench/RESULTS.md, 2026-11-24)."""
+    beta: float = num(0.1, 0.0, 1000.0, _DPO_LOSS, low_open=True)
+    """The pull towards the reference (paper default 0.1; IPO's tau)."""
+    loss: str = choice("sigmoid", DPO_LOSS_CHOICES, _DPO_LOSS)
+    """"sigmoid" (DPO, eq. 7), "ipo" (Azar et al. 2023, arXiv 2310.12036), or without a reference
+    model: "simpo" (Meng et al. 2024, arXiv 2405.14734: beta is SimPO's beta, e.g. 2) and "orpo"
+    (Hong et al. 2024, arXiv 2403.07691: the SFT loss on the chosen reply + beta (ORPO's lambda,
+    0.1) x the odds-ratio term)."""
+    simpo_gamma: float = num(0.5, 0.0, 100.0, _DPO_LOSS)
+    """SimPO's target reward margin gamma (dpo.loss = "simpo" only)."""
+    reference: str = choice("live", ("live", "precomputed"), refused(
+        DPO, "the reference's log-probabilities: computed live and precomputed they agree within float tolerance, "
+        "not bit for bit", _NO_DPO))
+    """"live": the reference's log-probabilities are computed at every step (LoRA: the same
+    model with its adapters disabled; full fine-tuning: a frozen copy); "precomputed": once for
+    every pair before training (no second model; the same numbers)."""
+
+
+def check_lora_targets(name: str, targets: list[str]) -> None:
+    """The [lora] targets: known linear layers of the blocks, each once; never the output
+    head or the embedding (read directly, and tied to each other in tied models).
+
+    Raises:
+        ConfigError: naming the target, the valid ones, and what to do.
+    """
+    if not targets:
+        raise ConfigError(f"{name} is empty: expected some of {list(LORA_TARGETS)} (default: all of them).")
+    for t in targets:
+        if t in LORA_REFUSED:
+            raise ConfigError(f"{name} names {t!r}: the output head and the embedding are never adapted "
+                              f"(they are read directly, and a tied head shares the embedding). Choose among "
+                              f"{list(LORA_TARGETS)}.")
+        if t not in LORA_TARGETS:
+            raise ConfigError(f"{name} names {t!r}, not a linear layer of the blocks: expected some of "
+                              f"{list(LORA_TARGETS)}.{suggest(t, list(LORA_TARGETS))}")
+    if len(set(targets)) != len(targets):
+        raise ConfigError(f"{name} = {targets}: a target appears twice; list each once.")
+
+
+_LORA = refused(BOTH, "the adapters trained (their shapes, their scale, which layers carry them) and the parameters "
+                "the optimizer state belongs to")
+
+
+@dataclass
+class LoRAConfig:
+    """The [lora] section: low-rank adapters (Hu et al. 2021, arXiv 2106.09685) on the blocks'
+    linear layers, for `sft` (see lmforge.model.lora)."""
+
+    rank: int = num(0, 0, 1 << 16, _LORA)
+    """Adapter rank r; 0 = off (full fine-tuning)."""
+    alpha: float = num(16.0, 0.0, 1e6, _LORA, low_open=True)
+    """Scale numerator: the update is (alpha / rank) B A (alpha / sqrt(rank) with use_rslora).
+    A fixed 16 (not 2 x rank), so that changing the rank does not silently change the
+    learning rate of the update at rank 16 (scale 1)."""
+    dropout: float = num(0.0, 0.0, 1.0, _LORA, high_open=True)
+    """Dropout on the adapter's input, in [0, 1) (PEFT's lora_dropout)."""
+    targets: list[str] = items(LORA_TARGETS, _LORA, check=check_lora_targets)
+    """Which linear layers of every block take an adapter (any of wq wk wv wo w1 w2 w3)."""
+    use_rslora: bool = flag(False, _LORA)
+    """Rank-stabilised scale alpha / sqrt(rank) (Kalajdzievski 2023, arXiv 2312.03732)."""
+
+
+_SAMPLING = allowed("sampling only (generate, chat, serve, the speedrun's samples)")
+
+
+@dataclass
+class SamplingConfig:
+    """The [generate] section: how `generate`, `chat`, the speedrun's samples and the server
+    sample (one config for all of them; command-line flags override single fields)."""
+
+    max_new_tokens: int = num(128, 1, MAX_SEQ_LEN, _SAMPLING)
+    temperature: float = num(0.8, 0.0, 1000.0, _SAMPLING)
+    top_k: int = num(50, 0, MAX_VOCAB, _SAMPLING)
+    """0 = no top-k filter."""
+    top_p: float = num(0.95, 0.0, 1.0, _SAMPLING, low_open=True)
+    """1.0 = no nucleus filter."""
+    repetition_penalty: float = num(1.0, 0.01, 100.0, _SAMPLING)
+    """1.0 = none; > 1 discourages tokens already in the prompt or the output."""
+    greedy: bool = flag(False, _SAMPLING)
+    """argmax decoding (also when temperature == 0)."""
+
+    def override(self, **values) -> "SamplingConfig":
+        """A copy with `values` set, skipping those that are None (command-line flags not
+        given keep the config's value)."""
+        return dataclasses.replace(self, **{k: v for k, v in values.items() if v is not None})
+
+    def validate(self, prefix: str = "generate.", names: dict[str, str] | None = None) -> "SamplingConfig":
+        """Raises ConfigError naming the field (`prefix` + its name, or `names[name]`:
+        "generate.top_p" for the config; "top_p", "max_tokens" for a server request), the
+        value and the valid range; the error's `field` attribute is the name shown."""
+        checks = [
+            ("max_new_tokens", self.max_new_tokens >= 1, ">= 1"),
+            ("temperature", math.isfinite(self.temperature) and self.temperature >= 0, ">= 0"),
+            ("top_k", self.top_k >= 0, ">= 0 (0 = off)"),
+            ("top_p", 0 < self.top_p <= 1, "in (0, 1]"),
+            ("repetition_penalty", math.isfinite(self.repetition_penalty) and 0.01 <= self.repetition_penalty <= 100,
+             "in [0.01, 100]"),
+        ]
+        for name, ok, want in checks:
+            if not ok:
+                shown = (names or {}).get(name, name)
+                default = f" (default {getattr(SamplingConfig(), name)!r})" if prefix == "generate." else ""
+                err = ConfigError(f"{prefix}{shown} = {getattr(self, name)!r}: expected a value {want}{default}.")
+                err.field = f"{prefix}{shown}"
+                raise err
+        for name in ("max_new_tokens", "temperature", "top_k"):
+            shown = (names or {}).get(name, name)
+            check_number(SamplingConfig, name, getattr(self, name), f"generate.{name}",
+                         shown=None if prefix == "generate." else f"{prefix}{shown}")
+        return self
