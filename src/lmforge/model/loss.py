@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from lmforge.config import DPO_LOSS_CHOICES
 from lmforge.runtime import compute_dtype
+from lmforge.model.memory import LOSS_CHUNK_ROWS
 
 #: The label of positions outside the loss mask, for F.cross_entropy (defined once, here).
 IGNORE_INDEX = -100
@@ -89,7 +90,7 @@ class _LinearCrossEntropySum(torch.autograd.Function):
 
 
 def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                             loss_mask: torch.Tensor, chunk_rows: int = 256) -> torch.Tensor:
+                             loss_mask: torch.Tensor, chunk_rows: int = LOSS_CHUNK_ROWS) -> torch.Tensor:
     """`cross_entropy_sum(hidden @ weight.T, targets, loss_mask)`, without materialising the
     float32 logits: the training and evaluation loss of lmforge's model.
 

@@ -1,10 +1,12 @@
-"""How much memory a model needs, and whether it fits here: the estimate that refuses a model
-too large for the machine before anything is allocated (`check_fits_in_memory`), and the
-figures the plan (lmforge.train.plan) builds on."""
+"""How much memory a model needs, and whether it fits here: the one estimate of activations
+(`activation_bytes`), which the plan's per-rank estimate (lmforge.train.plan.memory_estimate),
+the automatic micro-batch and the refusal of a model too large for the machine before anything
+is allocated (`check_fits_in_memory`) all use; and the readers of the machine's memory (its size, what is still available)."""
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import torch
 
@@ -29,23 +31,55 @@ def memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+#: Rows of float32 logits the fused loss (lmforge.model.loss.linear_cross_entropy) holds at a time.
+LOSS_CHUNK_ROWS = 256
+
+
+def activation_bytes(cfg: ModelConfig, tokens: int, compute_bytes: int = 4) -> int:
+    """Bytes autograd keeps for backward over `tokens` trained tokens: tokens x n_layers x
+    (12 dim + 4 ffn) elements of the compute dtype (`compute_bytes` each) — roughly the tensors
+    kept per block (the norms' inputs and outputs, q, k, v, the attention output, the MLP's
+    projections and activation; the fused attention kernels keep no T x T matrix) — plus the
+    loss's float32 chunk (LOSS_CHUNK_ROWS x vocab, logits and their gradient). Measured on this
+    project's CPU: the steps added 1.0-1.3 x (gradients + optimizer state + this), 2.1 x for a
+    2-layer dim-128 model (lmforge.train.plan)."""
+    per_token = cfg.n_layers * (12 * cfg.dim + 4 * cfg.resolved_ffn_dim()) * compute_bytes
+    return tokens * per_token + LOSS_CHUNK_ROWS * padded_vocab_size(max(cfg.vocab_size, 1)) * 4 * 2
+
+
+def available_memory(device: torch.device) -> int:
+    """Bytes this process may still take: CUDA `mem_get_info` (free), else /proc/meminfo's
+    MemAvailable (the physical memory where it cannot be read)."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return memory_bytes()
+
+
 def memory_need(cfg: ModelConfig, training: bool = True) -> tuple[int, int]:
-    """(fixed bytes, bytes per trained token) of the estimate `check_fits_in_memory` explains:
-    float32 weights (x4 when training: gradients and AdamW's two moments) and rotary tables;
-    per token the activations kept for backward and a row of the loss's logit gradient."""
+    """(fixed bytes, bytes per trained token) of the estimate `check_fits_in_memory` explains,
+    before any model is built: float32 weights (x4 when training: gradients and AdamW's two
+    moments), rotary tables and, when training, the loss's chunk; per token the activations of
+    `activation_bytes` in float32."""
     weights = 4 * parameter_count(cfg) * (4 if training else 1)
     rope = 8 * cfg.max_seq_len * cfg.head_dim
-    per_token = 4 * (cfg.n_layers * (12 * cfg.dim + 3 * cfg.resolved_ffn_dim()) + padded_vocab_size(max(cfg.vocab_size, 1)))
-    return weights + rope, per_token
+    if not training:
+        return weights + rope, 0
+    chunk = activation_bytes(cfg, 0)
+    return weights + rope + chunk, activation_bytes(cfg, 1) - chunk
 
 
 def check_fits_in_memory(cfg: ModelConfig, training_tokens: int = 0) -> None:
     """Refuse a model (and, with `training_tokens` = micro-batch rows x seq_len, a training
     step) that cannot fit in memory, before anything is allocated.
 
-    Estimate (float32): weights 4 bytes/parameter (training: x4, with gradients and AdamW's
-    two moments), rotary tables, and per trained token the activations kept for backward
-    (~ n_layers x (12 dim + 3 ffn) values) plus a row of the loss's logit gradient (V values).
+    Estimate (float32, `memory_need`): weights 4 bytes/parameter (training: x4, with gradients
+    and AdamW's two moments), rotary tables, and the activations of `activation_bytes`.
 
     Raises:
         ConfigError: naming the estimate, the memory, and the keys to lower.
@@ -64,4 +98,5 @@ def check_fits_in_memory(cfg: ModelConfig, training_tokens: int = 0) -> None:
             + (", train.micro_batch_size or data.seq_len." if training_tokens else "."))
 
 
-__all__ = ["parameter_count", "memory_bytes", "memory_need", "check_fits_in_memory"]
+__all__ = ["LOSS_CHUNK_ROWS", "activation_bytes", "available_memory", "parameter_count", "memory_bytes", "memory_need",
+           "check_fits_in_memory"]

@@ -18,14 +18,14 @@ from lmforge.errors import ConfigError, LmforgeError, require_package
 from lmforge.fileio import (OutputError, copy_file, loads_json, make_folder, open_run_dir, output_lock, path_from_text,
                             path_text, shown_path, write_text)
 from lmforge.model import Transformer
-from lmforge.model.memory import check_fits_in_memory
+from lmforge.model.memory import available_memory, check_fits_in_memory
 from lmforge.model.attention import resolve_backend
 from lmforge.model.io import CONTRACT_FILES, latest_checkpoint, list_checkpoints, read_checkpoint_meta
 from lmforge.runtime import Runtime, training_runtime
 from lmforge.tokenizer import Tokenizer
 from lmforge.train.checkpoint import rng_state, set_rng_state
 from lmforge.train.distributed import DistInfo, all_reduce_min, all_reduce_sum, barrier, init_distributed, shutdown
-from lmforge.train.plan import PLAN_FILE, auto_micro_batch, available_memory, make_plan, measure_steps, plan_lines
+from lmforge.train.plan import PLAN_FILE, auto_micro_batch, make_plan, measure_steps, plan_lines
 from lmforge.train.trainer import TokenObjective, Trainer, seed_everything
 
 

@@ -6,12 +6,9 @@
 - memory per rank (MiB): weights, gradients (trainable parameters, their dtype), optimizer
   state (AdamW: two float32 moments per trainable parameter; Muon: one momentum buffer per
   matrix it takes, AdamW's two for the rest — `lmforge.train.optim`), and activations of one
-  micro-batch, estimated as B x T x n_layers x (12 dim + 4 ffn) elements of the compute
-  dtype, plus the loss's float32 chunk (256 rows x vocab, twice) — roughly the tensors
-  autograd keeps per block (the norms' inputs and outputs, q, k, v, the attention output,
-  the MLP's projections and activation; the fused attention kernels keep no T x T matrix).
-  A rough figure: on this project's CPU (2026-11-24, 5 shapes of 2 to 8 layers, fp32 and
-  bf16) the memory the steps added came to 1.0-1.3 x the estimate of gradients + optimizer
+  micro-batch (`lmforge.model.memory.activation_bytes`, the one estimate: B x T x n_layers x
+  (12 dim + 4 ffn) elements of the compute dtype, plus the loss's float32 chunk). A rough
+  figure: on this project's CPU (2026-11-24, 5 shapes of 2 to 8 layers, fp32 and bf16) the memory the steps added came to 1.0-1.3 x the estimate of gradients + optimizer
   state + activations, and 2.1 x for a 2-layer dim-128 model (fixed costs dominate), so the
   dry run prints the measured peak beside it;
 - model FLOPs per token: 6 x the non-embedding parameters + 12 x n_layers x dim x seq_len
@@ -37,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from lmforge.model.memory import activation_bytes, memory_need
 from lmforge.train.optim import group_kind
 
 PLAN_FILE = "plan.json"
@@ -77,14 +75,13 @@ def memory_estimate(model: torch.nn.Module, optimizer: torch.optim.Optimizer, cf
     for g in optimizer.param_groups:
         n = sum(p.numel() for p in g["params"])
         state += n * 4 * (1 if group_kind(g) == "muon" else 2)
-    c, t = model.config, cfg.train
-    B, T = t.micro_batch_size * rows_per_sample, cfg.data.seq_len
-    per_token = c.n_layers * (12 * c.dim + 4 * c.resolved_ffn_dim())
-    activations = B * T * per_token * compute_bytes + 256 * c.vocab_size * 4 * 2
+    rows = cfg.train.micro_batch_size * rows_per_sample
+    activations = activation_bytes(model.config, rows * cfg.data.seq_len, compute_bytes)
     out = {"weights_mib": weights / MIB, "gradients_mib": grads / MIB, "optimizer_state_mib": state / MIB,
            "activations_mib": activations / MIB}
-    out["total_mib"] = sum(out.values())
-    return {k: round(v, 1) for k, v in out.items()}
+    out = {k: round(v, 1) for k, v in out.items()}
+    out["total_mib"] = round(sum(out.values()), 1)  # the sum of the figures shown
+    return out
 
 
 def flops_per_token(model: torch.nn.Module, seq_len: int) -> dict:
@@ -188,28 +185,10 @@ def plan_lines(plan: dict) -> str:
 AUTO_MEMORY_SHARE = 0.4
 
 
-def available_memory(device: torch.device) -> int:
-    """Bytes this process may still take: CUDA `mem_get_info` (free), else /proc/meminfo's
-    MemAvailable (the physical memory where it cannot be read)."""
-    if device.type == "cuda":
-        return int(torch.cuda.mem_get_info(device)[0])
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    from lmforge.model.memory import memory_bytes
-
-    return memory_bytes()
-
-
 def auto_micro_batch(model_cfg, seq_len: int, rows_per_rank: int, available: int) -> tuple[int, str]:
     """`train.micro_batch_size = "auto"`: the largest divisor of `rows_per_rank` (the global
     batch over the data-parallel ranks) whose step fits AUTO_MEMORY_SHARE of `available` bytes
     by `model.memory.memory_need`'s estimate (at least 1). Returns (rows, why)."""
-    from lmforge.model.memory import memory_need
-
     fixed, per_token = memory_need(model_cfg, training=True)
     budget = available * AUTO_MEMORY_SHARE - fixed
     fit = max(int(budget // (per_token * seq_len)), 1)
@@ -220,4 +199,4 @@ def auto_micro_batch(model_cfg, seq_len: int, rows_per_rank: int, available: int
     return micro, why
 
 
-__all__ = ["auto_micro_batch", "available_memory", "AUTO_MEMORY_SHARE", "make_plan", "plan_lines", "memory_estimate", "flops_per_token", "PLAN_FILE"]
+__all__ = ["auto_micro_batch", "AUTO_MEMORY_SHARE", "make_plan", "plan_lines", "memory_estimate", "flops_per_token", "PLAN_FILE"]
