@@ -10,6 +10,9 @@ docstring). CUDA is used where present, the CPU otherwise.
 from __future__ import annotations
 
 import contextlib
+import os
+import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -103,7 +106,21 @@ def decode_runtime(device: torch.device | str | None = None) -> Runtime:
     return Runtime(device, None)
 
 
-__all__ = ["CPU_FP32", "Runtime", "autocast", "bf16_supported", "compute_dtype", "decode_runtime", "default_device",
+def compiler_available(device: torch.device, log: Callable[[str], None] | None = None) -> bool:
+    """`train.compile` on `device`: on CPU, torch.compile's inductor builds C++ kernels and needs a
+    C++ compiler (`$CXX`, g++, c++ or clang++ on PATH); without one the run trains eagerly and
+    says so in one line, instead of failing deep inside torch at the first step."""
+    if device.type != "cpu":
+        return True
+    found = [c for c in (os.environ.get("CXX"), "g++", "c++", "clang++") if c and shutil.which(c)]
+    if not found and log is not None:
+        log("train.compile = true: no C++ compiler on PATH ($CXX, g++, c++, clang++), which torch.compile needs "
+            "on a CPU; training without compiling (install g++ to compile, or set train.compile = false)")
+    return bool(found)
+
+
+__all__ = ["CPU_FP32", "Runtime", "autocast", "bf16_supported", "compiler_available", "compute_dtype", "decode_runtime",
+           "default_device",
            "resolve_precision", "seed_everything", "training_runtime"]
 
 

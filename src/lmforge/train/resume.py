@@ -20,6 +20,8 @@ Each refusal is a `CheckpointError` naming the file, the field and what to do.
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import random
 from pathlib import Path
@@ -30,9 +32,12 @@ import torch
 from lmforge.config import SECTIONS, Config
 from lmforge.config.fields import STAGES, ResumeRule, resume_rules
 from lmforge.errors import CheckpointError
+from lmforge.fileio import write_text
 from lmforge.train.optim import STATE_KEYS, group_kind
 from lmforge.train.schedule import lr_at
 
+#: A run's metrics, one JSON row per logged step (and per validation), in its folder.
+METRICS_FILE = "metrics.jsonl"
 #: Every field of every config section, once, from the fields' declarations (lmforge.config.fields;
 #: tests/test_resume_checks.py holds this).
 RESUME_RULES: tuple[ResumeRule, ...] = tuple(rule for section, cls in SECTIONS.items()
@@ -94,6 +99,53 @@ def check_resume_config(saved: Config, new: Config, stage: str, step: int, where
                 f"more train.steps before a wsd decay begins). Resume with the run's values, or use another --out.")
     return [f"{'; '.join(schedule)}: the learning rates of the {step} steps taken are unchanged, so the run "
             f"continues as if it had been started with the new value"]
+
+
+# -- state.json and metrics.jsonl --------------------------------------------------------------
+def check_training_state(state: dict, latest: Path, steps: int, metrics: Path) -> None:
+    """`latest`/state.json describes a position a run of `steps` steps can have reached, and its
+    `metrics` file is a file, before anything is loaded.
+
+    Raises:
+        CheckpointError: naming the field, the value, and the range.
+    """
+    where = latest / "state.json"
+    step = state["step"]
+    if isinstance(step, bool) or step != int(latest.name.split("_")[1]):
+        raise CheckpointError(f"{where}: step = {step!r}, but the folder is {latest.name}. The checkpoint is "
+                              f"damaged; resume from another one (delete this step folder).")
+    if step > steps:
+        raise CheckpointError(f"--resume: {latest} is at step {step}, past train.steps = {steps}. "
+                              f"Raise train.steps to continue it, or use another --out.")
+    for key in ("tokens", "supervised"):
+        value = state.get(key, 0)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise CheckpointError(f"{where}: {key} = {value!r}: expected a non-negative integer. Resume from "
+                                  f"another checkpoint.")
+    elapsed = state.get("elapsed_s", 0.0)
+    if isinstance(elapsed, bool) or not isinstance(elapsed, (int, float)) or not math.isfinite(elapsed) \
+            or elapsed < 0:
+        raise CheckpointError(f"{where}: elapsed_s = {elapsed!r}: expected seconds >= 0.")
+    if (metrics.exists() or metrics.is_symlink()) and not metrics.is_file():
+        raise CheckpointError(f"{metrics} is not a regular file; the run folder is damaged. Restore it or "
+                              f"use another --out.")
+
+
+def truncate_metrics(path: Path, step: int) -> None:
+    """Keep the metrics.jsonl rows (`path`) up to `step` (the run continues from there); a torn last
+    line from a killed run is dropped too. Rewritten atomically."""
+    if not path.is_file():
+        return
+
+    def kept(line: str) -> bool:
+        try:
+            return json.loads(line).get("step", 0) <= step
+        except (json.JSONDecodeError, AttributeError):
+            return False
+
+    keep = [line for line in path.read_text(encoding="utf-8", errors="replace").splitlines()
+            if line.strip() and kept(line)]
+    write_text(path, "".join(line + "\n" for line in keep))
 
 
 # -- optimizer.pt ---------------------------------------------------------------------------------
@@ -233,4 +285,4 @@ def _describe(x: object) -> str:
     return f"a {type(x).__name__}"
 
 
-__all__ = ["RESUME_RULES", "ResumeRule", "check_optimizer_state", "check_resume_config", "check_rng_state"]
+__all__ = ["METRICS_FILE", "RESUME_RULES", "check_training_state", "truncate_metrics", "ResumeRule", "check_optimizer_state", "check_resume_config", "check_rng_state"]

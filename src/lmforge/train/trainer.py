@@ -1,5 +1,5 @@
-"""The one training loop. Pretraining and SFT differ only in their data (a RowStream)
-and their initial weights; both run `Trainer.fit`.
+"""The one training loop. Pretraining, SFT and DPO differ only in their data (a RowStream),
+their initial weights and their objective (lmforge.train.objective); all run `Trainer.fit`.
 
 One optimizer step:
   1. draw `grad_accum_steps` micro-batches and count their supervised targets;
@@ -7,7 +7,8 @@ One optimizer step:
   2. for each micro-batch: loss = summed nats (model(..., targets=, loss_mask=), i.e.
      lmforge.model.loss.linear_cross_entropy_sum) / global_count (* world_size, since
      DDP/FSDP average gradients over ranks), backward;
-  3. clip the gradient norm, AdamW step with the schedule's learning rate.
+  3. clip the gradient norm, an optimizer step (Muon + AdamW by default, or AdamW:
+     lmforge.train.optim) with the schedule's learning rate.
 The logged `loss` is the same per-token mean (nats), whatever the accumulation (P3).
 
 Data parallel (torchrun): each rank draws its own rows (`RowStream`: W ranks x A
@@ -25,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
 import signal
 import sys
 import time
@@ -39,78 +39,21 @@ from tqdm import tqdm
 from lmforge.config import Config
 from lmforge.contract import CONTRACT_FILE, Contract, check_match
 from lmforge.data.packing import Batch, RowStream
-from lmforge.errors import (CheckpointError, LmforgeError, TrainingError, request_stop, require_package,
-                            stop_requested)
-from lmforge.evaluate import batch_loss, evaluate_batches
-from lmforge.fileio import open_append, write_text
+from lmforge.errors import CheckpointError, LmforgeError, TrainingError, request_stop, stop_requested
+from lmforge.fileio import open_append
 from lmforge.model.io import (MODEL_FILE, OPTIMIZER_FILE, RNG_FILE, STEP_RE, is_sharded, latest_checkpoint,
                               load_weights, read_checkpoint_meta, step_dir_name)
-from lmforge.runtime import Runtime, seed_everything, training_runtime
+from lmforge.runtime import Runtime, compiler_available, seed_everything, training_runtime
 from lmforge.train import checkpoint as ckpt
 from lmforge.train.distributed import DistInfo, all_reduce_sum, gather_to_main, wrap_model
 from lmforge.train.health import UPDATE_RATIO_EVERY, HealthMonitor, update_ratio, verdict_line, weights_snapshot
 from lmforge.train.optim import build_optimizer
-from lmforge.train.resume import check_optimizer_state, check_resume_config, check_rng_state
+from lmforge.train.objective import TokenObjective
+from lmforge.train.resume import (METRICS_FILE, check_optimizer_state, check_resume_config, check_rng_state,
+                                 check_training_state, truncate_metrics)
+from lmforge.train.tensorboard import TENSORBOARD_DIR, TensorBoard
 from lmforge.train.schedule import lr_at
 
-METRICS_FILE = "metrics.jsonl"
-
-
-class TokenObjective:
-    """The loss of pretraining and SFT: summed nats over a micro-batch's supervised targets
-    (`batch_loss`), counted in supervised targets. An objective tells the trainer what one
-    micro-batch adds to the step's loss numerator (`loss`), in what units the denominator is
-    counted (`count`), which further per-unit sums it logs (`loss`'s second value, named by
-    `stats`), and what validation reports (`validate`). DPO's is `lmforge.train.dpo.DPOObjective`."""
-
-    stats: tuple[str, ...] = ()
-    unit = "token"
-    """What `count` counts (the loss is in nats per unit)."""
-    rows_per_sample = 1
-    """Rows of seq_len tokens one micro-batch item takes (DPO: 2, chosen and rejected)."""
-
-    def count(self, batch: Batch) -> int:
-        return batch.n_supervised
-
-    def tokens_per_step(self, micro_batch_size: int, grad_accum_steps: int, world_size: int, seq_len: int) -> int:
-        """Tokens one optimizer step processes over every rank (rows x seq_len, padding included)."""
-        return micro_batch_size * self.rows_per_sample * grad_accum_steps * world_size * seq_len
-
-    def batch_shape(self, micro_batch_size: int) -> str:
-        """The start-up report's words for one micro-batch ("16"; DPO: "8 pairs (2 rows each)")."""
-        return f"{micro_batch_size}" if self.rows_per_sample == 1 else \
-            f"{micro_batch_size} {self.unit}s ({self.rows_per_sample} rows each)"
-
-    def next_batch(self, stream, model: torch.nn.Module) -> Batch:
-        """The next micro-batch to train on: drawn from the data stream. An objective that makes its
-        own batches (a rollout of the model being trained) overrides this; `stream` then holds
-        its prompts, and resume restores its position as for any stream."""
-        return stream.next_batch()
-
-    def loss(self, model: torch.nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(summed loss, a 0-dim float32 tensor with grad; the sums of `stats` (float64, detached) or None)."""
-        return batch_loss(model, batch), None
-
-    def validate(self, model: torch.nn.Module, batches: Iterable[Batch], runtime: Runtime, dist: DistInfo) -> dict:
-        """{"val_loss": mean nats per supervised target over `batches`, all ranks}."""
-        nats, count = evaluate_batches(model, batches, runtime)
-        totals = all_reduce_sum(torch.tensor([nats, float(count)], dtype=torch.float64, device=runtime.device), dist)
-        return {"val_loss": float(totals[0] / max(totals[1], 1.0))}
-
-
-def compiler_available(device: torch.device, log: Callable[[str], None] | None = None) -> bool:
-    """`train.compile` on `device`: on CPU, torch.compile's inductor builds C++ kernels and needs a
-    C++ compiler (`$CXX`, g++, c++ or clang++ on PATH); without one the run trains eagerly and
-    says so in one line, instead of failing deep inside torch at the first step."""
-    if device.type != "cpu":
-        return True
-    import shutil
-
-    found = [c for c in (os.environ.get("CXX"), "g++", "c++", "clang++") if c and shutil.which(c)]
-    if not found and log is not None:
-        log("train.compile = true: no C++ compiler on PATH ($CXX, g++, c++, clang++), which torch.compile needs "
-            "on a CPU; training without compiling (install g++ to compile, or set train.compile = false)")
-    return bool(found)
 
 
 @dataclass
@@ -210,7 +153,7 @@ class Trainer:
         check_match(Contract.load(self.contract_dir, what="tokenizer folder"), self.contract_dir / CONTRACT_FILE,
                     saved_contract, latest / CONTRACT_FILE)  # --resume with another tokenizer stops here
         state, opt_state, rng = ckpt.load_training_state(latest)  # all of it, or refuse: resume is exact
-        self._check_state(state, latest)  # the step first: a step past train.steps is named as such
+        check_training_state(state, latest, self.cfg.train.steps, self.run_dir / METRICS_FILE)  # the step first
         ranks = check_rng_state(rng, latest / RNG_FILE)
         notes = check_resume_config(saved_cfg, self.cfg, stage, int(state["step"]), latest / "config.toml",
                                     saved_world_size=len(ranks), world_size=self.dist.world_size)
@@ -231,40 +174,12 @@ class Trainer:
         except (LmforgeError, KeyError, TypeError, ValueError) as exc:
             raise CheckpointError(f"{latest / 'state.json'}: its data position does not fit this run's data "
                                   f"({exc}). Resume from another checkpoint.") from None
-        if not dry_run:
-            self._truncate_metrics(self.step)
+        if not dry_run and self.dist.is_main:
+            truncate_metrics(self.run_dir / METRICS_FILE, self.step)
         self._replay_health()
         if self.dist.is_main:
             self.log(f"resumed from {latest} at step {self.step}")
         return True
-
-    def _check_state(self, state: dict, latest: Path) -> None:
-        """state.json describes a position this run can have reached, before anything is loaded.
-
-        Raises:
-            CheckpointError: naming the field, the value, and the range.
-        """
-        where = latest / "state.json"
-        step = state["step"]
-        if isinstance(step, bool) or step != int(latest.name.split("_")[1]):
-            raise CheckpointError(f"{where}: step = {step!r}, but the folder is {latest.name}. The checkpoint is "
-                                  f"damaged; resume from another one (delete this step folder).")
-        if step > self.cfg.train.steps:
-            raise CheckpointError(f"--resume: {latest} is at step {step}, past train.steps = {self.cfg.train.steps}. "
-                                  f"Raise train.steps to continue it, or use another --out.")
-        for key in ("tokens", "supervised"):
-            value = state.get(key, 0)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise CheckpointError(f"{where}: {key} = {value!r}: expected a non-negative integer. Resume from "
-                                      f"another checkpoint.")
-        elapsed = state.get("elapsed_s", 0.0)
-        if isinstance(elapsed, bool) or not isinstance(elapsed, (int, float)) or not math.isfinite(elapsed) \
-                or elapsed < 0:
-            raise CheckpointError(f"{where}: elapsed_s = {elapsed!r}: expected seconds >= 0.")
-        metrics = self.run_dir / METRICS_FILE
-        if (metrics.exists() or metrics.is_symlink()) and not metrics.is_file():
-            raise CheckpointError(f"{metrics} is not a regular file; the run folder is damaged. Restore it or "
-                                  f"use another --out.")
 
     def _replay_health(self) -> None:
         """The health monitor's state after a resume: the run's rows so far, replayed quietly."""
@@ -278,23 +193,6 @@ class Trainer:
                     self.health.update(row)
             except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError):
                 continue
-
-    def _truncate_metrics(self, step: int) -> None:
-        """Keep metrics.jsonl rows up to `step` (the run continues from there); a torn last
-        line from a killed run is dropped too. Rewritten atomically."""
-        path = self.run_dir / METRICS_FILE
-        if not path.is_file() or not self.dist.is_main:
-            return
-
-        def kept(line: str) -> bool:
-            try:
-                return json.loads(line).get("step", 0) <= step
-            except (json.JSONDecodeError, AttributeError):
-                return False
-
-        keep = [line for line in path.read_text(encoding="utf-8", errors="replace").splitlines()
-                if line.strip() and kept(line)]
-        write_text(path, "".join(line + "\n" for line in keep))
 
     # -- the step -----------------------------------------------------------------
     def train_step(self) -> dict:
@@ -379,7 +277,7 @@ class Trainer:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if self.dist.is_main:
             ckpt.remove_unfinished(self.run_dir)  # a killed write's leftovers (this process holds the run's lock)
-        self._truncate_metrics(self.step)  # rows past the checkpoint we start from (a killed run's) go
+            truncate_metrics(self.run_dir / METRICS_FILE, self.step)  # rows past our checkpoint (a killed run's) go
         metrics_file = open_append(self.run_dir / METRICS_FILE) if self.dist.is_main else None
         board = self._tensorboard() if self.dist.is_main else None
         old_handlers = self._install_signal_handlers()
@@ -478,46 +376,11 @@ class Trainer:
             signal.signal(s, h)
 
 
-TENSORBOARD_DIR = "tensorboard"
-
-
-class TensorBoard:
-    """`train.tensorboard`: every number of each metrics.jsonl row as a scalar (same names),
-    health warnings as text, through torch.utils.tensorboard's SummaryWriter. metrics.jsonl
-    stays the record that needs nothing installed; this is a copy for TensorBoard's viewer.
-    `purge_step` (a resumed run): events at or after it from an earlier, interrupted run are
-    dropped by TensorBoard.
-
-    Raises:
-        LmforgeError: the tensorboard package is not installed (naming the pip command).
-    """
-
-    def __init__(self, folder: Path, purge_step: int | None = None):
-        require_package("tensorboard", "tensorboard", "train.tensorboard = true")
-        from torch.utils.tensorboard import SummaryWriter
-
-        self.writer = SummaryWriter(log_dir=str(folder), purge_step=purge_step)
-
-    def text(self, tag: str, text: str, step: int = 0) -> None:
-        self.writer.add_text(tag, text, step)
-
-    def write(self, row: dict) -> None:
-        step = int(row["step"])
-        for key, value in row.items():
-            if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool) and value is not None:
-                self.writer.add_scalar(key, value, step)
-        for w in row.get("health", ()):
-            self.writer.add_text("health", f"step {w['step']}: {w['kind']}: {w['message']}", step)
-        self.writer.flush()
-
-    def close(self) -> None:
-        self.writer.close()
-
-
 def threading_main() -> bool:
     import threading
 
     return threading.current_thread() is threading.main_thread()
 
 
-__all__ = ["Trainer", "TokenObjective", "TensorBoard", "seed_everything", "METRICS_FILE", "TENSORBOARD_DIR"]
+__all__ = ["Trainer", "TokenObjective", "TensorBoard", "seed_everything", "METRICS_FILE", "TENSORBOARD_DIR",
+           "compiler_available"]
