@@ -4,6 +4,8 @@
                 the slow-client timeouts
     api.py      the HTTP routes (Starlette): /v1/chat/completions, /v1/completions,
                 /v1/models, /health, and the chat page (static/index.html) at /
+    request.py  a request before any work: the strict body parser, the fields by name, the
+                messages and the sampling fields
     engine.py   the batched decoding engine (one thread owns the model and its KV cache)
 """
 
