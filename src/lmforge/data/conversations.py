@@ -43,7 +43,7 @@ from pathlib import Path
 import numpy as np
 
 from lmforge.data.packing import Batch, RowStream
-from lmforge.data.records import RECORD_SUFFIXES, check_text, content_key, iter_records, short
+from lmforge.data.records import check_text, content_key, read_items, short
 from lmforge.data.sources import split_of
 from lmforge.errors import DataError
 
@@ -153,18 +153,8 @@ def read_conversations(path: str | Path) -> list[Conversation]:
         DataError: a missing file, another suffix, invalid JSON, a malformed record (naming
         the file and line / row), or a file with no records.
     """
-    path = Path(path)
-    if not path.is_file():
-        raise DataError(f"sft.data = {str(path)!r} {'is a folder' if path.is_dir() else 'does not exist'}. Use "
-                        f"\"stdlib\" or a .jsonl / .parquet file of conversations.")
-    if path.suffix not in RECORD_SUFFIXES:
-        raise DataError(f"sft.data = {str(path)!r}: unsupported file type {path.suffix!r}; expected .jsonl "
-                        f"or .parquet (or \"stdlib\").")
-    convs = [conversation_from_record(record, where) for where, record in iter_records(path)]
-    if not convs:
-        raise DataError(f"{path}: the file holds no conversations (it is empty). Add records ({SHAPES_HELP}) "
-                        f"or point sft.data at another file.")
-    return convs
+    return read_items(path, "sft.data", "conversations", conversation_from_record,
+                      f"add records ({SHAPES_HELP}) or point sft.data at another file")
 
 
 def cap_examples(items: Sequence, limit: int, key: Callable[[object], str]) -> list:

@@ -43,7 +43,7 @@ import torch
 
 from lmforge.data.conversations import cap_examples, validate_messages
 from lmforge.data.packing import _FIELDS, Batch, Piece, RowStream, build_row
-from lmforge.data.records import RECORD_SUFFIXES, check_text, content_key, iter_records, short
+from lmforge.data.records import check_text, content_key, read_items, short
 from lmforge.data.sources import split_of
 from lmforge.errors import DataError
 
@@ -137,17 +137,7 @@ def read_pairs(path: str | Path) -> list[PreferencePair]:
     Raises:
         DataError: a missing file, another suffix, a malformed record (file and line), no records.
     """
-    path = Path(path)
-    if not path.is_file():
-        raise DataError(f"dpo.data = {str(path)!r} {'is a folder' if path.is_dir() else 'does not exist'}. Use "
-                        f"\"stdlib\" or a .jsonl / .parquet file of preference pairs.")
-    if path.suffix not in RECORD_SUFFIXES:
-        raise DataError(f"dpo.data = {str(path)!r}: unsupported file type {path.suffix!r}; expected .jsonl or "
-                        f".parquet (or \"stdlib\").")
-    pairs = [pair_from_record(record, where) for where, record in iter_records(path)]
-    if not pairs:
-        raise DataError(f"{path}: the file holds no preference pairs (it is empty); {FORMS_HELP}.")
-    return pairs
+    return read_items(path, "dpo.data", "preference pairs", pair_from_record, FORMS_HELP)
 
 
 def split_pairs(pairs: Sequence[PreferencePair], val_fraction: float) -> dict[str, list[PreferencePair]]:

@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 from lmforge.errors import DataError, require_package
 from lmforge.fileio import shown_path
 
 RECORD_SUFFIXES = (".jsonl", ".parquet")
+T = TypeVar("T")
 
 
 def content_key(value: object) -> str:
@@ -49,6 +51,28 @@ def check_text(value: object, where: str, field: str) -> str:
                         f"character {exc.start}, e.g. a lone surrogate escape like \\ud800). Fix or remove "
                         f"the record.") from None
     return value
+
+
+def read_items(path: str | Path, key: str, items: str, make: Callable[[object, str], T], empty_help: str) -> list[T]:
+    """`make(record, where)` for every record of the `.jsonl` or `.parquet` file `path`, in file
+    order: the one reader of a fine-tuning section's data file (`key`: "sft.data", "dpo.data";
+    `items`: what the records are, "conversations"; `empty_help`: what to do about an empty file).
+
+    Raises:
+        DataError: a missing file, another suffix, a malformed record (naming the file and line /
+        row), or a file with no records.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"{key} = {str(path)!r} {'is a folder' if path.is_dir() else 'does not exist'}. Use "
+                        f"\"stdlib\" or a .jsonl / .parquet file of {items}.")
+    if path.suffix not in RECORD_SUFFIXES:
+        raise DataError(f"{key} = {str(path)!r}: unsupported file type {path.suffix!r}; expected .jsonl or "
+                        f".parquet (or \"stdlib\").")
+    out = [make(record, where) for where, record in iter_records(path)]
+    if not out:
+        raise DataError(f"{path}: the file holds no {items} (it is empty); {empty_help}.")
+    return out
 
 
 def iter_records(path: str | Path, columns: list[str] | None = None) -> Iterator[tuple[str, object]]:

@@ -10,14 +10,9 @@ document start (<|bos|> + text), as `lmforge generate`. Replies stop at the cont
 end-of-turn and end-of-text ids. `usage` counts tokens with the model's own tokenizer:
 prompt tokens as fed, completion tokens as generated (the stop id included).
 
-Limits before work (lmforge.serve.request reads the body and its fields): the Host header is checked first (421, see app.py), a POST must be
-`Content-Type: application/json` (415), its body at most `max_body_bytes` (413, read no
-further), then the body is parsed off the event loop (strict UTF-8, no NaN/Infinity, no
-duplicate keys, integers of at most MAX_INT_DIGITS digits, nesting at most MAX_DEPTH, no
-lone surrogates anywhere), and the prompt is tokenized off the event loop. Messages are
-checked by the SFT path's validator (`data.conversations.validate_messages`), sampling
-limits by `SamplingConfig.validate` (lmforge.config). Fields this server does not
-implement (`tools`, `logprobs`, `n` > 1, ...) and unknown fields are refused by name.
+Limits before work: the Host header is checked first (421, see app.py); the body and its fields are
+read by lmforge.serve.request (its docstring lists the limits: content type, size, strict JSON,
+depth, the fields by name).
 
 Every bad request gets a 4xx with an OpenAI-style body `{"error": {"message", "type",
 "param", "code"}}` naming the field; a full queue a 429; a request past its deadline a 504
