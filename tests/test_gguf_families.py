@@ -25,7 +25,7 @@ from gguf_helpers import FAMILIES, hf_family_folder
 from lmforge.contract import Contract
 from lmforge.export import ExportError, export_gguf
 from lmforge.export.gguf import GPT2_PATTERN, LLAMA3_PATTERN, gguf_vocab
-from lmforge.export.hf import import_hf
+from lmforge.export.hf_in import import_hf
 from lmforge.tokenizer import Tokenizer
 
 gguf = pytest.importorskip("gguf")

@@ -34,7 +34,7 @@ from test_llama_cpp import (CONVERSATIONS, LOGIT_TOL, all_strings, check_greedy,
                             llama_cpp_builtin_chat, lmforge_prompt, load_llama, train_texts)
 
 from lmforge.export import export_gguf  # noqa: E402
-from lmforge.export.hf import import_hf  # noqa: E402
+from lmforge.export.hf_in import import_hf  # noqa: E402
 from lmforge.model import load_model  # noqa: E402
 from lmforge.tokenizer import Tokenizer  # noqa: E402
 

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from lmforge.export.gguf import LLAMA3_PATTERN, QWEN2_PATTERN, SPM_SPACE, require_gguf
-from lmforge.export.hf import import_hf
+from lmforge.export.hf_in import import_hf
 from lmforge.errors import LmforgeError
 from lmforge.export.options import ExportError
 from lmforge.fileio import save_safetensors

@@ -1,0 +1,375 @@
+"""Hugging Face format in (`lmforge import-hf DIR --out DIR`): a folder saved by `transformers`
+as an lmforge checkpoint. The weight names, config builders, FAMILIES and file names it shares
+with the way out are in `hf`.
+
+Import reads a folder of the Llama family saved by `transformers` (FAMILIES: Llama, Mistral,
+Qwen2, Qwen3; config.json, model.safetensors or its shards, tokenizer files) and writes a
+plain lmforge checkpoint folder (config.toml, model.safetensors, contract.json, tokenizer
+files) that `Transformer.from_checkpoint`, every stage and `sft.init` accept. It reads only
+files inside the folder (`confined`), states every conversion it makes, and refuses anything
+lmforge's model cannot represent exactly (another architecture, MLP or output biases, another
+RoPE scaling, a sliding window that slides, another activation, integer weights) rather than
+load it approximately.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+from pathlib import Path
+
+import torch
+
+from lmforge.config import Config, ModelConfig, from_dict, validate
+from lmforge.contract import padded_vocab_size
+from lmforge.errors import CheckpointError, ConfigError
+from lmforge.export.hf import (FAMILIES, HF_CONFIG_FILE, IMPORT_OUTPUT, WEIGHTS_FILE, WEIGHTS_INDEX_FILE,
+                               from_hf_state)
+from lmforge.export.options import ExportError
+from lmforge.fileio import atomic_dir, check_readable, load_hf_tokenizer, loads_json, load_safetensors
+from lmforge.model.io import MODEL_FILE, load_weights, write_model_files
+from lmforge.tokenizer import TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, short_repr
+
+
+# -- config ------------------------------------------------------------------------------
+#: rope_type values that mean plain RoPE (transformers writes "default"; older configs nothing).
+PLAIN_ROPE = (None, "default")
+
+
+def _rope_settings(cfg: dict, where: str) -> dict:
+    """The RoPE settings of a config as ModelConfig keys: rope_theta and, for Llama 3.1's
+    scaling, rope_scaling = "llama3" and its four numbers. Reads transformers >= 5's
+    `rope_parameters` and older `rope_theta` + `rope_scaling` (null, or rope_type / type
+    "default" for plain RoPE).
+
+    Raises:
+        ExportError: another scaling (linear, dynamic, yarn, longrope, ...), partial rotation.
+    """
+    source, rope = "rope_parameters", {}
+    for key in ("rope_parameters", "rope_scaling"):  # both may be present: a scaling in either counts
+        value = cfg.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, dict):
+            raise ExportError(f"{where}: {key} = {value!r}: expected an object or null.")
+        if not rope or value.get("rope_type", value.get("type")) not in PLAIN_ROPE:
+            source, rope = key, {**rope, **value} if key == "rope_scaling" else value
+    kind = rope.get("rope_type", rope.get("type"))
+    theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    out: dict = {"rope_theta": _number(theta, "rope_theta", float, where)}
+    for key in ("partial_rotary_factor",):
+        value = cfg.get(key, rope.get(key))
+        if value not in (None, 1, 1.0):
+            raise ExportError(f"{where}: {key} = {value!r}, expected 1.0: lmforge rotates the whole head.")
+    if rope.get("attention_factor") not in (None, 1, 1.0):
+        raise ExportError(f"{where}: rope attention_factor = {rope['attention_factor']!r}, expected 1.0: lmforge "
+                          f"does not scale attention; this model cannot be imported.")
+    if kind in PLAIN_ROPE:
+        return out
+    if kind != "llama3":
+        raise ExportError(f"{where}: {source} has rope_type = {kind!r}: lmforge implements plain RoPE (\"default\") and Llama "
+                          f"3.1's \"llama3\" scaling only; this model cannot be imported.")
+    out.update(rope_scaling="llama3",
+               rope_factor=_number(rope.get("factor"), "rope factor", float, where),
+               rope_low_freq_factor=_number(rope.get("low_freq_factor"), "rope low_freq_factor", float, where),
+               rope_high_freq_factor=_number(rope.get("high_freq_factor"), "rope high_freq_factor", float, where),
+               rope_original_max_seq_len=_number(rope.get("original_max_position_embeddings"),
+                                                 "rope original_max_position_embeddings", int, where))
+    return out
+
+
+def _number(value, key: str, typ: type, where: str):
+    if value is None:
+        raise ExportError(f"{where}: missing field {key!r}; a transformers config.json of this family has it.")
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) \
+        and (typ is float or value == int(value))
+    if not ok:
+        raise ExportError(f"{where}: {key} = {value!r}: expected {'an integer' if typ is int else 'a number'}.")
+    return typ(value)
+
+
+def model_config_from_hf(cfg: dict, where: str, log=None) -> ModelConfig:
+    """lmforge ModelConfig from a `config.json` of the Llama family (FAMILIES): Llama (tied or
+    untied head, plain or Llama 3.1-scaled RoPE), Mistral (a sliding window that never slides),
+    Qwen2 (q/k/v biases -> `qkv_bias`), Qwen3 (QK-norm -> `qk_norm`).
+
+    Args:
+        log: called with one line per conversion stated (an empty `architectures` read by model_type).
+    Raises:
+        ExportError: not a JSON object, another architecture, MLP or o_proj biases, another
+        activation, another RoPE scaling, a sliding window that slides, a head size lmforge does
+        not derive, a missing field or one of the wrong type — each naming the field.
+    """
+    say = log or (lambda _msg: None)
+    if not isinstance(cfg, dict):
+        raise ExportError(f"{where}: expected a JSON object (a transformers config), found {type(cfg).__name__}.")
+    family = cfg.get("model_type")
+    archs = cfg.get("architectures")
+    if family not in FAMILIES:
+        raise ExportError(
+            f"{where}: model_type = {family!r}, architectures = {archs}; lmforge imports model_type "
+            f"{' / '.join(repr(k) for k in FAMILIES)} ({', '.join(FAMILIES.values())}). Other architectures differ "
+            f"in ways lmforge's model does not represent.")
+    if archs is None or archs == []:
+        say(f"config.json: architectures = {archs!r}; reading it as {FAMILIES[family]} (model_type {family!r})")
+    elif archs != [FAMILIES[family]]:
+        raise ExportError(f"{where}: architectures = {archs!r} with model_type {family!r}; expected "
+                          f"[\"{FAMILIES[family]}\"]. lmforge imports causal language models of the Llama family only.")
+    refusals = [
+        ("mlp_bias", False, "lmforge's MLP has no biases"),
+        ("hidden_act", "silu", "lmforge's MLP is SwiGLU (silu)"),
+        ("use_sliding_window", False, "lmforge has full attention only"),
+    ]
+    if family != "qwen2":  # Qwen2 always has q/k/v biases (and no key for them)
+        refusals.append(("attention_bias", False, "lmforge's attention has biases on q/k/v only in Qwen2's layout"))
+    for key, want, why in refusals:
+        if cfg.get(key, want) != want:
+            raise ExportError(f"{where}: {key} = {cfg[key]!r}, expected {want!r}: {why}; this model cannot be imported.")
+    layer_types = cfg.get("layer_types")
+    if layer_types is not None and (not isinstance(layer_types, list)
+                                    or any(t != "full_attention" for t in layer_types)):
+        raise ExportError(f"{where}: layer_types = {short_repr(layer_types)}: lmforge has full attention in every "
+                          f"layer only (expected every entry \"full_attention\"); this model cannot be imported.")
+    max_pos = _number(cfg.get("max_position_embeddings", 2048), "max_position_embeddings", int, where)
+    window = cfg.get("sliding_window")
+    if family == "mistral" and window is not None and _number(window, "sliding_window", int, where) < max_pos:
+        raise ExportError(
+            f"{where}: sliding_window = {window} is below max_position_embeddings = {max_pos}: attention would slide, "
+            f"and lmforge has full attention only. Set sliding_window to null (or to at least {max_pos}) in "
+            f"config.json if the model was trained with full attention; otherwise it cannot be imported.")
+    rope = _rope_settings(cfg, where)
+    dim, n_heads = _number(cfg.get("hidden_size"), "hidden_size", int, where), \
+        _number(cfg.get("num_attention_heads"), "num_attention_heads", int, where)
+    model = ModelConfig(
+        dim=dim,
+        n_layers=_number(cfg.get("num_hidden_layers"), "num_hidden_layers", int, where),
+        n_heads=n_heads,
+        n_kv_heads=_number(cfg.get("num_key_value_heads", n_heads), "num_key_value_heads", int, where),
+        ffn_dim=_number(cfg.get("intermediate_size"), "intermediate_size", int, where),
+        norm_eps=_number(cfg.get("rms_norm_eps", 1e-6), "rms_norm_eps", float, where),
+        max_seq_len=max_pos,
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        qk_norm=family == "qwen3",
+        qkv_bias=family == "qwen2",
+        **rope,
+    )
+    sizes = {"hidden_size": dim, "num_attention_heads": n_heads, "num_hidden_layers": model.n_layers,
+             "num_key_value_heads": model.n_kv_heads, "intermediate_size": model.ffn_dim,
+             "max_position_embeddings": model.max_seq_len}
+    bad = [f"{k} = {v}" for k, v in sizes.items() if v <= 0]
+    if bad:
+        raise ExportError(f"{where}: {', '.join(bad)}: expected positive sizes; this config.json does not describe a "
+                          f"model. Fix it (or use the folder transformers saved).")
+    head_dim = cfg.get("head_dim")
+    if head_dim is not None and _number(head_dim, "head_dim", int, where) * n_heads != dim:
+        raise ExportError(
+            f"{where}: head_dim = {head_dim} but hidden_size / num_attention_heads = {dim // n_heads}; lmforge "
+            f"derives head_dim = dim / n_heads, so this model cannot be imported."
+        )
+    return model
+
+
+# -- import ------------------------------------------------------------------------------
+
+
+def model_root(folder: Path) -> Path:
+    """The folder whose files an import may read: `folder` itself (resolved), or, for a snapshot
+    of the Hugging Face hub cache (`.../models--ORG--NAME/snapshots/REV/`, whose files are links
+    into `../../blobs/`), that model's own cache folder `models--ORG--NAME`."""
+    try:
+        real = folder.resolve()
+    except (OSError, RuntimeError):
+        return folder
+    if real.parent.name == "snapshots" and real.parent.parent.name.startswith("models--"):
+        return real.parent.parent
+    return real
+
+
+def confined(folder: Path, name: str, what: str | None = None) -> Path:
+    """`folder / name`, refused unless it stays inside `folder` once resolved: no absolute
+    path, no `..`, no symbolic link to a file elsewhere (import reads only the folder it is given).
+    In a snapshot of the Hugging Face cache, links into the same model's cache folder
+    (`../../blobs/HASH`) are inside (`model_root`); links anywhere else are still refused.
+
+    Raises:
+        ExportError: naming the file and where it leads.
+    """
+    what = what or repr(name)
+    path = folder / name
+    root = model_root(folder)
+    try:
+        inside = Path(name).is_absolute() is False and path.resolve().is_relative_to(root)
+    except (OSError, RuntimeError, ValueError):  # a link loop, a name the OS cannot take
+        inside = False
+    if not inside:
+        where = "the folder" if root == folder.resolve() else f"the model's cache folder {root}"
+        raise ExportError(f"{folder}: {what} leads outside {where} ({path}); import-hf reads only files inside "
+                          f"the folder it is given. Copy the file into {folder} under a plain name.")
+    return path
+
+
+def read_hf_weights(folder: Path) -> dict[str, torch.Tensor]:
+    """All tensors of a HF folder: model.safetensors, its shards (index.json), or
+    pytorch_model.bin (loaded with weights_only=True).
+
+    Raises:
+        ExportError: no weights file, or a damaged one.
+    """
+    state = None
+    shards: list = []
+    if (folder / WEIGHTS_INDEX_FILE).is_file() and not (folder / WEIGHTS_FILE).is_file():
+        try:
+            index = loads_json(confined(folder, WEIGHTS_INDEX_FILE).read_text(encoding="utf-8"))
+            shards = sorted(set(index["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as exc:
+            raise ExportError(f"{folder / WEIGHTS_INDEX_FILE}: not an index of shards ({type(exc).__name__}: "
+                              f"{str(exc)[:120]}); expected {{\"weight_map\": {{name: shard file}}}}.") from None
+        for shard in shards:
+            if not isinstance(shard, str):
+                raise ExportError(f"{folder / WEIGHTS_INDEX_FILE}: shard name {shard!r} is not a file name.")
+            confined(folder, shard, what=f"shard {shard!r} named in {WEIGHTS_INDEX_FILE}")
+    reading = folder
+    try:
+        if (folder / WEIGHTS_FILE).is_file():
+            reading = folder / WEIGHTS_FILE
+            state = load_safetensors(confined(folder, WEIGHTS_FILE))
+        elif shards:
+            state = {}
+            for shard in shards:
+                reading = folder / shard
+                state.update(load_safetensors(confined(folder, shard)))
+        elif (folder / "pytorch_model.bin").is_file():
+            reading = folder / "pytorch_model.bin"
+            state = torch.load(confined(folder, "pytorch_model.bin"), map_location="cpu", weights_only=True)
+    except ExportError:
+        raise
+    except Exception as exc:  # safetensors, torch's unpickler, struct, json: a damaged file raises any of them
+        for name in (WEIGHTS_FILE, WEIGHTS_INDEX_FILE, "pytorch_model.bin"):
+            if (folder / name).is_file():
+                check_readable(folder / name)  # permission denied is said as such, not as "damaged"
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:160]
+        raise ExportError(f"{reading}: cannot read the weights ({first}). The file is damaged or incomplete: "
+                          f"download or copy it again.") from None
+    if state is None:
+        raise ExportError(
+            f"{folder} has no {WEIGHTS_FILE}, {WEIGHTS_INDEX_FILE} or pytorch_model.bin; point at a folder "
+            f"written by transformers' save_pretrained (or by `lmforge export`)."
+        )
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise ExportError(f"{folder}: the weights file does not hold a dictionary of tensors.")
+    for name, t in state.items():
+        if t.is_floating_point() and t.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ExportError(f"{folder}: weight {name} has dtype {str(t.dtype).removeprefix('torch.')}; lmforge imports "
+                              f"float32, bfloat16 and float16 weights only (a float8 or float64 weight would be "
+                              f"converted, not read as it is). Use the model's float32, bfloat16 or float16 weights.")
+        if not t.is_floating_point():
+            raise ExportError(f"{folder}: weight {name} has dtype {str(t.dtype).removeprefix('torch.')}; lmforge imports "
+                              f"float32, bfloat16 and float16 weights only (integer or quantized weights would need a "
+                              f"conversion it does not make). Use the model's unquantized weights.")
+    return state
+
+
+def import_hf(folder: str | Path, out: str | Path, log=None, eos_token: str = "") -> Path:
+    """Turn a Llama-architecture HF folder into an lmforge checkpoint folder (atomically).
+
+    The tokenizer goes through `lmforge.tokenizer.import_tokenizer`: the contract is derived
+    from the model's own tokenizer and conventions (its document terminator, its BOS or none,
+    its chat template and end-of-turn token); the only token it may add is a distinct <|pad|>
+    (and ChatML's two markers for a model without a chat template). Embedding and output rows
+    of the tokenizer's original ids are copied; rows of added tokens start as the mean of the
+    original rows; rows past the tokenizer's vocab are dropped, and the matrix is zero-padded
+    to the multiple of 64 (P6). Every file read is inside `folder` (`confined`).
+
+    The result holds config.toml, model.safetensors (float32), contract.json, tokenizer.json,
+    tokenizer_config.json and state.json (step 0); it loads with
+    `Transformer.from_checkpoint(out)` and serves as `sft.init` and as a `tokenizer.dir`.
+
+    Args:
+        log: called with one line per change or conversion made (the document terminator chosen,
+            the BOS convention, an added pad, weights cast to float32, an empty `architectures`).
+        eos_token: the document terminator where the folder's cannot be derived (the setting
+            tokenizer.eos_token).
+    Raises:
+        ExportError: not a Llama-family folder, a feature lmforge lacks, integer weights,
+        unreadable weights, a file outside the folder, fewer embedding rows than the tokenizer's
+        ids, or `out` holding other files.
+        ContractError: no tokenizer.json, or one lmforge cannot use (see import_tokenizer).
+    """
+    from lmforge.model import Transformer, resolve_model_config
+    from lmforge.tokenizer import import_tokenizer, vocab_size_of
+
+    say = log or (lambda _msg: None)
+    folder, out = Path(folder), Path(out)
+    cfg_path = folder / HF_CONFIG_FILE
+    if not cfg_path.is_file():
+        raise ExportError(f"{folder} has no {HF_CONFIG_FILE}; point at a folder written by save_pretrained.")
+    for name in (HF_CONFIG_FILE, TOKENIZER_FILE, TOKENIZER_CONFIG_FILE, "special_tokens_map.json",
+                 "chat_template.jinja"):
+        if (folder / name).exists() or (folder / name).is_symlink():
+            confined(folder, name)
+    try:
+        raw = loads_json(cfg_path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ExportError(f"{cfg_path}: not valid JSON ({exc}).") from None
+    model_cfg = model_config_from_hf(raw, str(cfg_path), log=say)
+    hf_vocab = raw.get("vocab_size")
+    if hf_vocab is not None:
+        hf_vocab = _number(hf_vocab, "vocab_size", int, str(cfg_path))
+        if hf_vocab <= 0:
+            raise ExportError(f"{cfg_path}: vocab_size = {hf_vocab}: expected the number of embedding rows (> 0).")
+    with atomic_dir(out, IMPORT_OUTPUT, what="`lmforge import-hf`") as tmp:
+        tok = import_tokenizer(folder, tmp / "tokenizer", log=say, eos_token=eos_token)
+        contract = tok.contract
+        original = vocab_size_of(load_hf_tokenizer(folder / TOKENIZER_FILE))
+        hf_state = read_hf_weights(folder)
+        rows = hf_state.get("model.embed_tokens.weight")
+        if rows is not None and hf_vocab is not None and hf_vocab != rows.shape[0]:
+            raise ExportError(
+                f"{cfg_path}: vocab_size = {hf_vocab} but model.embed_tokens.weight has {rows.shape[0]} rows; "
+                f"the config and the weights disagree. Fix vocab_size in config.json."
+            )
+        if rows is not None and rows.shape[0] < original:
+            raise ExportError(
+                f"{folder}: model.embed_tokens.weight has {rows.shape[0]} rows but {folder / TOKENIZER_FILE} "
+                f"has ids up to {original - 1}; they would index past the embedding (P6). Use the tokenizer "
+                f"this model was trained with."
+            )
+        dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in hf_state.values()} - {"float32"})
+        if dtypes:
+            say(f"weights: {', '.join(dtypes)} -> float32 (exact: every value is representable)")
+        state = from_hf_state(hf_state, original, model_cfg.tie_embeddings, str(folder))
+        if contract.vocab_size > original:
+            say(f"embedding: {contract.vocab_size - original} added token row(s) start as the mean of the "
+                f"{original} original rows")
+            state = {k: _grow_rows(v, original, contract.vocab_size)
+                     if k in ("tok_embeddings.weight", "output.weight") else v for k, v in state.items()}
+        config = Config(model=model_cfg)
+        config.tokenizer.vocab_size = contract.vocab_size
+        config.tokenizer.dir = str(out)
+        config.data.seq_len = min(config.data.seq_len, model_cfg.max_seq_len)
+        config.generate.max_new_tokens = min(config.generate.max_new_tokens, max(1, model_cfg.max_seq_len // 2))
+        try:
+            validate(from_dict(config.to_dict(), where=str(cfg_path)))
+        except ConfigError as exc:
+            raise ExportError(f"{cfg_path} maps to an lmforge config lmforge rejects: {exc}") from None
+        write_model_files(tmp, state, config, tmp / "tokenizer")  # the checkpoint layout of lmforge.model.io
+        shutil.rmtree(tmp / "tokenizer")
+        model = Transformer(resolve_model_config(model_cfg, contract))
+        try:
+            load_weights(model, tmp / MODEL_FILE)  # strict: names, shapes, finite values
+        except CheckpointError as exc:
+            raise ExportError(f"{folder}: the weights do not fit the model its config.json describes: {exc}") from None
+    return out
+
+
+def _grow_rows(t: torch.Tensor, original: int, vocab: int) -> torch.Tensor:
+    """(padded(original), dim) -> (padded(vocab), dim): rows [original, vocab) = the mean of the
+    original rows, the rest zero."""
+    out = t.new_zeros(padded_vocab_size(vocab), t.shape[1])
+    out[:original] = t[:original]
+    out[original:vocab] = t[:original].mean(0)
+    return out
+
+
+
+__all__ = ["model_config_from_hf", "import_hf", "read_hf_weights"]
