@@ -5,7 +5,7 @@ dependency). Layers, lowest first (docs/design.md, "Layers"):
 
     errors                    0  the error family
     fileio                    0.5  the one writer
-    config, runtime           1  the typed config; device and precision
+    config, runtime, sandbox  1  the typed config; device and precision; running generated code
     contract                  2
     tokenizer                 3
     model, data               4  the model sits at the bottom: it imports only layers 0-2
@@ -32,7 +32,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "lmforge"
 
 LAYERS = {
     "errors": 0, "fileio": 0.5,
-    "config": 1, "runtime": 1,
+    "config": 1, "runtime": 1, "sandbox": 1,
     "contract": 2,
     "tokenizer": 3,
     "model": 4, "data": 4,
