@@ -58,7 +58,7 @@ def _rank_main(rank: int, world: int, jobs: list[dict]) -> None:
     """One rank: run `jobs` (pretrain_stage calls, or sft_stage where a job says "stage": "sft") one
     after another, as torchrun would."""
     torch.set_num_threads(1)
-    from lmforge.stages import dpo_stage, pretrain_stage, sft_stage
+    from lmforge.stages import dpo_stage, pretrain_stage, rl_stage, sft_stage
     from lmforge.train.trainer import Trainer
 
     step = Trainer.train_step
@@ -86,7 +86,7 @@ def _rank_main(rank: int, world: int, jobs: list[dict]) -> None:
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(job["port"]))
         Trainer._test_stop_at = job.get("stop_at", -1)
         common.open_run_dir = late_check if job.get("late_check") and rank == world - 1 else check
-        stage = {"pretrain": pretrain_stage, "sft": sft_stage, "dpo": dpo_stage}[job.get("stage", "pretrain")]
+        stage = {"pretrain": pretrain_stage, "sft": sft_stage, "dpo": dpo_stage, "rl": rl_stage}[job.get("stage", "pretrain")]
         try:
             last = stage(job["cfg"], job["out"], resume=job.get("resume", False), progress=False)
         except LmforgeError as exc:

@@ -29,6 +29,7 @@ stages, in order:
   lmforge generate --checkpoint runs/pre --prompt "def "
   lmforge sft --set sft.init=runs/pre --out runs/sft   fine-tune on conversations (sft.data)
   lmforge dpo --set dpo.init=runs/sft --out runs/dpo   preference tuning on pairs (dpo.data)
+  lmforge rl --set rl.init=runs/sft --out runs/rl      RL with verifiable rewards (rl.rewards)
   lmforge chat --checkpoint runs/sft                  talk to it; /exit quits
   lmforge eval --checkpoint runs/pre
   lmforge serve --checkpoint runs/sft                 OpenAI API + chat page on http://127.0.0.1:8000/
@@ -115,7 +116,7 @@ def _config(args):
 
 #: Config keys that hold paths, and the command-line arguments that do (dest -> how it is spelt).
 CONFIG_PATHS = ("tokenizer.dir", "data.source", "data.dir", "train.init", "sft.init", "sft.data", "dpo.init",
-                "dpo.data")
+                "dpo.data", "rl.init", "rl.data")
 PATH_ARGS = {"config": "--config", "out": "--out", "checkpoint": "--checkpoint", "tokenizer": "--tokenizer",
              "src": "--from", "data": "--data", "folder": "DIR"}
 
@@ -340,6 +341,10 @@ COMMANDS: dict[str, tuple[str, str | None, Callable, Callable]] = {
             "([lora] rank > 0); the reference is dpo.init itself",
             "run folder (metrics.jsonl with rewards/* and logps/*, config.toml, step_NNNNNN/ checkpoints)",
             _training, _train("dpo_stage")),
+    "rl": ("reinforcement learning with verifiable rewards (rl.rewards) on prompts (rl.data), from rl.init; "
+           "G completions per prompt, group-relative advantages; full or LoRA; generated code runs in a sandbox",
+           "run folder (metrics.jsonl with reward, rewards/*, completions/*, config.toml, step_NNNNNN/ checkpoints)",
+           _training, _train("rl_stage")),
     "generate": ("sample a continuation from a checkpoint", None, _args_generate, _generate),
     "chat": ("chat with a fine-tuned checkpoint (one line a turn; /exit or EOF quits)", None, _args_chat, _chat),
     "eval": ("held-out loss, perplexity and bits per byte of a checkpoint",
@@ -357,7 +362,7 @@ COMMANDS: dict[str, tuple[str, str | None, Callable, Callable]] = {
 }
 
 #: Commands that can continue after an interruption (the Ctrl-C message says so only for them).
-RESUMABLE = ("pretrain", "sft", "dpo", "speedrun")
+RESUMABLE = ("pretrain", "sft", "dpo", "rl", "speedrun")
 
 
 def build_parser() -> argparse.ArgumentParser:

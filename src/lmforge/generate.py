@@ -179,7 +179,8 @@ def generate(
     truncate: bool = False,
     generator: torch.Generator | None = None,
     runtime: Runtime | None = None,
-) -> list[list[int]]:
+    return_logprobs: bool = False,
+) -> list[list[int]] | tuple[list[list[int]], list[list[float]]]:
     """Continue each prompt; return the new ids of each (the stop id included when reached).
 
     Args:
@@ -194,18 +195,27 @@ def generate(
         runtime: the precision to decode in (its `autocast()` is entered, whatever the caller's
             context), decided by the command (`runtime.decode_runtime`: fp32 on a CPU, bf16
             autocast on CUDA). None: `decode_runtime` for the model's device.
+        return_logprobs: also return, for each new id, its log-probability (nats, float32) under
+            the distribution it was sampled from (temperature, top-k and top-p applied; the
+            repetition penalty too) — what reinforcement learning's loss must differentiate.
     Returns:
-        B lists of new ids, each at most cfg.max_new_tokens long.
+        B lists of new ids, each at most cfg.max_new_tokens long (with `return_logprobs`: and B
+        lists of their log-probabilities).
     Raises:
         LmforgeError: see `check_prompts` and `SamplingConfig.validate`.
     """
     runtime = runtime or decode_runtime(model.output.weight.device)
+    logprobs: list[torch.Tensor] | None = [] if return_logprobs else None
     with runtime.autocast(), torch.inference_mode():
-        return _generate(model, prompts, stop_ids, cfg, pad_id, truncate, generator)
+        ids = _generate(model, prompts, stop_ids, cfg, pad_id, truncate, generator, logprobs)
+    if logprobs is None:
+        return ids
+    table = torch.stack(logprobs, 1).float().cpu() if logprobs else torch.zeros(len(ids), 0)
+    return ids, [table[i, : len(row)].tolist() for i, row in enumerate(ids)]
 
 
 def _generate(model, prompts, stop_ids, cfg: SamplingConfig, pad_id: int, truncate: bool,
-              generator: torch.Generator | None) -> list[list[int]]:
+              generator: torch.Generator | None, logprobs: list | None = None) -> list[list[int]]:
     """`generate`'s body, run under its runtime's autocast and inference mode."""
     cfg.validate()
     model.eval()
@@ -229,6 +239,11 @@ def _generate(model, prompts, stop_ids, cfg: SamplingConfig, pad_id: int, trunca
     steps = 0
     for t in range(n_new):
         nxt = sample_next(logits, cfg, None, generator, seen)  # (B,)
+        if logprobs is not None:  # under the distribution sampled from (the penalty and the filters applied)
+            shown = logits.float() if seen is None else apply_repetition_penalty(logits.float(), seen,
+                                                                                 cfg.repetition_penalty)
+            dist = torch.log_softmax(filter_logits(shown, cfg), -1)
+            logprobs.append(dist.gather(1, nxt[:, None]).squeeze(1))
         if stops.numel():
             nxt = torch.where(done, pad_id, nxt)
         out[:, t] = nxt

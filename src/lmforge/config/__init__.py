@@ -8,7 +8,7 @@ type, is a `ConfigError` naming the key (with a close-match suggestion).
 
 Each field is declared once (lmforge.config.fields): its default, its range or choices, its
 `--resume` rule, its own check and, in the docstring below it, its help. The sections live in
-`core` ([tokenizer], [data], [model], [train]) and `tuning` ([sft], [dpo], [lora], [generate]);
+`core` ([tokenizer], [data], [model], [train]) and `tuning` ([sft], [dpo], [rl], [lora], [generate]);
 the `Config` of all sections, the tables derived from the declarations and the checks in
 `schema`; reading (TOML, --set, the overlay) in `load`. This package is the one import surface.
 """
@@ -22,12 +22,13 @@ from lmforge.config.fields import ResumeRule, declared, resume_rules
 from lmforge.config.fields import suggest
 from lmforge.config.load import (CONFIG_FILE, OVERLAY_ENV, _coerce, _field_types, apply_overlay, apply_overrides,
                                  from_dict, load_config)
-from lmforge.config.tuning import (DPO_LOSS_CHOICES, LORA_REFUSED, LORA_TARGETS, MIN_MAX_CHARS, DPOConfig, LoRAConfig,
-                                   SamplingConfig, SFTConfig, TuningConfig)
+from lmforge.config.tuning import (DPO_LOSS_CHOICES, LORA_REFUSED, LORA_TARGETS, MIN_MAX_CHARS, RL_LOSS_TYPES,
+                                   RL_REWARDS, DPOConfig, LoRAConfig, RLConfig, SamplingConfig, SFTConfig,
+                                   TuningConfig)
 
 __all__ = [
     "AUTO_MICRO_BATCH", "BOUNDS", "CHOICES", "CONFIG_FILE", "DPO_LOSS_CHOICES", "LORA_REFUSED", "LORA_TARGETS",
-    "MAX_SEQ_LEN", "MAX_STEPS", "MAX_TOKENS_PER_STEP", "MAX_VOCAB", "MIN_MAX_CHARS", "OVERLAY_ENV", "SECTIONS",
+    "MAX_SEQ_LEN", "MAX_STEPS", "RL_LOSS_TYPES", "RL_REWARDS", "RLConfig", "MAX_TOKENS_PER_STEP", "MAX_VOCAB", "MIN_MAX_CHARS", "OVERLAY_ENV", "SECTIONS",
     "TUNING_SECTIONS", "Config", "DPOConfig", "DataConfig", "LoRAConfig", "ModelConfig", "ResumeRule",
     "SFTConfig", "SamplingConfig", "TokenizerConfig", "TrainConfig", "TuningConfig", "_SECTION_TYPES", "_coerce",
     "_default", "_field_types", "apply_overlay", "apply_overrides", "check_bounds", "check_field", "check_lora",

@@ -20,8 +20,8 @@ from typing import Any
 from lmforge.errors import ConfigError
 
 #: The stages (commands) that train from a config, in the order of the speedrun.
-STAGES = ("pretrain", "sft", "dpo")
-BOTH, PRE, SFT, DPO, TUNE = STAGES, ("pretrain",), ("sft",), ("dpo",), ("sft", "dpo")
+STAGES = ("pretrain", "sft", "dpo", "rl")
+BOTH, PRE, SFT, DPO, RL, TUNE = STAGES, ("pretrain",), ("sft",), ("dpo",), ("rl",), ("sft", "dpo", "rl")
 #: In a fine-tuning section's rule (`config.TuningConfig`): that section's own stage.
 HERE = ("{section}",)
 

@@ -16,7 +16,7 @@ import tomli_w
 from lmforge.config.core import (AUTO_MICRO_BATCH, MAX_TOKENS_PER_STEP, DataConfig, ModelConfig, TokenizerConfig,
                                  TrainConfig)
 from lmforge.config.fields import Bound, check_number, declared, suggest
-from lmforge.config.tuning import (DPOConfig, LoRAConfig, SamplingConfig, SFTConfig, TuningConfig,
+from lmforge.config.tuning import (DPOConfig, LoRAConfig, RLConfig, SamplingConfig, SFTConfig, TuningConfig,
                                    check_lora_targets)
 from lmforge.errors import ConfigError
 from lmforge.fileio import path_text, write_text
@@ -31,6 +31,7 @@ class Config:
     sft: SFTConfig = field(default_factory=SFTConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     dpo: DPOConfig = field(default_factory=DPOConfig)
+    rl: RLConfig = field(default_factory=RLConfig)
     generate: SamplingConfig = field(default_factory=SamplingConfig)
     set_keys: tuple[str, ...] = field(default=(), compare=False, repr=False)
     """The "section.key" names given with --set on this command line (not a section: never
@@ -61,6 +62,7 @@ class Config:
 #: {section name: its class}, in the order of `Config`.
 SECTIONS: dict[str, type] = {"tokenizer": TokenizerConfig, "data": DataConfig, "model": ModelConfig,
                              "train": TrainConfig, "sft": SFTConfig, "lora": LoRAConfig, "dpo": DPOConfig,
+                             "rl": RLConfig,
                              "generate": SamplingConfig}
 _SECTION_TYPES = SECTIONS
 #: The fine-tuning sections (each a TuningConfig).

@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass
 
 from lmforge.config.core import ACCUM, MAX_SEQ_LEN, MAX_STEPS, MAX_VOCAB, SCHEDULE
-from lmforge.config.fields import BOTH, DPO, HERE, SFT, ResumeRule, again, allowed, choice, flag, items, num, \
+from lmforge.config.fields import BOTH, DPO, HERE, RL, SFT, ResumeRule, again, allowed, choice, flag, items, num, \
     per_section, refused, suggest, text, check_number
 from lmforge.errors import ConfigError
 
@@ -76,15 +76,15 @@ class SFTConfig(TuningConfig):
     `data` is "stdlib" (functions of the standard library) or a JSONL/Parquet file of them."""
 
     WORDS = dict(items="the conversations", one="conversations", batch_items="rows", init="checkpoint fine-tuned",
-                 val_rows="val_loss rows and sft_val.jsonl only", no="pretraining and DPO do not read [sft]")
+                 val_rows="val_loss rows and sft_val.jsonl only", no="the other stages do not read [sft]")
     max_examples: int = again(TuningConfig, "max_examples", 2000)
     val_examples: int = again(TuningConfig, "val_examples", 200)
     packing: bool = flag(False, refused(SFT, "how conversations are laid out in rows (and their attention)",
-                                        "pretraining and DPO do not read [sft]"))
+                                        "the other stages do not read [sft]"))
     """Pack conversations with document masking instead of right-padding one per row."""
 
 
-_NO_DPO = "pretraining and SFT do not read [dpo]"
+_NO_DPO = "the other stages do not read [dpo]"
 _DPO_LOSS = refused(DPO, "the loss of every step, the steps taken included", _NO_DPO)
 
 
@@ -118,6 +118,68 @@ class DPOConfig(TuningConfig):
     """"live": the reference's log-probabilities are computed at every step (LoRA: the same
     model with its adapters disabled; full fine-tuning: a frozen copy); "precomputed": once for
     every pair before training (no second model; the same numbers)."""
+
+
+#: `rl.loss_type`'s choices: how the summed policy-gradient term is normalised (lmforge.train.rl).
+RL_LOSS_TYPES = ("dr_grpo", "dapo", "grpo")
+#: The rewards lmforge ships (lmforge.scorers.rewards); `rl.rewards` may also name "package.module:function".
+RL_REWARDS = ("static", "doctests")
+_NO_RL = "the other stages do not read [rl]"
+_RL_LOSS = refused(RL, "the loss of every step, the steps taken included", _NO_RL)
+_RL_ROLLOUT = refused(RL, "the rollouts of every step (what is sampled and how it is scored)", _NO_RL)
+
+
+def _check_rewards(name: str, rewards: list[str]) -> None:
+    if not rewards:
+        raise ConfigError(f"{name} is empty: name at least one reward ({', '.join(RL_REWARDS)}, or "
+                          f"\"package.module:function\").")
+    for r in rewards:
+        if r not in RL_REWARDS and (":" not in r or not all(part.strip() for part in r.split(":", 1))):
+            raise ConfigError(f"{name} names {r!r}: expected one of {list(RL_REWARDS)} or \"package.module:function\" "
+                              f"(a function of your own, TRL's calling convention).{suggest(r, list(RL_REWARDS))}")
+    if len(set(rewards)) != len(rewards):
+        raise ConfigError(f"{name} = {rewards}: a reward appears twice; list each once.")
+
+
+@dataclass
+class RLConfig(TuningConfig):
+    """The [rl] section: reinforcement learning with verifiable rewards (a group-relative policy
+    gradient: GRPO, Shao et al. 2024, arXiv 2402.03300, with Dr. GRPO's normalisation, Liu et al.
+    2025, arXiv 2503.20783) of `init` (usually an SFT run) on prompts: `data` is "stdlib"
+    (standard-library functions to write, scored by `rewards`) or a JSONL/Parquet file of
+    {prompt | messages, any extra fields}; `micro_batch_size` counts prompts (group_size rows
+    each). See lmforge.train.rl and lmforge.stages.rl."""
+
+    WORDS = dict(items="the prompts", one="prompts", batch_items="prompts", init="checkpoint tuned",
+                 val_rows="val_* rows only", no=_NO_RL)
+    steps: int = again(TuningConfig, "steps", 40)
+    micro_batch_size: int = again(TuningConfig, "micro_batch_size", 4)
+    lr: float = again(TuningConfig, "lr", 1e-4)
+    """RL's learning rate (with train.optimizer's default Muon for the blocks)."""
+    warmup_steps: int = again(TuningConfig, "warmup_steps", 0)
+    max_examples: int = again(TuningConfig, "max_examples", 2000)
+    val_examples: int = again(TuningConfig, "val_examples", 64)
+    group_size: int = num(8, 2, 1024, _RL_ROLLOUT)
+    """G: completions sampled per prompt; the advantage is each one's reward minus its group's mean."""
+    temperature: float = num(1.0, 0.0, 10.0, _RL_ROLLOUT, low_open=True)
+    """Sampling temperature of the rollouts; the loss differentiates the same tempered distribution
+    (no top-k, top-p or repetition penalty: they would make the sampled distribution another one)."""
+    max_new_tokens: int = num(96, 1, 1 << 16, _RL_ROLLOUT)
+    """The token budget of a completion; one cut off by it scores 0 (and is counted)."""
+    rewards: list[str] = items(RL_REWARDS[:1], _RL_ROLLOUT, check=_check_rewards)
+    """The reward functions, averaged: "static" (parses under its signature, ends its turn, not
+    trivial, every name resolves), "doctests" (its docstring examples pass, in lmforge.sandbox),
+    or "package.module:function" (yours: called as TRL calls one, f(completions=[...],
+    prompts=[...], **the prompt records' other fields) -> a number in [0, 1] per completion)."""
+    loss_type: str = choice("dr_grpo", RL_LOSS_TYPES, _RL_LOSS)
+    """How the summed term is normalised: "dr_grpo" (by rows x max_new_tokens, a constant: no
+    length bias), "dapo" (by the completion tokens of the step, Yu et al. 2025, arXiv 2503.14476)
+    or "grpo" (each completion's mean over its tokens, then the mean over completions)."""
+    beta: float = num(0.0, 0.0, 100.0, _RL_LOSS)
+    """Weight of the k3 KL estimate to `init` (its adapters disabled under LoRA; a frozen copy
+    otherwise); 0 = none, and no reference model is built."""
+    reward_timeout_s: float = num(5.0, 0.1, 600.0, _RL_ROLLOUT)
+    """Seconds one sandboxed reward (doctests) may run before it is a TIMEOUT (scored 0)."""
 
 
 def check_lora_targets(name: str, targets: list[str]) -> None:

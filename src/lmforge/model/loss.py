@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from lmforge.config import DPO_LOSS_CHOICES
+from lmforge.config import DPO_LOSS_CHOICES, RL_LOSS_TYPES
 from lmforge.runtime import compute_dtype
 from lmforge.model.memory import LOSS_CHUNK_ROWS
 
@@ -173,3 +173,74 @@ def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_cho
     else:
         raise ValueError(f"dpo loss {kind!r}: expected one of {DPO_LOSSES}")
     return losses, beta * (policy_chosen - ref_chosen).detach(), beta * (policy_rejected - ref_rejected).detach()
+
+
+#: `rl.loss_type`'s normalisations (lmforge.config.RL_LOSS_TYPES): what `policy_gradient_loss`'s
+#: count counts.
+PG_LOSS_TYPES = RL_LOSS_TYPES
+
+
+def token_logps(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """log softmax(logits / temperature) at `targets`: (R, T, V) float, (R, T) int64 (negative =
+    none, read as 0) -> (R, T) float32 nats. The temperature is the sampler's (TRL PR #3029: a
+    loss on another temperature than the one sampled differentiates another distribution)."""
+    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+    return logp.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+
+
+def group_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """A_i = r_i - mean of its group (Dr. GRPO, Liu et al. 2025, arXiv 2503.20783, eq. 3: no division
+    by the group's spread, so a near-constant group never blows up, NeMo-RL #1518): (R,) float ->
+    (R,) float64, groups of `group_size` consecutive rows. A group of equal rewards gets exactly 0.
+
+    Raises:
+        ValueError: a non-finite reward, a group size below 2, or R not a multiple of it.
+    """
+    r = rewards.double()
+    if group_size < 2 or r.numel() % group_size:
+        raise ValueError(f"group_size = {group_size} with {r.numel()} rewards: expected groups of >= 2 that divide them")
+    if not bool(torch.isfinite(r).all()):
+        raise ValueError(f"a reward is not finite ({r[~torch.isfinite(r)][0].item()}); rewards are numbers in [0, 1]")
+    g = r.view(-1, group_size)
+    return (g - g.mean(1, keepdim=True)).view(-1)
+
+
+def policy_gradient_loss(logps: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, loss_type: str,
+                         max_new_tokens: int, ref_logps: torch.Tensor | None = None, beta: float = 0.0
+                         ) -> tuple[torch.Tensor, float]:
+    """The group-relative policy gradient's loss numerator over R completions, and its count.
+
+    Args:
+        logps: (R, T) float32 log-probabilities of the sampled tokens under the model being trained
+            (with grad; `token_logps` at the sampling temperature).
+        advantages: (R,) float, `group_advantages` of the rewards.
+        mask: (R, T) bool, the completion's tokens up to and including the sampled stop token
+            (nanochat #810: a stop token outside the mask is never reinforced).
+        loss_type: "dr_grpo": count = R x max_new_tokens, a constant (Dr. GRPO: no length bias);
+            "dapo": count = the completion tokens (DAPO, Yu et al. 2025, arXiv 2503.14476, its
+            token-level loss); "grpo": each completion's terms divided by its own length, count =
+            R (GRPO, Shao et al. 2024, arXiv 2402.03300, eq. 3).
+        ref_logps, beta: with beta > 0, beta x the k3 estimate of KL(policy || reference) per token,
+            exp(ref - logp) - (ref - logp) - 1 (Schulman 2020; TRL's GRPOTrainer), in the same sum.
+    Returns:
+        (numerator: a 0-dim float32 tensor, the sum over tokens of -A_i exp(logp - logp.detach())
+        (+ the KL term), with the "grpo" per-completion division; count). One optimizer step per
+        batch of rollouts: the importance ratio is exactly 1 and its gradient is A grad log p.
+        The trainer divides the numerator by the count summed over micro-batches and ranks.
+    """
+    m = mask.to(logps.dtype)
+    ratio = torch.exp(logps - logps.detach())
+    per_token = -advantages.to(logps.dtype)[:, None] * ratio
+    if beta > 0:
+        if ref_logps is None:
+            raise ValueError("beta > 0 needs ref_logps")
+        d = ref_logps.to(logps.dtype) - logps
+        per_token = per_token + beta * (torch.exp(d) - d - 1.0)
+    per_row = (per_token * m).sum(1)
+    if loss_type == "dr_grpo":
+        return per_row.sum(), float(logps.shape[0] * max_new_tokens)
+    if loss_type == "dapo":
+        return per_row.sum(), float(m.sum().item())
+    if loss_type == "grpo":
+        return (per_row / m.sum(1).clamp(min=1.0)).sum(), float(logps.shape[0])
+    raise ValueError(f"loss_type {loss_type!r}: expected one of {PG_LOSS_TYPES}")

@@ -5,6 +5,7 @@
     pretrain                            stages.pretrain
     sft                                 stages.sft
     dpo                                 stages.dpo
+    rl                                  stages.rl
     generate, chat                      stages.generate
     eval                                stages.eval
     export, import-hf, import-gguf      stages.export
@@ -22,9 +23,10 @@ from lmforge.stages.prepare import prepare_stage
 from lmforge.stages.pretrain import pretrain_stage
 from lmforge.stages.sft import sft_stage
 from lmforge.stages.dpo import dpo_stage
+from lmforge.stages.rl import rl_stage
 from lmforge.stages.speedrun import speedrun_stage
 from lmforge.stages.tokenizer import import_tokenizer_stage, train_tokenizer_stage
 
 __all__ = ["chat_stage", "dpo_stage", "eval_stage", "export_stage", "generate_stage", "generate_text", "import_gguf_stage", "import_hf_stage",
-           "import_tokenizer_stage", "log", "prepare_stage", "pretrain_stage", "sft_stage",
+           "import_tokenizer_stage", "log", "prepare_stage", "pretrain_stage", "rl_stage", "sft_stage",
            "speedrun_stage", "train_tokenizer_stage"]

@@ -50,6 +50,11 @@ class TokenObjective:
         """(summed loss, a 0-dim float32 tensor with grad; the sums of `stats` (float64, detached) or None)."""
         return batch_loss(model, batch), None
 
+    def step_metrics(self, dist: DistInfo) -> dict:
+        """Figures of the step just taken that are the objective's own (reinforcement learning: its
+        rollouts' rewards), reduced over ranks; merged into the step's metrics row. None here."""
+        return {}
+
     def validate(self, model: torch.nn.Module, batches: Iterable[Batch], runtime: Runtime, dist: DistInfo) -> dict:
         """{"val_loss": mean nats per supervised target over `batches`, all ranks}."""
         nats, count = evaluate_batches(model, batches, runtime)

@@ -247,6 +247,7 @@ class Trainer:
              "tokens": self.tokens, "supervised": self.supervised, "step_tokens": step_tokens}
         if before is not None:
             m["update_ratio"] = update_ratio(trained, before)
+        m.update(self.objective.step_metrics(self.dist))
         if self.objective.stats:  # per-unit means over every micro-batch and rank
             totals = all_reduce_sum(stat_sums.to(self.device), self.dist).cpu() / max(n_global, 1.0)
             m.update({name: float(v) for name, v in zip(self.objective.stats, totals)})

@@ -1,0 +1,279 @@
+"""Reinforcement learning with verifiable rewards on the one training loop: the objective.
+
+`RLObjective` is what `Trainer` runs for `lmforge rl`. It makes its own batches (`next_batch`, the
+rollout hook of `TokenObjective`): for each of `micro_batch_size` prompts drawn from a
+`PromptStream` it samples `group_size` completions with lmforge's KV-cache decoding at
+`rl.temperature` (no top-k, top-p or repetition penalty: the loss differentiates exactly the
+distribution sampled from, TRL PR #3029), keeps the sampled stop token, scores each completion
+(`scorers.rewards`: a completion cut off by the token budget scores 0 and is counted), and turns
+the rewards into advantages A = r - group mean (no division by the spread, Dr. GRPO). A whole
+group lives in one micro-batch, so on one rank. The sampling generator is seeded from (train.seed,
+where the micro-batch starts in the global prompt order): the same prompts get the same
+completions whatever the number of ranks or the accumulation, and a resumed run the same rollouts.
+
+Its loss is `model.loss.policy_gradient_loss` on the tokens' log-probabilities at the sampling
+temperature, one optimizer step per batch of rollouts (importance ratio 1); its count (Dr. GRPO's
+constant rows x max_new_tokens by default) goes through the trainer's all-reduced denominator, so
+ranks and accumulation cannot change the step (P3). With `rl.beta` > 0 a k3 KL term to `rl.init`
+joins the sum (LoRA: the model with its adapters disabled; full fine-tuning: a frozen copy).
+
+Logged per step (TRL's names where one exists; `step_metrics`): `reward` and `rewards/NAME`,
+`reward_std` (the mean of the groups' standard deviations), `frac_reward_zero_std`,
+`completions/mean_length`, `completions/clipped_ratio`, `stop_rate`, `trivial_rate`,
+`mismatch_kl` (mean over sampled tokens of sampler log p - trainer log p: precision or kernels
+making on-policy into off-policy), `sandbox/VERDICT` counts, `rollout_s`. Validation writes
+greedy completions' `val_reward`, `val_static` (with its 95% Wilson interval: the held-out set
+is small), `val_parse_end` and `val_trivial_rate`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import hashlib
+import time
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from lmforge.config import RLConfig, SamplingConfig
+from lmforge.data.prompts import Prompt, PromptStream
+from lmforge.generate import generate
+from lmforge.model import lora
+from lmforge.model.loss import group_advantages, policy_gradient_loss, token_logps
+from lmforge.runtime import Runtime
+from lmforge.sandbox import check_errors
+from lmforge.scorers.intervals import wilson_interval
+from lmforge.scorers.rewards import Rewards
+from lmforge.train.distributed import DistInfo, all_reduce_sum
+from lmforge.train.objective import TokenObjective
+
+
+@dataclass
+class RLBatch:
+    """A micro-batch of rollouts: R = prompts x group_size rows, (R, T) right-padded prompt +
+    completion. `loss_mask`: the completion's tokens (the sampled stop token included) as
+    targets; `sampler_logps` (R, T) float32: the sampler's log-probabilities there (0 elsewhere);
+    `advantages` (R,) float64; `rewards` (R,) float64; `stats`: the rollout's sums for the log."""
+
+    tokens: torch.Tensor
+    targets: torch.Tensor
+    loss_mask: torch.Tensor
+    positions: torch.Tensor
+    sampler_logps: torch.Tensor
+    advantages: torch.Tensor
+    rewards: torch.Tensor
+    stats: dict = field(default_factory=dict)
+
+    @property
+    def n_supervised(self) -> int:
+        return int(self.loss_mask.sum())
+
+    def to(self, device) -> "RLBatch":
+        moved = {f: getattr(self, f).to(device) for f in ("tokens", "targets", "loss_mask", "positions",
+                                                          "sampler_logps", "advantages", "rewards")}
+        return RLBatch(**moved, stats=self.stats)
+
+
+@contextlib.contextmanager
+def decoding(model: torch.nn.Module):
+    """`model` ready for the fused decode path and back: LoRA adapters merged into their weights
+    (restored bit for bit after, `lora.unmerge`), its train/eval mode kept."""
+    was_training = model.training
+    merged = lora.has_adapters(model)
+    if merged:
+        lora.merge(model)
+    try:
+        yield model
+    finally:
+        if merged:
+            lora.unmerge(model)
+        model.train(was_training)
+
+
+def sampling_seed(seed: int, epoch: int, start: int) -> int:
+    """The seed of a micro-batch's sampler: a hash of (train.seed, its start in the global prompt order)."""
+    digest = hashlib.sha256(f"lmforge-rl:{seed}:{epoch}:{start}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") & ((1 << 63) - 1)
+
+
+def build_batch(prompt_ids: Sequence[Sequence[int]], completions: Sequence[Sequence[int]],
+                logps: Sequence[Sequence[float]], advantages: torch.Tensor, rewards: torch.Tensor,
+                pad_id: int) -> RLBatch:
+    """Rows prompt + completion, right-padded to the longest; the completion's tokens are the
+    targets of the positions before them (`loss_mask`), with the sampler's log-probabilities."""
+    R = len(prompt_ids)
+    T = max(len(p) + len(c) for p, c in zip(prompt_ids, completions)) - 1
+    T = max(T, 1)
+    tokens = torch.full((R, T), pad_id, dtype=torch.long)
+    targets = torch.zeros((R, T), dtype=torch.long)
+    mask = torch.zeros((R, T), dtype=torch.bool)
+    sampler = torch.zeros((R, T), dtype=torch.float32)
+    for i, (p, c, lp) in enumerate(zip(prompt_ids, completions, logps)):
+        row = list(p) + list(c)
+        n = len(row) - 1
+        tokens[i, :n] = torch.as_tensor(row[:-1], dtype=torch.long)
+        targets[i, :n] = torch.as_tensor(row[1:], dtype=torch.long)
+        a, b = len(p) - 1, len(p) - 1 + len(c)
+        mask[i, a:b] = True
+        sampler[i, a:b] = torch.as_tensor(list(lp), dtype=torch.float32)
+    positions = torch.arange(T).expand(R, T).clone()
+    return RLBatch(tokens, targets, mask, positions, sampler, advantages.double(), rewards.double())
+
+
+class RLObjective(TokenObjective):
+    """The trainer's objective for `lmforge rl` (module docstring).
+
+    `policy`: the model being trained (the raw Transformer: rollouts decode with it);
+    `prompts` / `prompt_ids`: the training prompts and their rendered ids; `val_prompts` /
+    `val_ids`: the held-out ones; `stop_ids`: the ids that end a completion; `reference`: a
+    function (RLBatch) -> (R, T) log-probabilities under `rl.init` (rl.beta > 0), else None.
+    """
+
+    unit = "prompt"
+
+    def __init__(self, cfg: RLConfig, policy: torch.nn.Module, tok, prompts: Sequence[Prompt],
+                 prompt_ids: Sequence[Sequence[int]], rewards: Rewards, decode: Runtime, seed: int,
+                 val_prompts: Sequence[Prompt] = (), val_ids: Sequence[Sequence[int]] = (), reference=None):
+        self.cfg, self.policy, self.tok, self.rewards, self.decode, self.seed = cfg, policy, tok, rewards, decode, seed
+        self.prompts, self.prompt_ids = list(prompts), [list(x) for x in prompt_ids]
+        self.val_prompts, self.val_ids = list(val_prompts), [list(x) for x in val_ids]
+        self.rows_per_sample = cfg.group_size
+        self.stop_ids = [tok.im_end_id, tok.eos_id]
+        self.reference = reference
+        self.sampling = SamplingConfig(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_k=0,
+                                       top_p=1.0, repetition_penalty=1.0, greedy=False)
+        self._acc: Counter = Counter()
+
+    # -- rollouts ---------------------------------------------------------------------------------
+    def next_batch(self, stream: PromptStream, model: torch.nn.Module) -> RLBatch:
+        draw = stream.next_batch()
+        G = self.cfg.group_size
+        rows = [self.prompt_ids[i] for i in draw.indices for _ in range(G)]
+        records = [self.prompts[i] for i in draw.indices for _ in range(G)]
+        generator = torch.Generator(device=self.decode.device).manual_seed(sampling_seed(self.seed, draw.epoch,
+                                                                                         draw.start))
+        t0 = time.perf_counter()
+        with decoding(self.policy):
+            ids, logps = generate(self.policy, rows, self.stop_ids, self.sampling, self.tok.pad_id,
+                                  generator=generator, runtime=self.decode, return_logprobs=True)
+        stopped = [bool(x) and x[-1] in self.stop_ids for x in ids]
+        texts = [self.tok.decode(x[:-1] if s else x) for x, s in zip(ids, stopped)]
+        scored = self.rewards.score(records, texts, stopped)
+        check_errors(scored.results, f"rl: the rollouts of prompts {draw.indices}")
+        rewards = torch.tensor(scored.total, dtype=torch.float64)
+        advantages = group_advantages(rewards, G)
+        batch = build_batch(rows, ids, logps, advantages, rewards, self.tok.pad_id)
+        groups = rewards.view(-1, G)
+        std = groups.std(1, unbiased=False)
+        stats = Counter({"prompts": len(draw.indices), "rows": len(rows), "reward": float(rewards.sum()),
+                         "reward_std": float(std.sum()), "frac_reward_zero_std": float((std == 0).sum()),
+                         "completions/mean_length": float(sum(len(x) for x in ids)),
+                         "completions/clipped_ratio": float(sum(not s for s in stopped)),
+                         "stop_rate": float(sum(stopped)),
+                         "trivial_rate": float(sum(r in ("trivial", "reads no parameter") for r in scored.reasons)),
+                         "rollout_s": time.perf_counter() - t0})
+        for name, values in scored.each.items():
+            stats[f"rewards/{name}"] = float(sum(values))
+        for r in scored.results:
+            stats[f"sandbox/{r.verdict}"] += 1
+        batch.stats = dict(stats)
+        self._acc.update(stats)
+        return batch
+
+    # -- the loss ---------------------------------------------------------------------------------
+    def count(self, batch: RLBatch) -> float:
+        """What the step's loss is divided by (summed over micro-batches and ranks): see
+        `policy_gradient_loss`'s loss types."""
+        R = batch.tokens.shape[0]
+        kind = self.cfg.loss_type
+        return float(R * self.cfg.max_new_tokens if kind == "dr_grpo" else R if kind == "grpo" else batch.n_supervised)
+
+    def loss(self, model: torch.nn.Module, batch: RLBatch) -> tuple[torch.Tensor, None]:
+        logits = model(batch.tokens, batch.positions)
+        lp = token_logps(logits, batch.targets, self.cfg.temperature)
+        ref = self.reference(batch) if self.cfg.beta > 0 else None
+        num, _ = policy_gradient_loss(lp, batch.advantages, batch.loss_mask, self.cfg.loss_type,
+                                      self.cfg.max_new_tokens, ref, self.cfg.beta)
+        m = batch.loss_mask
+        self._acc["mismatch_kl"] += float(((batch.sampler_logps - lp.detach()) * m).sum())
+        self._acc["tokens"] += float(m.sum())
+        return num, None
+
+    def step_metrics(self, dist: DistInfo) -> dict:
+        """The rollouts' means over the step (every micro-batch and rank); resets the sums."""
+        keys = sorted(self._acc)
+        totals = all_reduce_sum(torch.tensor([self._acc[k] for k in keys], dtype=torch.float64,
+                                             device=dist.device), dist).cpu().tolist()
+        self._acc = Counter()
+        t = dict(zip(keys, totals))
+        rows, prompts, tokens = max(t.get("rows", 0.0), 1.0), max(t.get("prompts", 0.0), 1.0), max(t.get("tokens", 0.0), 1.0)
+        out = {}
+        for k, v in t.items():
+            if k in ("rows", "prompts", "tokens"):
+                continue
+            if k in ("reward_std", "frac_reward_zero_std"):
+                out[k] = v / prompts
+            elif k == "mismatch_kl":
+                out[k] = v / tokens
+            elif k.startswith("sandbox/"):
+                out[k] = int(v)
+            elif k == "rollout_s":
+                out[k] = round(v, 3)
+            else:
+                out[k] = v / rows
+        return out
+
+    # -- validation -------------------------------------------------------------------------------
+    @torch.no_grad()
+    def validate(self, model: torch.nn.Module, batches: Iterable[Sequence[int]], runtime: Runtime,
+                 dist: DistInfo) -> dict:
+        """Greedy completions of the held-out prompts (every rank scores all of them): `val_reward`,
+        `val_static` with `val_static_lo` / `val_static_hi` (95% Wilson), `val_parse_end` (parses and
+        ends its turn), `val_trivial_rate`, `val_n`."""
+        greedy = SamplingConfig(max_new_tokens=self.cfg.max_new_tokens, greedy=True, repetition_penalty=1.0)
+        n = reward = static = parse_end = trivial = 0.0
+        for chunk in batches:
+            rows = [self.val_ids[i] for i in chunk]
+            recs = [self.val_prompts[i] for i in chunk]
+            with decoding(self.policy):
+                ids = generate(self.policy, rows, self.stop_ids, greedy, self.tok.pad_id, runtime=self.decode)
+            stopped = [bool(x) and x[-1] in self.stop_ids for x in ids]
+            texts = [self.tok.decode(x[:-1] if s else x) for x, s in zip(ids, stopped)]
+            scored = self.rewards.score(recs, texts, stopped)
+            n += len(rows)
+            reward += sum(scored.total)
+            static += sum(s and not why for s, why in zip(stopped, scored.reasons))
+            parse_end += sum(s and why not in ("does not parse",) for s, why in zip(stopped, scored.reasons))
+            trivial += sum(why in ("trivial", "reads no parameter") for why in scored.reasons)
+        lo, hi = wilson_interval(int(static), int(n))
+        d = max(n, 1.0)
+        return {"val_reward": reward / d, "val_static": static / d, "val_static_lo": lo, "val_static_hi": hi,
+                "val_parse_end": parse_end / d, "val_trivial_rate": trivial / d, "val_n": int(n)}
+
+
+def token_reference(model: torch.nn.Module, runtime: Runtime, temperature: float):
+    """(RLBatch) -> (R, T) float32 log-probabilities under the initial weights, no grad: with
+    adapters, `model` itself with them disabled; without, a frozen copy of `model` as it is now."""
+    if lora.has_adapters(model):
+        from lmforge.train.dpo import check_only_adapters_train
+
+        check_only_adapters_train(model)
+        target = model
+    else:
+        target = copy.deepcopy(model).to(runtime.device).eval()
+        for p in target.parameters():
+            p.requires_grad_(False)
+
+    @torch.no_grad()
+    def ref(batch: RLBatch) -> torch.Tensor:
+        ctx = lora.adapters_disabled(model) if target is model else contextlib.nullcontext()
+        with ctx, runtime.autocast():
+            return token_logps(target(batch.tokens, batch.positions), batch.targets, temperature)
+
+    return ref
+
+
+__all__ = ["RLBatch", "RLObjective", "build_batch", "sampling_seed", "token_reference"]

@@ -1,0 +1,331 @@
+"""`lmforge rl`: reinforcement learning with verifiable rewards — R1 to R8 of issue 30
+(shared/research/RL-EVAL.md §A6), R5 in tests/test_sandbox.py.
+
+R1 the loss and its gradient on hand-computed values (G = 4, rewards [1, 0, 0, 1], one-token
+   completions, a 3-token vocabulary), equal rewards give exactly zero gradient, a NaN reward and
+   G = 1 are refused, the KL term's gradient has the sign of log pi - log pi_ref
+R2 2 gloo ranks = 1 process with twice the accumulation (weights to 1e-6, fp32)
+R3 the sampled stop token is inside the loss mask: rewarding an early stop raises p(<|im_end|>)
+R4 the sampler's log-probabilities equal the trainer's (fp32, 1e-5)
+R6 reward hacking: stubs and hard-coded outputs score 0 on the static reward (and on doctests)
+R7 interrupt and --resume: bit-identical metrics and weights
+R8 bad input: exit 2, one line naming the field or file
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from lmforge.config import SamplingConfig
+from lmforge.errors import ConfigError, DataError
+from lmforge.generate import generate
+from lmforge.model import Transformer, load_model, resolve_model_config
+from lmforge.model.io import MODEL_FILE, latest_checkpoint
+from lmforge.model.loss import group_advantages, policy_gradient_loss, token_logps
+from lmforge.scorers.rewards import RewardError
+from lmforge.scorers.static import static_reward
+from lmforge.stages.rl import rl_stage
+from lmforge.train.checkpoint import save_checkpoint
+from lmforge.train.rl import build_batch
+from test_resume import read_metrics, sigterm_at
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/rl_rewards.py: "a user's own" rewards
+
+
+@pytest.fixture
+def init_ckpt(tiny_run, tmp_path):
+    cfg, tok = tiny_run
+    model = Transformer(resolve_model_config(cfg.model, tok.contract))
+    model.reset_parameters(seed=0)
+    return save_checkpoint(tmp_path / "pre", 3, model, cfg, tok.folder)
+
+
+def prompts_file(path: Path, n: int = 12, **extra) -> Path:
+    path.write_text("".join(json.dumps({"prompt": f"def f{i}(x):", "id": i, **extra}) + "\n" for i in range(n)))
+    return path
+
+
+def rl_cfg(cfg, init, data, lora_rank=0, **rl):
+    from lmforge.config import LoRAConfig
+
+    base = dict(init=str(init), data=str(data), steps=3, micro_batch_size=2, grad_accum_steps=1, lr=1e-2,
+                warmup_steps=0, group_size=4, max_new_tokens=8, rewards=["rl_rewards:short"], val_examples=0)
+    base.update(rl)
+    return replace(cfg, rl=replace(cfg.rl, **base), data=replace(cfg.data, val_fraction=0.0),
+                   train=replace(cfg.train, optimizer="adamw", checkpoint_every=0, keep_last=0, schedule="cosine",
+                                 min_lr_ratio=1.0),
+                   lora=LoRAConfig(rank=lora_rank, alpha=8.0) if lora_rank else cfg.lora)
+
+
+# -- R1 ------------------------------------------------------------------------------------------
+def test_r1_the_loss_and_its_gradient_on_hand_computed_values():
+    G, L, T = 4, 1, 0.7
+    z = torch.tensor([[1.0, 2.0, 0.5], [0.0, -1.0, 1.5], [2.0, 2.0, 2.0], [-0.5, 0.3, 0.1]], dtype=torch.float64)
+    y = torch.tensor([1, 2, 0, 2])
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0])
+    A = group_advantages(rewards, G)
+    assert A.tolist() == [0.5, -0.5, -0.5, 0.5]
+    logits = z.clone().requires_grad_(True)
+    lp = token_logps(logits[:, None, :], y[:, None], T)  # (G, 1)
+    mask = torch.ones(G, L, dtype=torch.bool)
+    num, count = policy_gradient_loss(lp, A, mask, "dr_grpo", max_new_tokens=L)
+    assert count == G * L
+    loss = num / count
+    assert abs(loss.item() - float(-(A.sum()) / (G * L))) < 1e-12  # the ratio is 1: the value is -sum A / count
+    loss.backward()
+    p = torch.softmax(z / T, -1)
+    onehot = torch.nn.functional.one_hot(y, 3).double()
+    want = -(A[:, None] / (G * L)) * (onehot - p) / T
+    assert torch.allclose(logits.grad.double(), want, atol=1e-6), (logits.grad, want)
+    # the same gradient as -sum A log p (the importance ratio is 1: one step per batch of rollouts)
+    ref = z.clone().requires_grad_(True)
+    (-(A * token_logps(ref[:, None, :], y[:, None], T)[:, 0].double()).sum() / (G * L)).backward()
+    assert torch.allclose(ref.grad, logits.grad.double(), atol=1e-6)
+    # the normalisers: DAPO counts completion tokens, GRPO each completion's mean
+    lens = torch.tensor([[True, True], [True, False], [True, True], [True, False]])
+    lp2 = torch.zeros(G, 2, requires_grad=True)
+    assert policy_gradient_loss(lp2, A, lens, "dapo", 8)[1] == 6.0
+    assert policy_gradient_loss(lp2, A, lens, "dr_grpo", 8)[1] == 32.0
+    num, c = policy_gradient_loss(lp2, A, lens, "grpo", 8)
+    num.backward()
+    assert c == 4.0 and torch.allclose(lp2.grad, -(A[:, None] * lens / lens.sum(1, keepdim=True)).float())
+
+
+def test_r1_equal_rewards_give_exactly_zero_gradient_and_bad_rewards_are_refused():
+    A = group_advantages(torch.tensor([1.0, 1.0, 1.0, 0.0, 0.0, 0.0]), 3)
+    assert A.tolist() == [0.0] * 6
+    lp = torch.randn(6, 5, requires_grad=True)
+    num, _ = policy_gradient_loss(lp, A, torch.ones(6, 5, dtype=torch.bool), "dr_grpo", 5)
+    num.backward()
+    assert torch.equal(lp.grad, torch.zeros_like(lp))
+    with pytest.raises(ValueError, match="not finite"):
+        group_advantages(torch.tensor([1.0, float("nan"), 0.0, 1.0]), 2)
+    with pytest.raises(ValueError, match="group_size = 1"):
+        group_advantages(torch.tensor([1.0, 0.0]), 1)
+    from lmforge.config import load_config
+
+    with pytest.raises(ConfigError, match=r"rl\.group_size = 1: expected 2 <= value"):
+        load_config(None, ["rl.group_size=1"])
+
+
+def test_r1_the_kl_term_pulls_towards_the_reference():
+    lp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
+    ref = torch.tensor([[-1.5, -1.0]])
+    num, _ = policy_gradient_loss(lp, torch.zeros(1, dtype=torch.float64), torch.ones(1, 2, dtype=torch.bool),
+                                  "dr_grpo", 2, ref, beta=0.5)
+    num.backward()
+    # d/dlp of exp(ref - lp) - (ref - lp) - 1 = 1 - exp(ref - lp): the sign of lp - ref
+    assert torch.allclose(lp.grad, 0.5 * (1 - torch.exp(ref - lp.detach())))
+    assert (torch.sign(lp.grad) == torch.sign(lp.detach() - ref)).all()
+    assert num.item() > 0  # k3 >= 0, 0 only at lp == ref
+
+
+# -- R3, R4 ------------------------------------------------------------------------------------------
+def _model(tiny_run):
+    cfg, tok = tiny_run
+    model = Transformer(resolve_model_config(cfg.model, tok.contract))
+    model.reset_parameters(seed=1)
+    return model, tok
+
+
+def test_r4_the_sampler_and_the_trainer_agree(tiny_run):
+    model, tok = _model(tiny_run)
+    prompts = [tok.render_chat([{"role": "user", "content": f"def g{i}(x):"}], add_generation_prompt=True).ids
+               for i in range(3)]
+    T = 0.7
+    sampling = SamplingConfig(max_new_tokens=12, temperature=T, top_k=0, top_p=1.0, repetition_penalty=1.0)
+    ids, logps = generate(model, prompts, [tok.im_end_id, tok.eos_id], sampling, tok.pad_id,
+                          generator=torch.Generator().manual_seed(0), return_logprobs=True)
+    assert [len(a) for a in ids] == [len(b) for b in logps] and all(ids)
+    batch = build_batch(prompts, ids, logps, torch.zeros(3), torch.zeros(3), tok.pad_id)
+    with torch.no_grad():
+        lp = token_logps(model(batch.tokens, batch.positions), batch.targets, T)
+    m = batch.loss_mask
+    assert int(m.sum()) == sum(map(len, ids))
+    assert (batch.sampler_logps[m] - lp[m]).abs().max().item() < 1e-5
+    assert torch.equal(batch.targets[m], torch.tensor([t for row in ids for t in row]))
+
+
+def test_r3_the_stop_token_is_trained(tiny_run):
+    """A completion that stops early (its <|im_end|> sampled) is rewarded: one step raises
+    p(<|im_end|>) at the position where it was sampled — the stop token is inside the mask."""
+    model, tok = _model(tiny_run)
+    prompt = tok.render_chat([{"role": "user", "content": "def stop(x):"}], add_generation_prompt=True).ids
+    body = tok.encode(" return x")
+    completions = [body + [tok.im_end_id], body + tok.encode(" + 1 and more"), body + [tok.im_end_id],
+                   body + tok.encode(" * 2 and more")]
+    rewards = torch.tensor([1.0, 0.0, 1.0, 0.0])
+    A = group_advantages(rewards, 4)
+    batch = build_batch([prompt] * 4, completions, [[0.0] * len(c) for c in completions], A, rewards, tok.pad_id)
+    at = len(prompt) - 1 + len(body)  # the position that predicts the stop token
+    assert batch.loss_mask[0, at] and batch.targets[0, at] == tok.im_end_id
+
+    def p_stop():
+        with torch.no_grad():
+            return torch.softmax(model(batch.tokens, batch.positions)[0, at].float(), -1)[tok.im_end_id].item()
+
+    before = p_stop()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    num, count = policy_gradient_loss(token_logps(model(batch.tokens, batch.positions), batch.targets), A,
+                                      batch.loss_mask, "dr_grpo", 16)
+    (num / count).backward()
+    opt.step()
+    assert p_stop() > before * 1.05, (before, p_stop())
+
+
+# -- R6 -------------------------------------------------------------------------------------------
+SIG = 'def IS_CHARACTER_JUNK(ch, ws=" \\t"):'
+HACKS = ["    pass", "    ...", "    return None", "    raise NotImplementedError", '    """Junk."""',
+         "    return True", "    if ch == ' ':\n        return True\n    if ch == 'x':\n        return False\n    return True",
+         "    return ch in wz", "    return (\n"]
+
+
+@pytest.mark.parametrize("body", HACKS)
+def test_r6_stubs_and_hard_coded_outputs_score_zero(body):
+    assert static_reward(SIG, body, True, "difflib") == 0.0
+    from lmforge.scorers import run_doctests
+
+    if body != "    return (\n":
+        assert run_doctests("difflib", "IS_CHARACTER_JUNK", SIG + "\n" + body + "\n") != "PASS" or \
+            static_reward(SIG, body, True, "difflib") == 0.0
+
+
+def test_r6_a_real_body_scores_one_and_a_cut_off_one_zero():
+    assert static_reward(SIG, "    return ch in ws", True, "difflib") == 1.0
+    assert static_reward(SIG, "    return ch in ws", False, "difflib") == 0.0
+
+
+# -- the stage: R2, R7, end to end -----------------------------------------------------------------
+def test_rl_trains_on_a_users_reward_and_its_checkpoint_loads(tiny_run, init_ckpt, tmp_path):
+    cfg, _ = tiny_run
+    c = rl_cfg(cfg, init_ckpt, prompts_file(tmp_path / "p.jsonl"), steps=4, val_examples=4)
+    c = replace(c, data=replace(c.data, val_fraction=0.3))
+    last = rl_stage(c, tmp_path / "rl", progress=False)
+    rows = read_metrics(tmp_path / "rl")
+    steps = [r for r in rows if "reward" in r]
+    assert len(steps) == 4 and last["step"] == 4
+    for r in steps:
+        assert 0 <= r["reward"] <= 1 and 0 <= r["frac_reward_zero_std"] <= 1 and r["rollout_s"] > 0
+        assert r["completions/clipped_ratio"] + r["stop_rate"] == pytest.approx(1.0)
+        assert abs(r["mismatch_kl"]) < 1e-4  # fp32 both sides
+    assert "val_reward" in last and last["val_n"] >= 1 and 0 <= last["val_static_lo"] <= last["val_static_hi"] <= 1
+    data = json.loads((tmp_path / "rl" / "rl_data.json").read_text())
+    assert data["prompts"]["train"] + data["prompts"]["val"] == 12 and data["group_size"] == 4
+    model = load_model(tmp_path / "rl")[0]
+    assert isinstance(model, Transformer)
+
+
+def test_r7_rl_resume_is_exact(tiny_run, init_ckpt, tmp_path, monkeypatch):
+    cfg, _ = tiny_run
+    c = rl_cfg(cfg, init_ckpt, prompts_file(tmp_path / "p.jsonl"), steps=5)
+    rl_stage(c, tmp_path / "straight", progress=False)
+    with monkeypatch.context() as m:
+        sigterm_at(m, 2)
+        last = rl_stage(c, tmp_path / "resumed", progress=False)
+    assert last["step"] == 2 and last.get("interrupted")
+    rl_stage(c, tmp_path / "resumed", resume=True, progress=False)
+    skip = ("tokens_per_s", "elapsed_s", "rollout_s")
+    a = [{k: v for k, v in r.items() if k not in skip} for r in read_metrics(tmp_path / "straight")]
+    b = [{k: v for k, v in r.items() if k not in skip} for r in read_metrics(tmp_path / "resumed")]
+    assert a == b
+    wa = load_file(str(latest_checkpoint(tmp_path / "straight") / MODEL_FILE))
+    wb = load_file(str(latest_checkpoint(tmp_path / "resumed") / MODEL_FILE))
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert any(r["reward"] not in (0.0, 1.0) for r in a if "reward" in r)  # the rewards vary: a real test
+    with pytest.raises(Exception, match="rl.group_size"):
+        rl_stage(replace(c, rl=replace(c.rl, group_size=2, steps=8)), tmp_path / "resumed", resume=True,
+                 progress=False)
+
+
+def test_r2_two_ranks_equal_one_process_with_twice_the_accumulation(tiny_run, init_ckpt, tmp_path):
+    from test_distributed import run_ranks
+
+    cfg, _ = tiny_run
+    data = prompts_file(tmp_path / "p.jsonl")
+    run_ranks(2, [{"cfg": rl_cfg(cfg, init_ckpt, data, micro_batch_size=1, grad_accum_steps=1),
+                   "out": tmp_path / "two", "stage": "rl"}])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the ranks
+    try:
+        rl_stage(rl_cfg(cfg, init_ckpt, data, micro_batch_size=1, grad_accum_steps=2), tmp_path / "one",
+                 progress=False)
+    finally:
+        torch.set_num_threads(threads)
+    a, b = read_metrics(tmp_path / "two"), read_metrics(tmp_path / "one")
+    for x, y in zip(a, b):
+        for key in ("loss", "reward", "reward_std", "completions/mean_length", "grad_norm"):
+            assert abs(x[key] - y[key]) < 1e-6, (key, x, y)
+    wa = load_file(str(latest_checkpoint(tmp_path / "two") / MODEL_FILE))
+    wb = load_file(str(latest_checkpoint(tmp_path / "one") / MODEL_FILE))
+    assert max((wa[k] - wb[k]).abs().max().item() for k in wa) < 1e-6
+
+
+def test_rl_with_lora_and_a_kl_term_trains_only_the_adapters(tiny_run, init_ckpt, tmp_path):
+    from lmforge.model import lora
+
+    cfg, _ = tiny_run
+    rl_stage(rl_cfg(cfg, init_ckpt, prompts_file(tmp_path / "p.jsonl"), lora_rank=4, beta=0.1, steps=2),
+             tmp_path / "rl", progress=False)
+    weights = load_file(str(latest_checkpoint(tmp_path / "rl") / MODEL_FILE))
+    assert all(lora.is_adapter_key(k) for k in weights)
+    assert not lora.has_adapters(load_model(tmp_path / "rl")[0])
+
+
+# -- R8 -------------------------------------------------------------------------------------------
+def test_r8_bad_input_is_refused_naming_the_field_or_file(tiny_run, init_ckpt, tmp_path):
+    cfg, _ = tiny_run
+    data = prompts_file(tmp_path / "p.jsonl")
+    long = tmp_path / "long.jsonl"
+    long.write_text(json.dumps({"prompt": "word " * 200}) + "\n")
+    with pytest.raises(DataError, match=r"long\.jsonl:1: the prompt is \d+ tokens"):
+        rl_stage(rl_cfg(cfg, init_ckpt, long), tmp_path / "a", progress=False)
+    with pytest.raises(RewardError, match=r"rl\.rewards = 'rl_rewards:raises' raised KeyError"):
+        rl_stage(rl_cfg(cfg, init_ckpt, data, rewards=["rl_rewards:raises"]), tmp_path / "b", progress=False)
+    with pytest.raises(RewardError, match=r"returned 'yes' for completion 0"):
+        rl_stage(rl_cfg(cfg, init_ckpt, data, rewards=["rl_rewards:not_numbers"]), tmp_path / "c", progress=False)
+    with pytest.raises(RewardError, match=r"returned list of 1: expected a list of 2 numbers"):
+        rl_stage(rl_cfg(cfg, init_ckpt, data, rewards=["rl_rewards:too_few"]), tmp_path / "d", progress=False)
+    with pytest.raises(ConfigError, match=r"rl\.rewards = 'no_such_module_x:f': cannot import"):
+        rl_stage(rl_cfg(cfg, init_ckpt, data, rewards=["no_such_module_x:f"]), tmp_path / "e", progress=False)
+    with pytest.raises(RewardError, match=r"reads the field\(s\) \['signature'\]"):
+        rl_stage(rl_cfg(cfg, init_ckpt, data, rewards=["static"]), tmp_path / "f", progress=False)
+    with pytest.raises(ConfigError, match="rl.init is empty"):
+        rl_stage(replace(cfg, rl=replace(cfg.rl, init="")), tmp_path / "g", progress=False)
+    for p in "abcdefg":
+        assert not (tmp_path / p / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("sets,message", [
+    (["rl.beta=-0.1"], r"rl\.beta = -0\.1: expected 0\.0 <= value"),
+    (["rl.group_size=0"], r"rl\.group_size = 0"),
+    (["rl.rewards=[]"], r"rl\.rewards is empty"),
+    (["rl.rewards=['static', 'static']"], r"a reward appears twice"),
+    (["rl.rewards=['nonsense']"], r"rl\.rewards names 'nonsense'"),
+    (["rl.loss_type=ppo"], r"rl\.loss_type = 'ppo' is not one of"),
+    (["rl.temperature=0"], r"rl\.temperature = 0\.0: expected 0\.0 < value"),
+])
+def test_r8_bad_settings_exit_2_with_one_line(sets, message, capsys):
+    from lmforge.cli import main
+
+    argv = ["rl", "--out", "nowhere"]
+    for s in sets:
+        argv += ["--set", s]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and __import__("re").search(message, err[0]), err
+
+
+def test_wilson_interval():
+    from lmforge.scorers.intervals import wilson_interval
+
+    lo, hi = wilson_interval(8, 20)
+    assert math.isclose(lo, 0.2188, abs_tol=1e-4) and math.isclose(hi, 0.6134, abs_tol=1e-4)
+    assert wilson_interval(0, 10)[0] == 0.0 and wilson_interval(0, 0) == (0.0, 1.0)
