@@ -178,7 +178,7 @@ RUN_FILES = ("metrics.jsonl", "config.toml", "contract.json", "tokenizer.json", 
 PROMISES = {
     "train-tokenizer": ("tokenizer.json", "tokenizer_config.json", "contract.json", "report.json"),
     "prepare": ("train.bin", "train.idx", "contract.json", "meta.json", "report.json"),
-    "pretrain": RUN_FILES, "sft": RUN_FILES, "dpo": RUN_FILES + ("dpo_data.json",),
+    "pretrain": RUN_FILES, "sft": RUN_FILES, "dpo": RUN_FILES + ("dpo_data.json",), "rl": RUN_FILES + ("rl_data.json",),
     "import-hf": ("model.safetensors", "contract.json", "tokenizer.json", "config.toml"),
     "import-gguf": ("model.safetensors", "contract.json", "tokenizer.json", "config.toml"),
     "speedrun": ("summary.md", "summary.json", "loss.png", "sft_samples.json", "tokenizer/report.json",
@@ -221,7 +221,7 @@ def missing_promises(cmd: Command, cwd: Path) -> list[str]:
     else:
         names = PROMISES.get(sub, ())
     gone = [str(out / n) for n in names if not (out / n).exists()]
-    if sub in ("pretrain", "sft", "dpo", "speedrun") and not any(out.glob("step_*" if sub != "speedrun" else
+    if sub in ("pretrain", "sft", "dpo", "rl", "speedrun") and not any(out.glob("step_*" if sub != "speedrun" else
                                                                             "pretrain/step_*")):
         gone.append(f"{out}/step_NNNNNN")
     return gone

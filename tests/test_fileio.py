@@ -228,9 +228,11 @@ def test_export_and_import_keep_the_previous_output(tmp_path, monkeypatch, tiny_
 
 def test_no_writer_of_its_own_is_left_in_the_source_tree():
     """Every `.rename(` / `os.replace(` / `shutil.rmtree(` in src/ is in the one writer, or
-    in the training folder's own housekeeping (pruning, removing a killed write's leftovers)."""
+    in the training folder's own housekeeping (pruning, removing a killed write's leftovers), or removes
+    the sandbox's own temporary folder (lmforge.sandbox)."""
     src = Path(__file__).resolve().parents[1] / "src" / "lmforge"
     allowed = {"fileio/durable.py": {"rename", "rmtree"}, "fileio/writers.py": {"replace", "rmtree"},
+               "sandbox.py": {"rmtree"},
                "train/checkpoint.py": {"rmtree"},
                "export/hf_in.py": {"rmtree"}}
     found = {}

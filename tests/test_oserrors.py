@@ -311,7 +311,7 @@ def test_native_write_failure_at_the_file_size_limit_is_efbig(tmp_path):
 
 
 def test_a_native_failure_inside_a_writer_becomes_one_explained_error(tmp_path, monkeypatch):
-    monkeypatch.setattr(fileio, "_NEARLY_FULL", 1 << 62)  # as if the disk were full
+    monkeypatch.setattr(fileio.failures, "_NEARLY_FULL", 1 << 62)  # as if the disk were full
     before = tree_hash(tmp_path)
     with pytest.raises(FileSystemError, match=r"out: cannot write it \(No space left on device, ENOSPC\); the disk "
                                               r"is full.*Nothing was written"):
@@ -396,7 +396,7 @@ def test_path_arguments_no_file_system_can_take(monkeypatch, capsys):
 def test_second_ctrl_c_during_cleanup_lets_it_finish_and_exits_130(tmp_path, monkeypatch, capsys):
     """The first SIGINT unwinds a writer; a second one arrives while the writer removes its
     temporary: it is recorded only, the clean-up finishes, the exit is 130, no traceback."""
-    real_rmtree = fileio.shutil.rmtree
+    real_rmtree = fileio.writers.shutil.rmtree
 
     def rmtree_with_second_signal(path, *args, **kwargs):
         os.kill(os.getpid(), signal.SIGINT)
@@ -407,7 +407,7 @@ def test_second_ctrl_c_during_cleanup_lets_it_finish_and_exits_130(tmp_path, mon
     def body():
         with atomic_dir(tmp_path / "out", "prepare") as tmp:
             (tmp / "a.txt").write_text("1")
-            monkeypatch.setattr(fileio.shutil, "rmtree", rmtree_with_second_signal)
+            monkeypatch.setattr(fileio.writers.shutil, "rmtree", rmtree_with_second_signal)
             os.kill(os.getpid(), signal.SIGINT)
             for _ in range(10**6):
                 pass

@@ -1,4 +1,4 @@
-"""`lmforge speedrun` opens its output folder with the one run-folder opener of fileio.py
+"""`lmforge speedrun` opens its output folder with the one run-folder opener of lmforge.fileio
 (`open_run_dir`): another command's folder is refused, and an earlier speedrun that holds a
 stage's output needs --resume; refused before any work, every file left as it was."""
 
