@@ -14,7 +14,7 @@ Directives are HTML comments on the lines right before the fence (invisible when
     needs="PROG ..."          commands whose program is PROG run only where PROG is on PATH
                               (else listed as skipped: "needs PROG")
     fixture="PATH:KIND ..."   files the test makes before the block, standing in for the user's
-                              own (KIND: hf-smollm2, chats, pairs, texts, previous-block)
+                              own (KIND: hf-smollm2, chats, pairs, prompts, texts, previous-block)
     background="PREFIX"       commands that start with PREFIX are servers: started in the
     ready="URL"               background, ready when URL answers 200, stopped (SIGINT) before
                               the next block that does not `use` them
@@ -255,6 +255,10 @@ def make_fixture(kind: str, path: Path, block: Block) -> None:
         path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
     elif kind == "pairs":
         rows = [{"prompt": f"What is {a} times {b}?", "chosen": f"{a * b}.", "rejected": f"{a * b + 1}."}
+                for a in range(2, 9) for b in range(2, 8)]
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    elif kind == "prompts":
+        rows = [{"prompt": f"What is {a} times {b}? Answer with the number.", "answer": str(a * b)}
                 for a in range(2, 9) for b in range(2, 8)]
         path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
     elif kind == "texts":

@@ -329,3 +329,20 @@ def test_wilson_interval():
     lo, hi = wilson_interval(8, 20)
     assert math.isclose(lo, 0.2188, abs_tol=1e-4) and math.isclose(hi, 0.6134, abs_tol=1e-4)
     assert wilson_interval(0, 10)[0] == 0.0 and wilson_interval(0, 0) == (0.0, 1.0)
+
+
+def test_the_health_monitor_reads_rewards_not_the_loss_of_rl():
+    from lmforge.train.health import EQUAL_RUN, RL_WINDOW, HealthMonitor
+
+    h = HealthMonitor(200)
+    fired = []
+    for s in range(1, 3 * RL_WINDOW + 1):  # an RL loss near 0 that flips sign: no loss warning
+        fired += h.update({"step": s, "loss": 0.05 * (-1) ** s, "grad_norm": 1.0, "lr": 1e-3, "reward": 0.25,
+                           "frac_reward_zero_std": 1.0 if s <= EQUAL_RUN else 0.5})
+    kinds = [(w.kind, w.step) for w in fired]
+    assert kinds == [("all_groups_equal", EQUAL_RUN), ("reward_stalled", 3 * RL_WINDOW)], kinds
+    h = HealthMonitor(200)
+    rising = [w for s in range(1, 3 * RL_WINDOW + 1)
+              for w in h.update({"step": s, "loss": 0.0, "grad_norm": 1.0, "lr": 1e-3, "reward": s / 100,
+                                 "frac_reward_zero_std": 0.0})]
+    assert rising == []

@@ -6,7 +6,8 @@
     doctests   the function's own `>>>` examples pass, the body replacing the reference in its
                module, in `lmforge.sandbox` (~70 ms a completion); 0 for a body the static check
                already refuses (it is not run)
-    yours      "package.module:function", called as TRL calls a reward function:
+    yours      "package.module:function" (on PYTHONPATH, or a module in the current folder),
+               called as TRL calls a reward function:
                f(completions=[text, ...], prompts=[[{role, content}, ...], ...], **fields), each
                extra field of the prompt records as a list (one value per completion); it returns
                one number in [0, 1] per completion
@@ -20,6 +21,8 @@ from __future__ import annotations
 
 import importlib
 import math
+import os
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -121,14 +124,19 @@ def _static(p: Prompt, completion: str, stopped: bool) -> float:
 
 
 def _import(spec: str) -> Callable:
+    """The function `spec` names ("package.module:function"), found on sys.path or in the current
+    folder (where a user keeps `my_rewards.py`, as a script would import it)."""
     module, _, name = spec.partition(":")
-    try:
-        fn = getattr(importlib.import_module(module.strip()), name.strip())
-    except ImportError as exc:
-        raise ConfigError(f"rl.rewards = {spec!r}: cannot import {module.strip()!r} ({exc}). Install it or put its "
-                          f"folder on PYTHONPATH.") from None
-    except AttributeError:
-        raise ConfigError(f"rl.rewards = {spec!r}: module {module.strip()!r} has no {name.strip()!r}.") from None
+    if os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
+    try:  # your code: anything its import raises is named, never a traceback
+        mod = importlib.import_module(module.strip())
+    except Exception as exc:
+        raise ConfigError(f"rl.rewards = {spec!r}: cannot import {module.strip()!r} ({type(exc).__name__}: {exc}). "
+                          f"Install it, put its folder on PYTHONPATH or run from the folder that holds it.") from None
+    fn = getattr(mod, name.strip(), None)
+    if fn is None:
+        raise ConfigError(f"rl.rewards = {spec!r}: module {module.strip()!r} has no {name.strip()!r}.")
     if not callable(fn):
         raise ConfigError(f"rl.rewards = {spec!r} is {type(fn).__name__}, not a function.")
     return fn

@@ -23,6 +23,15 @@ own noise instead of fixed thresholds:
     slow_steps       the median tokens per second of the last 5 steps below half the running
                      median (a sustained slowdown, not one late step)
 
+Reinforcement learning (a row with `reward`, lmforge.train.rl): its loss sits near 0 whatever
+happens (the advantages are centred), so the loss detectors do not read it; instead:
+
+    all_groups_equal every group of the last EQUAL_RUN steps had equal rewards
+                     (`frac_reward_zero_std` = 1): no advantage, no gradient
+    reward_stalled   the mean reward of the last third of the last 3 x RL_WINDOW steps is not
+                     above that of the first third (by REWARD_GAIN) while the learning rate is
+                     still above a tenth of its peak
+
 A detector that fired stays quiet for `COOLDOWN` steps (the same trouble is one line, not a
 hundred). A non-finite loss is not a warning: the trainer stops before such a step.
 Warnings go to the progress output (one line each) and into that step's row of
@@ -49,6 +58,9 @@ UPDATE_BAND = (1e-5, 3e-2)
 MAD_TO_SIGMA = 1.4826
 STALL_LR_FRACTION = 0.1
 COPY_LOSS = 0.1
+RL_WINDOW = 10
+EQUAL_RUN = 5
+REWARD_GAIN = 0.005
 
 CAUSES = {
     "loss_spike": "usually a learning rate too high for this batch, a bad batch (a long repeated stretch, "
@@ -63,6 +75,10 @@ CAUSES = {
     "update_ratio": "|update| / |weights| of one step is usually near 1e-3; far above, the learning rate is "
                     "too high; far below, too low (or the weights barely train)",
     "slow_steps": "usually another process on the same cores, memory swapping, or thermal throttling",
+    "all_groups_equal": "every completion of a prompt scores alike: the task is too hard or too easy for the "
+                        "model, the reward cannot tell completions apart, or rl.temperature is too low to vary them",
+    "reward_stalled": "usually a learning rate too low, rewards too sparse to move (all 0 or all 1), or a reward "
+                      "that does not depend on what the model controls",
 }
 
 
@@ -99,6 +115,8 @@ class HealthMonitor:
         self.warnings: list[HealthWarning] = []
         self.peak_lr = 0.0
         self.lr_checked = False
+        self.reward: deque[float] = deque(maxlen=3 * RL_WINDOW)
+        self.equal_run = 0
 
     def _fire(self, kind: str, step: int, figure: float, message: str, out: list[HealthWarning]) -> None:
         if step - self.last_fired.get(kind, -10**9) < COOLDOWN:
@@ -115,7 +133,9 @@ class HealthMonitor:
         if not (math.isfinite(loss) and math.isfinite(grad)):
             return out
         self.peak_lr = max(self.peak_lr, lr)
-        if len(self.loss) >= WINDOW // 2:
+        if "reward" in row:  # reinforcement learning: the rewards, not the loss (module docstring)
+            self._rewards(row, step, lr, out)
+        elif len(self.loss) >= WINDOW // 2:
             recent = list(self.loss)[-WINDOW:]
             med, spread = _median_spread(recent)
             if loss > med + 6 * spread and loss > 1.1 * med:
@@ -128,7 +148,8 @@ class HealthMonitor:
             if grad > med + 6 * spread and grad > 3 * med:
                 self._fire("grad_norm_spike", step, grad, f"gradient norm {grad:.4g} against a running median of "
                            f"{med:.4g} over the last {len(self.grad)} steps", out)
-        self.loss.append(loss)
+        if "reward" not in row:
+            self.loss.append(loss)
         self.grad.append(grad)
         if step > self.warmup_steps and len(self.loss) == self.loss.maxlen:
             third = self.loss.maxlen // 3
@@ -165,6 +186,22 @@ class HealthMonitor:
                     self._fire("slow_steps", step, now, f"{now:,.0f} tokens/s over the last {SLOW_RUN} steps against "
                                f"a running median of {med:,.0f}", out)
         return out
+
+    def _rewards(self, row: dict, step: int, lr: float, out: list[HealthWarning]) -> None:
+        reward, equal = float(row["reward"]), float(row.get("frac_reward_zero_std", 0.0))
+        self.equal_run = self.equal_run + 1 if equal >= 1.0 else 0
+        if self.equal_run >= EQUAL_RUN:
+            self._fire("all_groups_equal", step, self.equal_run, f"every group's rewards were equal for the last "
+                       f"{self.equal_run} steps (reward {reward:.3g}): no advantage, no gradient", out)
+        self.reward.append(reward)
+        if step > self.warmup_steps and len(self.reward) == self.reward.maxlen \
+                and lr > STALL_LR_FRACTION * self.peak_lr > 0:
+            third = RL_WINDOW
+            first = statistics.fmean(list(self.reward)[:third])
+            last = statistics.fmean(list(self.reward)[-third:])
+            if last <= first + REWARD_GAIN:
+                self._fire("reward_stalled", step, last - first, f"the mean reward of the last {third} steps is "
+                           f"{last:.3g}, against {first:.3g} {2 * third} steps before", out)
 
     def verdict(self) -> dict:
         """{"verdict": "healthy" | "N warnings", "warnings": {kind: count}, "first": [the first of each]}."""

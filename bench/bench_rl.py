@@ -1,0 +1,181 @@
+"""RL with verifiable rewards on the speedrun's SFT model: does it lift what the speedrun measures?
+
+From an SFT checkpoint (default: the speedrun's, runs/speedrun/sft), `lmforge rl` on the
+standard-library prompts with the static reward (parses under its signature, ends its turn, not a
+stub, every name resolves), for a wall-clock budget per run (`--minutes`, `train.time_limit_s`;
+constant learning rate), then the speedrun's own held-out figure:
+
+- baseline: the SFT model's held-out **plain greedy** "parses and ends its turn with <|im_end|>"
+  (`scorers.body_parse_rate` on the speedrun's held-out prompts, `held_out_prompts(sft_val.jsonl,
+  64)`, 160 new tokens, no repetition penalty), the static pass rate of those bodies, the share of
+  trivial ones, and the held-out SFT loss (nats per supervised token on sft_val.jsonl);
+- arms, each `lmforge rl` for the same wall clock: full fine-tuning, LoRA (rank 16), and a control
+  whose rewards are permuted within each micro-batch (it must stay near the baseline, or the
+  figure moves for another reason than the reward);
+- each with its rates' 95% Wilson intervals (63 prompts), the RL steps taken and seconds.
+  `--seeds N` repeats every arm with N training seeds (mean, min-max).
+
+Run: `python bench/bench_rl.py [--checkpoint DIR] [--minutes 5] [--seeds 3] [--arms full,shuffled,lora]`.
+Skipped (a note, exit 0) when the checkpoint is absent: `make speedrun` writes it.
+`--smoke`: a tiny model trained in seconds (figures mean nothing; proves the benchmark runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import common  # noqa: F401  (puts src/ on the path)
+
+from lmforge.config import LoRAConfig
+from lmforge.data.conversations import Conversation, render_samples, sft_batches
+from lmforge.evaluate import evaluate_batches
+from lmforge.loading import load_checkpoint
+from lmforge.model.io import read_checkpoint_meta, resolve_checkpoint
+from lmforge.runtime import decode_runtime, training_runtime
+from lmforge.scorers import body_parse_rate, held_out_prompts
+from lmforge.scorers.intervals import wilson_interval
+from lmforge.scorers.static import static_verdict
+from lmforge.stages import rl as rl_module
+from lmforge.stages.rl import rl_stage
+from lmforge.stages.sft import SFT_VAL_FILE
+
+DEFAULT_CHECKPOINT = common.ROOT / "runs" / "speedrun" / "sft"
+EVAL_PROMPTS, EVAL_NEW_TOKENS = 64, 160
+
+
+def held_out(model, tok, items, seq_len: int) -> dict:
+    """The speedrun's plain greedy figure, the static pass rate and trivial share of those bodies,
+    and the held-out SFT loss."""
+    r = body_parse_rate(model, tok, items, EVAL_NEW_TOKENS, runtime=decode_runtime())
+    static = trivial = 0
+    for item, ex in zip(items, r["examples"]):
+        v = static_verdict(item["signature"], ex["body"], ex["stopped"], item["name"].partition(":")[0])
+        static += v.ok
+        trivial += v.trivial
+    n = r["n"]
+    convs = [Conversation(tuple(x["messages"]), x["name"], x["name"]) for x in items]
+    samples = render_samples(convs, tok, seq_len)
+    nats, count = evaluate_batches(model, sft_batches(samples, seq_len, 8, tok.pad_id), training_runtime("fp32"))
+    return {"n": n, "parse_end": r["parsed_and_im_end"] / n, "parse_end_ci": wilson_interval(r["parsed_and_im_end"], n),
+            "static": static / n, "static_ci": wilson_interval(static, n), "trivial": trivial / n,
+            "sft_loss": nats / max(count, 1)}
+
+
+class ShuffledRewards(rl_module.Rewards):
+    """The control: each micro-batch's rewards permuted (seeded), so they no longer say which
+    completion was good."""
+
+    seed = 0
+
+    def score(self, prompts, completions, stopped):
+        s = super().score(prompts, completions, stopped)
+        rng = random.Random(f"{self.seed}:{len(completions)}:{sum(s.total)}:{completions[0][:20]}")
+        rng.shuffle(s.total)
+        return s
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--checkpoint", type=Path, default=None, help=f"SFT checkpoint (default {DEFAULT_CHECKPOINT})")
+    ap.add_argument("--minutes", type=float, default=5.0, help="wall-clock budget of each RL run")
+    ap.add_argument("--steps", type=int, default=1000, help="at most this many steps (the clock usually stops first)")
+    ap.add_argument("--lr", type=float, default=1e-4)
+    ap.add_argument("--lora-lr", type=float, default=5e-4)
+    ap.add_argument("--seeds", type=int, default=1)
+    ap.add_argument("--arms", default="full,shuffled")
+    common.smoke_flag(ap)
+    args = ap.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="lmforge-bench-rl-") as tmp:
+        tmp = Path(tmp)
+        if args.smoke:
+            from bench_dpo import smoke_checkpoint
+
+            ckpt, args.minutes, args.seeds, args.steps = smoke_checkpoint(tmp), 0.05, 1, 2
+        else:
+            ckpt = args.checkpoint or DEFAULT_CHECKPOINT
+            if not ckpt.exists():
+                print(f"bench_rl: skipped: no SFT checkpoint at {ckpt} (`make speedrun` writes one, or pass --checkpoint)")
+                return {"skipped": f"no checkpoint at {ckpt}"}
+        return run(ckpt, args, tmp)
+
+
+def run(ckpt: Path, args, tmp: Path) -> dict:
+    ckpt = resolve_checkpoint(ckpt)
+    run_dir = ckpt.parent if ckpt.name.startswith("step_") else ckpt
+    base_cfg, _ = read_checkpoint_meta(ckpt)
+    sft, tok, _, _ = load_checkpoint(ckpt)
+    items = held_out_prompts(run_dir / SFT_VAL_FILE, tok, EVAL_PROMPTS, EVAL_NEW_TOKENS - 1)
+    seq_len = base_cfg.data.seq_len
+    base = held_out(sft, tok, items, seq_len)
+    print(f"baseline: plain greedy parse + <|im_end|> {base['parse_end']:.1%} of {base['n']}, static "
+          f"{base['static']:.1%}, trivial {base['trivial']:.1%}, SFT loss {base['sft_loss']:.4f}", flush=True)
+    arms = {"full": dict(lora=0, lr=args.lr, shuffled=False), "lora": dict(lora=16, lr=args.lora_lr, shuffled=False),
+            "shuffled": dict(lora=0, lr=args.lr, shuffled=True)}
+    results: dict[str, list[dict]] = {}
+    original = rl_module.Rewards
+    for name in [a for a in args.arms.split(",") if a]:
+        arm = arms[name]
+        for seed in range(args.seeds):
+            cfg = replace(base_cfg, rl=replace(base_cfg.rl, init=str(ckpt), data="stdlib", steps=args.steps,
+                                               lr=arm["lr"], warmup_steps=0, val_examples=0),
+                          train=replace(base_cfg.train, seed=base_cfg.train.seed + seed, optimizer="adamw",
+                                        checkpoint_every=0, keep_last=1, eval_every=0, schedule="cosine",
+                                        min_lr_ratio=1.0, time_limit_s=args.minutes * 60, time_budget_s=0.0,
+                                        compile=False),
+                          lora=LoRAConfig(rank=arm["lora"]) if arm["lora"] else LoRAConfig())
+            if args.smoke:  # the smoke model's rows are short: room for the prompts, tiny rollouts
+                cfg = replace(cfg, data=replace(cfg.data, seq_len=512),
+                              rl=replace(cfg.rl, max_new_tokens=8, group_size=2, micro_batch_size=2, max_examples=8))
+            ShuffledRewards.seed = seed
+            rl_module.Rewards = ShuffledRewards if arm["shuffled"] else original
+            t0 = time.perf_counter()
+            try:
+                last = rl_stage(cfg, tmp / f"run-{name}-{seed}", progress=False)
+            finally:
+                rl_module.Rewards = original
+            seconds = time.perf_counter() - t0
+            tuned = load_checkpoint(tmp / f"run-{name}-{seed}", tok.folder)[0]
+            r = held_out(tuned, tok, items, seq_len)
+            r.update(seconds=seconds, steps=last["step"], train_reward=last.get("reward"))
+            print(f"{name} seed {seed}: parse + <|im_end|> {r['parse_end']:.1%}, static {r['static']:.1%}, trivial "
+                  f"{r['trivial']:.1%}, SFT loss {r['sft_loss']:.4f} ({r['sft_loss'] / base['sft_loss'] - 1:+.1%}); "
+                  f"{r['steps']} steps in {seconds:.0f} s", flush=True)
+            results.setdefault(name, []).append(r)
+    print_table(base, results, args)
+    return {"checkpoint": str(ckpt), "minutes": args.minutes, "baseline": base, "arms": results,
+            "machine": common.machine_line()}
+
+
+def _mean(rows: list[dict], key: str) -> str:
+    vals = [r[key] for r in rows]
+    spread = f" ({min(vals):.1%}-{max(vals):.1%})" if len(vals) > 1 else \
+        f" [{rows[0][key + '_ci'][0]:.0%}, {rows[0][key + '_ci'][1]:.0%}]" if key + "_ci" in rows[0] else ""
+    return f"{statistics.mean(vals):.1%}{spread}"
+
+
+def print_table(base: dict, results: dict, args) -> None:
+    headers = ["model", "plain greedy: parse + <|im_end|>", "static reward", "trivial", "SFT loss (change)", "RL steps",
+               "RL s"]
+    ci = base["parse_end_ci"]
+    rows = [["SFT (baseline)", f"{base['parse_end']:.1%} [{ci[0]:.0%}, {ci[1]:.0%}]", _mean([base], "static"),
+             f"{base['trivial']:.1%}", f"{base['sft_loss']:.4f}", "-", "-"]]
+    for name, rs in results.items():
+        loss = statistics.mean(r["sft_loss"] for r in rs)
+        rows.append([f"RL {name}", _mean(rs, "parse_end"), _mean(rs, "static"), _mean(rs, "trivial"),
+                     f"{loss:.4f} ({loss / base['sft_loss'] - 1:+.1%})",
+                     f"{statistics.mean(r['steps'] for r in rs):.0f}", f"{statistics.mean(r['seconds'] for r in rs):.0f}"])
+    print(common.table(headers, rows, title=f"lmforge rl, static reward, {args.minutes:g} min a run, {args.seeds} "
+                                            f"seed(s); held-out prompts {base['n']}; {common.machine_line()}"
+                                            + (" (SMOKE RUN: figures mean nothing)" if args.smoke else "")))
+
+
+if __name__ == "__main__":
+    print(json.dumps(main(sys.argv[1:]), default=str)[:2000])
