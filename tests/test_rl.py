@@ -346,3 +346,29 @@ def test_the_health_monitor_reads_rewards_not_the_loss_of_rl():
               for w in h.update({"step": s, "loss": 0.0, "grad_norm": 1.0, "lr": 1e-3, "reward": s / 100,
                                  "frac_reward_zero_std": 0.0})]
     assert rising == []
+
+
+def test_an_rl_checkpoint_is_taken_by_generate_eval_and_every_export(tiny_run, init_ckpt, tmp_path):
+    from lmforge.stages import eval_stage, export_stage, generate_stage
+
+    cfg, _ = tiny_run
+    rl_stage(rl_cfg(cfg, init_ckpt, prompts_file(tmp_path / "p.jsonl"), lora_rank=4, steps=2), tmp_path / "rl",
+             progress=False)
+    text = generate_stage(cfg, tmp_path / "rl", "def f(x):", replace(cfg.generate, max_new_tokens=4, greedy=True))
+    assert isinstance(text, str)
+    result = eval_stage(tmp_path / "rl", cfg.data.dir)
+    assert all(math.isfinite(v) for v in result.values() if isinstance(v, float))
+    export_stage(tmp_path / "rl", tmp_path / "hf", fmt="hf")
+    assert (tmp_path / "hf" / "model.safetensors").is_file()
+    export_stage(tmp_path / "rl", tmp_path / "m.gguf", fmt="gguf")
+    assert (tmp_path / "m.gguf").read_bytes()[:4] == b"GGUF"
+    export_stage(tmp_path / "rl", tmp_path / "peft", fmt="peft")
+    assert (tmp_path / "peft" / "adapter_model.safetensors").is_file()
+
+
+def test_rl_dry_run_makes_a_rollout_and_writes_nothing(tiny_run, init_ckpt, tmp_path, capsys):
+    cfg, _ = tiny_run
+    res = rl_stage(rl_cfg(cfg, init_ckpt, prompts_file(tmp_path / "p.jsonl")), tmp_path / "dry", dry_run=True,
+                   progress=False)
+    assert not (tmp_path / "dry").exists()
+    assert "plan" in res and "plan: memory per rank" in capsys.readouterr().err

@@ -49,6 +49,11 @@ class TrainingSession:
     runtime: Runtime
     stack: contextlib.ExitStack
 
+    def place(self, model: Transformer) -> Transformer:
+        """`model` with the session's attention backend, on its device, in training mode."""
+        model.set_attention(self.backend)
+        return model.to(self.runtime.device).train()
+
     def check_run(self) -> None:
         """The run folder's checks alone (`open_run_dir` with create=False): nothing locked or
         written. A dry run without --out (Path(".")) names no folder."""
@@ -346,7 +351,7 @@ def dry_run_step(model: Transformer, stream, runtime: Runtime, objective: TokenO
     this model, which is thrown away after). Nothing is written."""
     objective = objective or TokenObjective()
     model.to(runtime.device).train()
-    b = stream.next_batch().to(runtime.device)
+    b = objective.next_batch(stream, model).to(runtime.device)  # a rollout, for an objective that makes its own
     with runtime.autocast():
         total, _ = objective.loss(model, b)
     n = max(1, objective.count(b))

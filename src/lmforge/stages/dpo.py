@@ -21,16 +21,14 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import replace
 from pathlib import Path
 
 from lmforge.config import Config
 from lmforge.data.preferences import (PairStream, cap_pairs, pair_batches, pair_from_record, read_pairs,
                                       render_pairs, split_pairs)
-from lmforge.errors import ConfigError, DataError
-from lmforge.fileio import check_output
+from lmforge.errors import ConfigError
 from lmforge.stages.common import log, run_training, startup_report, training_session
-from lmforge.stages.tuning import chat_template_line, lora_line, own_tokenizer_dir, start_from_checkpoint, tuning_config
+from lmforge.stages.tuning import chat_template_line, lora_line, require_training, start_tuning, tuning_config
 from lmforge.model.loss import REFERENCE_FREE
 from lmforge.train.dpo import DPOObjective, live_reference, precompute, table_reference
 
@@ -66,9 +64,7 @@ def load_pairs(cfg: Config) -> tuple[dict[str, list], dict]:
         pairs = split_pairs(read_pairs(p.data), d.val_fraction)
         pairs["train"] = cap_pairs(pairs["train"], p.max_examples)
     pairs["val"] = cap_pairs(pairs["val"], p.val_examples)
-    if not pairs["train"]:
-        raise DataError(f"dpo.data = {p.data!r}: no training pair (all {len(pairs['val'])} fell in the validation "
-                        f"split, data.val_fraction = {d.val_fraction}). Add pairs or lower data.val_fraction.")
+    require_training(pairs, cfg, "dpo", "pair")
     return pairs, info
 
 
@@ -89,14 +85,10 @@ def dpo_stage(cfg: Config, out: str | Path, resume: bool = False, dry_run: bool 
         raise ConfigError(f"lora.dropout = {cfg.lora.dropout}: DPO compares the model with its reference, and "
                           f"dropout would make that comparison random (the loss at step 0 would not be ln 2). Set "
                           f"lora.dropout = 0 for dpo.")
-    check_output(Path(out), "dpo")
-    start = start_from_checkpoint(cfg, out, resume, "dpo", own_tokenizer_dir(cfg))
-    model, tok, init = start.model, start.tok, start.init
-    cfg = dpo_config(replace(start.cfg, tokenizer=replace(cfg.tokenizer, dir=str(tok.folder))), start.cfg)
+    start = start_tuning(cfg, out, resume, "dpo")
+    cfg, model, tok, init = start.cfg, start.model, start.tok, start.init
     with training_session(cfg, out, "dpo", resume, dry_run) as session:
-        info, rt = session.info, session.runtime
-        model.set_attention(session.backend)
-        model.to(rt.device).train()
+        info, rt, model = session.info, session.runtime, session.place(model)
         d, t, p = cfg.data, cfg.train, cfg.dpo
         t0 = time.perf_counter()
         pairs, data_info = load_pairs(cfg)

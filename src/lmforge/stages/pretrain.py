@@ -52,8 +52,7 @@ def pretrain_stage(cfg: Config, out: str | Path, resume: bool = False, dry_run: 
         if init is None:
             model = Transformer(resolve_model_config(cfg.model, tok.contract))
             model.reset_parameters(seed=cfg.train.seed, zero_init=cfg.train.zero_init)
-        model.set_attention(s.backend)
-        model.train()
+        model = s.place(model)
         train = Shard.open(cfg.data.dir, "train", tok.contract, tok_contract_path)
         val = Shard.open(cfg.data.dir, "val", tok.contract, tok_contract_path)
         d, t = cfg.data, cfg.train

@@ -20,20 +20,18 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import replace
 from pathlib import Path
 
 from lmforge.config import Config
 from lmforge.data.conversations import cap_examples
 from lmforge.data.prompts import Prompt, PromptStream, read_prompts, split_prompts, stdlib_prompts
 from lmforge.errors import ConfigError, DataError
-from lmforge.fileio import check_output
 from lmforge.runtime import decode_runtime
 from lmforge.sandbox import isolation_line
 from lmforge.scorers.rewards import Rewards
 from lmforge.scorers.static import static_verdict
 from lmforge.stages.common import log, run_training, startup_report, training_session
-from lmforge.stages.tuning import chat_template_line, lora_line, own_tokenizer_dir, start_from_checkpoint, tuning_config
+from lmforge.stages.tuning import chat_template_line, lora_line, require_training, start_tuning, tuning_config
 from lmforge.train.rl import RLObjective, token_reference
 
 RL_DATA_FILE = "rl_data.json"
@@ -64,10 +62,7 @@ def load_prompts(cfg: Config) -> tuple[dict[str, list[Prompt]], dict]:
         prompts = split_prompts(read_prompts(p.data), d.val_fraction)
     prompts["train"] = cap_examples(prompts["train"], p.max_examples, lambda x: x.key)
     prompts["val"] = cap_examples(prompts["val"], p.val_examples, lambda x: x.key)
-    if not prompts["train"]:
-        raise DataError(f"rl.data = {p.data!r}: no training prompt (all {len(prompts['val'])} fell in the "
-                        f"validation split, data.val_fraction = {d.val_fraction}). Add prompts or lower "
-                        f"data.val_fraction.")
+    require_training(prompts, cfg, "rl", "prompt")
     info["prompts"] = {split: len(ps) for split, ps in prompts.items()}
     return prompts, info
 
@@ -114,15 +109,11 @@ def rl_stage(cfg: Config, out: str | Path, resume: bool = False, dry_run: bool =
         raise ConfigError(f"rl.max_new_tokens = {cfg.rl.max_new_tokens} leaves no room for a prompt in data.seq_len "
                           f"= {cfg.data.seq_len} (a row is the prompt and its completion). Lower rl.max_new_tokens or "
                           f"raise data.seq_len.")
-    check_output(Path(out), "rl")
-    start = start_from_checkpoint(cfg, out, resume, "rl", own_tokenizer_dir(cfg))
-    model, tok, init = start.model, start.tok, start.init
-    cfg = rl_config(replace(start.cfg, tokenizer=replace(cfg.tokenizer, dir=str(tok.folder))), start.cfg)
+    start = start_tuning(cfg, out, resume, "rl")
+    cfg, model, tok, init = start.cfg, start.model, start.tok, start.init
     rewards = Rewards(cfg.rl.rewards, cfg.rl.reward_timeout_s)  # a reward of yours is imported before any work
     with training_session(cfg, out, "rl", resume, dry_run) as session:
-        info, rt = session.info, session.runtime
-        model.set_attention(session.backend)
-        model.to(rt.device).train()
+        info, rt, model = session.info, session.runtime, session.place(model)
         d, t, p = cfg.data, cfg.train, cfg.rl
         t0 = time.perf_counter()
         prompts, data_info = load_prompts(cfg)

@@ -17,18 +17,17 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Sequence
-from dataclasses import replace
 from pathlib import Path
 
 from lmforge.config import Config
 from lmforge.data.conversations import (Conversation, cap_examples, read_conversations, render_samples, sft_batches,
                                         sft_stream, split_conversations)
 from lmforge.data.stdlib_functions import StdlibStats, stdlib_examples
-from lmforge.errors import ConfigError, DataError
-from lmforge.fileio import check_output
+from lmforge.errors import ConfigError
 from lmforge.stages.common import log, run_training, startup_report, training_session
-from lmforge.stages.tuning import (chat_template_line, check_same_base, check_same_init, lora_line,  # noqa: F401
-                                   own_tokenizer_dir, refuse_init_as_out, start_from_checkpoint, tuning_config)
+from lmforge.stages.tuning import (chat_template_line, check_same_base, check_same_init, lora_line, require_training,  # noqa: F401
+                                   own_tokenizer_dir, refuse_init_as_out, start_from_checkpoint, start_tuning,
+                                   tuning_config)
 
 #: Kept under its old name (tests and scripts import it from here).
 sft_tokenizer_dir = own_tokenizer_dir
@@ -76,10 +75,7 @@ def load_conversations(cfg: Config) -> tuple[dict[str, list[Conversation]], dict
         convs = split_conversations(read_conversations(s.data), d.val_fraction)
         convs["train"] = cap_examples(convs["train"], s.max_examples, lambda c: c.key)
         convs["val"] = cap_examples(convs["val"], s.val_examples, lambda c: c.key)
-    if not convs["train"]:
-        raise DataError(f"sft.data = {s.data!r}: no training conversation (all {len(convs['val'])} fell in the "
-                        f"validation split, data.val_fraction = {d.val_fraction}). Add conversations or lower "
-                        f"data.val_fraction.")
+    require_training(convs, cfg, "sft", "conversation")
     return convs, functions, info
 
 
@@ -112,14 +108,10 @@ def sft_stage(cfg: Config, out: str | Path, resume: bool = False, dry_run: bool 
     if not cfg.sft.init:
         raise ConfigError("sft.init is empty: set the checkpoint to fine-tune, e.g. --set sft.init=runs/pre "
                           "(a pretraining run folder or one of its step_NNNNNN folders).")
-    check_output(Path(out), "sft")  # `.`, a parent, another command's output: before anything else
-    start = start_from_checkpoint(cfg, out, resume, "sft", own_tokenizer_dir(cfg))
-    model, tok, init = start.model, start.tok, start.init
-    cfg = sft_config(replace(start.cfg, tokenizer=replace(cfg.tokenizer, dir=str(tok.folder))), start.cfg)
+    start = start_tuning(cfg, out, resume, "sft")
+    cfg, model, tok, init = start.cfg, start.model, start.tok, start.init
     with training_session(cfg, out, "sft", resume, dry_run) as session:
-        info = session.info
-        model.set_attention(session.backend)
-        model.train()
+        info, model = session.info, session.place(model)
         d, t, s = cfg.data, cfg.train, cfg.sft
         t0 = time.perf_counter()
         convs, functions, data_info = load_conversations(cfg)

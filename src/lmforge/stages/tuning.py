@@ -16,8 +16,8 @@ from pathlib import Path
 
 from lmforge.config import Config, model_from_init
 from lmforge.contract import TOKENIZER_FILE
-from lmforge.errors import CheckpointError, ConfigError, LmforgeError
-from lmforge.fileio import path_text
+from lmforge.errors import CheckpointError, ConfigError, DataError, LmforgeError
+from lmforge.fileio import check_output, path_text
 from lmforge.loading import load_checkpoint
 from lmforge.model import Transformer, lora
 from lmforge.model.io import MODEL_FILE, latest_checkpoint, read_checkpoint_meta, resolve_checkpoint
@@ -75,6 +75,35 @@ def tuning_config(cfg: Config, init_model, key: str) -> Config:
     section = getattr(cfg, key)
     train = replace(cfg.train, time_budget_s=0.0, **{k: getattr(section, k) for k in TUNING_TRAIN_KEYS})
     return model_from_init(replace(cfg, train=train), init_model, f"{key}.init", section.init)
+
+
+def start_tuning(cfg: Config, out: str | Path, resume: bool, key: str) -> Start:
+    """The start of a fine-tuning stage (`key`: "sft", "dpo", "rl"), after its own checks of its
+    section: `out` checked before anything else (`.`, a parent, another command's output), the
+    checkpoint `KEY.init` loaded with its own tokenizer unless tokenizer.dir holds one
+    (`start_from_checkpoint`), and `Start.cfg` the config the run trains and saves
+    (`tuning_config`, with tokenizer.dir the tokenizer it loaded).
+
+    Raises:
+        see `start_from_checkpoint`, `tuning_config` and `fileio.check_output`.
+    """
+    check_output(Path(out), key)
+    start = start_from_checkpoint(cfg, out, resume, key, own_tokenizer_dir(cfg))
+    cfg = replace(start.cfg, tokenizer=replace(cfg.tokenizer, dir=str(start.tok.folder)))
+    return replace(start, cfg=tuning_config(cfg, start.cfg.model, key))
+
+
+def require_training(splits: dict[str, list], cfg: Config, key: str, what: str) -> None:
+    """Refuse a fine-tuning run (`key`: "sft", "dpo", "rl") left with no training `what`
+    ("conversation", "pair", "prompt") after the split and the caps.
+
+    Raises:
+        DataError: naming KEY.data, the held-out count and data.val_fraction.
+    """
+    if not splits["train"]:
+        raise DataError(f"{key}.data = {getattr(cfg, key).data!r}: no training {what} (all {len(splits['val'])} fell in "
+                        f"the validation split, data.val_fraction = {cfg.data.val_fraction}). Add {what}s or lower "
+                        f"data.val_fraction.")
 
 
 def lora_line(cfg: Config, model: Transformer, init: Path) -> str:
