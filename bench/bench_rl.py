@@ -15,7 +15,7 @@ constant learning rate), then the speedrun's own held-out figure:
 - each with its rates' 95% Wilson intervals (63 prompts), the RL steps taken and seconds.
   `--seeds N` repeats every arm with N training seeds (mean, min-max).
 
-Run: `python bench/bench_rl.py [--checkpoint DIR] [--minutes 5] [--seeds 3] [--arms full,shuffled,lora]`.
+Run: `python bench/bench_rl.py [--checkpoint DIR] [--minutes 2] [--seeds 3] [--arms full,shuffled,lora]`.
 Skipped (a note, exit 0) when the checkpoint is absent: `make speedrun` writes it.
 `--smoke`: a tiny model trained in seconds (figures mean nothing; proves the benchmark runs).
 """
@@ -55,17 +55,19 @@ def held_out(model, tok, items, seq_len: int) -> dict:
     """The speedrun's plain greedy figure, the static pass rate and trivial share of those bodies,
     and the held-out SFT loss."""
     r = body_parse_rate(model, tok, items, EVAL_NEW_TOKENS, runtime=decode_runtime())
-    static = trivial = 0
+    static = trivial = no_param = 0
     for item, ex in zip(items, r["examples"]):
         v = static_verdict(item["signature"], ex["body"], ex["stopped"], item["name"].partition(":")[0])
         static += v.ok
         trivial += v.trivial
+        no_param += v.reason == "reads no parameter"
     n = r["n"]
     convs = [Conversation(tuple(x["messages"]), x["name"], x["name"]) for x in items]
     samples = render_samples(convs, tok, seq_len)
     nats, count = evaluate_batches(model, sft_batches(samples, seq_len, 8, tok.pad_id), training_runtime("fp32"))
     return {"n": n, "parse_end": r["parsed_and_im_end"] / n, "parse_end_ci": wilson_interval(r["parsed_and_im_end"], n),
             "static": static / n, "static_ci": wilson_interval(static, n), "trivial": trivial / n,
+            "reads_no_parameter": no_param / n,
             "sft_loss": nats / max(count, 1)}
 
 
@@ -85,10 +87,11 @@ class ShuffledRewards(rl_module.Rewards):
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--checkpoint", type=Path, default=None, help=f"SFT checkpoint (default {DEFAULT_CHECKPOINT})")
-    ap.add_argument("--minutes", type=float, default=5.0, help="wall-clock budget of each RL run")
+    ap.add_argument("--minutes", type=float, default=2.0, help="wall-clock budget of each RL run")
     ap.add_argument("--steps", type=int, default=1000, help="at most this many steps (the clock usually stops first)")
-    ap.add_argument("--lr", type=float, default=1e-4)
+    ap.add_argument("--lr", type=float, default=3e-5)
     ap.add_argument("--lora-lr", type=float, default=5e-4)
+    ap.add_argument("--beta", type=float, default=0.0, help="rl.beta: the KL term to the SFT model (0: none)")
     ap.add_argument("--seeds", type=int, default=1)
     ap.add_argument("--arms", default="full,shuffled")
     common.smoke_flag(ap)
@@ -116,7 +119,7 @@ def run(ckpt: Path, args, tmp: Path) -> dict:
     seq_len = base_cfg.data.seq_len
     base = held_out(sft, tok, items, seq_len)
     print(f"baseline: plain greedy parse + <|im_end|> {base['parse_end']:.1%} of {base['n']}, static "
-          f"{base['static']:.1%}, trivial {base['trivial']:.1%}, SFT loss {base['sft_loss']:.4f}", flush=True)
+          f"{base['static']:.1%}, stubs {base['trivial']:.1%}, reads no parameter {base['reads_no_parameter']:.1%}, SFT loss {base['sft_loss']:.4f}", flush=True)
     arms = {"full": dict(lora=0, lr=args.lr, shuffled=False), "lora": dict(lora=16, lr=args.lora_lr, shuffled=False),
             "shuffled": dict(lora=0, lr=args.lr, shuffled=True)}
     results: dict[str, list[dict]] = {}
@@ -125,7 +128,7 @@ def run(ckpt: Path, args, tmp: Path) -> dict:
         arm = arms[name]
         for seed in range(args.seeds):
             cfg = replace(base_cfg, rl=replace(base_cfg.rl, init=str(ckpt), data="stdlib", steps=args.steps,
-                                               lr=arm["lr"], warmup_steps=0, val_examples=0),
+                                               lr=arm["lr"], warmup_steps=0, val_examples=0, beta=args.beta),
                           train=replace(base_cfg.train, seed=base_cfg.train.seed + seed, optimizer="adamw",
                                         checkpoint_every=0, keep_last=1, eval_every=0, schedule="cosine",
                                         min_lr_ratio=1.0, time_limit_s=args.minutes * 60, time_budget_s=0.0,
@@ -145,8 +148,8 @@ def run(ckpt: Path, args, tmp: Path) -> dict:
             tuned = load_checkpoint(tmp / f"run-{name}-{seed}", tok.folder)[0]
             r = held_out(tuned, tok, items, seq_len)
             r.update(seconds=seconds, steps=last["step"], train_reward=last.get("reward"))
-            print(f"{name} seed {seed}: parse + <|im_end|> {r['parse_end']:.1%}, static {r['static']:.1%}, trivial "
-                  f"{r['trivial']:.1%}, SFT loss {r['sft_loss']:.4f} ({r['sft_loss'] / base['sft_loss'] - 1:+.1%}); "
+            print(f"{name} seed {seed}: parse + <|im_end|> {r['parse_end']:.1%}, static {r['static']:.1%}, stubs "
+                  f"{r['trivial']:.1%}, reads no parameter {r['reads_no_parameter']:.1%}, SFT loss {r['sft_loss']:.4f} ({r['sft_loss'] / base['sft_loss'] - 1:+.1%}); "
                   f"{r['steps']} steps in {seconds:.0f} s", flush=True)
             results.setdefault(name, []).append(r)
     print_table(base, results, args)
@@ -162,17 +165,19 @@ def _mean(rows: list[dict], key: str) -> str:
 
 
 def print_table(base: dict, results: dict, args) -> None:
-    headers = ["model", "plain greedy: parse + <|im_end|>", "static reward", "trivial", "SFT loss (change)", "RL steps",
-               "RL s"]
+    headers = ["model", "plain greedy: parse + <|im_end|>", "static reward", "stubs", "reads no parameter",
+               "SFT loss (change)", "RL steps", "RL s"]
     ci = base["parse_end_ci"]
     rows = [["SFT (baseline)", f"{base['parse_end']:.1%} [{ci[0]:.0%}, {ci[1]:.0%}]", _mean([base], "static"),
-             f"{base['trivial']:.1%}", f"{base['sft_loss']:.4f}", "-", "-"]]
+             f"{base['trivial']:.1%}", f"{base['reads_no_parameter']:.1%}", f"{base['sft_loss']:.4f}", "-", "-"]]
     for name, rs in results.items():
         loss = statistics.mean(r["sft_loss"] for r in rs)
         rows.append([f"RL {name}", _mean(rs, "parse_end"), _mean(rs, "static"), _mean(rs, "trivial"),
+                     _mean(rs, "reads_no_parameter"),
                      f"{loss:.4f} ({loss / base['sft_loss'] - 1:+.1%})",
                      f"{statistics.mean(r['steps'] for r in rs):.0f}", f"{statistics.mean(r['seconds'] for r in rs):.0f}"])
-    print(common.table(headers, rows, title=f"lmforge rl, static reward, {args.minutes:g} min a run, {args.seeds} "
+    print(common.table(headers, rows, title=f"lmforge rl, static reward, {args.minutes:g} min a run, lr {args.lr:g} (LoRA "
+                                            f"{args.lora_lr:g}), beta {args.beta:g}, {args.seeds} "
                                             f"seed(s); held-out prompts {base['n']}; {common.machine_line()}"
                                             + (" (SMOKE RUN: figures mean nothing)" if args.smoke else "")))
 

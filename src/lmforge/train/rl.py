@@ -173,7 +173,7 @@ class RLObjective(TokenObjective):
                          "completions/mean_length": float(sum(len(x) for x in ids)),
                          "completions/clipped_ratio": float(sum(not s for s in stopped)),
                          "stop_rate": float(sum(stopped)),
-                         "trivial_rate": float(sum(r in ("trivial", "reads no parameter") for r in scored.reasons)),
+                         "trivial_rate": float(sum(r == "trivial" for r in scored.reasons)),
                          "rollout_s": time.perf_counter() - t0})
         for name, values in scored.each.items():
             stats[f"rewards/{name}"] = float(sum(values))
@@ -247,7 +247,7 @@ class RLObjective(TokenObjective):
             reward += sum(scored.total)
             static += sum(s and not why for s, why in zip(stopped, scored.reasons))
             parse_end += sum(s and why not in ("does not parse",) for s, why in zip(stopped, scored.reasons))
-            trivial += sum(why in ("trivial", "reads no parameter") for why in scored.reasons)
+            trivial += sum(why == "trivial" for why in scored.reasons)
         lo, hi = wilson_interval(int(static), int(n))
         d = max(n, 1.0)
         return {"val_reward": reward / d, "val_static": static / d, "val_static_lo": lo, "val_static_hi": hi,
