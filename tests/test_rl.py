@@ -372,3 +372,17 @@ def test_rl_dry_run_makes_a_rollout_and_writes_nothing(tiny_run, init_ckpt, tmp_
                    progress=False)
     assert not (tmp_path / "dry").exists()
     assert "plan" in res and "plan: memory per rank" in capsys.readouterr().err
+
+
+def test_the_doctests_reward_logs_the_same_figures_on_every_step(tiny_run, init_ckpt, tmp_path):
+    """Every step's row has the same keys (each rank reduces the same list, whatever its rollouts met),
+    the sandbox's verdict counts included when a reward runs code."""
+    cfg, _ = tiny_run
+    sig = 'def IS_CHARACTER_JUNK(ch, ws=" \\t"):'
+    data = prompts_file(tmp_path / "p.jsonl", n=4, module="difflib", qualname="IS_CHARACTER_JUNK", signature=sig)
+    rl_stage(rl_cfg(cfg, init_ckpt, data, rewards=["static", "doctests"], steps=2), tmp_path / "rl", progress=False)
+    rows = [r for r in read_metrics(tmp_path / "rl") if "reward" in r]
+    keys = [{k for k in r if not k.startswith("val_")} for r in rows]
+    assert len(rows) == 2 and keys[0] == keys[1]
+    assert {"rewards/static", "rewards/doctests", "sandbox/PASS", "sandbox/ERROR"} <= rows[0].keys()
+    assert all(r["sandbox/ERROR"] == 0 for r in rows)

@@ -44,7 +44,7 @@ from lmforge.generate import generate
 from lmforge.model import lora
 from lmforge.model.loss import group_advantages, policy_gradient_loss, token_logps
 from lmforge.runtime import Runtime
-from lmforge.sandbox import check_errors
+from lmforge.sandbox import VERDICTS, check_errors
 from lmforge.scorers.intervals import wilson_interval
 from lmforge.scorers.rewards import Rewards
 from lmforge.train.distributed import DistInfo, all_reduce_sum
@@ -146,6 +146,11 @@ class RLObjective(TokenObjective):
         self.sampling = SamplingConfig(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_k=0,
                                        top_p=1.0, repetition_penalty=1.0, greedy=False)
         self._acc: Counter = Counter()
+        # every rank reduces the same figures in the same order, whatever its own rollouts gave
+        self._keys = sorted({"prompts", "rows", "reward", "reward_std", "frac_reward_zero_std",
+                             "completions/mean_length", "completions/clipped_ratio", "stop_rate", "trivial_rate",
+                             "rollout_s", "mismatch_kl", "tokens", *(f"rewards/{n}" for n in rewards.names),
+                             *(f"sandbox/{v}" for v in (*VERDICTS, "NODOC") if "doctests" in rewards.names)})
 
     # -- rollouts ---------------------------------------------------------------------------------
     def next_batch(self, stream: PromptStream, model: torch.nn.Module) -> RLBatch:
@@ -204,7 +209,7 @@ class RLObjective(TokenObjective):
 
     def step_metrics(self, dist: DistInfo) -> dict:
         """The rollouts' means over the step (every micro-batch and rank); resets the sums."""
-        keys = sorted(self._acc)
+        keys = self._keys
         totals = all_reduce_sum(torch.tensor([self._acc[k] for k in keys], dtype=torch.float64,
                                              device=dist.device), dist).cpu().tolist()
         self._acc = Counter()
