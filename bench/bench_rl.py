@@ -18,6 +18,9 @@ constant learning rate), then the speedrun's own held-out figure:
 Run: `python bench/bench_rl.py [--checkpoint DIR] [--minutes 2] [--seeds 3] [--arms full,shuffled,lora]`.
 Skipped (a note, exit 0) when the checkpoint is absent: `make speedrun` writes it.
 `--smoke`: a tiny model trained in seconds (figures mean nothing; proves the benchmark runs).
+`--speed`: instead, the rollout's tokens per second (sampling with the sampler's log-probabilities, the
+static reward, the batch built: `RLObjective.next_batch`) beside plain `generate` at the same batch (4
+prompts x 8 completions, 96 new tokens, temperature 1), interleaved round by round in one process.
 """
 
 from __future__ import annotations
@@ -94,6 +97,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--beta", type=float, default=0.0, help="rl.beta: the KL term to the SFT model (0: none)")
     ap.add_argument("--seeds", type=int, default=1)
     ap.add_argument("--arms", default="full,shuffled")
+    ap.add_argument("--speed", action="store_true", help="measure the rollout's tokens/s against generate instead")
+    ap.add_argument("--rounds", type=int, default=4)
     common.smoke_flag(ap)
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="lmforge-bench-rl-") as tmp:
@@ -107,7 +112,49 @@ def main(argv: list[str] | None = None) -> dict:
             if not ckpt.exists():
                 print(f"bench_rl: skipped: no SFT checkpoint at {ckpt} (`make speedrun` writes one, or pass --checkpoint)")
                 return {"skipped": f"no checkpoint at {ckpt}"}
-        return run(ckpt, args, tmp)
+        return rollout_speed(ckpt, args) if args.speed else run(ckpt, args, tmp)
+
+
+def rollout_speed(ckpt: Path, args) -> dict:
+    """Tokens per second of a rollout and of plain sampling at the same batch (module docstring)."""
+    import torch
+
+    from lmforge.config import SamplingConfig
+    from lmforge.data.prompts import PromptStream, stdlib_prompts
+    from lmforge.generate import generate
+    from lmforge.train.rl import RLObjective
+
+    ckpt = resolve_checkpoint(ckpt)
+    cfg, _ = read_checkpoint_meta(ckpt)
+    model, tok, _, _ = load_checkpoint(ckpt)
+    rt = decode_runtime()
+    prompts = stdlib_prompts(cfg.data.val_fraction, cfg.rl.max_chars, False,
+                             keep=lambda ex: static_verdict(ex.signature, ex.body, True, ex.module).ok)["train"][:200]
+    ids = [tok.render_chat(p.messages, add_generation_prompt=True).ids for p in prompts]
+    kept = [(p, x) for p, x in zip(prompts, ids) if len(x) <= cfg.data.seq_len - 96]
+    prompts, ids = [p for p, _ in kept], [x for _, x in kept]
+    rl_cfg = replace(cfg.rl, max_new_tokens=96, group_size=8, temperature=1.0)
+    objective = RLObjective(rl_cfg, model, tok, prompts, ids, rl_module.Rewards(["static"]), rt, seed=0)
+    stream = PromptStream(len(prompts), 4, seed=0)
+    sampling = SamplingConfig(max_new_tokens=96, temperature=1.0, top_k=0, top_p=1.0, repetition_penalty=1.0)
+    rollout, plain = [], []
+    for r in range(args.rounds):
+        t0 = time.perf_counter()
+        batch = objective.next_batch(stream, model)
+        rollout.append(int(batch.loss_mask.sum()) / (time.perf_counter() - t0))
+        rows = [ids[i % len(ids)] for i in range(4 * r, 4 * r + 4) for _ in range(8)]
+        t0 = time.perf_counter()
+        out = generate(model, rows, [tok.im_end_id, tok.eos_id], sampling, tok.pad_id,
+                       generator=torch.Generator().manual_seed(r), runtime=rt)
+        plain.append(sum(map(len, out)) / (time.perf_counter() - t0))
+    a, b = common.Stats(rollout), common.Stats(plain)
+    print(common.table(["", "tokens/s (median)", "min-max"],
+                       [["rollout (RLObjective.next_batch)", f"{a.median:,.0f}", a.spread()],
+                        ["generate, same batch", f"{b.median:,.0f}", b.spread()],
+                        ["ratio generate / rollout", f"{b.median / a.median:.2f}x", ""]],
+                       title=f"rollout speed, 4 prompts x 8 completions, 96 new tokens, {args.rounds} rounds; "
+                             f"{common.machine_line()}"))
+    return {"rollout_tokens_per_s": a.median, "generate_tokens_per_s": b.median}
 
 
 def run(ckpt: Path, args, tmp: Path) -> dict:
