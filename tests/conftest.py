@@ -81,6 +81,18 @@ def tiny_run(tmp_path_factory, tiny_corpus, tiny_tokenizer):
     return cfg, tiny_tokenizer
 
 
+@pytest.fixture
+def init_ckpt(tiny_run, tmp_path):
+    """A step_000003 checkpoint of the tiny model with seed-0 weights (what sft, dpo and rl start from)."""
+    from lmforge.model import Transformer, resolve_model_config
+    from lmforge.train.checkpoint import save_checkpoint
+
+    cfg, tok = tiny_run
+    model = Transformer(resolve_model_config(cfg.model, tok.contract))
+    model.reset_parameters(seed=0)
+    return save_checkpoint(tmp_path / "pre", 3, model, cfg, tok.folder)
+
+
 # Tiny models are dominated by per-op overhead: one thread is several times faster than two
 # threads contending, and keeps numbers deterministic.
 torch.set_num_threads(1)

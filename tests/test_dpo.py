@@ -36,7 +36,6 @@ from lmforge.model import Transformer, load_model, lora, resolve_model_config
 from lmforge.model.io import MODEL_FILE, latest_checkpoint, load_weights
 from lmforge.model.loss import dpo_loss
 from lmforge.stages.dpo import dpo_stage
-from lmforge.train.checkpoint import save_checkpoint
 from lmforge.train.dpo import sequence_logps
 from test_resume import read_metrics, sigterm_at
 
@@ -61,14 +60,6 @@ def zen_records() -> list[dict]:
 def write_jsonl(path: Path, records) -> Path:
     path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
     return path
-
-
-@pytest.fixture
-def init_ckpt(tiny_run, tmp_path):
-    cfg, tok = tiny_run
-    model = Transformer(resolve_model_config(cfg.model, tok.contract))
-    model.reset_parameters(seed=0)
-    return save_checkpoint(tmp_path / "pre", 3, model, cfg, tok.folder)
 
 
 def dpo_cfg(cfg, init, data, lora_rank=0, **dpo):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -33,19 +34,10 @@ from lmforge.model.loss import group_advantages, policy_gradient_loss, token_log
 from lmforge.scorers.rewards import RewardError
 from lmforge.scorers.static import static_reward
 from lmforge.stages.rl import rl_stage
-from lmforge.train.checkpoint import save_checkpoint
 from lmforge.train.rl import build_batch
 from test_resume import read_metrics, sigterm_at
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/rl_rewards.py: "a user's own" rewards
-
-
-@pytest.fixture
-def init_ckpt(tiny_run, tmp_path):
-    cfg, tok = tiny_run
-    model = Transformer(resolve_model_config(cfg.model, tok.contract))
-    model.reset_parameters(seed=0)
-    return save_checkpoint(tmp_path / "pre", 3, model, cfg, tok.folder)
 
 
 def prompts_file(path: Path, n: int = 12, **extra) -> Path:
@@ -320,7 +312,7 @@ def test_r8_bad_settings_exit_2_with_one_line(sets, message, capsys):
         argv += ["--set", s]
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error: ") and __import__("re").search(message, err[0]), err
+    assert len(err) == 1 and err[0].startswith("error: ") and re.search(message, err[0]), err
 
 
 def test_wilson_interval():

@@ -3,12 +3,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import sys
 import tomllib
 import typing
-import dataclasses
 from pathlib import Path
 from typing import Any
 

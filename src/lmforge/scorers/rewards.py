@@ -28,12 +28,8 @@ from dataclasses import dataclass, field
 
 from lmforge.data.prompts import Prompt
 from lmforge.errors import ConfigError, LmforgeError
-from lmforge.sandbox import Result, check_errors, run_job
+from lmforge.sandbox import Result, run_job
 from lmforge.scorers.static import static_verdict
-
-#: (prompts, completions, stopped) -> one reward per completion; `verdicts` collects sandbox results.
-Reward = Callable[[Sequence[Prompt], Sequence[str], Sequence[bool]], list[float]]
-
 
 class RewardError(LmforgeError):
     """A reward function that cannot be loaded, raises, or returns something that is not a reward."""
@@ -74,13 +70,16 @@ class Rewards:
 
     def score(self, prompts: Sequence[Prompt], completions: Sequence[str], stopped: Sequence[bool]) -> Scored:
         """Score R completions (`prompts[i]` is completion i's prompt)."""
-        reasons = [static_verdict(*_fields(p, ("signature",), "static"), c, s, p.fields.get("module", "")).reason
+        # the static check once per completion: the static reward, and the gate of the doctests reward
+        reasons = [static_verdict(p.fields["signature"], c, s, p.fields.get("module", "")).reason
                    if "signature" in p.fields else "" for p, c, s in zip(prompts, completions, stopped)]
         each: dict[str, list[float]] = {}
         results: list[Result] = []
         for name in self.names:
             if name == "static":
-                each[name] = [_static(p, c, s) for p, c, s in zip(prompts, completions, stopped)]
+                for p in prompts:  # every prompt carries what the check reads, or the run stops naming it
+                    _fields(p, ("signature",), "static")
+                each[name] = [0.0 if why else 1.0 for why in reasons]
             elif name == "doctests":
                 each[name] = []
                 for p, c, s, why in zip(prompts, completions, stopped, reasons):
@@ -118,11 +117,6 @@ class Rewards:
         return [float(v) for v in out]
 
 
-def _static(p: Prompt, completion: str, stopped: bool) -> float:
-    signature, = _fields(p, ("signature",), "static")
-    return 1.0 if static_verdict(signature, completion, stopped, p.fields.get("module", "")).ok else 0.0
-
-
 def _import(spec: str) -> Callable:
     """The function `spec` names ("package.module:function"), found on sys.path or in the current
     folder (where a user keeps `my_rewards.py`, as a script would import it)."""
@@ -142,4 +136,4 @@ def _import(spec: str) -> Callable:
     return fn
 
 
-__all__ = ["Reward", "RewardError", "Rewards", "Scored", "check_errors"]
+__all__ = ["RewardError", "Rewards", "Scored"]

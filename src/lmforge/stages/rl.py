@@ -31,18 +31,12 @@ from lmforge.sandbox import isolation_line
 from lmforge.scorers.rewards import Rewards
 from lmforge.scorers.static import static_verdict
 from lmforge.stages.common import log, run_training, startup_report, training_session
-from lmforge.stages.tuning import chat_template_line, lora_line, require_training, start_tuning, tuning_config
+from lmforge.stages.tuning import chat_template_line, lora_line, require_training, start_tuning
 from lmforge.train.rl import RLObjective, token_reference
 
 RL_DATA_FILE = "rl_data.json"
 #: Held-out prompts per validation batch (greedy decoding, one batch at a time).
 VAL_BATCH = 16
-
-
-def rl_config(cfg: Config, init_cfg: Config) -> Config:
-    """The config an RL run trains and saves: [model] from the initial checkpoint, and [train]
-    steps / micro_batch_size / grad_accum_steps / lr / warmup_steps from [rl]."""
-    return tuning_config(cfg, init_cfg.model, "rl")
 
 
 def load_prompts(cfg: Config) -> tuple[dict[str, list[Prompt]], dict]:
@@ -157,4 +151,4 @@ def rl_stage(cfg: Config, out: str | Path, resume: bool = False, dry_run: bool =
                             objective=objective, inputs={} if p.data == "stdlib" else {"rl.data": Path(p.data)})
 
 
-__all__ = ["rl_stage", "rl_config", "load_prompts", "RL_DATA_FILE"]
+__all__ = ["rl_stage", "load_prompts", "RL_DATA_FILE"]

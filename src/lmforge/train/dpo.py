@@ -28,6 +28,7 @@ included), also per `mutation` kind when the pairs carry one.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Callable, Iterable, Sequence
 
@@ -59,30 +60,45 @@ def sequence_logps(model: torch.nn.Module, batch: PairBatch) -> tuple[torch.Tens
     return logps[:B], logps[B:]
 
 
-def live_reference(model: torch.nn.Module, runtime: Runtime) -> Reference:
-    """The reference computed at every step. With adapters: `model` itself, adapters
-    disabled; without: a frozen copy of `model` as it is now (the initial weights), eval mode.
+def reference_model(model: torch.nn.Module, runtime: Runtime) -> Callable[[], contextlib.AbstractContextManager]:
+    """The initial weights of a run from a checkpoint, to score with: a function whose context yields
+    the reference module, with no gradient, under the runtime's autocast. With adapters: `model`
+    itself, adapters disabled; without: a frozen copy of `model` as it is now, eval mode. DPO's
+    sequence log-probabilities (`live_reference`) and RL's KL term (`train.rl.token_reference`)
+    both score with it.
 
     Raises:
         ConfigError: `model` has adapters and some other parameter trains.
     """
     if lora.has_adapters(model):
         check_only_adapters_train(model)
+        target, disable = model, lambda: lora.adapters_disabled(model)
+    else:
+        target = copy.deepcopy(model).to(runtime.device).eval()
+        for p in target.parameters():
+            p.requires_grad_(False)
+        disable = contextlib.nullcontext
 
-        @torch.no_grad()
-        def ref(batch: PairBatch):
-            with lora.adapters_disabled(model), runtime.autocast():
-                return sequence_logps(model, batch)
+    @contextlib.contextmanager
+    def scoring():
+        with torch.no_grad(), disable(), runtime.autocast():
+            yield target
 
-        return ref
-    frozen = copy.deepcopy(model).to(runtime.device).eval()
-    for p in frozen.parameters():
-        p.requires_grad_(False)
+    return scoring
 
-    @torch.no_grad()
+
+def live_reference(model: torch.nn.Module, runtime: Runtime) -> Reference:
+    """The reference computed at every step (`reference_model`): (chosen, rejected) log-probabilities
+    of a pair batch.
+
+    Raises:
+        ConfigError: `model` has adapters and some other parameter trains.
+    """
+    scoring = reference_model(model, runtime)
+
     def ref(batch: PairBatch):
-        with runtime.autocast():
-            return sequence_logps(frozen, batch)
+        with scoring() as reference:
+            return sequence_logps(reference, batch)
 
     return ref
 
@@ -195,5 +211,5 @@ class DPOObjective(TokenObjective):
         return out
 
 
-__all__ = ["DPOObjective", "STATS", "sequence_logps", "live_reference", "precompute", "table_reference",
+__all__ = ["DPOObjective", "STATS", "sequence_logps", "live_reference", "reference_model", "precompute", "table_reference",
            "check_only_adapters_train"]

@@ -29,7 +29,6 @@ is small), `val_parse_end` and `val_trivial_rate`.
 from __future__ import annotations
 
 import contextlib
-import copy
 import hashlib
 import time
 from collections import Counter
@@ -260,23 +259,16 @@ class RLObjective(TokenObjective):
 
 
 def token_reference(model: torch.nn.Module, runtime: Runtime, temperature: float):
-    """(RLBatch) -> (R, T) float32 log-probabilities under the initial weights, no grad: with
-    adapters, `model` itself with them disabled; without, a frozen copy of `model` as it is now."""
-    if lora.has_adapters(model):
-        from lmforge.train.dpo import check_only_adapters_train
+    """(RLBatch) -> (R, T) float32 log-probabilities under the initial weights, no grad
+    (`train.dpo.reference_model`: with adapters, `model` itself with them disabled; without, a
+    frozen copy of `model` as it is now)."""
+    from lmforge.train.dpo import reference_model
 
-        check_only_adapters_train(model)
-        target = model
-    else:
-        target = copy.deepcopy(model).to(runtime.device).eval()
-        for p in target.parameters():
-            p.requires_grad_(False)
+    scoring = reference_model(model, runtime)
 
-    @torch.no_grad()
     def ref(batch: RLBatch) -> torch.Tensor:
-        ctx = lora.adapters_disabled(model) if target is model else contextlib.nullcontext()
-        with ctx, runtime.autocast():
-            return token_logps(target(batch.tokens, batch.positions), batch.targets, temperature)
+        with scoring() as reference:
+            return token_logps(reference(batch.tokens, batch.positions), batch.targets, temperature)
 
     return ref
 
