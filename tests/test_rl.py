@@ -371,10 +371,14 @@ def test_the_doctests_reward_logs_the_same_figures_on_every_step(tiny_run, init_
     the sandbox's verdict counts included when a reward runs code."""
     cfg, _ = tiny_run
     sig = 'def IS_CHARACTER_JUNK(ch, ws=" \\t"):'
-    data = prompts_file(tmp_path / "p.jsonl", n=4, module="difflib", qualname="IS_CHARACTER_JUNK", signature=sig)
-    rl_stage(rl_cfg(cfg, init_ckpt, data, rewards=["static", "doctests"], steps=2), tmp_path / "rl", progress=False)
+    data = prompts_file(tmp_path / "p.jsonl", n=4, module="difflib", qualname="IS_CHARACTER_JUNK", signature=sig,
+                        reference="    return ch in ws")
+    c = rl_cfg(cfg, init_ckpt, data, rewards=["static", "doctests", "behaviour"], steps=2, val_examples=4)
+    last = rl_stage(replace(c, data=replace(c.data, val_fraction=0.5)), tmp_path / "rl", progress=False)
+    n = last["val_behaviour_n"]  # every held-out prompt is a function the behaviour cases cover
+    assert n == last["val_n"] >= 1 and last["val_behaviour_lo"] <= last["val_behaviour"] <= last["val_behaviour_hi"]
     rows = [r for r in read_metrics(tmp_path / "rl") if "reward" in r]
     keys = [{k for k in r if not k.startswith("val_")} for r in rows]
     assert len(rows) == 2 and keys[0] == keys[1]
-    assert {"rewards/static", "rewards/doctests", "sandbox/PASS", "sandbox/ERROR"} <= rows[0].keys()
-    assert all(r["sandbox/ERROR"] == 0 for r in rows)
+    assert {"rewards/static", "rewards/doctests", "rewards/behaviour", "sandbox/PASS", "sandbox/ERROR"} <= rows[0].keys()
+    assert all(r["sandbox/ERROR"] == 0 and r["applies/behaviour"] == 1.0 for r in rows)

@@ -42,7 +42,10 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from lmforge.errors import LmforgeError
@@ -54,6 +57,8 @@ MAX_ERROR_SHARE = 0.01
 TIMEOUT_S = 5.0
 MEMORY_BYTES = 1 << 30
 FILE_BYTES = 1 << 20
+#: The most of a child's messages the parent keeps (a probe's cases travel on the pipe).
+MESSAGE_BYTES = 16 << 20
 
 
 class SandboxError(LmforgeError):
@@ -62,19 +67,22 @@ class SandboxError(LmforgeError):
 
 @dataclass(frozen=True)
 class Result:
-    """One job's verdict (one of VERDICTS), a one-line reason, and the wall-clock seconds."""
+    """One job's verdict (one of VERDICTS), a one-line reason, the wall-clock seconds, and what a
+    "probe" job found (`run_job`)."""
 
     verdict: str
     detail: str
     seconds: float
+    data: object = None
 
 
 # The child's program. Everything lives inside main(): no module global holds the nonce, and the
 # hook's state is a closure the candidate cannot reach once frames and the collector are refused.
 _HARNESS = r'''
 def main():
-    import builtins, contextlib, doctest, importlib, io, json, os, sys
+    import builtins, contextlib, doctest, importlib, io, json, os, signal, sys
     fd = int(sys.argv[1])
+    _limits(float(sys.argv[2]), int(sys.argv[3]))
     job = json.loads(sys.stdin.buffer.read())
     nonce = job.pop("nonce")
     null = os.open(os.devnull, os.O_RDONLY)
@@ -121,10 +129,14 @@ def main():
                 if isinstance(a, (str, bytes, os.PathLike)) and not inside(a):
                     raise PermissionError(f"sandbox: {event} outside the sandbox folder is refused")
 
+    def expire(signum, frame):
+        raise TimeoutError("over the per-call time limit")
+
+    signal.signal(signal.SIGALRM, expire)
     sys.addaudithook(hook)
     try:
         mod = importlib.import_module(job["module"]) if job.get("module") else None
-        ref = getattr(mod, job["function"], None) if mod is not None else None
+        ref = getattr(mod, job.get("function", ""), None) if mod is not None else None
         doc = job.get("doc") if job.get("doc") is not None else (getattr(ref, "__doc__", None) or "")
         ns = dict(vars(mod)) if mod is not None else {"__name__": "__sandbox__", "__builtins__": builtins}
     except BaseException as exc:
@@ -132,10 +144,15 @@ def main():
         return
     say(ready=True)
     out = io.StringIO()
-    verdict, detail = "FAIL", ""
+    verdict, detail, data = "FAIL", "", None
     guard[0] = True
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+            if job["kind"] == "probe":  # the references themselves, on inputs: no candidate
+                data = {name: _probe(getattr(mod, name, None), inputs, signal, job.get("call_s", 0.25))
+                        for name, inputs in job["probes"].items()}
+                verdict, detail = "PASS", f"{sum(map(len, data.values()))} cases kept"
+                raise StopIteration
             exec(compile(job["source"], "<candidate>", "exec"), ns)
             cand = ns.get(job["function"])
             if not callable(cand):
@@ -148,6 +165,8 @@ def main():
                 verdict, detail = _cases(cand, job["cases"])
             else:
                 verdict, detail = "ERROR", f"unknown job kind {job['kind']!r}"
+    except StopIteration:
+        pass
     except MemoryError:
         verdict, detail = "OOM", "MemoryError"
     except RecursionError:
@@ -155,7 +174,7 @@ def main():
     except BaseException as exc:
         verdict, detail = "FAIL", f"{type(exc).__name__}: {str(exc)[:160]}"
     guard[0] = False
-    say(verdict=verdict, detail=detail)
+    say(verdict=verdict, detail=detail, data=data)
 
 
 def _doctests(doctest, out, doc, ns, name):
@@ -184,10 +203,24 @@ def _doctests(doctest, out, doc, ns, name):
     return "PASS", f"{len(examples)} examples"
 
 
+def _outcome(fn, args):
+    # (repr of the value returned, repr of the arguments after the call): an iterator is read
+    # (at most 1000 items), so a generator compares by what it yields
+    a = eval(args, {"__builtins__": {}})
+    r = fn(*a)
+    if hasattr(r, "__next__") and not isinstance(r, (str, bytes)):
+        import itertools
+        r = list(itertools.islice(r, 1000))
+    return repr(r), repr(a)
+
+
 def _cases(cand, cases):
-    for i, (args, want) in enumerate(cases):
+    for i, case in enumerate(cases):
+        args, want = case[0], case[1]
         try:
-            got = repr(cand(*eval(args)))
+            got, after = _outcome(cand, args)
+            if len(case) > 2 and after != case[2]:
+                got = f"{got} (arguments left as {after})"
         except MemoryError:
             return "OOM", f"case {i + 1}: MemoryError"
         except Exception as exc:
@@ -197,8 +230,46 @@ def _cases(cand, cases):
     return "PASS", f"{len(cases)} cases"
 
 
+def _probe(ref, inputs, signal, call_s):
+    # the cases a reference gives: each input run twice under a per-call timer; kept when both
+    # runs return the same (no raise, no address in the text, at most 2000 characters)
+    kept = []
+    if not callable(ref):
+        return kept
+    for args in inputs:
+        seen = []
+        for _ in range(2):
+            signal.setitimer(signal.ITIMER_REAL, call_s)
+            try:
+                seen.append(_outcome(ref, args))
+            except TimeoutError:
+                return []  # a function this slow on a small input is not one to test by calling it
+            except BaseException:
+                seen.append(None)
+            finally:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+        r = seen[0]
+        if r is not None and r == seen[1] and " at 0x" not in r[0] + r[1] and len(r[0]) + len(r[1]) <= 2000:
+            kept.append([args, r[0], r[1]])
+    return kept
+
+
+def _limits(timeout, memory_bytes):
+    import resource
+    cpu = int(timeout) + 1
+    for name, value in (("RLIMIT_AS", memory_bytes), ("RLIMIT_CPU", cpu), ("RLIMIT_FSIZE", FILE_BYTES),
+                        ("RLIMIT_NOFILE", 64), ("RLIMIT_CORE", 0), ("RLIMIT_NPROC", 64)):
+        limit = getattr(resource, name, None)
+        if limit is not None:
+            try:
+                resource.setrlimit(limit, (value, value))
+            except (ValueError, OSError):
+                pass
+
+
+FILE_BYTES = @FILE_BYTES@
 main()
-'''
+'''.replace("@FILE_BYTES@", str(FILE_BYTES))
 
 
 @functools.cache
@@ -223,73 +294,191 @@ def isolation_line() -> str:
     return f"sandbox: generated code runs in a fresh `python -I` with limits, an audit hook and {net}"
 
 
-def _limits(timeout: float, memory_bytes: int) -> None:
-    import resource
+class _Worker:
+    """One sandboxed interpreter, started and waiting for its job on stdin (its temporary folder,
+    the read end of its verdict pipe drained by a thread, the nonce its messages must carry)."""
 
-    cpu = int(timeout) + 1
-    for name, value in (("RLIMIT_AS", memory_bytes), ("RLIMIT_CPU", cpu), ("RLIMIT_FSIZE", FILE_BYTES),
-                        ("RLIMIT_NOFILE", 64), ("RLIMIT_CORE", 0), ("RLIMIT_NPROC", 64)):
-        limit = getattr(resource, name, None)
-        if limit is not None:
+    def __init__(self, timeout: float, memory_bytes: int):
+        self.timeout, self.memory_bytes = timeout, memory_bytes
+        self.started = time.perf_counter()
+        self.nonce = secrets.token_hex(16)
+        self.data = bytearray()
+        self.proc: subprocess.Popen | None = None
+        self.error = ""
+        read_fd, write_fd = os.pipe()
+        self.read_fd = read_fd
+        self.folder = tempfile.mkdtemp(prefix="lmforge-sandbox-")
+        cmd = [sys.executable, "-I", "-c", _HARNESS, str(write_fd), repr(float(timeout)), str(int(memory_bytes))]
+        if network_isolation():
+            cmd = network_isolation().split() + cmd
+        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LANG": "C.UTF-8", "PYTHONHASHSEED": "0"}
+        try:
+            self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                                         stderr=subprocess.DEVNULL, cwd=self.folder, env=env, pass_fds=(write_fd,),
+                                         start_new_session=True)
+        except OSError as exc:
+            self.error = f"could not start the sandbox: {exc.strerror}"
+        finally:
+            os.close(write_fd)
+        self.reader = threading.Thread(target=self._drain, daemon=True)
+        self.reader.start()
+
+    def _drain(self) -> None:
+        # read the verdict pipe while the child runs (a big message must not fill the pipe and stall it)
+        while True:
             try:
-                resource.setrlimit(limit, (value, value))
-            except (ValueError, OSError):
-                pass
+                chunk = os.read(self.read_fd, 1 << 16)
+            except OSError:
+                return
+            if not chunk:
+                return
+            if len(self.data) < MESSAGE_BYTES:
+                self.data += chunk
+
+    def send(self, job: dict) -> None:
+        """Hand the worker its job (the clock of its time limit starts here)."""
+        self.started = time.perf_counter()
+        if self.proc is None:
+            return
+        try:
+            self.proc.stdin.write(json.dumps({**job, "nonce": self.nonce}).encode())
+            self.proc.stdin.close()
+        except (BrokenPipeError, OSError):
+            pass  # the child died before reading its job: its exit status says why
+
+    def wait(self) -> Result:
+        """The job's verdict; the process group is killed and the folder removed."""
+        killed = False
+        try:
+            if self.proc is None:
+                return Result("ERROR", self.error, time.perf_counter() - self.started)
+            try:
+                self.proc.wait(timeout=max(self.timeout - (time.perf_counter() - self.started), 0.01))
+            except subprocess.TimeoutExpired:
+                killed = True
+            _kill_group(self.proc)  # on a timeout, and anything the child left running in its group
+            self.reader.join(timeout=2.0)
+        finally:
+            self.close()
+        seconds = time.perf_counter() - self.started
+        messages = _messages(bytes(self.data), self.nonce)
+        ready = any(m.get("ready") for m in messages)
+        final = next((m for m in messages if "verdict" in m), None)
+        if killed:
+            return Result("TIMEOUT", f"still running after {self.timeout:g} s (the process group was killed)", seconds)
+        if final is not None and final["verdict"] in (*VERDICTS, "NODOC"):
+            return Result(final["verdict"], str(final.get("detail", ""))[:200], seconds, final.get("data"))
+        code = self.proc.returncode
+        if code in (-signal.SIGXCPU, -signal.SIGKILL) and ready:
+            what = "TIMEOUT" if code == -signal.SIGXCPU else "OOM"
+            return Result(what, f"killed by signal {-code} ({signal.Signals(-code).name})", seconds)
+        if ready:
+            return Result("FAIL", f"the candidate ended the process (exit status {code}) before a verdict", seconds)
+        return Result("ERROR", f"the harness ended (exit status {code}) before the candidate ran", seconds)
+
+    def close(self) -> None:
+        """Kill the worker if it still runs; remove its folder; close the pipe (idempotent)."""
+        if self.proc is not None and self.proc.returncode is None:
+            _kill_group(self.proc)
+            self.reader.join(timeout=2.0)
+        if self.folder:
+            shutil.rmtree(self.folder, ignore_errors=True)
+            self.folder = ""
+        if self.read_fd >= 0 and not self.reader.is_alive():
+            os.close(self.read_fd)
+            self.read_fd = -1
 
 
 def run_job(job: dict, timeout: float = TIMEOUT_S, memory_bytes: int = MEMORY_BYTES) -> Result:
     """Run one job in a fresh sandboxed interpreter and return its verdict.
 
-    `job`: {"kind": "doctest" | "cases", "source": the candidate (a module defining `function`),
-    "function": its name, "module": the module it replaces the reference in ("" for none),
-    "doc": the docstring whose examples to run (kind "doctest"; default the reference's),
-    "cases": [[args as a Python literal of a tuple, repr of the expected value or "raise Name"]]
-    (kind "cases")}. `timeout`: wall-clock seconds; `memory_bytes`: the address-space limit.
+    `job`: {"kind": "doctest" | "cases" | "probe", "source": the candidate (a module defining
+    `function`), "function": its name, "module": the module it replaces the reference in ("" for
+    none), "doc": the docstring whose examples to run (kind "doctest"; default the reference's),
+    "cases": [[args, want] or [args, want, args_after]] (kind "cases": `args` a Python literal of
+    a tuple, `want` the repr of the value returned (an iterator: the list of what it yields) or
+    "raise Name", `args_after` the repr of the arguments after the call), "probes": {name: [args,
+    ...]} (kind "probe": no candidate; each of `module`'s functions `name` is called twice on each
+    input, and `Result.data` is {name: [[args, want, args_after], ...]} for the inputs where both
+    calls returned the same within "call_s" seconds (default 0.25))}. `timeout`: wall-clock
+    seconds; `memory_bytes`: the address-space limit.
     """
-    start = time.perf_counter()
-    nonce = secrets.token_hex(16)
-    read_fd, write_fd = os.pipe()
-    folder = tempfile.mkdtemp(prefix="lmforge-sandbox-")
-    cmd = [sys.executable, "-I", "-c", _HARNESS, str(write_fd)]
-    if network_isolation():
-        cmd = network_isolation().split() + cmd
-    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LANG": "C.UTF-8", "PYTHONHASHSEED": "0"}
-    killed = False
-    try:
+    worker = _Worker(timeout, memory_bytes)
+    worker.send(job)
+    return worker.wait()
+
+
+class Pool:
+    """Sandboxed interpreters started ahead of their jobs, run `workers` at a time.
+
+    A job's own run is ~10 ms; starting `python -I` is most of the ~70 ms a fresh `run_job`
+    takes. The pool keeps `workers` interpreters started and waiting (each still runs exactly one
+    job, in its own folder: nothing carries over between jobs) and starts the next while a job
+    runs. `map` returns the same verdicts `run_job` would, in order. Use it as a context manager,
+    or call `close` (it kills the waiting interpreters and removes their folders).
+    """
+
+    def __init__(self, workers: int = 0, timeout: float = TIMEOUT_S, memory_bytes: int = MEMORY_BYTES):
+        self.workers = workers or max(1, min(4, os.cpu_count() or 1))
+        self.timeout, self.memory_bytes = timeout, memory_bytes
+        self._ready: list[_Worker] = []
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def _take(self) -> _Worker:
+        with self._lock:
+            worker = self._ready.pop() if self._ready else None
+        return worker or _Worker(self.timeout, self.memory_bytes)
+
+    def _refill(self) -> None:
+        with self._lock:
+            if self._closed or len(self._ready) >= self.workers:
+                return
+        worker = _Worker(self.timeout, self.memory_bytes)
+        with self._lock:
+            if not self._closed and len(self._ready) < self.workers:
+                self._ready.append(worker)
+                return
+        worker.close()
+
+    def _run(self, job: dict, timeout: float | None = None) -> Result:
+        if timeout is not None and timeout != self.timeout:  # other limits: an interpreter of its own
+            return run_job(job, timeout, self.memory_bytes)
+        worker = self._take()
+        worker.send(job)
+        self._refill()  # the next interpreter starts while this job runs
+        return worker.wait()
+
+    def map(self, jobs: Sequence[dict], timeout: float | None = None) -> list[Result]:
+        """Every job's verdict, in order (at most `workers` run at once); `timeout`: wall-clock
+        seconds of each of these jobs (default the pool's)."""
+        if not jobs:
+            return []
+        if self._closed:
+            raise RuntimeError("this sandbox pool is closed")
+        if len(jobs) == 1 or self.workers == 1:
+            return [self._run(j, timeout) for j in jobs]
+        with ThreadPoolExecutor(self.workers) as ex:
+            return list(ex.map(lambda j: self._run(j, timeout), jobs))
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            ready, self._ready = self._ready, []
+        for worker in ready:
+            worker.close()
+
+    def __enter__(self) -> "Pool":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
         try:
-            proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                    cwd=folder, env=env, pass_fds=(write_fd,), start_new_session=True,
-                                    preexec_fn=lambda: _limits(timeout, memory_bytes))
-        except OSError as exc:
-            return Result("ERROR", f"could not start the sandbox: {exc.strerror}", time.perf_counter() - start)
-        finally:
-            os.close(write_fd)
-        try:
-            proc.communicate(json.dumps({**job, "nonce": nonce}).encode(), timeout=timeout)
-        except subprocess.TimeoutExpired:
-            killed = True
-            _kill_group(proc)
-        except (BrokenPipeError, OSError):
-            proc.wait()  # the child died before reading its job
-        _kill_group(proc)  # anything the child left running in its group
-        messages = _read_messages(read_fd, nonce)
-    finally:
-        os.close(read_fd)
-        shutil.rmtree(folder, ignore_errors=True)
-    seconds = time.perf_counter() - start
-    ready = any(m.get("ready") for m in messages)
-    final = next((m for m in messages if "verdict" in m), None)
-    if killed:
-        return Result("TIMEOUT", f"still running after {timeout:g} s (the process group was killed)", seconds)
-    if final is not None and final["verdict"] in (*VERDICTS, "NODOC"):
-        return Result(final["verdict"], str(final.get("detail", ""))[:200], seconds)
-    code = proc.returncode
-    if code in (-signal.SIGXCPU, -signal.SIGKILL) and ready:
-        what = "TIMEOUT" if code == -signal.SIGXCPU else "OOM"
-        return Result(what, f"killed by signal {-code} ({signal.Signals(-code).name})", seconds)
-    if ready:
-        return Result("FAIL", f"the candidate ended the process (exit status {code}) before a verdict", seconds)
-    return Result("ERROR", f"the harness ended (exit status {code}) before the candidate ran", seconds)
+            self.close()
+        except Exception:
+            pass
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -300,20 +489,8 @@ def _kill_group(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
-def _read_messages(fd: int, nonce: str) -> list[dict]:
+def _messages(data: bytes, nonce: str) -> list[dict]:
     """The child's messages that carry the parent's nonce (anything else on the pipe is ignored)."""
-    os.set_blocking(fd, False)
-    data = b""
-    while True:
-        try:
-            chunk = os.read(fd, 1 << 16)
-        except BlockingIOError:
-            break
-        if not chunk:
-            break
-        data += chunk
-        if len(data) > 1 << 20:
-            break
     out = []
     for line in data.decode("utf-8", "replace").splitlines():
         try:
@@ -338,5 +515,5 @@ def check_errors(results: list[Result], what: str) -> None:
                            f"Check that `{sys.executable} -I` starts here.")
 
 
-__all__ = ["MAX_ERROR_SHARE", "Result", "SandboxError", "VERDICTS", "check_errors", "isolation_line",
+__all__ = ["MAX_ERROR_SHARE", "Pool", "Result", "SandboxError", "VERDICTS", "check_errors", "isolation_line",
            "network_isolation", "run_job"]

@@ -123,7 +123,7 @@ class DPOConfig(TuningConfig):
 #: `rl.loss_type`'s choices: how the summed policy-gradient term is normalised (lmforge.train.rl).
 RL_LOSS_TYPES = ("dr_grpo", "dapo", "grpo")
 #: The rewards lmforge ships (lmforge.scorers.rewards); `rl.rewards` may also name "package.module:function".
-RL_REWARDS = ("static", "doctests")
+RL_REWARDS = ("static", "doctests", "behaviour")
 _NO_RL = "the other stages do not read [rl]"
 _RL_LOSS = refused(RL, "the loss of every step, the steps taken included", _NO_RL)
 _RL_ROLLOUT = refused(RL, "the rollouts of every step (what is sampled and how it is scored)", _NO_RL)
@@ -169,10 +169,12 @@ class RLConfig(TuningConfig):
     max_new_tokens: int = num(96, 1, 1 << 16, _RL_ROLLOUT)
     """The token budget of a completion; one cut off by it scores 0 (and is counted)."""
     rewards: list[str] = items(RL_REWARDS[:1], _RL_ROLLOUT, check=_check_rewards)
-    """The reward functions, averaged: "static" (parses under its signature, ends its turn, not
-    trivial, every name resolves), "doctests" (its docstring examples pass, in lmforge.sandbox),
-    or "package.module:function" (yours: called as TRL calls one, f(completions=[...],
-    prompts=[...], **the prompt records' other fields) -> a number in [0, 1] per completion)."""
+    """The reward functions, averaged over those that apply: "static" (parses under its signature,
+    ends its turn, not trivial, every name resolves), "doctests" (its docstring examples pass, in
+    lmforge.sandbox), "behaviour" (returns what the real function returns on generated inputs, in
+    lmforge.sandbox; applies to top-level functions callable with plain values), or
+    "package.module:function" (yours: called as TRL calls one, f(completions=[...], prompts=[...],
+    **the prompt records' other fields) -> a number in [0, 1], or None, per completion)."""
     loss_type: str = choice("dr_grpo", RL_LOSS_TYPES, _RL_LOSS)
     """How the summed term is normalised: "dr_grpo" (by rows x max_new_tokens, a constant: no
     length bias), "dapo" (by the completion tokens of the step, Yu et al. 2025, arXiv 2503.14476)

@@ -3,8 +3,11 @@ summary, evaluation and (later) reinforcement-learning rewards share one impleme
 
     python_bodies   a generated function body that parses under its signature and ends its
                     turn (`body_parse_rate`), and the held-out prompts it is asked for
-    doctests        the function's own docstring examples run against the generated body in a
-                    subprocess with a timeout (`run_doctests`, `doctest_pass_rate`)
+    doctests        the function's own docstring examples run against the generated body in
+                    lmforge.sandbox (`run_doctests`, `doctest_pass_rate`)
+    static          the static check (parses, ends its turn, not trivial, names resolve)
+    behaviour       differential testing against the real function (the behaviour reward)
+    rewards         the `rl.rewards` functions
 """
 
 from lmforge.scorers.doctests import doctest_pass_rate, run_doctests

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from lmforge.sandbox import TIMEOUT_S, run_job
+from lmforge.sandbox import TIMEOUT_S, Pool, run_job
 
 
 def run_doctests(module: str, function: str, source: str, timeout: float = TIMEOUT_S) -> str:
@@ -30,18 +30,27 @@ def doctest_pass_rate(items: Sequence[dict], bodies: Sequence[dict], timeout: fl
     """`items`: sft_val.jsonl records (name "module:qualname", signature, body); `bodies`: the
     matching `body_parse_rate` examples (body, stopped). Returns {"n": functions scored (top
     level, with examples their reference passes), "passed", "fraction", "names", "errors":
-    functions left out because the sandbox itself failed on them (never counted as a fail)}."""
+    functions left out because the sandbox itself failed on them (never counted as a fail)}.
+    Runs on a `sandbox.Pool` (pre-started interpreters, as many at once as there are cores)."""
     from lmforge.data.stdlib_functions import place_body
 
-    scored, passed, names, errors = 0, 0, [], 0
+    def job(module: str, qualname: str, signature: str, body: str) -> dict:
+        return {"kind": "doctest", "module": module, "function": qualname, "source": place_body(signature, body)}
+
+    todo = []
     for r, b in zip(items, bodies):
         module, _, qualname = r["name"].partition(":")
-        if not module or not qualname or "." in qualname or "signature" not in r:
-            continue
-        if run_doctests(module, qualname, place_body(r["signature"], r["body"]), timeout) != "PASS":
-            continue  # no examples, or the reference itself fails them here
-        verdict = run_doctests(module, qualname, place_body(r["signature"], b["body"]), timeout) if b["stopped"] \
-            else "FAIL"
+        if module and qualname and "." not in qualname and "signature" in r:
+            todo.append((r, b, module, qualname))
+    with Pool(timeout=timeout) as pool:
+        refs = pool.map([job(m, q, r["signature"], r["body"]) for r, _, m, q in todo])
+        todo = [t for t, ref in zip(todo, refs) if ref.verdict == "PASS"]  # else no examples, or the reference fails here
+        ran = [t for t in todo if t[1]["stopped"]]
+        verdicts = dict(zip(map(id, ran), pool.map([job(m, q, r["signature"], b["body"]) for r, b, m, q in ran])))
+    scored, passed, names, errors = 0, 0, [], 0
+    for t in todo:
+        r = t[0]
+        verdict = verdicts[id(t)].verdict if id(t) in verdicts else "FAIL"  # cut off: not run
         if verdict == "ERROR":
             errors += 1
             continue

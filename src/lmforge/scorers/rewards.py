@@ -1,18 +1,24 @@
 """Rewards for reinforcement learning: functions over (prompt record, completion) -> a number in
-[0, 1], verifiable and offline.
+[0, 1], or None where the reward does not apply to the prompt (TRL's convention); verifiable
+and offline.
 
     static     `scorers.static`: the body parses under its signature, ends its turn, is not
                trivial, reads a parameter, every name it loads resolves (in process, µs)
     doctests   the function's own `>>>` examples pass, the body replacing the reference in its
-               module, in `lmforge.sandbox` (~70 ms a completion); 0 for a body the static check
-               already refuses (it is not run)
+               module, in `lmforge.sandbox` (~30 ms a completion on a pre-started interpreter); 0
+               for a body the static check already refuses (it is not run)
+    behaviour  `scorers.behaviour`: the body returns what the real function returns on its
+               doctest arguments, their mutations and small typed pools (EvalPlus-style
+               differential testing), in the sandbox; None for a function it cannot call
+               (a method, inputs that are not literals); 0 for a body the static check refuses
     yours      "package.module:function" (on PYTHONPATH, or a module in the current folder),
                called as TRL calls a reward function:
                f(completions=[text, ...], prompts=[[{role, content}, ...], ...], **fields), each
                extra field of the prompt records as a list (one value per completion); it returns
-               one number in [0, 1] per completion
+               one number in [0, 1] (or None: does not apply) per completion
 
-A completion cut off by the token budget scores 0 whatever the function says (`score`).
+A completion's reward is the mean of the rewards that apply to it (0 when none does); a
+completion cut off by the token budget scores 0 whatever the functions say (`score`).
 Sandbox ERRORs (the harness's own faults) are never a silent 0: `score` counts them and
 `sandbox.check_errors` refuses a step where they pass 1%.
 """
@@ -28,8 +34,14 @@ from dataclasses import dataclass, field
 
 from lmforge.data.prompts import Prompt
 from lmforge.errors import ConfigError, LmforgeError
-from lmforge.sandbox import Result, run_job
+from lmforge.sandbox import Pool, Result
+from lmforge.scorers.behaviour import Behaviour
 from lmforge.scorers.static import static_verdict
+
+
+#: The rewards that run generated code in the sandbox.
+SANDBOXED = frozenset({"doctests", "behaviour"})
+
 
 class RewardError(LmforgeError):
     """A reward function that cannot be loaded, raises, or returns something that is not a reward."""
@@ -46,12 +58,13 @@ def _fields(prompt: Prompt, names: tuple[str, ...], reward: str) -> list:
 
 @dataclass
 class Scored:
-    """The rewards of a batch of completions: `total` (R,) the mean over the reward functions (0
-    for a completion cut off), `each` {name: (R,)}, the sandbox `results`, and per completion the
-    static check's reason ("" = passed)."""
+    """The rewards of a batch of completions: `total` (R,) the mean over the reward functions that
+    apply (0 for a completion cut off, or when none applies), `each` {name: (R,) floats, None
+    where it does not apply}, the sandbox `results`, and per completion the static check's reason
+    ("" = passed)."""
 
     total: list[float]
-    each: dict[str, list[float]]
+    each: dict[str, list[float | None]]
     results: list[Result] = field(default_factory=list)
     reasons: list[str] = field(default_factory=list)
 
@@ -67,13 +80,41 @@ class Rewards:
         self.names = list(names)
         self.timeout_s = timeout_s
         self.user: dict[str, Callable] = {n: _import(n) for n in self.names if ":" in n}
+        self._pool: Pool | None = None
+        self._behaviour: Behaviour | None = None
+
+    @property
+    def pool(self) -> Pool:
+        """The sandbox's pre-started interpreters (started on first use)."""
+        if self._pool is None:
+            self._pool = Pool(timeout=self.timeout_s)
+        return self._pool
+
+    def close(self) -> None:
+        """Stop the sandbox's waiting interpreters."""
+        if self._pool is not None:
+            self._pool.close()
+            self._pool, self._behaviour = None, None
+
+    def static_reasons(self, prompts: Sequence[Prompt], completions: Sequence[str],
+                       stopped: Sequence[bool]) -> list[str]:
+        """Per completion the static check's reason ("" = passed, or no signature to check)."""
+        return [static_verdict(p.fields["signature"], c, s, p.fields.get("module", "")).reason
+                if "signature" in p.fields else "" for p, c, s in zip(prompts, completions, stopped)]
+
+    def behaviour(self, prompts: Sequence[Prompt], completions: Sequence[str],
+                  reasons: Sequence[str]) -> tuple[list[float | None], list[Result]]:
+        """The behaviour reward (None where it does not apply) and its sandbox results; a body the
+        static check refused (`reasons[i]` not "") scores 0 without running."""
+        if self._behaviour is None:
+            self._behaviour = Behaviour(self.pool)
+        return self._behaviour.score(prompts, completions, [not why for why in reasons])
 
     def score(self, prompts: Sequence[Prompt], completions: Sequence[str], stopped: Sequence[bool]) -> Scored:
         """Score R completions (`prompts[i]` is completion i's prompt)."""
-        # the static check once per completion: the static reward, and the gate of the doctests reward
-        reasons = [static_verdict(p.fields["signature"], c, s, p.fields.get("module", "")).reason
-                   if "signature" in p.fields else "" for p, c, s in zip(prompts, completions, stopped)]
-        each: dict[str, list[float]] = {}
+        # the static check once per completion: the static reward, and the gate of the sandboxed rewards
+        reasons = self.static_reasons(prompts, completions, stopped)
+        each: dict[str, list[float | None]] = {}
         results: list[Result] = []
         for name in self.names:
             if name == "static":
@@ -81,23 +122,31 @@ class Rewards:
                     _fields(p, ("signature",), "static")
                 each[name] = [0.0 if why else 1.0 for why in reasons]
             elif name == "doctests":
-                each[name] = []
-                for p, c, s, why in zip(prompts, completions, stopped, reasons):
+                jobs, where = [], []
+                for i, (p, c, s, why) in enumerate(zip(prompts, completions, stopped, reasons)):
                     module, qualname, signature = _fields(p, ("module", "qualname", "signature"), "doctests")
-                    if why or not s:
-                        each[name].append(0.0)
-                        continue
-                    r = run_job({"kind": "doctest", "module": module, "function": qualname,
-                                 "source": signature + "\n" + c + "\n"}, timeout=self.timeout_s)
+                    if not why and s:
+                        jobs.append({"kind": "doctest", "module": module, "function": qualname,
+                                     "source": signature + "\n" + c + "\n"})
+                        where.append(i)
+                each[name] = [0.0] * len(completions)
+                for i, r in zip(where, self.pool.map(jobs)):
                     results.append(r)
-                    each[name].append(1.0 if r.verdict == "PASS" else 0.0)
+                    each[name][i] = 1.0 if r.verdict == "PASS" else 0.0
+            elif name == "behaviour":
+                for p in prompts:
+                    _fields(p, ("module", "qualname", "signature", "reference"), "behaviour")
+                each[name], found = self.behaviour(prompts, completions, reasons)
+                results += found
             else:
                 each[name] = self._call(name, prompts, completions)
-        total = [0.0 if not s else sum(each[n][i] for n in self.names) / len(self.names)
-                 for i, s in enumerate(stopped)]
+        total = []
+        for i, s in enumerate(stopped):
+            got = [each[n][i] for n in self.names if each[n][i] is not None]
+            total.append(sum(got) / len(got) if s and got else 0.0)
         return Scored(total, each, results, reasons)
 
-    def _call(self, name: str, prompts: Sequence[Prompt], completions: Sequence[str]) -> list[float]:
+    def _call(self, name: str, prompts: Sequence[Prompt], completions: Sequence[str]) -> list[float | None]:
         keys = sorted({k for p in prompts for k in p.fields})
         kwargs = {k: [p.fields.get(k) for p in prompts] for k in keys}
         try:
@@ -111,10 +160,13 @@ class Rewards:
                               f"{f' of {len(out)}' if isinstance(out, (list, tuple)) else ''}: expected a list of "
                               f"{len(completions)} numbers in [0, 1], one per completion.")
         for i, v in enumerate(out):
+            if v is None:
+                continue
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not 0 <= v <= 1:
                 raise RewardError(f"rl.rewards = {name!r} returned {v!r} for completion {i} (prompt "
-                                  f"{prompts[i].where}): expected a number in [0, 1].")
-        return [float(v) for v in out]
+                                  f"{prompts[i].where}): expected a number in [0, 1], or None where the reward "
+                                  f"does not apply.")
+        return [None if v is None else float(v) for v in out]
 
 
 def _import(spec: str) -> Callable:
@@ -136,4 +188,4 @@ def _import(spec: str) -> Callable:
     return fn
 
 
-__all__ = ["RewardError", "Rewards", "Scored"]
+__all__ = ["SANDBOXED", "RewardError", "Rewards", "Scored"]

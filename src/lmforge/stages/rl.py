@@ -28,7 +28,7 @@ from lmforge.data.prompts import Prompt, PromptStream, read_prompts, split_promp
 from lmforge.errors import ConfigError, DataError
 from lmforge.runtime import decode_runtime
 from lmforge.sandbox import isolation_line
-from lmforge.scorers.rewards import Rewards
+from lmforge.scorers.rewards import SANDBOXED, Rewards
 from lmforge.scorers.static import static_verdict
 from lmforge.stages.common import log, run_training, startup_report, training_session
 from lmforge.stages.tuning import chat_template_line, lora_line, require_training, start_tuning
@@ -143,12 +143,15 @@ def rl_stage(cfg: Config, out: str | Path, resume: bool = False, dry_run: bool =
                 log(f"rl: {lora_line(cfg, model, init)}")
             log(f"rl data: {len(train)} training prompts, {len(val)} held out; {dropped + val_dropped} left out "
                 f"(longer than {budget} tokens)")
-            if "doctests" in p.rewards:
+            if SANDBOXED & set(p.rewards) or (p.data == "stdlib" and val):
                 log(isolation_line())
         side = {RL_DATA_FILE: json.dumps(data_info, indent=2, default=str) + "\n"}
-        return run_training(session, tok.folder, model, stream, val_batches if val else None,
-                            resume=resume, dry_run=dry_run, progress=progress, side_files=side,
-                            objective=objective, inputs={} if p.data == "stdlib" else {"rl.data": Path(p.data)})
+        try:
+            return run_training(session, tok.folder, model, stream, val_batches if val else None,
+                                resume=resume, dry_run=dry_run, progress=progress, side_files=side,
+                                objective=objective, inputs={} if p.data == "stdlib" else {"rl.data": Path(p.data)})
+        finally:
+            rewards.close()
 
 
 __all__ = ["rl_stage", "load_prompts", "RL_DATA_FILE"]

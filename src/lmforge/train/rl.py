@@ -45,7 +45,8 @@ from lmforge.model.loss import group_advantages, policy_gradient_loss, token_log
 from lmforge.runtime import Runtime
 from lmforge.sandbox import VERDICTS, check_errors
 from lmforge.scorers.intervals import wilson_interval
-from lmforge.scorers.rewards import Rewards
+from lmforge.scorers.behaviour import Behaviour
+from lmforge.scorers.rewards import SANDBOXED, Rewards
 from lmforge.train.distributed import DistInfo, all_reduce_sum
 from lmforge.train.objective import TokenObjective
 
@@ -149,7 +150,8 @@ class RLObjective(TokenObjective):
         self._keys = sorted({"prompts", "rows", "reward", "reward_std", "frac_reward_zero_std",
                              "completions/mean_length", "completions/clipped_ratio", "stop_rate", "trivial_rate",
                              "rollout_s", "mismatch_kl", "tokens", *(f"rewards/{n}" for n in rewards.names),
-                             *(f"sandbox/{v}" for v in (*VERDICTS, "NODOC") if "doctests" in rewards.names)})
+                             *(f"applies/{n}" for n in rewards.names),
+                             *(f"sandbox/{v}" for v in (*VERDICTS, "NODOC") if SANDBOXED & set(rewards.names))})
 
     # -- rollouts ---------------------------------------------------------------------------------
     def next_batch(self, stream: PromptStream, model: torch.nn.Module) -> RLBatch:
@@ -180,7 +182,8 @@ class RLObjective(TokenObjective):
                          "trivial_rate": float(sum(r == "trivial" for r in scored.reasons)),
                          "rollout_s": time.perf_counter() - t0})
         for name, values in scored.each.items():
-            stats[f"rewards/{name}"] = float(sum(values))
+            stats[f"rewards/{name}"] = float(sum(v for v in values if v is not None))
+            stats[f"applies/{name}"] = float(sum(v is not None for v in values))
         for r in scored.results:
             stats[f"sandbox/{r.verdict}"] += 1
         batch.stats = dict(stats)
@@ -224,6 +227,9 @@ class RLObjective(TokenObjective):
                 out[k] = v / tokens
             elif k.startswith("sandbox/"):
                 out[k] = int(v)
+            elif k.startswith("rewards/"):  # over the completions the reward applies to
+                n = t.get("applies/" + k.split("/", 1)[1], rows)
+                out[k] = v / n if n else 0.0  # applies/NAME = 0 says it met no prompt it covers
             elif k == "rollout_s":
                 out[k] = round(v, 3)
             else:
@@ -236,9 +242,10 @@ class RLObjective(TokenObjective):
                  dist: DistInfo) -> dict:
         """Greedy completions of the held-out prompts (every rank scores all of them): `val_reward`,
         `val_static` with `val_static_lo` / `val_static_hi` (95% Wilson), `val_parse_end` (parses and
-        ends its turn), `val_trivial_rate`, `val_n`."""
+        ends its turn), `val_trivial_rate`, `val_n`; for standard-library prompts also
+        `val_behaviour` (with `_lo`, `_hi` and `_n`: the held-out functions it applies to)."""
         greedy = SamplingConfig(max_new_tokens=self.cfg.max_new_tokens, greedy=True, repetition_penalty=1.0)
-        n = reward = static = parse_end = trivial = 0.0
+        n = reward = static = parse_end = trivial = b_pass = b_n = 0.0
         for chunk in batches:
             rows = [self.val_ids[i] for i in chunk]
             recs = [self.val_prompts[i] for i in chunk]
@@ -252,10 +259,23 @@ class RLObjective(TokenObjective):
             static += sum(s and not why for s, why in zip(stopped, scored.reasons))
             parse_end += sum(s and why not in ("does not parse",) for s, why in zip(stopped, scored.reasons))
             trivial += sum(why == "trivial" for why in scored.reasons)
+            behaviour, results = scored.each.get("behaviour"), scored.results
+            if behaviour is None and all(Behaviour.key(r) for r in recs):
+                behaviour, found = self.rewards.behaviour(recs, texts, scored.reasons)
+                results = results + found
+            check_errors(results, "rl: the held-out prompts' completions")
+            for v in behaviour or ():
+                if v is not None:
+                    b_n += 1
+                    b_pass += v
         lo, hi = wilson_interval(int(static), int(n))
         d = max(n, 1.0)
-        return {"val_reward": reward / d, "val_static": static / d, "val_static_lo": lo, "val_static_hi": hi,
-                "val_parse_end": parse_end / d, "val_trivial_rate": trivial / d, "val_n": int(n)}
+        out = {"val_reward": reward / d, "val_static": static / d, "val_static_lo": lo, "val_static_hi": hi,
+               "val_parse_end": parse_end / d, "val_trivial_rate": trivial / d, "val_n": int(n)}
+        if b_n:
+            lo, hi = wilson_interval(int(b_pass), int(b_n))
+            out.update(val_behaviour=b_pass / b_n, val_behaviour_lo=lo, val_behaviour_hi=hi, val_behaviour_n=int(b_n))
+        return out
 
 
 def token_reference(model: torch.nn.Module, runtime: Runtime, temperature: float):
