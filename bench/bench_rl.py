@@ -13,7 +13,13 @@ constant learning rate), then the speedrun's own held-out figure:
   whose rewards are permuted within each micro-batch (it must stay near the baseline, or the
   figure moves for another reason than the reward);
 - each with its rates' 95% Wilson intervals (63 prompts), the RL steps taken and seconds.
-  `--seeds N` repeats every arm with N training seeds (mean, min-max).
+  `--seeds N` repeats every arm with N training seeds (mean, min-max);
+- behaviour (`scorers.behaviour`: the body returns what the real function returns on generated
+  inputs, in the sandbox), plain greedy, on every held-out function it covers (the SFT split's)
+  and on 64 training functions it covers, with 95% Wilson intervals.
+
+An arm is `NAME[:REWARDS]`: `full`, `lora` or `shuffled`, trained on `rl.rewards` REWARDS joined
+by "+" (default `--rewards`), e.g. `--arms full:static,full:static+behaviour,lora:static+behaviour`.
 
 Run: `python bench/bench_rl.py [--checkpoint DIR] [--minutes 2] [--seeds 3] [--arms full,shuffled,lora]`.
 Skipped (a note, exit 0) when the checkpoint is absent: `make speedrun` writes it.
@@ -74,6 +80,36 @@ def held_out(model, tok, items, seq_len: int) -> dict:
             "sft_loss": nats / max(count, 1)}
 
 
+def behaviour_sets(cfg, tok, rewards) -> dict[str, list]:
+    """The prompts the behaviour reward covers: every held-out one, and 64 training ones (cap_examples)."""
+    from lmforge.data.conversations import cap_examples
+    from lmforge.data.prompts import stdlib_prompts
+
+    budget = EVAL_NEW_TOKENS
+    ps = stdlib_prompts(cfg.data.val_fraction, cfg.rl.max_chars, False,
+                        keep=lambda ex: static_verdict(ex.signature, ex.body, True, ex.module).ok
+                        and len(tok.encode(ex.body)) < budget)
+    out = {}
+    for split, n in (("val", 0), ("train", 64)):
+        xs = [p for p in ps[split] if "." not in p.fields["qualname"]]
+        xs = cap_examples(xs, 10 * n, lambda p: p.key) if n else xs
+        rewards.behaviour(xs, [""] * len(xs), ["not run"] * len(xs))  # finds their cases
+        covered = [p for p in xs if rewards._behaviour.cases.get(p.where)]
+        out[split] = covered[:n] if n else covered
+    return out
+
+
+def behaviour_rate(model, tok, prompts, rewards) -> dict:
+    """Plain greedy bodies for `prompts`; the share the behaviour reward passes, with its interval."""
+    items = [{"messages": p.messages, "signature": p.fields["signature"], "name": p.where} for p in prompts]
+    r = body_parse_rate(model, tok, items, EVAL_NEW_TOKENS, runtime=decode_runtime())
+    bodies, stopped = [x["body"] for x in r["examples"]], [x["stopped"] for x in r["examples"]]
+    scores, _ = rewards.behaviour(prompts, bodies, rewards.static_reasons(prompts, bodies, stopped))
+    passed = sum(v or 0.0 for v in scores)
+    n = len(prompts)
+    return {"rate": passed / max(n, 1), "ci": wilson_interval(int(passed), n), "n": n}
+
+
 class ShuffledRewards(rl_module.Rewards):
     """The control: each micro-batch's rewards permuted (seeded), so they no longer say which
     completion was good."""
@@ -96,7 +132,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--lora-lr", type=float, default=5e-4)
     ap.add_argument("--beta", type=float, default=0.0, help="rl.beta: the KL term to the SFT model (0: none)")
     ap.add_argument("--seeds", type=int, default=1)
-    ap.add_argument("--arms", default="full,shuffled")
+    ap.add_argument("--arms", default="full,shuffled", help="NAME[:REWARDS], comma-separated (module docstring)")
+    ap.add_argument("--rewards", default="static", help="rl.rewards of an arm that names none, joined by '+'")
     ap.add_argument("--speed", action="store_true", help="measure the rollout's tokens/s against generate instead")
     ap.add_argument("--rounds", type=int, default=4)
     common.smoke_flag(ap)
@@ -164,18 +201,33 @@ def run(ckpt: Path, args, tmp: Path) -> dict:
     sft, tok, _, _ = load_checkpoint(ckpt)
     items = held_out_prompts(run_dir / SFT_VAL_FILE, tok, EVAL_PROMPTS, EVAL_NEW_TOKENS - 1)
     seq_len = base_cfg.data.seq_len
-    base = held_out(sft, tok, items, seq_len)
+    scorer = rl_module.Rewards(["static"])
+    sets = behaviour_sets(base_cfg, tok, scorer)
+
+    def measure(model) -> dict:
+        r = held_out(model, tok, items, seq_len)
+        for split, ps in sets.items():
+            r[f"behaviour_{split}"] = behaviour_rate(model, tok, ps, scorer)
+        return r
+
+    base = measure(sft)
     print(f"baseline: plain greedy parse + <|im_end|> {base['parse_end']:.1%} of {base['n']}, static "
-          f"{base['static']:.1%}, stubs {base['trivial']:.1%}, reads no parameter {base['reads_no_parameter']:.1%}, SFT loss {base['sft_loss']:.4f}", flush=True)
+          f"{base['static']:.1%}, stubs {base['trivial']:.1%}, reads no parameter {base['reads_no_parameter']:.1%}, "
+          f"SFT loss {base['sft_loss']:.4f}, behaviour held-out {_rate(base, 'val')}, training {_rate(base, 'train')}",
+          flush=True)
     arms = {"full": dict(lora=0, lr=args.lr, shuffled=False), "lora": dict(lora=16, lr=args.lora_lr, shuffled=False),
             "shuffled": dict(lora=0, lr=args.lr, shuffled=True)}
     results: dict[str, list[dict]] = {}
     original = rl_module.Rewards
-    for name in [a for a in args.arms.split(",") if a]:
-        arm = arms[name]
+    for spec in [a for a in args.arms.split(",") if a]:
+        kind, _, reward_spec = spec.partition(":")
+        arm = arms[kind]
+        reward_names = (reward_spec or args.rewards).split("+")
+        name = f"{kind} ({'+'.join(reward_names)})"
         for seed in range(args.seeds):
             cfg = replace(base_cfg, rl=replace(base_cfg.rl, init=str(ckpt), data="stdlib", steps=args.steps,
-                                               lr=arm["lr"], warmup_steps=0, val_examples=0, beta=args.beta),
+                                               lr=arm["lr"], warmup_steps=0, val_examples=0, beta=args.beta,
+                                               rewards=reward_names),
                           train=replace(base_cfg.train, seed=base_cfg.train.seed + seed, optimizer="adamw",
                                         checkpoint_every=0, keep_last=1, eval_every=0, schedule="cosine",
                                         min_lr_ratio=1.0, time_limit_s=args.minutes * 60, time_budget_s=0.0,
@@ -188,20 +240,36 @@ def run(ckpt: Path, args, tmp: Path) -> dict:
             rl_module.Rewards = ShuffledRewards if arm["shuffled"] else original
             t0 = time.perf_counter()
             try:
-                last = rl_stage(cfg, tmp / f"run-{name}-{seed}", progress=False)
+                last = rl_stage(cfg, tmp / f"run-{kind}-{seed}", progress=False)
             finally:
                 rl_module.Rewards = original
             seconds = time.perf_counter() - t0
-            tuned = load_checkpoint(tmp / f"run-{name}-{seed}", tok.folder)[0]
-            r = held_out(tuned, tok, items, seq_len)
+            tuned = load_checkpoint(tmp / f"run-{kind}-{seed}", tok.folder)[0]
+            r = measure(tuned)
             r.update(seconds=seconds, steps=last["step"], train_reward=last.get("reward"))
             print(f"{name} seed {seed}: parse + <|im_end|> {r['parse_end']:.1%}, static {r['static']:.1%}, stubs "
                   f"{r['trivial']:.1%}, reads no parameter {r['reads_no_parameter']:.1%}, SFT loss {r['sft_loss']:.4f} ({r['sft_loss'] / base['sft_loss'] - 1:+.1%}); "
+                  f"behaviour held-out {_rate(r, 'val')}, training {_rate(r, 'train')}; "
                   f"{r['steps']} steps in {seconds:.0f} s", flush=True)
+            import shutil
+            shutil.rmtree(tmp / f"run-{kind}-{seed}", ignore_errors=True)
             results.setdefault(name, []).append(r)
+    scorer.close()
     print_table(base, results, args)
     return {"checkpoint": str(ckpt), "minutes": args.minutes, "baseline": base, "arms": results,
             "machine": common.machine_line()}
+
+
+def _rate(r: dict, split: str) -> str:
+    b = r[f"behaviour_{split}"]
+    return f"{b['rate']:.1%} of {b['n']} [{b['ci'][0]:.0%}, {b['ci'][1]:.0%}]"
+
+
+def _behaviour(rows: list[dict], split: str) -> str:
+    if len(rows) == 1:
+        return _rate(rows[0], split)
+    vals = [r[f"behaviour_{split}"]["rate"] for r in rows]
+    return f"{statistics.mean(vals):.1%} ({min(vals):.1%}-{max(vals):.1%})"
 
 
 def _mean(rows: list[dict], key: str) -> str:
@@ -213,17 +281,18 @@ def _mean(rows: list[dict], key: str) -> str:
 
 def print_table(base: dict, results: dict, args) -> None:
     headers = ["model", "plain greedy: parse + <|im_end|>", "static reward", "stubs", "reads no parameter",
-               "SFT loss (change)", "RL steps", "RL s"]
+               "SFT loss (change)", "behaviour, held-out", "behaviour, training", "RL steps", "RL s"]
     ci = base["parse_end_ci"]
     rows = [["SFT (baseline)", f"{base['parse_end']:.1%} [{ci[0]:.0%}, {ci[1]:.0%}]", _mean([base], "static"),
-             f"{base['trivial']:.1%}", f"{base['reads_no_parameter']:.1%}", f"{base['sft_loss']:.4f}", "-", "-"]]
+             f"{base['trivial']:.1%}", f"{base['reads_no_parameter']:.1%}", f"{base['sft_loss']:.4f}",
+             _rate(base, "val"), _rate(base, "train"), "-", "-"]]
     for name, rs in results.items():
         loss = statistics.mean(r["sft_loss"] for r in rs)
         rows.append([f"RL {name}", _mean(rs, "parse_end"), _mean(rs, "static"), _mean(rs, "trivial"),
                      _mean(rs, "reads_no_parameter"),
-                     f"{loss:.4f} ({loss / base['sft_loss'] - 1:+.1%})",
+                     f"{loss:.4f} ({loss / base['sft_loss'] - 1:+.1%})", _behaviour(rs, "val"), _behaviour(rs, "train"),
                      f"{statistics.mean(r['steps'] for r in rs):.0f}", f"{statistics.mean(r['seconds'] for r in rs):.0f}"])
-    print(common.table(headers, rows, title=f"lmforge rl, static reward, {args.minutes:g} min a run, lr {args.lr:g} (LoRA "
+    print(common.table(headers, rows, title=f"lmforge rl, {args.minutes:g} min a run, lr {args.lr:g} (LoRA "
                                             f"{args.lora_lr:g}), beta {args.beta:g}, {args.seeds} "
                                             f"seed(s); held-out prompts {base['n']}; {common.machine_line()}"
                                             + (" (SMOKE RUN: figures mean nothing)" if args.smoke else "")))

@@ -12,6 +12,7 @@ dependency). Layers, lowest first (docs/design.md, "Layers"):
     loading                   4.5  a checkpoint with its tokenizer, the contract checked
     evaluate, generate        5  running a model over batches; decoding
     scorers                   5.5  grading what a model wrote (parse checks, doctests)
+    evals                     5.75  evaluation suites (tasks, scoring rules, pass@k)
     train, export             6
     serve                     7
     stages                    8  one module per command
@@ -38,7 +39,7 @@ LAYERS = {
     "model": 4, "data": 4,
     "loading": 4.5,
     "evaluate": 5, "generate": 5,
-    "scorers": 5.5,
+    "scorers": 5.5, "evals": 5.75,
     "train": 6, "export": 6,
     "serve": 7,
     "stages": 8,

@@ -199,10 +199,37 @@ def _chat(args) -> int:
 def _eval(args) -> int:
     from lmforge.stages import eval_stage
 
+    if args.tasks is not None:
+        return _eval_tasks(args)
     res = eval_stage(args.checkpoint, args.data, args.split, args.out, force=args.force)
     print(f"loss {res['loss']:.4f} nats/token, perplexity {res['perplexity']:.2f}, "
           f"{res['bits_per_byte']:.4f} bits/byte over {res['tokens']:,} tokens ({res['bytes']:,} bytes)")
     print(json.dumps(res))
+    return 0
+
+
+def _eval_tasks(args) -> int:
+    import time
+
+    from lmforge.errors import ConfigError
+    from lmforge.evals.suite import results_table
+    from lmforge.stages.eval import eval_tasks_stage
+
+    t0 = time.perf_counter()
+
+    def progress(name, r):
+        print(f"eval: {name}: {r['accuracy']:.1%} of {r['n']} (baseline {r['baseline']:.1%}, centred "
+              f"{r['centred']:+.3f}) at {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+
+    try:
+        ks = tuple(int(k) for k in args.k.split(",") if k.strip())
+    except ValueError:
+        raise ConfigError(f"--k {args.k!r}: expected comma-separated integers, e.g. 1,5,10.") from None
+    res = eval_tasks_stage(args.checkpoint, args.tasks, args.limit, args.seed, args.out, args.force, progress,
+                           args.samples, args.temperature, ks)
+    print(results_table(res))
+    print(f"{len(res['tasks'])} task(s) in {time.perf_counter() - t0:.1f} s; suite (mean centred score) "
+          f"{res['suite']:+.3f}" + (f"; written to {args.out}" if args.out else ""))
     return 0
 
 
@@ -295,6 +322,17 @@ def _args_eval(p):
     _checkpoint(p, tokenizer=False)
     p.add_argument("--data", metavar="DIR", help="prepared data folder (default: the checkpoint's data.dir)")
     p.add_argument("--split", default="val", choices=("train", "val"))
+    p.add_argument("--tasks", metavar="NAMES",
+                   help="instead of the loss, an evaluation suite: comma-separated built-in tasks (mutants, "
+                        "docstrings, next_line, identifier; 'builtin' for all: Python from modules the model "
+                        "never read; functions: bodies run in the sandbox, pass@k) and/or .jsonl/.parquet files of {query, choices, gold} or {context, "
+                        "continuation} items; prints accuracy, random baseline, centred score and 95%% interval")
+    p.add_argument("--limit", type=int, default=300, help="--tasks: at most this many items a task (0 = all)")
+    p.add_argument("--seed", type=int, default=0, help="--tasks: draws the distractors, gold positions and samples")
+    p.add_argument("--samples", type=int, default=0,
+                   help="--tasks functions: bodies sampled per function for pass@k (0: greedy pass@1 only)")
+    p.add_argument("--temperature", type=float, default=0.8, help="--tasks functions: sampling temperature")
+    p.add_argument("--k", default="1", help="--tasks functions: the k of pass@k, comma-separated (each <= --samples)")
     p.add_argument("--force", action="store_true", help="replace an existing --out file")
 
 
@@ -347,7 +385,7 @@ COMMANDS: dict[str, tuple[str, str | None, Callable, Callable]] = {
            _training, _train("rl_stage")),
     "generate": ("sample a continuation from a checkpoint", None, _args_generate, _generate),
     "chat": ("chat with a fine-tuned checkpoint (one line a turn; /exit or EOF quits)", None, _args_chat, _chat),
-    "eval": ("held-out loss, perplexity and bits per byte of a checkpoint",
+    "eval": ("held-out loss, perplexity and bits per byte of a checkpoint; --tasks: an evaluation suite",
              "write the results as JSON to this file", _args_eval, _eval),
     "export": ("write a checkpoint as a Hugging Face Llama folder, or a GGUF file",
                "the Hugging Face folder (--format hf) or .gguf file (--format gguf) to write (required)",
