@@ -14,7 +14,7 @@ Directives are HTML comments on the lines right before the fence (invisible when
     needs="PROG ..."          commands whose program is PROG run only where PROG is on PATH
                               (else listed as skipped: "needs PROG")
     fixture="PATH:KIND ..."   files the test makes before the block, standing in for the user's
-                              own (KIND: hf-smollm2, chats, pairs, prompts, texts, previous-block)
+                              own (KIND: hf-smollm2, chats, pairs, prompts, tasks, texts, previous-block)
     background="PREFIX"       commands that start with PREFIX are servers: started in the
     ready="URL"               background, ready when URL answers 200, stopped (SIGINT) before
                               the next block that does not `use` them
@@ -260,6 +260,10 @@ def make_fixture(kind: str, path: Path, block: Block) -> None:
     elif kind == "prompts":
         rows = [{"prompt": f"What is {a} times {b}? Answer with the number.", "answer": str(a * b)}
                 for a in range(2, 9) for b in range(2, 8)]
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    elif kind == "tasks":
+        rows = [{"query": f"{a} + {b} =", "choices": [f" {a + b + d}" for d in (0, 1, 2, 3)], "gold": 0}
+                for a in range(1, 7) for b in range(1, 5)]
         path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
     elif kind == "texts":
         path.mkdir(parents=True, exist_ok=True)

@@ -239,3 +239,29 @@ def test_e6_k_above_samples_is_refused_by_the_command(init_ckpt, capsys):
     assert "1 <= k <= samples" in one_error_line(capsys)
     assert main(["eval", "--checkpoint", str(init_ckpt), "--tasks", "functions", "--k", "one"]) == 2
     assert "--k 'one'" in one_error_line(capsys)
+
+
+# -- periodic evaluation inside training (train.eval_tasks) --------------------------------------------
+def test_train_eval_tasks_logs_the_suite_at_each_validation(tiny_run, tmp_path):
+    from lmforge.config import load_config
+    from lmforge.config.core import EVAL_TASK_NAMES
+    from lmforge.stages.pretrain import pretrain_stage
+
+    assert EVAL_TASK_NAMES == (*BUILTIN_TASKS, "builtin")
+    cfg, _ = tiny_run
+    mine = _user_task(tmp_path / "mine.jsonl", [{"query": "x = ", "choices": ["1", "2"], "gold": 0}] * 3)
+    c = replace(cfg, train=replace(cfg.train, steps=4, eval_every=2, eval_tasks=["next_line", str(mine)],
+                                   eval_tasks_limit=4))
+    pretrain_stage(c, tmp_path / "run", progress=False)
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in rows if "eval/suite" in r]
+    assert [r["step"] for r in evals] == [2, 4]
+    for r in evals:
+        assert 0 <= r["eval/next_line/accuracy"] <= 1 and r["eval/mine/accuracy"] in (0.0, 0.5, 1.0)
+        assert r["eval/suite"] == pytest.approx((r["eval/next_line/centred"] + r["eval/mine/centred"]) / 2)
+    with pytest.raises(ConfigError, match="train.eval_tasks names 'functions'"):
+        load_config(None, ["train.eval_tasks=[\"functions\"]"])
+    bad = _user_task(tmp_path / "bad.jsonl", [{"query": "q", "choices": ["a", "b"]}])
+    with pytest.raises(DataError, match="bad.jsonl:1"):
+        pretrain_stage(replace(c, train=replace(c.train, eval_tasks=[str(bad)])), tmp_path / "run2", progress=False)
+    assert not (tmp_path / "run2" / "metrics.jsonl").exists()  # refused before the first step

@@ -91,7 +91,8 @@ def test_folder_holds_the_hf_files_with_the_contracts_ids(exported, tiny_tokeniz
     _, out, ours, _ = exported
     tok = tiny_tokenizer
     assert sorted(p.name for p in out.iterdir() if p.name != MARKER_FILE) == sorted(
-        ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json"])
+        ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json",
+         "README.md"])
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["architectures"] == ["LlamaForCausalLM"] and cfg["model_type"] == "llama"
     assert (cfg["hidden_size"], cfg["num_hidden_layers"], cfg["num_attention_heads"], cfg["num_key_value_heads"]) \

@@ -238,7 +238,7 @@ def _export(args) -> int:
 
     what = "FILE.gguf (the file to write)" if args.format == "gguf" else "DIR (the Hugging Face folder to write)"
     print(export_stage(args.checkpoint, _need_out(args, what), fmt=args.format, dtype=args.dtype,
-                       verify=args.verify, force=args.force))
+                       verify=args.verify, force=args.force, evaluation=args.evaluation))
     return 0
 
 
@@ -345,6 +345,9 @@ def _args_export(p):
     p.add_argument("--dtype", default="float32", metavar="{float32,bfloat16,float16,q8_0}",
                    help="weight type (q8_0: --format gguf only)")
     p.add_argument("--verify", action="store_true", help="compare logits with transformers (needs lmforge[hf])")
+    p.add_argument("--evaluation", metavar="FILE",
+                   help="--format hf: the results JSON of `lmforge eval --tasks ... --out FILE` for this checkpoint, "
+                        "put in the model card (README.md)")
     p.add_argument("--force", action="store_true", help="--format gguf: replace an existing --out file")
 
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from lmforge.config.fields import BOTH, PRE, TUNE, allowed, choice, flag, num, refused, text
+from lmforge.config.fields import BOTH, PRE, TUNE, allowed, choice, flag, items, num, refused, text
+from lmforge.errors import ConfigError
 
 #: The most tokens one optimizer step may take on one data-parallel rank (micro-batch x accumulation
 #: x seq_len; the global batch x seq_len for an automatic micro-batch).
@@ -135,6 +136,20 @@ class ModelConfig:
         return int(math.ceil(int(8 * self.dim / 3) / 64) * 64)
 
 
+#: The task names `train.eval_tasks` takes (lmforge.evals.builtin.BUILTIN_TASKS and "builtin"; held equal
+#: by tests/test_eval_tasks.py); files of your own end in .jsonl or .parquet.
+EVAL_TASK_NAMES = ("mutants", "docstrings", "next_line", "identifier", "builtin")
+
+
+def _check_eval_tasks(name: str, tasks: list[str]) -> None:
+    for t in tasks:
+        if t not in EVAL_TASK_NAMES and not str(t).endswith((".jsonl", ".parquet")):
+            raise ConfigError(f"{name} names {t!r}: expected some of {list(EVAL_TASK_NAMES)} or .jsonl / .parquet "
+                              f"task files (the functions task runs with `lmforge eval --tasks functions`).")
+    if len(set(tasks)) != len(tasks):
+        raise ConfigError(f"{name} = {tasks}: a task appears twice; list each once.")
+
+
 @dataclass
 class TrainConfig:
     init: str = text("", refused(
@@ -212,6 +227,13 @@ class TrainConfig:
     eval_tokens: int = num(65536, 0, 1 << 50, allowed(
         "how much validation data is scored (val_loss rows only), as train.eval_every"))
     """Tokens of the validation split used by periodic validation (0 = all)."""
+    eval_tasks: list[str] = items((), allowed(
+        "the evaluation suite run at validation is only measured and logged (eval/* rows)"), check=_check_eval_tasks)
+    """Evaluation tasks scored at every validation (lmforge.evals: "builtin", mutants, docstrings,
+    next_line, identifier, or .jsonl / .parquet task files), logged as eval/NAME/accuracy,
+    eval/NAME/centred and eval/suite; [] = none."""
+    eval_tasks_limit: int = num(100, 1, 1 << 30, allowed("how many items a periodic evaluation task scores"))
+    """Items per task of the periodic evaluation (train.eval_tasks)."""
     log_every: int = num(10, 1, MAX_STEPS, allowed("how often the progress bar prints"))
     time_limit_s: float = num(0.0, 0.0, 1e8, allowed(  # about three years
         "when to stop with a checkpoint; elapsed_s counts the whole run"))

@@ -112,6 +112,7 @@ from lmforge.config import ModelConfig
 from lmforge.contract import Contract
 from lmforge.errors import require_package
 from lmforge.export.options import EXPORT_DTYPES, ExportError, check_dtype_range, check_export_options
+from lmforge.export.card import gguf_facts
 from lmforge.fileio import check_user_file, loads_json, user_file
 from lmforge.loading import load_checkpoint
 from lmforge.model.io import model_state
@@ -580,7 +581,8 @@ def _encode(gguf, array: np.ndarray, name: str, dtype: str) -> tuple[np.ndarray,
 
 
 def write_gguf(out: str | Path, model: ModelConfig, contract: Contract, state: dict[str, torch.Tensor],
-               tokenizer_json: str | Path, dtype: str = "float32", name: str = "lmforge") -> Path:
+               tokenizer_json: str | Path, dtype: str = "float32", name: str = "lmforge",
+               facts: dict | None = None) -> Path:
     """Write the GGUF file `out` (directly; `export_gguf` adds the temp-file-and-rename).
 
     Args:
@@ -588,6 +590,8 @@ def write_gguf(out: str | Path, model: ModelConfig, contract: Contract, state: d
         state: lmforge weights (see `gguf_tensors`).
         tokenizer_json: the checkpoint's tokenizer.json (checked by `gguf_vocab`).
         dtype: one of GGUF_DTYPES.
+        facts: what the model card says (`export.card.gguf_facts`): general.description, tags,
+            datasets and base model, where known.
     Raises:
         ExportError: see `gguf_arch`, `gguf_vocab`, `gguf_tensors`; an unknown dtype; a weight
             beyond the range of `dtype` (`check_dtype_range`; checked before the file is opened).
@@ -604,6 +608,18 @@ def write_gguf(out: str | Path, model: ModelConfig, contract: Contract, state: d
     encoded = [(tname, *_encode(gguf, array, tname, dtype)) for tname, array in tensors]  # refused before a write
     w = gguf.GGUFWriter(str(out), arch)
     w.add_name(name)
+    facts = facts or {}
+    if facts.get("description"):
+        w.add_description(facts["description"])
+    if facts.get("tags"):
+        w.add_tags(facts["tags"])
+    if facts.get("datasets"):
+        w.add_dataset_count(len(facts["datasets"]))
+        for i, d in enumerate(facts["datasets"]):
+            w.add_dataset_name(i, d)
+    if facts.get("base_model"):
+        w.add_base_model_count(1)
+        w.add_base_model_name(0, facts["base_model"])
     w.add_file_type(int(file_type))
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
     w.add_context_length(model.max_seq_len)
@@ -670,7 +686,7 @@ def export_gguf(checkpoint: str | Path, out: str | Path, dtype: str = "float32",
     contract = tok.contract
     with user_file(out, force) as tmp:  # the one writer: a unique temporary, renamed when complete
         write_gguf(tmp, model.config, contract, model_state(model), path / TOKENIZER_FILE, dtype,
-                   name=path.parent.name or "lmforge")
+                   name=path.parent.name or "lmforge", facts=gguf_facts(path))
     return out
 
 

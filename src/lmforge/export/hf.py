@@ -40,6 +40,7 @@ from lmforge.config import ModelConfig
 from lmforge.contract import Contract, padded_vocab_size
 from lmforge.errors import require_package
 from lmforge.export.options import ExportError, check_dtype_range, check_export_options
+from lmforge.export.card import MODEL_CARD_FILE, model_card, read_evaluation
 from lmforge.fileio import atomic_dir, check_output, loads_json, save_safetensors
 from lmforge.loading import load_checkpoint
 from lmforge.model.io import model_state
@@ -258,7 +259,7 @@ FAMILIES = {
 
 # -- export ------------------------------------------------------------------------------
 def export_hf(checkpoint: str | Path, out: str | Path, dtype: str = "float32", verify: bool = False,
-              force: bool = False) -> Path:
+              force: bool = False, evaluation: str | Path | None = None) -> Path:
     """Write a checkpoint as a Hugging Face `LlamaForCausalLM` folder (atomically).
 
     Args:
@@ -268,6 +269,8 @@ def export_hf(checkpoint: str | Path, out: str | Path, dtype: str = "float32", v
         verify: load the result with `transformers` and compare logits with lmforge's
             (max abs difference below 1e-4 in float32; needs `pip install "lmforge[hf]"`).
         force: refused (an export replaces only an earlier export folder).
+        evaluation: a results JSON of `lmforge eval --tasks --out FILE` for this checkpoint, put
+            in the model card (`export.card`).
     Returns:
         `out`.
     Raises:
@@ -279,6 +282,7 @@ def export_hf(checkpoint: str | Path, out: str | Path, dtype: str = "float32", v
     out = Path(out)
     check_output(out, EXPORT_OUTPUT, "`lmforge export`", replace_whole=True)  # before any work
     model, tok, cfg, path = load_checkpoint(checkpoint)
+    results = read_evaluation(evaluation, path) if evaluation is not None else None  # before a write
     contract = tok.contract
     torch_dtype = DTYPES[dtype]
     hf = to_hf_state(model_state(model), contract.vocab_size, cfg.model.tie_embeddings, torch_dtype)  # before a write
@@ -289,6 +293,7 @@ def export_hf(checkpoint: str | Path, out: str | Path, dtype: str = "float32", v
         shutil.copy2(path / TOKENIZER_FILE, tmp / TOKENIZER_FILE)
         _write_json(tmp / TOKENIZER_CONFIG_FILE, _tokenizer_config(tok, cfg.model.max_seq_len))
         _write_json(tmp / GENERATION_CONFIG_FILE, generation_config(cfg.generate, contract))
+        (tmp / MODEL_CARD_FILE).write_text(model_card(path, model, contract, out.name, results), encoding="utf-8")
         if verify:
             verify_export(model, tmp, tol=1e-4 if dtype == "float32" else None)
     return out

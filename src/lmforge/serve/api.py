@@ -6,7 +6,9 @@ events in OpenAI's chunk format, ending with `data: [DONE]`.
 
 Chat messages are rendered with the checkpoint's chat template
 (`Tokenizer.render_chat(..., add_generation_prompt=True)`); completions prompts are a
-document start (<|bos|> + text), as `lmforge generate`. Replies stop at the contract's
+document start (<|bos|> + text), as `lmforge generate`, or token ids taken as they are; with
+`"echo": true` a completions request scores its prompts instead (lmforge.serve.echo: the
+prompt tokens' log-probabilities, what evaluation harnesses send). Replies stop at the contract's
 end-of-turn and end-of-text ids. `usage` counts tokens with the model's own tokenizer:
 prompt tokens as fed, completion tokens as generated (the stop id included).
 
@@ -29,6 +31,7 @@ from importlib import resources
 
 from lmforge.data.records import check_text
 from lmforge.errors import LmforgeError
+from lmforge.serve.echo import echo_response, token_prompts
 from lmforge.serve.engine import Engine, QueueFull, Request, request_id
 from lmforge.serve.request import (MAX_DEPTH, MAX_INT_DIGITS, BadRequest, _type_name, check_fields,
                                    error_body, error_response, parse_body, parse_common, parse_messages)
@@ -177,16 +180,21 @@ class Server:
                 return body, self.tok.render_chat(msgs, add_generation_prompt=True).ids
             except LmforgeError as exc:  # the template refuses, a special token spelled out
                 raise BadRequest(f"messages: {exc}", "messages", "invalid_value") from None
+        if body.get("logprobs") not in (None, False, 0) and body.get("echo") is not True:
+            raise BadRequest("logprobs without \"echo\": true is not implemented (the log-probabilities of generated "
+                             "tokens); send \"echo\": true to score a prompt, or leave logprobs out.", "logprobs",
+                             "unsupported_parameter")
+        if body.get("echo") not in (None, False, True):
+            raise BadRequest(f"echo = {_type_name(body['echo'])}: expected a boolean.", "echo", "invalid_type")
+        if body.get("echo") is True:
+            return body, []  # scoring: the prompts are read by lmforge.serve.echo
         prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-            prompt = prompt[0]
-        if not isinstance(prompt, str):
-            raise BadRequest(f"prompt is {_type_name(prompt)}: expected a string (one prompt per request).", "prompt",
-                             "invalid_type" if prompt is not None else "missing_required_parameter")
-        try:
-            return body, self.tok.encode_prompt(check_text(prompt, "prompt", "the text"))
-        except LmforgeError as exc:
-            raise BadRequest(f"prompt: {exc}", "prompt", "invalid_value") from None
+        if isinstance(prompt, str):
+            try:
+                return body, self.tok.encode_prompt(check_text(prompt, "prompt", "the text"))
+            except LmforgeError as exc:
+                raise BadRequest(f"prompt: {exc}", "prompt", "invalid_value") from None
+        return body, token_prompts(prompt, self.tok, self.engine.model.config.vocab_size, self.context, many=False)[0][0]
 
     async def _generate(self, request, chat: bool):
         from starlette.requests import ClientDisconnect
@@ -194,6 +202,12 @@ class Server:
 
         try:
             body, prompt = await asyncio.to_thread(self._parse, await self._read(request), chat)
+            if not chat and body.get("echo") is True:
+                if body.get("stream"):
+                    raise BadRequest("\"echo\": true is answered whole: send \"stream\": false.", "stream",
+                                     "unsupported_parameter")
+                return JSONResponse(await asyncio.to_thread(echo_response, body, self.engine.model, self.tok,
+                                                            self.model_id, request_id("cmpl")))
             opts = parse_common(body, self, len(prompt), "messages" if chat else "prompt")
         except BadRequest as e:
             return error_response(e)

@@ -40,6 +40,8 @@ NEUTRAL = {
     "reasoning_effort": (), "service_tier": ("auto", "default"), "store": (False,), "metadata": (),
     "web_search_options": (), "best_of": (1,), "echo": (False,), "suffix": ("",),
 }
+#: Fields /v1/completions implements for scoring a prompt (lmforge.serve.echo), neutral in chat.
+COMPLETION_SCORING = ("echo", "logprobs")
 CHAT_FIELDS = frozenset((*COMMON_FIELDS, "messages", "max_completion_tokens", *NEUTRAL))
 COMPLETION_FIELDS = frozenset((*COMMON_FIELDS, "prompt", *NEUTRAL))
 MESSAGE_KEYS = ("role", "content")
@@ -218,7 +220,7 @@ def check_fields(body: dict, chat: bool) -> None:
                          "unsupported_parameter")
     for name, neutral in NEUTRAL.items():
         v = body.get(name)
-        if v is None or name not in known:
+        if v is None or name not in known or (not chat and name in COMPLETION_SCORING):
             continue
         if not any(type(v) is type(d) and v == d for d in neutral):
             ok = f"leave it out{' or set it to ' + ' / '.join(map(json.dumps, neutral)) if neutral else ''}"

@@ -16,8 +16,6 @@ from lmforge.fileio import check_user_file, user_file
 from lmforge.loading import load_checkpoint
 from lmforge.runtime import training_runtime
 
-#: `--tasks` names every built-in task with this word.
-ALL_BUILTIN = "builtin"
 
 
 def eval_stage(checkpoint: str | Path, data_dir: str | Path | None = None, split: str = "val",
@@ -50,82 +48,6 @@ def eval_stage(checkpoint: str | Path, data_dir: str | Path | None = None, split
     return res
 
 
-def resolve_tasks(spec: str, cfg, seed: int, limit: int, tok=None) -> list:
-    """The tasks `spec` names (comma-separated: built-in names, "builtin" for all of them, or
-    .jsonl / .parquet files of your own), in the order given.
-
-    Raises:
-        ConfigError: an unknown name, naming the choices.
-        DataError: a task file that cannot be read (file and line).
-    """
-    from lmforge.config.fields import suggest
-    from lmforge.errors import ConfigError
-    from lmforge.evals.builtin import BUILTIN_TASKS, builtin_tasks
-    from lmforge.evals.generation import GENERATION_TASKS
-    from lmforge.evals.tasks import read_task_file
-
-    names = [n.strip() for n in spec.split(",") if n.strip()]
-    if not names:
-        raise ConfigError(f"--tasks is empty: name built-in tasks ({', '.join(BUILTIN_TASKS)}, or {ALL_BUILTIN!r} "
-                          f"for all) or .jsonl / .parquet files of your own.")
-    expanded: list[str] = []
-    for n in names:
-        expanded += list(BUILTIN_TASKS) if n == ALL_BUILTIN else [n]
-    known = [*BUILTIN_TASKS, *GENERATION_TASKS]
-    for n in expanded:
-        if n not in known and not n.endswith((".jsonl", ".parquet")):
-            raise ConfigError(f"--tasks names {n!r}: expected one of {known}, {ALL_BUILTIN!r}, or a .jsonl / .parquet "
-                              f"file of items.{suggest(n, [*known, ALL_BUILTIN])}")
-    if len(set(expanded)) != len(expanded):
-        raise ConfigError(f"--tasks = {spec!r} names a task twice; list each once.")
-    wanted = [n for n in expanded if n in BUILTIN_TASKS]
-    built = {t.name: t for t in builtin_tasks(wanted, cfg.data.val_fraction, cfg.data.include_tests, seed, limit,
-                                              tok=tok)} if wanted else {}
-    from lmforge.data.conversations import cap_examples
-
-    tasks = []
-    for n in expanded:
-        if n in GENERATION_TASKS:
-            tasks.append(n)  # scored by running what the model writes (eval_tasks_stage)
-            continue
-        if n in built:
-            tasks.append(built[n])
-            continue
-        task = read_task_file(n)
-        task.items = cap_examples(task.items, limit, lambda x: x.where)
-        tasks.append(task)
-    return tasks
-
-
-def fit_tasks(tasks: list, tok, max_seq_len: int) -> list:
-    """Every item's continuations must be shorter than the model's context (a context is cut from
-    the left, as lm-evaluation-harness does): a built-in task leaves such items out (counted in
-    `too_long`), a file of yours is refused naming the item.
-
-    Raises:
-        DataError: an item of a file of yours, or a built-in task left with no item.
-    """
-    from lmforge.evals.builtin import BUILTIN_TASKS
-    from lmforge.evals.scoring import continuation_tokens
-
-    for task in tasks:
-        if isinstance(task, str):
-            continue
-        kept = []
-        for item in task.items:
-            longest = max(continuation_tokens(tok, c, x) for c, x in task.requests(item))
-            if longest < max_seq_len:
-                kept.append(item)
-            elif task.name not in BUILTIN_TASKS:
-                raise DataError(f"{item.where}: a continuation of {longest} tokens does not fit the model's context "
-                                f"of {max_seq_len} tokens. Shorten it, or leave the item out.")
-        task.too_long, task.items = len(task.items) - len(kept), kept
-        if not kept:
-            raise DataError(f"task {task.name!r}: none of its items fits the model's context of {max_seq_len} tokens "
-                            f"(all {task.too_long} are longer). Leave the task out of --tasks.")
-    return tasks
-
-
 def eval_tasks_stage(checkpoint: str | Path, tasks: str, limit: int = 300, seed: int = 0,
                      out: str | Path | None = None, force: bool = False, progress=None, samples: int = 0,
                      temperature: float = 0.8, ks: tuple[int, ...] = (1,)) -> dict:
@@ -145,6 +67,7 @@ def eval_tasks_stage(checkpoint: str | Path, tasks: str, limit: int = 300, seed:
 
     from lmforge.errors import ConfigError
     from lmforge.evals.generation import function_prompts, functions_task
+    from lmforge.evals.resolve import fit_tasks, resolve_tasks
     from lmforge.evals.suite import score_task
     from lmforge.runtime import decode_runtime
 

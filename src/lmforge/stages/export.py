@@ -9,7 +9,7 @@ from lmforge.stages.common import log
 
 
 def export_stage(checkpoint: str | Path, out: str | Path, fmt: str = "hf", dtype: str = "float32",
-                 verify: bool = False, force: bool = False) -> Path:
+                 verify: bool = False, force: bool = False, evaluation: str | Path | None = None) -> Path:
     """Write `checkpoint` in another runtime's format: "hf" (a Hugging Face folder) or "gguf"
     (one file for llama.cpp; `force` replaces an existing file) or "peft" (a LoRA checkpoint's
     adapters as a PEFT adapter folder).
@@ -21,6 +21,12 @@ def export_stage(checkpoint: str | Path, out: str | Path, fmt: str = "hf", dtype
     writers = {"hf": export_hf, "gguf": export_gguf, "peft": export_peft}
     if fmt not in writers:
         check_export_options(fmt)  # an unknown format: refused with the one check's message
+    if evaluation is not None:
+        if fmt != "hf":
+            from lmforge.export import ExportError
+
+            raise ExportError(f"--evaluation applies to --format hf (the model card); --format {fmt} has no card.")
+        return export_hf(checkpoint, out, dtype=dtype, verify=verify, force=force, evaluation=evaluation)
     return writers[fmt](checkpoint, out, dtype=dtype, verify=verify, force=force)
 
 

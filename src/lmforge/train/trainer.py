@@ -98,6 +98,40 @@ class Trainer:
         self._stop_signal: int | None = None
         self._fsdp = self.dist.distributed and is_sharded(self.raw_model)
         self.health = HealthMonitor(self.cfg.train.steps, self.cfg.train.warmup_steps)
+        self.eval_tasks = self._eval_tasks()
+
+    def _eval_tasks(self) -> tuple | None:
+        """(tokenizer, tasks) of train.eval_tasks, built before the first step (a bad task file
+        stops the run before any work); None without them."""
+        if not self.cfg.train.eval_tasks:
+            return None
+        from lmforge.evals.resolve import fit_tasks, resolve_tasks
+        from lmforge.tokenizer import Tokenizer
+
+        tok = Tokenizer.load(self.contract_dir)
+        tasks = resolve_tasks(self.cfg.train.eval_tasks, self.cfg, 0, self.cfg.train.eval_tasks_limit, tok)
+        return tok, fit_tasks(tasks, tok, self.raw_model.config.max_seq_len)
+
+    def evaluate_tasks(self) -> dict:
+        """train.eval_tasks scored now (lmforge.evals.suite, under the run's precision): eval/NAME/accuracy,
+        eval/NAME/centred and eval/suite. Every rank scores with a sharded model (its forward is
+        collective), only the main rank otherwise; the figures are the main rank's."""
+        if self.eval_tasks is None or not (self.dist.is_main or self._fsdp):
+            return {}
+        from lmforge.evals.suite import run_suite
+
+        tok, tasks = self.eval_tasks
+        model = self.eval_model if self._fsdp else self.raw_model
+        was = model.training
+        try:
+            with self.runtime.autocast():
+                res = run_suite(model, tok, tasks, device=self.device)
+        finally:
+            model.train(was)
+        out = {"eval/suite": res["suite"]}
+        for name, r in res["tasks"].items():
+            out[f"eval/{name}/accuracy"], out[f"eval/{name}/centred"] = r["accuracy"], r["centred"]
+        return out if self.dist.is_main else {}
 
     # -- state ------------------------------------------------------------------
     def training_state(self) -> dict:
@@ -298,6 +332,7 @@ class Trainer:
                 out_of_time, signalled = self._agree_to_stop(cfg.time_limit_s > 0 and self.elapsed >= cfg.time_limit_s)
                 if (cfg.eval_every and self.step % cfg.eval_every == 0) or final or out_of_time:
                     m.update(self.validate())
+                    m.update(self.evaluate_tasks())
                 del m["step_tokens"]
                 warnings = self.health.update(m)
                 if warnings:

@@ -1,0 +1,177 @@
+"""Evaluation suites side by side: `lmforge eval --tasks` on the speedrun's checkpoints.
+
+For each checkpoint (default: a random-weight model of the speedrun's shape, the pretrained and
+the SFT model; `--checkpoints name=DIR,...` adds DPO, RL or any other), the built-in suite
+(`builtin`: mutants, docstrings, next_line, identifier; `--limit` items a task) and the
+`functions` task (greedy pass@1, bodies run in the sandbox): per task the accuracy with its 95%
+interval and the centred score, the suite's mean centred score, and the seconds the suite took.
+The random model's intervals must cover the baselines (the scoring rules give chance exactly),
+and a trained model's should sit above them.
+
+`--speed`: the log-likelihood throughput of lmforge's scorer (`evals.scoring.loglikelihoods`)
+beside the same requests through `transformers` on the `lmforge export` folder (a batched
+forward of `LlamaForCausalLM`, what lm-evaluation-harness's HFLM runs), interleaved rounds, fp32.
+
+Run: `python bench/bench_eval.py [--limit 300] [--checkpoints dpo=runs/dpo,rl=runs/rl] [--speed]`.
+Skipped (a note, exit 0) when the speedrun's checkpoints are absent: `make speedrun` writes them.
+`--smoke`: a tiny model trained in seconds (figures mean nothing; proves the benchmark runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import common  # noqa: F401  (puts src/ on the path)
+
+import torch
+
+from lmforge.errors import LmforgeError
+from lmforge.evals.suite import results_table
+from lmforge.stages.eval import eval_tasks_stage
+
+DEFAULT = {"pretrain": common.ROOT / "runs" / "speedrun" / "pretrain",
+           "sft": common.ROOT / "runs" / "speedrun" / "sft"}
+
+
+def random_checkpoint(like: Path, out: Path) -> Path:
+    """A checkpoint of `like`'s shape and tokenizer with freshly initialised weights."""
+    from lmforge.loading import load_checkpoint
+    from lmforge.train.checkpoint import save_checkpoint
+
+    model, tok, cfg, path = load_checkpoint(like)
+    model.reset_parameters(seed=0)
+    return save_checkpoint(out, 0, model, cfg, path)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--limit", type=int, default=300, help="items a task")
+    ap.add_argument("--checkpoints", default="", help="more checkpoints to score, name=DIR,...")
+    ap.add_argument("--functions-limit", type=int, default=64, help="functions task: held-out functions")
+    ap.add_argument("--speed", action="store_true", help="log-likelihood throughput against transformers instead")
+    ap.add_argument("--rounds", type=int, default=3)
+    common.smoke_flag(ap)
+    args = ap.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="lmforge-bench-eval-") as tmp:
+        tmp = Path(tmp)
+        if args.smoke:
+            from bench_dpo import smoke_checkpoint
+
+            ckpts = {"sft": smoke_checkpoint(tmp)}
+            args.limit, args.functions_limit, args.rounds = 8, 4, 1
+        else:
+            missing = [str(p) for p in DEFAULT.values() if not p.exists()]
+            if missing:
+                print(f"bench_eval: skipped: no checkpoint at {', '.join(missing)} (`make speedrun` writes them)")
+                return {"skipped": f"no checkpoint at {missing}"}
+            ckpts = dict(DEFAULT)
+        for spec in filter(None, args.checkpoints.split(",")):
+            name, _, folder = spec.partition("=")
+            ckpts[name] = Path(folder)
+        if args.speed:
+            return speed(ckpts["sft"], args, tmp)
+        ckpts = {"random": random_checkpoint(ckpts["sft"], tmp / "random"), **ckpts}
+        return suites(ckpts, args)
+
+
+def suites(ckpts: dict[str, Path], args) -> dict:
+    results = {}
+    for name, path in ckpts.items():
+        t0 = time.perf_counter()
+        res = eval_tasks_stage(path, "builtin", args.limit, seed=0)
+        seconds = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        try:
+            fn = eval_tasks_stage(path, "functions", args.functions_limit, seed=0)["tasks"]["functions"]
+        except LmforgeError as exc:  # a smoke model's held-out set may hold no checkable function
+            print(f"{name}: functions skipped: {exc}")
+            fn = {"accuracy": 0.0, "n": 0, "interval": [0.0, 1.0]}
+        res["functions"], res["seconds"], res["functions_seconds"] = fn, seconds, time.perf_counter() - t0
+        results[name] = res
+        print(f"### {name} ({path}): suite {res['suite']:+.3f} in {seconds:.1f} s; functions {fn['accuracy']:.1%} "
+              f"of {fn['n']} in {res['functions_seconds']:.1f} s\n\n{results_table(res)}\n", flush=True)
+    tasks = list(next(iter(results.values()))["tasks"])
+    headers = ["checkpoint", *tasks, "suite (mean centred)", "functions pass@1", "suite s"]
+    rows = []
+    for name, res in results.items():
+        cells = []
+        for t in tasks:
+            r = res["tasks"][t]
+            cells.append(f"{r['accuracy']:.1%} [{r['interval'][0]:.0%}, {r['interval'][1]:.0%}]")
+        fn = res["functions"]
+        rows.append([name, *cells, f"{res['suite']:+.3f}",
+                     f"{fn['accuracy']:.1%} of {fn['n']} [{fn['interval'][0]:.0%}, {fn['interval'][1]:.0%}]",
+                     f"{res['seconds']:.0f}"])
+    base = next(iter(results.values()))["tasks"]
+    rows.append(["random baseline", *[f"{base[t]['baseline']:.1%}" for t in tasks], "0", "0", ""])
+    print(common.table(headers, rows, title=f"lmforge eval --tasks builtin (limit {args.limit}) and functions; "
+                                            f"accuracy [95% interval]; {common.machine_line()}"
+                                            + (" (SMOKE RUN: figures mean nothing)" if args.smoke else "")))
+    return {"limit": args.limit, "results": results, "machine": common.machine_line()}
+
+
+def speed(ckpt: Path, args, tmp: Path) -> dict:
+    """Requests/s of lmforge's scorer and of transformers on the exported folder (module docstring)."""
+    import transformers
+
+    from lmforge.evals.builtin import builtin_tasks
+    from lmforge.evals.scoring import encode_pair, loglikelihoods
+    from lmforge.export import export_hf
+    from lmforge.loading import load_checkpoint
+
+    model, tok, cfg, _ = load_checkpoint(ckpt)
+    model = model.float().eval()
+    tasks = builtin_tasks(["next_line", "identifier"], cfg.data.val_fraction, cfg.data.include_tests, 0,
+                          max(args.limit // 2, 4), tok=tok)
+    requests = [r for t in tasks for x in t.items for r in t.requests(x)]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(export_hf(ckpt, tmp / "hf")),
+                                                           torch_dtype=torch.float32).eval()
+    encoded = [encode_pair(tok, c, x) for c, x in requests]
+
+    @torch.no_grad()
+    def reference() -> list[float]:
+        """The same requests through transformers: batches of 16 sorted by length, right padding."""
+        out = [0.0] * len(encoded)
+        order = sorted(range(len(encoded)), key=lambda i: -len(encoded[i][0]))
+        for b in range(0, len(order), 16):
+            chunk = order[b: b + 16]
+            T = len(encoded[chunk[0]][0])
+            x = torch.full((len(chunk), T), tok.pad_id)
+            mask = torch.zeros((len(chunk), T), dtype=torch.long)
+            for r, i in enumerate(chunk):
+                ids = encoded[i][0]
+                x[r, : len(ids)], mask[r, : len(ids)] = torch.tensor(ids), 1
+            logp = torch.log_softmax(hf(input_ids=x, attention_mask=mask).logits.float(), -1)
+            for r, i in enumerate(chunk):
+                ids, split = encoded[i]
+                tgt = x[r, split: len(ids)]
+                out[i] = float(logp[r, split - 1: len(ids) - 1].gather(-1, tgt[:, None]).sum())
+        return out
+
+    ours, theirs = [], []
+    for _ in range(args.rounds):
+        t0 = time.perf_counter()
+        a = loglikelihoods(model, tok, requests)
+        ours.append(len(requests) / (time.perf_counter() - t0))
+        t0 = time.perf_counter()
+        b = reference()
+        theirs.append(len(requests) / (time.perf_counter() - t0))
+    diff = max(abs(x.logprob - y) for x, y in zip(a, b))
+    o, t = statistics.median(ours), statistics.median(theirs)
+    print(common.table(["scorer", "requests/s (median)", "min-max"],
+                       [["lmforge (evals.scoring)", f"{o:,.1f}", f"{min(ours):,.1f}-{max(ours):,.1f}"],
+                        ["transformers on the export", f"{t:,.1f}", f"{min(theirs):,.1f}-{max(theirs):,.1f}"],
+                        ["ratio lmforge / transformers", f"{o / t:.2f}x", ""]],
+                       title=f"log-likelihood throughput, {len(requests)} requests (next_line + identifier), fp32, "
+                             f"{args.rounds} rounds; max |difference| {diff:.1e} nats; {common.machine_line()}"))
+    return {"lmforge_requests_per_s": o, "transformers_requests_per_s": t, "max_abs_diff": diff}
+
+
+if __name__ == "__main__":
+    print(json.dumps(main(sys.argv[1:]), default=str)[:2000])
