@@ -53,6 +53,7 @@ def test_every_key_and_tensor(ckpt, tiny_tokenizer, tmp_path):
     T = gguf.TokenType
     expected = {
         "general.architecture": "llama", "general.name": "run", "general.file_type": 0,
+        "general.tags": ["lmforge"],  # export.card.gguf_facts: this bare checkpoint has no run chain to describe
         "general.quantization_version": gguf.GGML_QUANT_VERSION,
         "llama.context_length": m.max_seq_len, "llama.embedding_length": m.dim, "llama.block_count": m.n_layers,
         "llama.feed_forward_length": m.resolved_ffn_dim(), "llama.attention.head_count": m.n_heads,
