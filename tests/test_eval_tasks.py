@@ -98,9 +98,30 @@ def test_the_built_in_tasks_are_held_out_and_well_formed(small_tasks):
             module = x.where.split(":")[0]
             assert split_of(module, 0.02) == "val" or module.startswith("test.") or ".test" in module, x.where
             if isinstance(x, Choice):
-                assert len(x.choices) == 4 and len(set(x.choices)) == 4 and 0 <= x.gold < 4
-    golds = [x.gold for t in small_tasks if t.kind == "choice" for x in t.items]
+                k = 2 if t.name == "mutants" else 4  # mutants: pairs (an untrained model scores 1/2 on them)
+                assert len(x.choices) == k and len(set(x.choices)) == k and 0 <= x.gold < k
+    golds = [x.gold for t in small_tasks if t.kind == "choice" and t.name != "mutants" for x in t.items]
     assert len(set(golds)) == 4  # the right option moves
+
+
+def test_mutant_directions_are_balanced():
+    """A model that only prefers one token of a pair (== over !=) must score chance: every direction
+    is at most one ahead of its reverse over the task."""
+    from collections import Counter
+
+    from lmforge.data.stdlib_pairs import reverse
+    from lmforge.evals.builtin import _functions, held_out_documents, mutants
+
+    fx = _functions(held_out_documents(0.02, False), 400)
+    items = mutants(fx, seed=0)
+    assert len(items) >= 100 and all(len(x.choices) == 2 for x in items)
+    diffs = Counter()
+    for x in items:
+        real, mut = x.choices[x.gold], x.choices[1 - x.gold]
+        a = next(i for i in range(len(real)) if real[i] != mut[i])
+        diffs[(real[a:a + 2], mut[a:a + 2])] += 1
+    assert diffs[("==", "!=")] <= diffs[("!=", "==")] + 1
+    assert diffs[("Tr", "Fa")] <= diffs[("Fa", "Tr")] + 1
 
 
 # -- E3 -----------------------------------------------------------------------------------------------

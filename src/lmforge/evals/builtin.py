@@ -8,10 +8,11 @@ from without moving a single module out of pretraining). Modules are read in a s
 order until a task has enough items; SFT's per-module cap is not applied. Deterministic for a
 seed: the distractors and the gold option's position are drawn from (seed, item).
 
-    mutants     the real body of a function against three one-site mutants of it (the DPO
-                pairs' mutations: == / !=, < / <=, and / or, True / False, + 1 / - 1, swapped
-                arguments, a `not` added or dropped) of the same token count (no length cue);
-                context: signature and docstring. 4 choices.
+    mutants     the real body of a function against a one-site mutant of it (the DPO pairs'
+                mutations: == / !=, < / <=, and / or, True / False, + 1 / - 1, swapped
+                arguments, a `not` added or dropped) of the same token count (no length cue),
+                directions balanced; context: signature and docstring. 2 choices (see
+                `mutants`: with three mutants an untrained model scores 1/8, not 1/4).
     docstrings  which of four docstrings (the real one and three of other held-out functions)
                 belongs to a body: each option is the docstring followed by the body, after the
                 signature. 4 choices.
@@ -28,13 +29,14 @@ import hashlib
 import keyword
 import random
 import re
+from collections import Counter
 from collections.abc import Iterable
 from pathlib import PurePath
 
 from lmforge.data.conversations import cap_examples
 from lmforge.data.sources import Document, iter_documents, split_of
 from lmforge.data.stdlib_functions import FunctionExample, function_examples
-from lmforge.data.stdlib_pairs import apply_edit, body_edits
+from lmforge.data.stdlib_pairs import apply_edit, body_edits, reverse
 from lmforge.evals.tasks import Choice, Continuation, Task
 
 #: The built-in tasks, in the order a suite reports them.
@@ -46,8 +48,10 @@ CONTEXT_LINES = 8
 MAX_CHARS = 1500
 #: Items a module gives at most (next_line, identifier), so that a task spreads over modules.
 PER_MODULE = 8
+#: Mutant pairs a function gives at most (each another site).
+PAIRS_PER_FUNCTION = 4
 _MIN_LINE = 8
-ABOUT = {"mutants": "the real body against 3 one-site mutants", "docstrings": "which of 4 docstrings fits the body",
+ABOUT = {"mutants": "the real body against a one-site mutant (balanced directions)", "docstrings": "which of 4 docstrings fits the body",
          "next_line": "the next line among 4 of the module", "identifier": "a line's final identifier, greedy"}
 _TAIL = re.compile(r"^(.*[^A-Za-z0-9_])([A-Za-z_][A-Za-z0-9_]{2,})$")
 
@@ -62,24 +66,47 @@ def _place(choices: list[str], gold_text: str, rng: random.Random) -> tuple[tupl
 
 
 def mutants(functions: list[FunctionExample], seed: int, count=None) -> list[Choice]:
-    """`count(text)`: token count; when given, only mutants as long as the real body in tokens
-    are kept, so that the mean-loss and summed-log-probability rules agree (neither rewards a
-    shorter or longer option)."""
-    out = []
-    for ex in functions:
+    """The real body against a one-site mutant of it, as pairs (up to PAIRS_PER_FUNCTION per
+    function, each another site). `count(text)`: token count; when given, only mutants as long
+    as the real body in tokens are kept, so that the mean-loss and summed log-probability rules
+    agree (neither rewards a shorter or longer option).
+
+    Why pairs and not the real body among three mutants: each mutant differs from the real body
+    at one site, so a model that only has an arbitrary preference at each site (an untrained
+    one) picks the real body when all three sites favour it, 1/8 of the time, not 1/4 —
+    random weights scored 12-17% against a 25% baseline. With two options the roles are
+    symmetric. And directions are balanced over the task as the DPO pairs balance them
+    (`stdlib_pairs.mutate`): a direction (`==` -> `!=`) may not get ahead of its reverse, so a
+    model that merely prefers one token of a pair wins as often as it loses (real code holds
+    far more `==` than `!=`). Functions are visited in a seeded order."""
+    rng = random.Random(f"{seed}:mutants")
+    order = list(range(len(functions)))
+    rng.shuffle(order)
+    dirs: Counter = Counter()
+    made: dict[int, list[Choice]] = {}
+    for i in order:
+        ex = functions[i]
         key = f"{ex.module}:{ex.qualname}"
-        bodies = []
         length = count(ex.body) if count else None
+        options, seen = [], {ex.body}
         for edit in body_edits(ex):
             b = apply_edit(ex, edit)
-            if b is not None and b != ex.body and b not in bodies and (length is None or count(b) == length):
-                bodies.append(b)
-        if len(bodies) < 3:
-            continue
-        rng = _rng(seed, key)
-        choices, gold = _place(rng.sample(bodies, 3), ex.body, rng)
-        out.append(Choice(ex.signature + "\n" + ex.docstring + "\n", choices, gold, key))
-    return out
+            if b is not None and b not in seen and (length is None or count(b) == length):
+                seen.add(b)
+                options.append(((edit[0], edit[1]), b, edit[2]))
+        item_rng = _rng(seed, key)
+        item_rng.shuffle(options)
+        for kd, b, at in options:
+            back = (kd[0], reverse(kd[1]))
+            if back != kd and dirs[kd] > dirs[back]:
+                continue  # never more than one ahead of its reverse
+            dirs[kd] += 1
+            choices, gold = _place([b], ex.body, item_rng)
+            made.setdefault(i, []).append(Choice(ex.signature + "\n" + ex.docstring + "\n", choices, gold,
+                                                 f"{key}@{at}"))
+            if len(made[i]) == PAIRS_PER_FUNCTION:
+                break
+    return [x for i in sorted(made) for x in made[i]]
 
 
 def docstrings(functions: list[FunctionExample], seed: int) -> list[Choice]:
