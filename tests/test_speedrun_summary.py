@@ -27,3 +27,18 @@ def test_one_parse_row_with_the_strict_figure():
 
 def test_no_sft_rows_without_sft():
     assert sft_rows({}) == []
+
+
+def test_the_summary_shows_the_evaluation_suite():
+    from lmforge.stages.speedrun import format_summary
+
+    s = {"parameters": 10, "non_embedding_parameters": 5, "tokens_trained": 100, "tokens_per_s": 10.0,
+         "stage_seconds": {"pretrain": 1.0}, "val_loss": 3.0, "val_perplexity": 20.0, "val_bits_per_byte": 1.5,
+         "xz_bits_per_byte": 2.0, "loss_plot": None, "checkpoint": "ckpt", "samples": [],
+         "suite": {"suite": 0.21, "tasks": {"next_line": {"kind": "choice", "n": 200, "accuracy": 0.59,
+                                                          "accuracy_sum": 0.44, "baseline": 0.25, "centred": 0.45,
+                                                          "interval": [0.52, 0.66]}}}}
+    text = format_summary(s)
+    assert "| evaluation suite (mean centred score)" in text and "+0.210 (0 = chance" in text
+    assert "| next_line | choice | 200 | 59.0% (sum: 44.0%) | [52.0%, 66.0%] | 25.0% | +0.450 |" in text
+    assert "evaluation suite" not in format_summary({**s, "suite": None})

@@ -24,6 +24,7 @@ from pathlib import Path
 from lmforge.config import Config, SamplingConfig
 from lmforge.contract import CONTRACT_FILE
 from lmforge.data.shards import Shard
+from lmforge.evals.suite import results_table
 from lmforge.scorers import body_parse_rate, doctest_pass_rate, held_out_prompts
 from lmforge.errors import Interrupted
 from lmforge.evaluate import evaluate_shard, split_texts, xz_bits_per_byte
@@ -121,6 +122,7 @@ def speedrun_stage(cfg: Config, out: str | Path, resume: bool = False, progress:
     samples = [generate_text(model, tok, p, sampling, seed=cfg.train.seed + i, runtime=decode_rt)
                for i, p in enumerate(SAMPLE_PROMPTS)]
     plot = plot_loss(run_dir, out / "loss.png")
+    suite = evaluation_suite(model, tok, cfg, score_rt.device)
     times["eval"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
@@ -147,6 +149,7 @@ def speedrun_stage(cfg: Config, out: str | Path, resume: bool = False, progress:
         "checkpoint": str(ckpt_path),
         "loss_plot": str(plot) if plot else None,
         "samples": samples,
+        "suite": suite,
         **sft_summary,
     }
     write_json(out / "summary.json", summary)
@@ -166,6 +169,8 @@ def format_summary(s: dict) -> str:
         ("held-out loss", f"{s['val_loss']:.4f} nats/token (perplexity {s['val_perplexity']:.2f})"),
         ("held-out bits per byte", f"{s['val_bits_per_byte']:.4f}"),
         ("xz -9e bits per byte (same text)", f"{s['xz_bits_per_byte']:.4f}"),
+        *([("evaluation suite (mean centred score)", f"{s['suite']['suite']:+.3f} (0 = chance, 1 = perfect; table below)")]
+          if s.get("suite") else []),
         *sft_rows(s),
         ("training health (lmforge.train.health)", f"pretrain: {s.get('pretrain_health', '-')}; "
                                                     f"sft: {s.get('sft_health', '-')}"),
@@ -175,9 +180,32 @@ def format_summary(s: dict) -> str:
     w = max(len(k) for k, _ in rows)
     lines = ["", "## lmforge speedrun", "", f"| {'what'.ljust(w)} | value |", f"|{'-' * (w + 2)}|-------|"]
     lines += [f"| {k.ljust(w)} | {v} |" for k, v in rows]
+    if s.get("suite"):
+        lines += ["", f"### evaluation suite of the pretrained model (`lmforge eval --tasks builtin --limit {SUITE_LIMIT}`)",
+                  "", results_table(s["suite"])]
     for i, text in enumerate(s["samples"], 1):
         lines += ["", f"### sample {i}", "```python", text.rstrip(), "```"]
     return "\n".join(lines)
+
+
+#: Items a task of the speedrun's evaluation suite (about 30 s on 2 cores for the four tasks).
+SUITE_LIMIT = 200
+
+
+def evaluation_suite(model, tok, cfg: Config, device) -> dict:
+    """The built-in evaluation suite (lmforge.evals) of the pretrained model, fp32, seed 0: the
+    same figures `lmforge eval --checkpoint OUT/pretrain --tasks builtin --limit SUITE_LIMIT` gives."""
+    import torch
+
+    from lmforge.evals.resolve import fit_tasks, resolve_tasks
+    from lmforge.evals.suite import run_suite
+
+    tasks = fit_tasks(resolve_tasks("builtin", cfg, 0, SUITE_LIMIT, tok), tok, model.config.max_seq_len)
+    was = next(model.parameters()).device
+    model = model.to(device=device, dtype=torch.float32).eval()
+    res = run_suite(model, tok, tasks, device=device)
+    model.to(was)
+    return res
 
 
 # -- stage 5: supervised fine-tuning -----------------------------------------------------------
