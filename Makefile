@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 OUT ?= runs/speedrun
 
-.PHONY: setup speedrun test test-fast interop test-browser bench clean help
+.PHONY: eval-interop setup speedrun test test-fast interop test-browser bench clean help
 
 help:
 	@echo "make speedrun   train tokenizer, prepare, pretrain and sample on the Python standard library ($(OUT))"
@@ -36,6 +36,10 @@ test-fast: $(STAMP)
 interop: $(STAMP)
 	$(PY) -c "import llama_cpp" 2>/dev/null || $(PY) -m pip install -q -e ".[interop]"
 	$(PY) -m pytest -q -rs tests/interop
+# lm-evaluation-harness against lmforge: the adapter and local-completions -> lmforge serve, beside HFLM.
+eval-interop: $(STAMP)
+	$(PY) -c "import lm_eval, tenacity" 2>/dev/null || $(PY) -m pip install -q -e ".[eval]"
+	$(PY) -m pytest -q -rs tests/test_lm_eval.py
 # The chat page in a real browser: Debian's chromium (Playwright's own download is not used).
 test-browser: $(STAMP)
 	command -v chromium >/dev/null || (apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y chromium) \

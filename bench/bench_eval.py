@@ -10,7 +10,8 @@ and a trained model's should sit above them.
 
 `--speed`: the log-likelihood throughput of lmforge's scorer (`evals.scoring.loglikelihoods`)
 beside the same requests through `transformers` on the `lmforge export` folder (a batched
-forward of `LlamaForCausalLM`, what lm-evaluation-harness's HFLM runs), interleaved rounds, fp32.
+forward of `LlamaForCausalLM`), and, where lm-eval is installed, lmforge's lm-eval adapter beside
+lm-eval's own HFLM on the exported folder; interleaved rounds, fp32.
 
 Run: `python bench/bench_eval.py [--limit 300] [--checkpoints dpo=runs/dpo,rl=runs/rl] [--speed]`.
 Skipped (a note, exit 0) when the speedrun's checkpoints are absent: `make speedrun` writes them.
@@ -154,23 +155,41 @@ def speed(ckpt: Path, args, tmp: Path) -> dict:
                 out[i] = float(logp[r, split - 1: len(ids) - 1].gather(-1, tgt[:, None]).sum())
         return out
 
-    ours, theirs = [], []
+    arms = {"lmforge (evals.scoring)": lambda: [x.logprob for x in loglikelihoods(model, tok, requests)],
+            "transformers on the export": reference}
+    try:  # lm-eval's own HFLM beside lmforge's adapter, when lm-eval is installed (make eval-interop)
+        from lm_eval.api.instance import Instance
+        from lm_eval.models.huggingface import HFLM
+
+        from lmforge.evals.harness import register
+
+        inst = [Instance(request_type="loglikelihood", doc={}, arguments=r, idx=i) for i, r in enumerate(requests)]
+        adapter = register()(checkpoint=str(ckpt), batch_size=16, device="cpu")
+        hflm = HFLM(pretrained=str(tmp / "hf"), dtype="float32", batch_size=16, device="cpu")
+        arms["lm-eval: lmforge adapter"] = lambda: [x[0] for x in adapter.loglikelihood(inst, disable_tqdm=True)]
+        arms["lm-eval: HFLM on the export"] = lambda: [x[0] for x in hflm.loglikelihood(inst, disable_tqdm=True)]
+    except ImportError:
+        print("bench_eval: lm-eval not installed: its HFLM and the adapter are left out (make eval-interop)")
+    rates: dict[str, list[float]] = {k: [] for k in arms}
+    got: dict[str, list[float]] = {}
     for _ in range(args.rounds):
-        t0 = time.perf_counter()
-        a = loglikelihoods(model, tok, requests)
-        ours.append(len(requests) / (time.perf_counter() - t0))
-        t0 = time.perf_counter()
-        b = reference()
-        theirs.append(len(requests) / (time.perf_counter() - t0))
-    diff = max(abs(x.logprob - y) for x, y in zip(a, b))
-    o, t = statistics.median(ours), statistics.median(theirs)
-    print(common.table(["scorer", "requests/s (median)", "min-max"],
-                       [["lmforge (evals.scoring)", f"{o:,.1f}", f"{min(ours):,.1f}-{max(ours):,.1f}"],
-                        ["transformers on the export", f"{t:,.1f}", f"{min(theirs):,.1f}-{max(theirs):,.1f}"],
-                        ["ratio lmforge / transformers", f"{o / t:.2f}x", ""]],
+        for name, fn in arms.items():
+            t0 = time.perf_counter()
+            got[name] = fn()
+            rates[name].append(len(requests) / (time.perf_counter() - t0))
+    first = next(iter(got.values()))
+    diff = max(abs(x - y) for vals in got.values() for x, y in zip(first, vals))
+    med = {k: statistics.median(v) for k, v in rates.items()}
+    rows = [[k, f"{med[k]:,.1f}", f"{min(v):,.1f}-{max(v):,.1f}"] for k, v in rates.items()]
+    rows.append(["ratio lmforge / transformers", f"{med['lmforge (evals.scoring)'] / med['transformers on the export']:.2f}x", ""])
+    if "lm-eval: HFLM on the export" in med:
+        rows.append(["ratio adapter / HFLM", f"{med['lm-eval: lmforge adapter'] / med['lm-eval: HFLM on the export']:.2f}x",
+                     ""])
+    print(common.table(["scorer", "requests/s (median)", "min-max"], rows,
                        title=f"log-likelihood throughput, {len(requests)} requests (next_line + identifier), fp32, "
-                             f"{args.rounds} rounds; max |difference| {diff:.1e} nats; {common.machine_line()}"))
-    return {"lmforge_requests_per_s": o, "transformers_requests_per_s": t, "max_abs_diff": diff}
+                             f"{args.rounds} rounds interleaved; max |difference| {diff:.1e} nats; "
+                             f"{common.machine_line()}"))
+    return {"requests_per_s": med, "max_abs_diff": diff}
 
 
 if __name__ == "__main__":

@@ -286,3 +286,29 @@ def test_train_eval_tasks_logs_the_suite_at_each_validation(tiny_run, tmp_path):
     with pytest.raises(DataError, match="bad.jsonl:1"):
         pretrain_stage(replace(c, train=replace(c.train, eval_tasks=[str(bad)])), tmp_path / "run2", progress=False)
     assert not (tmp_path / "run2" / "metrics.jsonl").exists()  # refused before the first step
+
+
+def test_an_imported_model_is_evaluated_like_any_checkpoint(tmp_path):
+    """A folder transformers saved (SmolLM2's layout, which prepends no BOS: the request starts with
+    EOS, lm-eval's prefix token), imported: the same command, the same rule."""
+    pytest.importorskip("transformers")
+    from hf_families import build_folder
+
+    from lmforge.loading import load_checkpoint
+    from lmforge.stages import import_hf_stage
+
+    build_folder("smollm", tmp_path / "hf")
+    import_hf_stage(tmp_path / "hf", tmp_path / "imported")
+    mine = _user_task(tmp_path / "mine.jsonl", [{"context": "def f(x):\n    return", "continuation": " x"}])
+    assert main(["eval", "--checkpoint", str(tmp_path / "imported"), "--tasks", str(mine), "--out",
+                 str(tmp_path / "r.json")]) == 0
+    got = json.loads((tmp_path / "r.json").read_text())["tasks"]["mine"]
+    ours, tok, _, _ = load_checkpoint(tmp_path / "imported")
+    ids, split = encode_pair(tok, "def f(x):\n    return", " x")
+    assert ids[0] == tok.eos_id and not tok.contract.document_start
+    with torch.no_grad():
+        logp = torch.log_softmax(ours(torch.tensor([ids])).double(), -1)[0]
+    greedy = all(int(logp[t - 1].argmax()) == ids[t] for t in range(split, len(ids)))
+    assert got["n"] == 1 and got["accuracy"] == float(greedy)
+    want = sum(float(logp[t - 1, ids[t]]) for t in range(split, len(ids)))
+    assert loglikelihoods(ours, tok, [("def f(x):\n    return", " x")])[0].logprob == pytest.approx(want, abs=1e-4)

@@ -65,7 +65,6 @@ def continuation_tokens(tok, context: str, continuation: str) -> int:
     return len(ids) - split
 
 
-@torch.no_grad()
 def loglikelihoods(model: torch.nn.Module, tok, requests: Sequence[tuple[str, str]], batch_size: int = 16,
                    device: str | torch.device = "cpu") -> list[LogLikelihood]:
     """One `LogLikelihood` per (context, continuation) request, in order (module docstring).
@@ -73,10 +72,25 @@ def loglikelihoods(model: torch.nn.Module, tok, requests: Sequence[tuple[str, st
     Raises:
         DataError: an empty continuation, or one longer than the model's max_seq_len.
     """
+    return score_tokens(model, [encode_pair(tok, c, x) for c, x in requests], tok.pad_id, batch_size, device)
+
+
+@torch.no_grad()
+def score_tokens(model: torch.nn.Module, sequences: Sequence[tuple[Sequence[int], int]], pad_id: int,
+                 batch_size: int = 16, device: str | torch.device = "cpu") -> list[LogLikelihood]:
+    """The log-likelihood of each sequence's tokens from index `split` on, given those before
+    (`sequences`: (ids, split) pairs, split >= 1), in order; a sequence longer than the model's
+    max_seq_len is cut from the left (the scored tokens kept). Batched by length, right-padded
+    with `pad_id`, fp32 log-softmax. Also lmforge's lm-evaluation-harness adapter's core
+    (`evals.harness`).
+
+    Raises:
+        DataError: a sequence whose scored part is max_seq_len tokens or more.
+    """
     max_len = model.config.max_seq_len
     encoded = []
-    for i, (ctx, cont) in enumerate(requests):
-        ids, split = encode_pair(tok, ctx, cont)
+    for i, (ids, split) in enumerate(sequences):
+        ids = list(ids)
         if len(ids) - split >= max_len:
             raise DataError(f"request {i}: its continuation is {len(ids) - split} tokens, more than the model's "
                             f"max_seq_len {max_len} allows with any context. Shorten it.")
@@ -94,12 +108,11 @@ def loglikelihoods(model: torch.nn.Module, tok, requests: Sequence[tuple[str, st
             n = max(1, min(batch_size, MAX_LOGITS // max(1, longest * vocab)))
             chunk = order[pos: pos + n]
             pos += n
-            tokens = torch.full((len(chunk), longest), tok.pad_id, dtype=torch.long)
+            tokens = torch.full((len(chunk), longest), pad_id, dtype=torch.long)
             for row, i in enumerate(chunk):
                 ids = encoded[i][0]
                 tokens[row, : len(ids)] = torch.tensor(ids)
-            logits = model(tokens.to(device)).float()
-            logp = torch.log_softmax(logits, dim=-1)
+            logp = torch.log_softmax(model(tokens.to(device)).float(), dim=-1)
             for row, i in enumerate(chunk):
                 ids, split = encoded[i]
                 target = tokens[row, split: len(ids)].to(logp.device)
@@ -109,8 +122,7 @@ def loglikelihoods(model: torch.nn.Module, tok, requests: Sequence[tuple[str, st
                 out[i] = LogLikelihood(float(got.double().sum()), int(target.numel()), greedy)
     finally:
         model.train(was_training)
-    del vocab
     return out  # type: ignore[return-value]
 
 
-__all__ = ["LogLikelihood", "MAX_LOGITS", "continuation_tokens", "encode_pair", "loglikelihoods"]
+__all__ = ["LogLikelihood", "MAX_LOGITS", "continuation_tokens", "encode_pair", "loglikelihoods", "score_tokens"]
