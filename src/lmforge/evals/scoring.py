@@ -85,12 +85,16 @@ def score_tokens(model: torch.nn.Module, sequences: Sequence[tuple[Sequence[int]
     (`evals.harness`).
 
     Raises:
-        DataError: a sequence whose scored part is max_seq_len tokens or more.
+        DataError: a sequence with no token to score, or whose scored part is max_seq_len tokens or more.
     """
     max_len = model.config.max_seq_len
     encoded = []
     for i, (ids, split) in enumerate(sequences):
         ids = list(ids)
+        if split >= len(ids) or split < 1:
+            raise DataError(f"request {i}: no continuation token to score ({len(ids)} tokens, the continuation from "
+                            f"{split}): its text merged into the context's last token (lm-evaluation-harness #942: "
+                            f"its encoding of a pair can do this; `lmforge eval` scores the joint encoding and cannot).")
         if len(ids) - split >= max_len:
             raise DataError(f"request {i}: its continuation is {len(ids) - split} tokens, more than the model's "
                             f"max_seq_len {max_len} allows with any context. Shorten it.")

@@ -38,6 +38,9 @@ MAX_CASES = 12
 MIN_CASES = 3
 #: Wall-clock seconds of one probe job (every function of one module, each input called twice).
 PROBE_TIMEOUT_S = 30.0
+#: Seconds one call of the real function may take on a small input before the function is left out
+#: (generous: on a loaded machine a tighter limit would make the covered set depend on the load).
+PROBE_CALL_S = 1.0
 
 _POOLS: dict[str, list] = {
     "int": [0, 1, 2, 3, -1, 5, 10, 100],
@@ -229,7 +232,7 @@ class Behaviour:
             self.cases[k] = None
             if inputs:
                 by_module.setdefault(f["module"], {})[f["qualname"]] = inputs
-        jobs = [{"kind": "probe", "module": m, "probes": by_module[m]} for m in sorted(by_module)]
+        jobs = [{"kind": "probe", "module": m, "probes": by_module[m], "call_s": PROBE_CALL_S} for m in sorted(by_module)]
         found: dict[str, list] = {}
         while jobs:
             retry = []
