@@ -27,11 +27,10 @@ from safetensors.torch import load_file, save_file
 
 from lmforge.config import LORA_TARGETS, Config, LoRAConfig, ModelConfig, load_config
 from lmforge.errors import CheckpointError, ConfigError
-from lmforge.model import Transformer, load_model, lora, resolve_model_config
+from lmforge.model import Transformer, load_model, lora
 from lmforge.model.io import MODEL_FILE
 from lmforge.runtime import training_runtime
 from lmforge.stages.sft import sft_stage
-from lmforge.train.checkpoint import save_checkpoint
 from lmforge.train.optim import build_optimizer
 from test_resume import read_metrics, sigterm_at
 from test_sft import many_conversations, sft_cfg, write_jsonl
@@ -200,12 +199,9 @@ def tree_hash(root: Path) -> dict[str, str]:
 
 
 @pytest.fixture
-def base_ckpt(tiny_run, tmp_path):
-    """A tiny 'pretrained' checkpoint of this test's own (tests below change it)."""
-    cfg, tok = tiny_run
-    model = Transformer(resolve_model_config(cfg.model, tok.contract))
-    model.reset_parameters(seed=0)
-    return save_checkpoint(tmp_path / "pre", 3, model, cfg, tok.folder)
+def base_ckpt(init_ckpt):
+    """A tiny 'pretrained' checkpoint of this test's own (conftest's `init_ckpt`; tests below change it)."""
+    return init_ckpt
 
 
 def lora_cfg(cfg, init, data, steps=6):

@@ -29,6 +29,7 @@ from lmforge.evals.metrics import pass_at_k, rate_interval
 from lmforge.generate import generate
 from lmforge.sandbox import Pool, check_errors
 from lmforge.scorers.behaviour import Behaviour
+from lmforge.scorers.doctests import doctest_job
 
 GENERATION_TASKS = ("functions",)
 #: New tokens a body may take (a function whose real body is longer is left out).
@@ -75,8 +76,7 @@ class Checker:
     @staticmethod
     def _doctest(p: Prompt, body: str) -> dict:
         f = p.fields
-        return {"kind": "doctest", "module": f["module"], "function": f["qualname"],
-                "source": place_body(f["signature"], body)}
+        return doctest_job(f["module"], f["qualname"], place_body(f["signature"], body))
 
     def passes(self, prompts: Sequence[Prompt], bodies: Sequence[str], stopped: Sequence[bool]) -> list[bool]:
         """Per body: it ended its turn and passes its prompt's check (in the sandbox)."""

@@ -132,17 +132,15 @@ def model_card(checkpoint: str | Path, model, contract, name: str, evaluation: d
     """The README.md of a Hugging Face export (module docstring); `model`: the Transformer;
     `evaluation`: a results JSON of `lmforge eval --tasks` (`read_evaluation`)."""
     chain = training_chain(checkpoint)
-    commands = [s.command for s in chain if s.command in INIT_KEYS]
-    base = next((str(s.folder) for s in chain if s.command == "import-hf"), "")
-    datasets = sorted({s.data for s in chain if s.data})
-    tags = ["lmforge", "llama", "text-generation", *sorted(set(commands) - {"pretrain"})]
+    facts = chain_facts(chain)
+    tags = ["lmforge", "llama", "text-generation", *[c for c in facts["commands"] if c != "pretrain"]]
     front = ["---", "library_name: transformers", "# license: set yours here (e.g. apache-2.0)", "tags:"]
     front += [f"- {t}" for t in tags]
-    if base:
-        front.append(f"base_model: {json.dumps(base)}")
-    if datasets:
+    if facts["base_model"]:
+        front.append(f"base_model: {json.dumps(facts['base_model'])}")
+    if facts["datasets"]:
         front += ["datasets:"] + [f"- {json.dumps('python-stdlib (embedded in lmforge)' if d == 'stdlib' else d)}"
-                                  for d in datasets]
+                                  for d in facts["datasets"]]
     front.append("---")
     m = model.config
     params = sum(p.numel() for p in model.parameters())
@@ -176,26 +174,26 @@ def model_card(checkpoint: str | Path, model, contract, name: str, evaluation: d
     return "\n".join(front + [""] + body)
 
 
+def chain_facts(chain: list[Stage]) -> dict:
+    """What the card and the GGUF keys say of a chain: its training commands and datasets (sorted,
+    once each), the imported model it starts from ("" for none), and a one-line description."""
+    return {"commands": sorted({s.command for s in chain if s.command in INIT_KEYS}),
+            "datasets": sorted({s.data for s in chain if s.data}),
+            "base_model": next((str(s.folder) for s in chain if s.command == "import-hf"), ""),
+            "description": "lmforge: " + " -> ".join(
+                s.command + (f" on {s.data}" if s.data else "") + (f", {s.steps} steps" if s.steps else "")
+                for s in chain) if chain else ""}
+
+
 def gguf_facts(checkpoint: str | Path) -> dict:
     """What GGUF's `general.*` keys can carry of the card: {"description", "tags", "datasets",
     "base_model"} (absent when unknown)."""
-    chain = training_chain(checkpoint)
-    out: dict = {}
-    if chain:
-        out["description"] = "lmforge: " + " -> ".join(
-            f"{s.command}" + (f" on {s.data}" if s.data else "") + (f", {s.steps} steps" if s.steps else "")
-            for s in chain)
-    commands = sorted({s.command for s in chain if s.command in INIT_KEYS})
-    out["tags"] = ["lmforge", *commands]
-    datasets = sorted({s.data for s in chain if s.data})
-    if datasets:
-        out["datasets"] = datasets
-    base = next((str(s.folder) for s in chain if s.command == "import-hf"), "")
-    if base:
-        out["base_model"] = base
+    facts = chain_facts(training_chain(checkpoint))
+    out = {"tags": ["lmforge", *facts["commands"]]}
+    out.update({k: facts[k] for k in ("description", "datasets", "base_model") if facts[k]})
     return out
 
 
 MODEL_CARD_FILE = "README.md"
 
-__all__ = ["MODEL_CARD_FILE", "Stage", "gguf_facts", "model_card", "read_evaluation", "training_chain"]
+__all__ = ["MODEL_CARD_FILE", "Stage", "chain_facts", "gguf_facts", "model_card", "read_evaluation", "training_chain"]

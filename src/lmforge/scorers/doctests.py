@@ -16,14 +16,19 @@ from collections.abc import Sequence
 from lmforge.sandbox import TIMEOUT_S, Pool, run_job
 
 
+def doctest_job(module: str, function: str, source: str) -> dict:
+    """The sandbox job that runs `module.function`'s docstring examples against `source` (a module
+    defining `function`, which replaces the reference in `module`): for `run_job` or a `Pool`."""
+    return {"kind": "doctest", "module": module, "function": function, "source": source}
+
+
 def run_doctests(module: str, function: str, source: str, timeout: float = TIMEOUT_S) -> str:
     """"PASS", "FAIL" (wrong, raised, did not compile, did something the sandbox refuses), "TIMEOUT",
     "OOM", "NODOC" (the reference's docstring has no examples) or "ERROR" (the sandbox's own
     fault): `source` (defining `function`) replaces the reference in `module` and runs the
     reference's docstring examples, in `lmforge.sandbox` (the verdict cannot be printed by the
     body: it travels on a private pipe)."""
-    return run_job({"kind": "doctest", "module": module, "function": function, "source": source},
-                   timeout=timeout).verdict
+    return run_job(doctest_job(module, function, source), timeout=timeout).verdict
 
 
 def doctest_pass_rate(items: Sequence[dict], bodies: Sequence[dict], timeout: float = TIMEOUT_S) -> dict:
@@ -34,23 +39,19 @@ def doctest_pass_rate(items: Sequence[dict], bodies: Sequence[dict], timeout: fl
     Runs on a `sandbox.Pool` (pre-started interpreters, as many at once as there are cores)."""
     from lmforge.data.stdlib_functions import place_body
 
-    def job(module: str, qualname: str, signature: str, body: str) -> dict:
-        return {"kind": "doctest", "module": module, "function": qualname, "source": place_body(signature, body)}
-
     todo = []
     for r, b in zip(items, bodies):
         module, _, qualname = r["name"].partition(":")
         if module and qualname and "." not in qualname and "signature" in r:
             todo.append((r, b, module, qualname))
     with Pool(timeout=timeout) as pool:
-        refs = pool.map([job(m, q, r["signature"], r["body"]) for r, _, m, q in todo])
+        refs = pool.map([doctest_job(m, q, place_body(r["signature"], r["body"])) for r, _, m, q in todo])
         todo = [t for t, ref in zip(todo, refs) if ref.verdict == "PASS"]  # else no examples, or the reference fails here
-        ran = [t for t in todo if t[1]["stopped"]]
-        verdicts = dict(zip(map(id, ran), pool.map([job(m, q, r["signature"], b["body"]) for r, b, m, q in ran])))
+        ran = iter(pool.map([doctest_job(m, q, place_body(r["signature"], b["body"]))
+                             for r, b, m, q in todo if b["stopped"]]))
+        verdicts = [next(ran).verdict if b["stopped"] else "FAIL" for _, b, _, _ in todo]  # cut off: not run
     scored, passed, names, errors = 0, 0, [], 0
-    for t in todo:
-        r = t[0]
-        verdict = verdicts[id(t)].verdict if id(t) in verdicts else "FAIL"  # cut off: not run
+    for (r, _, _, _), verdict in zip(todo, verdicts):
         if verdict == "ERROR":
             errors += 1
             continue
@@ -62,4 +63,4 @@ def doctest_pass_rate(items: Sequence[dict], bodies: Sequence[dict], timeout: fl
             "errors": errors}
 
 
-__all__ = ["doctest_pass_rate", "run_doctests"]
+__all__ = ["doctest_job", "doctest_pass_rate", "run_doctests"]

@@ -33,9 +33,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from lmforge.data.prompts import Prompt
+from lmforge.data.stdlib_functions import place_body
 from lmforge.errors import ConfigError, LmforgeError
 from lmforge.sandbox import Pool, Result
 from lmforge.scorers.behaviour import Behaviour
+from lmforge.scorers.doctests import doctest_job
 from lmforge.scorers.static import static_verdict
 
 
@@ -126,8 +128,7 @@ class Rewards:
                 for i, (p, c, s, why) in enumerate(zip(prompts, completions, stopped, reasons)):
                     module, qualname, signature = _fields(p, ("module", "qualname", "signature"), "doctests")
                     if not why and s:
-                        jobs.append({"kind": "doctest", "module": module, "function": qualname,
-                                     "source": signature + "\n" + c + "\n"})
+                        jobs.append(doctest_job(module, qualname, place_body(signature, c)))
                         where.append(i)
                 each[name] = [0.0] * len(completions)
                 for i, r in zip(where, self.pool.map(jobs)):

@@ -122,12 +122,8 @@ class Trainer:
 
         tok, tasks = self.eval_tasks
         model = self.eval_model if self._fsdp else self.raw_model
-        was = model.training
-        try:
-            with self.runtime.autocast():
-                res = run_suite(model, tok, tasks, device=self.device)
-        finally:
-            model.train(was)
+        with self.runtime.autocast():  # the scorer puts the model in eval mode and back
+            res = run_suite(model, tok, tasks, device=self.device)
         out = {"eval/suite": res["suite"]}
         for name, r in res["tasks"].items():
             out[f"eval/{name}/accuracy"], out[f"eval/{name}/centred"] = r["accuracy"], r["centred"]
