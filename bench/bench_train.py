@@ -43,6 +43,8 @@ CONFIGS = {
     "speedrun": dict(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, vocab=8192, seq_len=256, batch=8),
     # the larger config: dim 512, 8 layers, seq 512, micro-batch 4 (8 x 512 fits too; 4 keeps it short)
     "larger": dict(dim=512, n_layers=8, n_heads=8, n_kv_heads=4, vocab=8192, seq_len=512, batch=4),
+    # a GPU shape (--device cuda): GPT-2 small's width and depth, 8 x 1,024 tokens a step
+    "gpu": dict(dim=768, n_layers=12, n_heads=12, n_kv_heads=4, vocab=32768, seq_len=1024, batch=8),
 }
 #: --smoke: seconds, every code path (both precisions, the profile), figures meaningless
 SMOKE_CONFIG = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab=512, seq_len=32, batch=2)
@@ -51,10 +53,18 @@ RATIO_GOAL = 1.5
 MFU_GOAL = 0.5  # of the bf16 matmul peak, at the larger config
 
 # -- matmul peak ---------------------------------------------------------------------------
-def matmul_rate(dtype: torch.dtype, n: int = 2048, warmup: int = 2, repeat: int = 6) -> common.Stats:
-    """GFLOP/s of an n x n x n torch.mm in `dtype` (2 n^3 FLOPs per call)."""
-    a = torch.randn(n, n).to(dtype)
-    b = torch.randn(n, n).to(dtype)
+def matmul_rate(dtype: torch.dtype, n: int = 2048, warmup: int = 2, repeat: int = 6,
+                device: str = "cpu") -> common.Stats:
+    """GFLOP/s of an n x n x n torch.mm in `dtype` (2 n^3 FLOPs per call; on CUDA, 20 calls
+    between synchronisations)."""
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    if device == "cuda":
+        def mm():
+            for _ in range(20):
+                torch.mm(a, b)
+            torch.cuda.synchronize()
+        return common.interleaved({"mm": mm}, warmup, repeat)["mm"].rate(20 * 2 * n**3 / 1e9)
     stats = common.interleaved({"mm": lambda: torch.mm(a, b)}, warmup, repeat)["mm"]
     return stats.rate(2 * n**3 / 1e9)
 
@@ -88,36 +98,40 @@ def lmforge_config(spec: dict, precision: str, compile: bool = False):
     return cfg.validate()
 
 
-def build_lmforge(spec: dict, precision: str, workdir: Path, compile: bool = False):
+def build_lmforge(spec: dict, precision: str, workdir: Path, compile: bool = False, device: str = "cpu"):
     from lmforge.model import Transformer
+    from lmforge.train.distributed import DistInfo
     from lmforge.train.trainer import Trainer
 
     cfg = lmforge_config(spec, precision, compile)
     torch.manual_seed(0)
     model = Transformer(cfg.model)
     model.reset_parameters(seed=0)
-    trainer = Trainer(cfg, workdir / "run", workdir, model, random_stream(spec), progress=False)
+    trainer = Trainer(cfg, workdir / "run", workdir, model, random_stream(spec), dist=DistInfo(device=torch.device(device)),
+                      progress=False)
     return trainer
 
 
-def build_hf(spec: dict, precision: str, lm_model: torch.nn.Module, lr: float, compile: bool = False):
+def build_hf(spec: dict, precision: str, lm_model: torch.nn.Module, lr: float, compile: bool = False,
+             device: str = "cpu"):
     """The transformers model `lmforge export` would write, with lmforge's initial weights
     (`common.hf_twin`, sdpa attention), and a step function."""
     from lmforge.runtime import autocast
 
-    model = common.hf_twin(lm_model, common.synthetic_contract(spec["vocab"]), use_cache=False)
-    model.train()
+    model = common.hf_twin(lm_model.cpu(), common.synthetic_contract(spec["vocab"]), use_cache=False)
+    lm_model.to(device)
+    model.to(device).train()
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
                             lr=lr, betas=(0.9, 0.95), eps=1e-8)
     dtype = torch.bfloat16 if precision == "bf16" else None
-    device = torch.device("cpu")
+    device = torch.device(device)
     stream = random_stream(spec)
     fwd = torch.compile(model) if compile else model
 
     def step() -> float:
-        b = stream.next_batch()
+        b = stream.next_batch().to(device)
         with autocast(device, dtype):
             out = fwd(input_ids=b.tokens, labels=b.targets, shift_labels=b.targets)
         out.loss.backward()
@@ -228,10 +242,10 @@ def fit_budget(first_s: float, warmup: int, repeat: int, budget_s: float, min_re
 
 
 def run_config(name: str, spec: dict, precision: str, peaks: dict, warmup: int, repeat: int,
-               compile: bool, profile: bool, log, budget_s: float = 0.0) -> dict:
+               compile: bool, profile: bool, log, budget_s: float = 0.0, device: str = "cpu") -> dict:
     with tempfile.TemporaryDirectory() as tmp:
-        trainer = build_lmforge(spec, precision, Path(tmp), compile)
-        hf_model, hf_step = build_hf(spec, precision, trainer.raw_model, trainer.cfg.train.lr, compile)
+        trainer = build_lmforge(spec, precision, Path(tmp), compile, device)
+        hf_model, hf_step = build_hf(spec, precision, trainer.raw_model, trainer.cfg.train.lr, compile, device)
         t0 = time.perf_counter()
         first = {"lmforge": trainer.train_step()["loss"], "transformers": hf_step()}
         first_s = time.perf_counter() - t0
@@ -272,9 +286,13 @@ def main(argv: list[str] | None = None) -> dict:
                     help="seconds for all configs' steps; fewer steps (>= 3 timed) when the first is slow; 0 = none")
     ap.add_argument("--compile", action="store_true", help="torch.compile both models (slow to start on CPU)")
     ap.add_argument("--no-profile", action="store_true")
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                    help="where both sides run (cuda: the profile is left out; the gpu config fits it)")
     common.smoke_flag(ap)
     args = ap.parse_args([] if argv is None else argv)
     configs, mm_n, profiled = CONFIGS, 2048, "larger"
+    if args.device == "cuda":
+        mm_n = 8192  # a GPU's matmul peak needs a large product
     if args.smoke:  # every path once (both precisions, the profile, the RSS probes), tiny
         configs, mm_n, profiled = {"smoke": SMOKE_CONFIG}, 256, "smoke"
         args.configs, args.warmup, args.repeat, args.budget = "smoke", 1, 1, 0.0
@@ -290,7 +308,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     def measure_peaks() -> dict[str, float]:
         for p, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
-            mm_samples[p] += matmul_rate(dtype, n=mm_n, repeat=4).samples
+            mm_samples[p] += matmul_rate(dtype, n=mm_n, repeat=4, device=args.device).samples
         return {p: max(v) for p, v in mm_samples.items()}
 
     peaks = measure_peaks()
@@ -301,10 +319,10 @@ def main(argv: list[str] | None = None) -> dict:
     weight = {r: configs[r[0]]["batch"] * configs[r[0]]["seq_len"] * configs[r[0]]["dim"] ** 2
               * configs[r[0]]["n_layers"] * (2 if r[1] == "fp32" else 1) for r in runs}
     for name, precision in runs:
-        profile = (not args.no_profile) and name == profiled and precision == "bf16"
+        profile = (not args.no_profile) and name == profiled and precision == "bf16" and args.device == "cpu"
         budget = args.budget * weight[(name, precision)] / sum(weight.values())
         rows.append(run_config(name, configs[name], precision, measure_peaks(), args.warmup, args.repeat,
-                               args.compile, profile, log, budget))
+                               args.compile, profile, log, budget, args.device))
     peaks = measure_peaks()
     for r in rows:  # MFU against the best rate of the whole run
         r["matmul_peak_gflops"] = peaks[r["precision"]]

@@ -212,7 +212,7 @@ def sft_copy(half_sft, tmp_path):
 
 SFT_REFUSED = [
     ("sft.micro_batch_size", 4), ("sft.grad_accum_steps", 2), ("sft.lr", 0.02), ("sft.warmup_steps", 3),
-    ("sft.packing", True), ("sft.max_examples", 10), ("data.val_fraction", 0.5), ("data.seq_len", 32),
+    ("sft.packing", False), ("sft.compile", True), ("sft.max_examples", 10), ("data.val_fraction", 0.5), ("data.seq_len", 32),
     ("train.seed", 7), ("train.beta2", 0.99),
 ]
 

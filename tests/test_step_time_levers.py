@@ -1,10 +1,14 @@
 """The speedrun's step-time levers: `train.time_budget_s` (pretraining planned for seconds of
-steps instead of a step count) and `train.compile` without a C++ compiler (trains eagerly).
+the whole stage instead of a step count) and `train.compile` without a C++ compiler (trains
+eagerly).
 
-The step count comes from steps timed on a throw-away copy before the run (the measurement is
-wrapped here so that it reports a fixed step time: the arithmetic, not the machine, is tested);
-the run is then exactly the run `train.steps = N` gives (the probe moves no data position and
-no RNG), its config.toml says N, and `--resume` keeps N without measuring again.
+The step count comes from what is left of the budget after the start-up and a measurement on a
+throw-away copy (steps, one validation, one checkpoint), and is revised once in the run from its
+own steps (lmforge.train.budget). Here the budget's clock and the probe's figures are replaced
+(the probe still trains a real copy): the arithmetic, not the machine, is tested. The run is then
+exactly the run `train.steps = N` gives (the probe moves no data position and no RNG; the
+revision changes no step taken), its config.toml says N, and `--resume` keeps N without
+measuring again.
 """
 
 from __future__ import annotations
@@ -17,37 +21,62 @@ import pytest
 
 from lmforge.errors import CheckpointError, ConfigError
 from lmforge.stages import common, pretrain_stage
+from lmforge.train.budget import StepBudget, decay_start
 from lmforge.train.trainer import Trainer
 from test_resume import assert_same_state, read_metrics, with_train
 
 
-def fixed_step_time(monkeypatch, seconds: float) -> list[dict]:
-    """Every measurement runs its real steps (so the probe really trains a copy) but reports
-    `seconds` per step; returns the list of measurements made."""
-    real, made = common.measure_steps, []
+class FakeClock:
+    """The budget's clock: `now` seconds, moved by the test (and by `per_step` each step)."""
 
-    def measure(trainer, steps, tokens_per_step):
-        out = real(trainer, steps, tokens_per_step)
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def fixed_costs(monkeypatch, step_s: float, val_s: float = 0.0, save_s: float = 0.0,
+                spent: float = 0.0, per_step: float = 0.0) -> tuple[list[dict], FakeClock]:
+    """The probe runs for real (a copy trains, validates and saves) but reports these figures;
+    the clock stands still except `spent` seconds for the start-up and the probe, and `per_step`
+    seconds for each step of the run. Returns (the probes made, the clock)."""
+    real, made, clock = common.probe_costs, [], FakeClock()
+
+    def probe(*args, **kwargs):
+        out = real(*args, **kwargs)
         made.append(out)
-        return {**out, "step_seconds": seconds}
+        clock.now += spent
+        return {**out, "step_s": step_s, "val_s": val_s, "save_s": save_s}
 
-    monkeypatch.setattr(common, "measure_steps", measure)
-    return made
+    monkeypatch.setattr(common, "probe_costs", probe)
+    monkeypatch.setattr(common, "budget_clock", clock)
+    if per_step:
+        original = Trainer.train_step
+
+        def train_step(self):
+            if not self.run_dir.name.startswith("lmforge-budget-"):  # the run's steps, not the probe's
+                clock.now += per_step
+            return original(self)
+
+        monkeypatch.setattr(Trainer, "train_step", train_step)
+    return made, clock
 
 
 def test_the_budget_sets_the_steps_and_the_run_equals_that_many_steps(tiny_run, tmp_path, monkeypatch, capsys):
     cfg, _ = tiny_run
-    made = fixed_step_time(monkeypatch, 0.05)
-    budget = with_train(cfg, time_budget_s=0.6, steps=999, checkpoint_every=0, keep_last=0, warmup_steps=2)
+    made, _ = fixed_costs(monkeypatch, 0.05, spent=0.1)
+    budget = with_train(cfg, time_budget_s=0.7, steps=999, checkpoint_every=0, keep_last=0, warmup_steps=2,
+                        eval_every=0)
     last = pretrain_stage(budget, tmp_path / "budget", progress=False)
-    assert len(made) == 1 and made[0]["measured_steps"] >= 3  # the probe trained real steps
-    assert last["step"] == 12  # int(0.6 / 0.05)
+    assert len(made) == 1 and made[0]["measured_steps"] >= 3 and made[0]["save_s"] > 0  # real steps, a real save
+    assert last["step"] == 12  # int((0.7 - 0.1 spent) / 0.05)
     err = capsys.readouterr().err
-    assert "train.time_budget_s = 0.6: 12 steps (0.050 s per step" in err
+    assert "train.time_budget_s = 0.7 s for the whole stage: 12 steps (0.1 s spent" in err
     saved = (tmp_path / "budget" / "config.toml").read_text()
-    assert "steps = 12\n" in saved and "time_budget_s = 0.6\n" in saved
+    assert "steps = 12\n" in saved and "time_budget_s = 0.7\n" in saved
     # the same run with train.steps = 12 and no budget: bit-identical (the probe moved nothing)
-    plain = with_train(cfg, steps=12, checkpoint_every=0, keep_last=0, warmup_steps=2)
+    plain = with_train(cfg, steps=12, checkpoint_every=0, keep_last=0, warmup_steps=2, eval_every=0)
     pretrain_stage(plain, tmp_path / "plain", progress=False)
     a, b = read_metrics(tmp_path / "budget"), read_metrics(tmp_path / "plain")
     for key in ("loss", "grad_norm", "lr", "tokens"):
@@ -56,15 +85,72 @@ def test_the_budget_sets_the_steps_and_the_run_equals_that_many_steps(tiny_run, 
     assert_same_state(tmp_path / "budget" / "step_000012", tmp_path / "plain" / "step_000012")
 
 
+def test_validations_and_checkpoints_are_paid_from_the_budget(tiny_run, tmp_path, monkeypatch):
+    cfg, _ = tiny_run
+    fixed_costs(monkeypatch, 0.05, val_s=0.2, save_s=0.1)
+    c = with_train(cfg, time_budget_s=1.3, steps=999, checkpoint_every=5, keep_last=1, warmup_steps=2, eval_every=4)
+    # per step 0.05 + 0.2 / 4 + 0.1 / 5 = 0.12 s; the final validation and checkpoint 0.3 s: (1.3 - 0.3) / 0.12
+    assert pretrain_stage(c, tmp_path / "run", progress=False)["step"] == 8
+
+
+def test_the_run_revises_the_count_from_its_own_steps(tiny_run, tmp_path, monkeypatch, capsys):
+    """The probe said 0.05 s a step; the run's steps take 0.1 s. After step 23 (80% of the way
+    to the decay start of the first count, 58) the count is decided again from the run's own
+    mean step, kept high enough that no step taken changes its learning rate; the run equals a
+    plain run of the revised count, and its config.toml says it."""
+    cfg, _ = tiny_run
+    _, clock = fixed_costs(monkeypatch, 0.05, per_step=0.1)
+    c = with_train(cfg, time_budget_s=2.9, steps=999, checkpoint_every=0, keep_last=0, warmup_steps=2,
+                   eval_every=0, schedule="wsd", decay_fraction=0.2)
+    last = pretrain_stage(c, tmp_path / "budget", progress=False)
+    # first: int(2.9 / 0.05) = 58, decay start 58 - 12 = 46, revision after int(0.8 x 46) = 36;
+    # at step 36 the clock says 3.6: over the budget, so N = 37 at least, and the decay must start
+    # at or after step 36: 45 - 9 = 36
+    assert decay_start(45, 0.2) == 36 and decay_start(44, 0.2) < 36
+    assert last["step"] == 45
+    err = capsys.readouterr().err
+    assert "58 steps (" in err and "revised after step 36" in err
+    assert "train.time_budget_s: 45 steps (was 58): 0.100 s a step over the run's steps 2-36" in err
+    assert "steps = 45\n" in (tmp_path / "budget" / "config.toml").read_text()
+    monkeypatch.undo()
+    plain = with_train(c, time_budget_s=0.0, steps=45)
+    pretrain_stage(plain, tmp_path / "plain", progress=False)
+    a, b = read_metrics(tmp_path / "budget"), read_metrics(tmp_path / "plain")
+    for key in ("loss", "lr"):
+        assert [m[key] for m in a] == [m[key] for m in b], key
+    assert_same_state(tmp_path / "budget" / "step_000045", tmp_path / "plain" / "step_000045")
+
+
+def test_the_budget_arithmetic():
+    from lmforge.config import TrainConfig
+
+    t = TrainConfig(eval_every=100, checkpoint_every=200, warmup_steps=50, schedule="wsd", decay_fraction=0.5)
+    b = StepBudget(deadline=420.0, step_s=0.4, val_s=1.0, save_s=2.0)
+    # per step 0.4 + 0.01 + 0.01 = 0.42; 60 s spent, 3 s for the final validation and checkpoint
+    assert b.per_step(t) == pytest.approx(0.42)
+    assert b.steps_for(t, now=60.0) == 850  # 357 / 0.42
+    assert b.steps_for(t, now=419.0, done=5) == 6  # over the budget: one more step, never fewer than taken
+    b.plan_revision(t, 850)  # decay starts at 425: 80% of it is 340, the first checkpoint comes at 200
+    assert b.revise_at == 200
+    b.plan_revision(replace(t, checkpoint_every=0), 850)
+    assert b.revise_at == 340
+    b.plan_revision(replace(t, schedule="cosine"), 850)
+    assert b.revise_at == 50  # cosine: within the warm-up only
+    b.plan_revision(replace(t, schedule="cosine", warmup_steps=10), 850)
+    assert b.revise_at == 0  # too few steps to average
+    n = b.revised_steps(t, now=400.0, done=200, step_s=0.45)
+    assert decay_start(n, 0.5) >= 200 and n == 400
+
+
 @pytest.mark.slow
 def test_resume_keeps_the_step_count_without_measuring_again(tiny_run, tmp_path, monkeypatch, capsys):
     cfg, _ = tiny_run
-    c = with_train(cfg, time_budget_s=1.0, checkpoint_every=0, keep_last=0, warmup_steps=2)
+    c = with_train(cfg, time_budget_s=1.0, checkpoint_every=0, keep_last=0, warmup_steps=2, eval_every=0)
     with monkeypatch.context() as m:
-        fixed_step_time(m, 0.05)
+        fixed_costs(m, 0.05)
         pretrain_stage(c, tmp_path / "straight", progress=False)
     with monkeypatch.context() as m:
-        fixed_step_time(m, 0.05)
+        fixed_costs(m, 0.05)
         original = Trainer.train_step
 
         def train_step(self):  # SIGTERM after step 8 of the real run (not of the probe)
@@ -76,7 +162,7 @@ def test_resume_keeps_the_step_count_without_measuring_again(tiny_run, tmp_path,
         m.setattr(Trainer, "train_step", train_step)
         assert pretrain_stage(c, tmp_path / "split", progress=False)["step"] == 8
     capsys.readouterr()
-    made = fixed_step_time(monkeypatch, 0.5)  # this machine is now 10x slower: a new measurement would say 2 steps
+    made, _ = fixed_costs(monkeypatch, 0.5)  # this machine is now 10x slower: a new measurement would say 2 steps
     last = pretrain_stage(c, tmp_path / "split", resume=True, progress=False)
     assert made == [] and last["step"] == 20
     assert "20 steps (as in " in capsys.readouterr().err
@@ -86,6 +172,14 @@ def test_resume_keeps_the_step_count_without_measuring_again(tiny_run, tmp_path,
     # another budget is another schedule: refused, naming the field
     with pytest.raises(CheckpointError, match=r"train.time_budget_s = 2\.0 \(the run has 1\.0\)"):
         pretrain_stage(with_train(c, time_budget_s=2.0, steps=30), tmp_path / "split", resume=True, progress=False)
+
+
+def test_a_budget_spent_before_the_first_step_is_refused_and_nothing_is_written(tiny_run, tmp_path, monkeypatch):
+    cfg, _ = tiny_run
+    fixed_costs(monkeypatch, 0.05, spent=5.0)
+    with pytest.raises(ConfigError, match=r"train.time_budget_s = 3: the start-up and the measurement took 5\.0 s"):
+        pretrain_stage(with_train(cfg, time_budget_s=3.0), tmp_path / "run", progress=False)
+    assert not (tmp_path / "run").exists()
 
 
 def test_sft_and_dpo_do_not_take_the_pretraining_budget(tiny_run):

@@ -242,12 +242,13 @@ class TrainConfig:
         PRE, "decided train.steps once, when the run started (the step count is in the run's config.toml and "
         "--resume keeps it); another budget would be another schedule",
         "SFT and DPO train sft.steps / dpo.steps (their [train] copy has no budget)"))
-    """Pretraining only: seconds of optimizer steps to plan the run for (0 = off: train.steps).
-    At the start of a new run a few steps are timed on a throw-away copy (as `--dry-run` does)
-    and train.steps becomes budget / the median step time, so the schedule's warm-up and decay
-    fit the machine; the step count is written to the run's config.toml, and `--resume` keeps
-    it (no new measurement), so a resumed run stays exact. Validation and checkpoints are not
-    counted in the budget."""
+    """Pretraining only: seconds of the whole stage to plan the run for (0 = off: train.steps),
+    start-up, compile, steps, validations and checkpoints included. At the start of a new run a
+    few steps, a validation and a checkpoint are timed on a throw-away copy (as `--dry-run` does)
+    and train.steps becomes what fits the time left; the run revises it once from its own steps
+    before any step whose learning rate depends on it (lmforge.train.budget). The step count is
+    written to the run's config.toml, and `--resume` keeps it (no new measurement), so a resumed
+    run stays exact."""
     tensorboard: bool = flag(False, allowed("a copy of the metrics as TensorBoard events, not what is computed"))
     """Also write the metrics, the health warnings and the config as TensorBoard events into
     the run folder's `tensorboard/` (needs the tensorboard package: lmforge[tensorboard])."""

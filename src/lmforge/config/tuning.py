@@ -45,7 +45,7 @@ class TuningConfig:
     with their bounds and resume rules (a subclass's WORDS put its rules in its own words): the
     checkpoint to start from, the data, and the [train] values the run takes from its section
     (`stages.tuning.TUNING_TRAIN_KEYS`: steps, micro_batch_size, grad_accum_steps, lr,
-    warmup_steps; every other [train] key applies as it is)."""
+    warmup_steps, compile; every other [train] key applies as it is)."""
 
     init: str = text("", _tune("the {init}; compared as a resolved path by stages/tuning.py (check_same_init), before "
                                "the model is loaded", elsewhere=True))
@@ -60,6 +60,11 @@ class TuningConfig:
     grad_accum_steps: int = num(1, 1, 1 << 16, _tune(ACCUM, per_rank=True))
     lr: float = num(1e-3, 0.0, 10.0, _tune(SCHEDULE, schedule=True), low_open=True)
     warmup_steps: int = num(10, 0, MAX_STEPS, _tune(SCHEDULE, schedule=True))
+    compile: bool = flag(False, _tune("compiled kernels fuse and reorder float operations: the steps differ in the "
+                                      "last bits"))
+    """torch.compile the model for this stage (pretraining's is train.compile). Off by default: a
+    fine-tuning run is short, and on the 2-core CPU the compile's one-time 34-39 s is more than it
+    saves over the speedrun's 150 SFT steps (bench/RESULTS.md, "Packed SFT")."""
     max_examples: int = num(0, 0, 1 << 40, _tune("which {one} are trained on"))
     """Train on at most this many items (0 = all), chosen by a stable hash."""
     val_examples: int = num(0, 0, 1 << 40, allowed("the held-out {one} validated on ({val_rows})"))
@@ -77,11 +82,17 @@ class SFTConfig(TuningConfig):
 
     WORDS = dict(items="the conversations", one="conversations", batch_items="rows", init="checkpoint fine-tuned",
                  val_rows="val_loss rows and sft_val.jsonl only", no="the other stages do not read [sft]")
+    micro_batch_size: int = again(TuningConfig, "micro_batch_size", 4)
+    """Rows per micro-batch: 4 packed rows hold about the 8 conversations of 8 padded ones."""
     max_examples: int = again(TuningConfig, "max_examples", 2000)
     val_examples: int = again(TuningConfig, "val_examples", 200)
-    packing: bool = flag(False, refused(SFT, "how conversations are laid out in rows (and their attention)",
-                                        "the other stages do not read [sft]"))
-    """Pack conversations with document masking instead of right-padding one per row."""
+    packing: bool = flag(True, refused(SFT, "how conversations are laid out in rows (and their attention)",
+                                       "the other stages do not read [sft]"))
+    """Pack conversations into rows with document masking and per-conversation positions (exact:
+    each conversation sees only itself, as alone in a row; TRL's padding-free packing), instead of
+    right-padding one per row (false). Packed rows hold about twice the conversations of padded
+    ones on the speedrun's data (padding 4.8% against 53.3%), so a packed micro-batch of 4 rows
+    trains on as many conversations as a padded one of 8 (bench/RESULTS.md, "Packed SFT")."""
 
 
 _NO_DPO = "the other stages do not read [dpo]"

@@ -151,9 +151,15 @@ def _causal(b, h, q_idx, kv_idx):
     return q_idx >= kv_idx
 
 
+@torch.compiler.disable
 def document_block_mask(document_ids: torch.Tensor | None, T: int, device: torch.device):
     """A FlexAttention `BlockMask` for T queries over T keys: causal within each segment of
-    `document_ids` (B, T), or plain causal (broadcast over the batch) when it is None."""
+    `document_ids` (B, T), or plain causal (broadcast over the batch) when it is None.
+
+    Built eagerly, outside a `train.compile` graph (one graph break per forward, before the
+    layers): traced into the compiled model, the mask made the first training step fail with
+    "CUDA error: an illegal memory access" on an H200 (torch 2.11, 2026-11-26; the same model
+    with the mask built eagerly, or with sdpa, trained)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     if document_ids is None:

@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -23,6 +24,7 @@ from lmforge.model.attention import resolve_backend
 from lmforge.model.io import CONTRACT_FILES, latest_checkpoint, list_checkpoints, read_checkpoint_meta
 from lmforge.runtime import Runtime, training_runtime
 from lmforge.tokenizer import Tokenizer
+from lmforge.train.budget import StepBudget
 from lmforge.train.checkpoint import rng_state, set_rng_state
 from lmforge.train.distributed import DistInfo, all_reduce_min, all_reduce_sum, barrier, init_distributed, shutdown
 from lmforge.train.plan import PLAN_FILE, auto_micro_batch, make_plan, measure_steps, plan_lines
@@ -48,6 +50,8 @@ class TrainingSession:
     backend: str
     runtime: Runtime
     stack: contextlib.ExitStack
+    #: `budget_clock()` when the session began: train.time_budget_s counts from here
+    started: float = 0.0
 
     def place(self, model: Transformer) -> Transformer:
         """`model` with the session's attention backend, on its device, in training mode."""
@@ -99,6 +103,7 @@ def training_session(cfg: Config, out: str | Path, command: str, resume: bool, d
     """
     if cfg.train.tensorboard:  # an optional package: refused before any work, not at the first step
         require_package("tensorboard", "tensorboard", "train.tensorboard = true", ConfigError)
+    started = budget_clock()
     info = init_distributed(cfg)  # validates the parallel degrees against WORLD_SIZE first
     try:
         if cfg.train.micro_batch_size == AUTO_MICRO_BATCH:
@@ -110,7 +115,7 @@ def training_session(cfg: Config, out: str | Path, command: str, resume: bool, d
         runtime = training_runtime(cfg.train.precision, info.device)
         with contextlib.ExitStack() as stack:
             seed_everything(cfg.train.seed)
-            yield TrainingSession(cfg, Path(out), command, resume, dry_run, info, backend, runtime, stack)
+            yield TrainingSession(cfg, Path(out), command, resume, dry_run, info, backend, runtime, stack, started)
     except BaseException:
         shutdown(info)
         raise
@@ -144,7 +149,8 @@ def resolve_auto_batch(cfg: Config, out: Path, resume: bool, info: DistInfo) -> 
 
 #: steps timed for `train.time_budget_s` (after one warm-up): the median of 3 right after a compile
 #: said 0.453 s where the run then took 0.378 s a step (the speedrun trained 17% fewer steps than
-#: its budget held); 10 cost about 4 s at the speedrun's shape
+#: its budget held); 10 cost about 4 s at the speedrun's shape. The run revises the count from its
+#: own steps (lmforge.train.budget).
 BUDGET_TIMED_STEPS = 10
 
 
@@ -167,44 +173,87 @@ def budget_steps(budget_s: float, step_s: float) -> int:
     return max(1, int(budget_s / step_s + 1e-9))
 
 
-def resolve_time_budget(session: TrainingSession, model: Transformer, stream, objective: TokenObjective) -> Config:
-    """`train.time_budget_s`: the config with train.steps = the budget / the median step time,
-    decided once and said in one line. A new run times steps on a throw-away copy of the model
-    and optimizer (`train.plan.measure_steps`, as `--dry-run` does), then puts the data stream and
-    every RNG back where they were, so the run is the one `train.steps = N` would give; the
-    smallest step count over the ranks wins. A `--resume` takes the run's own step count from its
-    newest checkpoint's config.toml: no new measurement, so the schedule of the steps taken stays.
+def probe_costs(session: TrainingSession, model: Transformer, stream, val_batches, contract_dir: Path,
+                objective: TokenObjective) -> dict:
+    """The budget's measurement on a throw-away copy of the model and optimizer: BUDGET_TIMED_STEPS
+    steps after a warm-up (`train.plan.measure_steps`; the compile is paid here, the run reuses
+    its graph), one validation and one checkpoint into a temporary folder; the data stream and
+    every RNG are put back where they were, so the run is the one `train.steps = N` would give.
+    Returns {"step_s" (mean), "val_s", "save_s", "measured_steps"}."""
+    import copy
+    import tempfile
+
+    cfg, info = session.cfg, session.info
+    t = cfg.train
+    rng, position = rng_state(), stream.state_dict()  # every generator, CUDA's included
+    with tempfile.TemporaryDirectory(prefix="lmforge-budget-") as tmp:
+        probe = Trainer(cfg, Path(tmp), Path(contract_dir), copy.deepcopy(model), stream, val_batches, info, False,
+                        log, runtime=session.runtime, objective=objective)
+        tokens_per_step = objective.tokens_per_step(t.micro_batch_size, t.grad_accum_steps, info.world_size,
+                                                    cfg.data.seq_len)
+        measured = measure_steps(probe, BUDGET_TIMED_STEPS, tokens_per_step)
+        t0 = time.perf_counter()
+        probe.validate()
+        probe.evaluate_tasks()
+        val_s = time.perf_counter() - t0 if val_batches is not None or t.eval_tasks else 0.0
+        t0 = time.perf_counter()
+        probe.save()
+        save_s = time.perf_counter() - t0
+        del probe
+    set_rng_state(rng)
+    stream.load_state_dict(position)
+    return {"step_s": measured["mean_step_seconds"], "val_s": val_s, "save_s": save_s,
+            "measured_steps": measured["measured_steps"]}
+
+
+def resolve_time_budget(session: TrainingSession, model: Transformer, stream, objective: TokenObjective,
+                        val_batches=None, contract_dir: Path | None = None) -> tuple[Config, StepBudget | None]:
+    """`train.time_budget_s`: the config with train.steps decided from what is left of the budget
+    (`lmforge.train.budget`: the budget covers the whole stage, counted from `session.started`),
+    said in one line, and the `StepBudget` the trainer revises N with once (None on --resume).
+    A new run measures on a throw-away copy (`probe_costs`); the smallest step count over the
+    ranks wins. A `--resume` takes the run's own step count from its newest checkpoint's
+    config.toml: no new measurement, no revision, so the schedule of the steps taken stays.
 
     Raises:
+        ConfigError: a budget already spent by the start-up and the measurement.
         CheckpointError: (later, at the resume check) a budget other than the run's.
     """
-    import copy
-
     cfg, out, info = session.cfg, session.out, session.info
     t = cfg.train
     latest = latest_checkpoint(out) if session.resume and out.is_dir() else None
+    budget = None
     if latest is not None:
         saved = read_checkpoint_meta(latest)[0].train
         steps, why = saved.steps, f"as in {latest / CONFIG_FILE}, the run being resumed: no new measurement"
     else:
-        rng, position = rng_state(), stream.state_dict()  # every generator, CUDA's included
-        probe = Trainer(cfg, Path("."), Path("."), copy.deepcopy(model), stream, None, info, False, log,
-                        runtime=session.runtime, objective=objective)
-        tokens_per_step = objective.tokens_per_step(t.micro_batch_size, t.grad_accum_steps, info.world_size,
-                                                    cfg.data.seq_len)
-        measured = measure_steps(probe, BUDGET_TIMED_STEPS, tokens_per_step)
-        del probe
-        set_rng_state(rng)
-        stream.load_state_dict(position)
-        step_s = measured["step_seconds"]
-        steps = all_reduce_min(budget_steps(t.time_budget_s, step_s), info)
-        why = f"{step_s:.3f} s per step over {measured['measured_steps']} timed steps on a throw-away copy"
+        costs = probe_costs(session, model, stream, val_batches, Path(contract_dir or cfg.tokenizer.dir), objective)
+        budget = StepBudget(deadline=session.started + t.time_budget_s, step_s=costs["step_s"], val_s=costs["val_s"],
+                            save_s=costs["save_s"])
+        now = budget_clock()
+        spent = now - session.started
+        if budget.deadline - now - costs["val_s"] - costs["save_s"] < costs["step_s"]:
+            raise ConfigError(f"train.time_budget_s = {t.time_budget_s:g}: the start-up and the measurement took "
+                              f"{spent:.1f} s, which leaves no time for one {costs['step_s']:.3f} s step and the "
+                              f"final validation and checkpoint. Raise train.time_budget_s, or set "
+                              f"train.time_budget_s = 0 and train.steps.")
+        steps = all_reduce_min(budget.steps_for(t, now), info)
+        budget.plan_revision(t, steps)
+        why = (f"{spent:.1f} s spent on start-up and measurement (the compile included), then "
+               f"{costs['step_s']:.3f} s a step (mean of {costs['measured_steps']} timed steps on a throw-away copy), "
+               f"{costs['val_s']:.2f} s a validation, {costs['save_s']:.2f} s a checkpoint"
+               + (f"; revised after step {budget.revise_at} from the run's own steps" if budget.revise_at else ""))
         derived(replace(cfg, train=replace(t, steps=steps)), "train.steps",
                 f"train.time_budget_s = {t.time_budget_s:g} at {why}", "Lower train.time_budget_s")
     if info.is_main:
-        log(f"train.time_budget_s = {t.time_budget_s:g}: {steps:,} steps ({why}); warm-up {t.warmup_steps}, "
-            f"{t.schedule} schedule over {steps:,} steps; written to {out / CONFIG_FILE}")
-    return replace(cfg, train=replace(t, steps=steps))
+        log(f"train.time_budget_s = {t.time_budget_s:g} s for the whole stage: {steps:,} steps ({why}); warm-up "
+            f"{t.warmup_steps}, {t.schedule} schedule over {steps:,} steps; written to {out / CONFIG_FILE}")
+    return replace(cfg, train=replace(t, steps=steps)), budget
+
+
+def budget_clock() -> float:
+    """The clock of the budget (`time.perf_counter`; tests replace it to test the arithmetic)."""
+    return time.perf_counter()
 
 
 def copy_contract_files(src: Path, dst: Path) -> None:
@@ -322,11 +371,21 @@ def run_training(session: TrainingSession, contract_dir: Path, model: Transforme
                 log(f"--resume: no checkpoint in {out} yet; a run would start from step 0")
             del probe
         return dry_run_step(model, stream, session.runtime, objective, cfg, info)
+    budget = None
     if cfg.train.time_budget_s:  # measured and checked before the folder is claimed
-        cfg = session.cfg = resolve_time_budget(session, model, stream, objective)
+        cfg, budget = resolve_time_budget(session, model, stream, objective, val_batches, Path(contract_dir))
+        session.cfg = cfg
     session.open_run()
     trainer = Trainer(cfg, out, Path(contract_dir), model, stream, val_batches, info, progress, log,
-                      runtime=session.runtime, objective=objective)
+                      runtime=session.runtime, objective=objective, budget=budget, clock=budget_clock)
+
+    def on_steps(revised: Config) -> None:  # the budget's revision: the run folder says the count it trains
+        session.cfg = revised
+        plan["steps"] = revised.train.steps
+        write_text(out / CONFIG_FILE, revised.to_toml())
+        write_text(out / PLAN_FILE, json.dumps(plan, indent=2) + "\n")
+
+    trainer.on_steps = on_steps
     # before any write: a refused --resume leaves the run folder as it was
     if resume and not trainer.resume(session.command):
         log(f"--resume: no checkpoint in {out} yet; starting from step 0")

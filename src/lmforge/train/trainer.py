@@ -30,13 +30,13 @@ import signal
 import sys
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from lmforge.config import Config
+from lmforge.config import Config, TrainConfig
 from lmforge.contract import CONTRACT_FILE, Contract, check_match
 from lmforge.data.packing import Batch, RowStream
 from lmforge.errors import CheckpointError, LmforgeError, TrainingError, request_stop, stop_requested
@@ -45,7 +45,8 @@ from lmforge.model.io import (MODEL_FILE, OPTIMIZER_FILE, RNG_FILE, STEP_RE, is_
                               load_weights, read_checkpoint_meta, step_dir_name)
 from lmforge.runtime import Runtime, compiler_available, seed_everything, training_runtime
 from lmforge.train import checkpoint as ckpt
-from lmforge.train.distributed import DistInfo, all_reduce_sum, gather_to_main, wrap_model
+from lmforge.train.budget import StepBudget
+from lmforge.train.distributed import DistInfo, all_reduce_min, all_reduce_sum, gather_to_main, wrap_model
 from lmforge.train.health import UPDATE_RATIO_EVERY, HealthMonitor, update_ratio, verdict_line, weights_snapshot
 from lmforge.train.optim import build_optimizer
 from lmforge.train.objective import TokenObjective
@@ -78,6 +79,11 @@ class Trainer:
     log: Callable[[str], None] = print
     runtime: Runtime | None = None
     objective: TokenObjective = field(default_factory=TokenObjective)
+    #: train.time_budget_s's costs and deadline (lmforge.train.budget): the step count is revised
+    #: once, after step `budget.revise_at`; `on_steps(cfg)` then rewrites the run folder's files
+    budget: StepBudget | None = None
+    clock: Callable[[], float] = time.perf_counter
+    on_steps: Callable[[Config], None] | None = None
 
     def __post_init__(self):
         self.run_dir = Path(self.run_dir)
@@ -316,6 +322,8 @@ class Trainer:
                    disable=not (self.progress and self.dist.is_main), mininterval=1.0, dynamic_ncols=True)
         last: dict = {}
         start_step = self.step
+        revise = self.budget is not None and self.budget.revise_at > self.step + 1
+        side_s, timed_from = 0.0, None  # the revision's clock: steps and loop, without validations and saves
         try:
             while self.step < cfg.steps:
                 t0 = time.perf_counter()
@@ -324,11 +332,19 @@ class Trainer:
                 self.elapsed += dt
                 m["tokens_per_s"] = m["step_tokens"] / dt
                 m["elapsed_s"] = round(self.elapsed, 3)
+                if revise and self.step == start_step + 1:
+                    timed_from, side_s = self.clock(), 0.0  # from the end of the first step (the compile's)
+                elif revise and self.step == self.budget.revise_at:
+                    now = self.clock()
+                    cfg = self._revise_steps(now, (now - timed_from - side_s) / (self.step - start_step - 1), bar)
+                    revise = False
                 final = self.step == cfg.steps
                 out_of_time, signalled = self._agree_to_stop(cfg.time_limit_s > 0 and self.elapsed >= cfg.time_limit_s)
                 if (cfg.eval_every and self.step % cfg.eval_every == 0) or final or out_of_time:
+                    t_side = self.clock()
                     m.update(self.validate())
                     m.update(self.evaluate_tasks())
+                    side_s += self.clock() - t_side
                 del m["step_tokens"]
                 warnings = self.health.update(m)
                 if warnings:
@@ -348,7 +364,9 @@ class Trainer:
                                     tok_s=f"{m['tokens_per_s']:.0f}", refresh=False)
                 stop = (signalled or out_of_time) and not final
                 if (cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0) or final or stop:
+                    t_side = self.clock()
                     self.save()
+                    side_s += self.clock() - t_side
                 if stop:
                     why = "time limit reached" if out_of_time else (
                         f"{signal.Signals(self._stop_signal).name}" if self._stop_signal else "another rank was signalled")
@@ -372,6 +390,25 @@ class Trainer:
         if self.dist.is_main and last["steps_run"]:
             self.log(verdict_line(last["health"]))
         return last
+
+    def _revise_steps(self, now: float, step_s: float, bar) -> TrainConfig:
+        """train.time_budget_s's second decision (lmforge.train.budget), after step
+        `budget.revise_at`: N from the run's own mean step `step_s` (seconds, the loop included,
+        validations and checkpoints left out); the smallest over the ranks. Returns the new [train]."""
+        t = self.cfg.train
+        steps = all_reduce_min(self.budget.revised_steps(t, now, self.step, step_s), self.dist)
+        if steps != t.steps:
+            self.cfg = replace(self.cfg, train=replace(t, steps=steps))
+            self.health.total_steps = steps
+            bar.total = steps
+            bar.refresh()
+            if self.on_steps is not None and self.dist.is_main:
+                self.on_steps(self.cfg)
+        if self.dist.is_main:
+            tqdm.write(f"train.time_budget_s: {steps:,} steps (was {t.steps:,}): {step_s:.3f} s a step over the "
+                       f"run's steps 2-{self.step}, {max(0.0, self.budget.deadline - now):.1f} s of the budget left",
+                       file=sys.stderr)
+        return self.cfg.train
 
     def _tensorboard(self) -> "TensorBoard | None":
         if not self.cfg.train.tensorboard:
