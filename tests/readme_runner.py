@@ -14,7 +14,8 @@ Directives are HTML comments on the lines right before the fence (invisible when
     needs="PROG ..."          commands whose program is PROG run only where PROG is on PATH
                               (else listed as skipped: "needs PROG")
     fixture="PATH:KIND ..."   files the test makes before the block, standing in for the user's
-                              own (KIND: hf-smollm2, chats, pairs, prompts, tasks, texts, previous-block)
+                              own (KIND: hf-smollm2, chats, pairs, prompts, tasks, texts, parquet-shards,
+                              jsonl-zst, previous-block)
     background="PREFIX"       commands that start with PREFIX are servers: started in the
     ready="URL"               background, ready when URL answers 200, stopped (SIGINT) before
                               the next block that does not `use` them
@@ -271,6 +272,23 @@ def make_fixture(kind: str, path: Path, block: Block) -> None:
         for i in range(150):
             body = " ".join(words[(i + k) % len(words)] for k in range(40 + i))
             (path / f"note_{i:02d}.txt").write_text(body + "\n", encoding="utf-8")
+    elif kind in ("parquet-shards", "jsonl-zst"):  # a corpus as the field ships it: Parquet shards, compressed JSONL
+        words = "the model reads text and learns to predict the next token of each document".split()
+        bodies = [" ".join(words[(i + k) % len(words)] for k in range(40 + i)) + "\n" for i in range(150)]
+        if kind == "parquet-shards":
+            import pyarrow as pa
+            import pyarrow.parquet as pq
+
+            path.mkdir(parents=True, exist_ok=True)
+            for n in range(3):
+                part = bodies[n * 50:(n + 1) * 50]
+                pq.write_table(pa.table({"id": list(range(n * 50, n * 50 + len(part))), "content": part}),
+                               path / f"part-{n:05d}.parquet")
+        else:
+            import zstandard
+
+            raw = "".join(json.dumps({"text": b}) + "\n" for b in bodies).encode("utf-8")
+            path.write_bytes(zstandard.ZstdCompressor().compress(raw))
     elif kind == "previous-block":
         path.write_text(block.previous + "\n", encoding="utf-8")
     else:

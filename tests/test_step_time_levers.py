@@ -21,7 +21,7 @@ import pytest
 
 from lmforge.errors import CheckpointError, ConfigError
 from lmforge.stages import common, pretrain_stage
-from lmforge.train.budget import StepBudget, decay_start
+from lmforge.train.budget import StepBudget, decay_start, run_step_seconds
 from lmforge.train.trainer import Trainer
 from test_resume import assert_same_state, read_metrics, with_train
 
@@ -140,6 +140,9 @@ def test_the_budget_arithmetic():
     assert b.revise_at == 0  # too few steps to average
     n = b.revised_steps(t, now=400.0, done=200, step_s=0.45)
     assert decay_start(n, 0.5) >= 200 and n == 400
+    # the run's pace: the mean of its steps, a one-time compile (over 5x the median) left out
+    assert run_step_seconds([0.4] * 19 + [0.6]) == pytest.approx(0.41)
+    assert run_step_seconds([0.4] * 19 + [0.6, 15.0]) == pytest.approx(0.41)
 
 
 @pytest.mark.slow

@@ -69,8 +69,13 @@ class DataConfig:
     source: str = text("stdlib", allowed(
         "read by prepare only: pretraining reads the shards in data.dir, SFT and DPO read sft.data and dpo.data"),
         nonempty=True)
-    """"stdlib" (the running interpreter's standard library), or a path to a folder
-    of .txt/.md/.py files, a JSONL file with a `text` field, or a Parquet file."""
+    """"stdlib" (the running interpreter's standard library); a folder of .txt/.md/.py files
+    and record shards (.jsonl, .jsonl.gz, .jsonl.zst, .parquet); a glob of such files
+    ("corpus/*.parquet", "shards/**/*.jsonl.zst"); one such file; or a folder written by
+    `datasets`' `save_to_disk`. Records give their `data.text_field`. Files are read in sorted
+    path order (a save_to_disk folder: its own order)."""
+    text_field: str = text("text", allowed("read by prepare only (the documents are in the shards)"), nonempty=True)
+    """The field (JSONL) or column (Parquet, Arrow) of a record that holds its text."""
     dir: str = text("runs/data", refused(PRE, "the shards the rows come from", "SFT and DPO do not read it",
                                          path=True), nonempty=True)
     """Folder of the prepared shards ({split}.bin, {split}.idx, contract.json)."""

@@ -1,4 +1,5 @@
-"""The one reader of record files (JSONL, Parquet), for corpora and conversations alike.
+"""The one reader of record files (JSONL plain or compressed, Parquet, Arrow), for corpora and
+conversations alike.
 
 `iter_records(path)` yields `(where, record)`: `where` names the file and line (`f.jsonl:12`)
 or row (`f.parquet row 7`) for error messages, `record` is what the line or row decodes
@@ -18,8 +19,20 @@ from typing import TypeVar
 from lmforge.errors import DataError, require_package
 from lmforge.fileio import shown_path
 
-RECORD_SUFFIXES = (".jsonl", ".parquet")
+#: The record files lmforge reads, by the end of their name: JSONL (plain, gzip, Zstandard),
+#: Parquet, and Arrow (the files of a `datasets` save_to_disk folder, IPC stream or file format).
+RECORD_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".parquet", ".arrow")
 T = TypeVar("T")
+
+
+class MissingColumn(DataError):
+    """A Parquet or Arrow file without a column asked for (the message lists its columns)."""
+
+
+def record_suffix(path: str | Path) -> str | None:
+    """The RECORD_SUFFIXES entry `path`'s name ends with ("a.jsonl.gz" -> ".jsonl.gz"), or None."""
+    name = Path(path).name
+    return next((s for s in sorted(RECORD_SUFFIXES, key=len, reverse=True) if name.endswith(s)), None)
 
 
 def content_key(value: object) -> str:
@@ -66,9 +79,9 @@ def read_items(path: str | Path, key: str, items: str, make: Callable[[object, s
     if not path.is_file():
         raise DataError(f"{key} = {str(path)!r} {'is a folder' if path.is_dir() else 'does not exist'}. Use "
                         f"\"stdlib\" or a .jsonl / .parquet file of {items}.")
-    if path.suffix not in RECORD_SUFFIXES:
-        raise DataError(f"{key} = {str(path)!r}: unsupported file type {path.suffix!r}; expected .jsonl or "
-                        f".parquet (or \"stdlib\").")
+    if record_suffix(path) is None:
+        raise DataError(f"{key} = {str(path)!r}: unsupported file type {path.suffix!r}; expected one of "
+                        f"{', '.join(RECORD_SUFFIXES)} (or \"stdlib\").")
     out = [make(record, where) for where, record in iter_records(path)]
     if not out:
         raise DataError(f"{path}: the file holds no {items} (it is empty); {empty_help}.")
@@ -85,23 +98,63 @@ def iter_records(path: str | Path, columns: list[str] | None = None) -> Iterator
     """
     path = Path(path)
     if not path.is_file():
-        what = "is a folder" if path.is_dir() else "does not exist"
-        raise DataError(f"{path} {what}; expected a .jsonl or .parquet file.")
-    if path.suffix == ".jsonl":
-        yield from _jsonl(path)
-    elif path.suffix == ".parquet":
+        what = "is a folder" if path.is_dir() else "does not exist (it was listed: did it move?)"
+        raise DataError(f"{shown_path(path)} {what}; expected one of {', '.join(RECORD_SUFFIXES)}.")
+    kind = record_suffix(path)
+    if kind in (".jsonl", ".jsonl.gz", ".jsonl.zst"):
+        yield from _jsonl(path, kind)
+    elif kind == ".parquet":
         yield from _parquet(path, columns)
+    elif kind == ".arrow":
+        yield from _arrow(path, columns)
     else:
         raise DataError(f"{path}: unsupported file type {path.suffix!r}; expected one of {RECORD_SUFFIXES}.")
 
 
-def _jsonl(path: Path) -> Iterator[tuple[str, object]]:
+def _open_lines(path: Path, kind: str):
+    """A binary file object over the decompressed bytes of `path` (plain, gzip or Zstandard)."""
+    if kind == ".jsonl.gz":
+        import gzip
+
+        return gzip.open(path, "rb")
+    if kind == ".jsonl.zst":
+        import io
+
+        zstd = require_package("zstandard", "zstandard", f"{shown_path(path)}: reading Zstandard", DataError)
+        raw = open(path, "rb")
+        return io.BufferedReader(zstd.ZstdDecompressor().stream_reader(raw, closefd=True), 1 << 20)
+    return open(path, "rb")
+
+
+#: What a damaged compressed file raises while it is read.
+def _damage_errors() -> tuple[type[BaseException], ...]:
+    errors: list[type[BaseException]] = [EOFError, OSError]
     try:
-        f = open(path, "rb")
+        import zstandard
+
+        errors.append(zstandard.ZstdError)
+    except ImportError:
+        pass
+    return tuple(errors)
+
+
+def _jsonl(path: Path, kind: str = ".jsonl") -> Iterator[tuple[str, object]]:
+    try:
+        f = _open_lines(path, kind)
     except OSError as exc:
-        raise DataError(f"{path}: cannot be read ({exc.strerror}).") from None
+        raise DataError(f"{shown_path(path)}: cannot be read ({exc.strerror}).") from None
+    lineno = 0
     with f:
-        for lineno, raw in enumerate(f, 1):
+        lines = iter(f)
+        while True:
+            try:
+                raw = next(lines)
+            except StopIteration:
+                return
+            except _damage_errors() as exc:
+                raise DataError(f"{shown_path(path)}: damaged or cut short after line {lineno} ({_first_line(exc)}). "
+                                f"Re-write the file.") from None
+            lineno += 1
             if not raw.strip():
                 continue
             where = f"{shown_path(path)}:{lineno}"
@@ -125,7 +178,7 @@ def _parquet(path: Path, columns: list[str] | None) -> Iterator[tuple[str, objec
         raise DataError(f"{path}: not a readable Parquet file ({_first_line(exc)}). Re-write the file.") from None
     missing = [c for c in columns or () if c not in names]
     if missing:
-        raise DataError(f"{path}: no {', '.join(repr(c) for c in missing)} column (columns: {names}).")
+        raise MissingColumn(f"{shown_path(path)}: no {', '.join(repr(c) for c in missing)} column (columns: {names}).")
     row = 0
     batches = pf.iter_batches(columns=columns, batch_size=1024)
     while True:
@@ -141,9 +194,46 @@ def _parquet(path: Path, columns: list[str] | None) -> Iterator[tuple[str, objec
             yield f"{shown_path(path)} row {row}", record
 
 
+def _arrow(path: Path, columns: list[str] | None) -> Iterator[tuple[str, object]]:
+    """An Arrow IPC file (stream format, as `datasets` writes, or file format), batch by batch."""
+    pa = require_package("pyarrow", "parquet", f"{shown_path(path)}: reading Arrow", DataError)
+    import pyarrow.ipc as ipc
+
+    source = pa.memory_map(str(path), "r")
+    try:
+        try:
+            reader = ipc.open_stream(source)
+            batches = iter(reader)
+        except pa.ArrowInvalid:
+            reader = ipc.open_file(source)
+            batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
+        names = reader.schema.names
+    except Exception as exc:
+        raise DataError(f"{shown_path(path)}: not a readable Arrow file ({_first_line(exc)}). Re-write the "
+                        f"file.") from None
+    missing = [c for c in columns or () if c not in names]
+    if missing:
+        raise MissingColumn(f"{shown_path(path)}: no {', '.join(repr(c) for c in missing)} column (columns: {names}).")
+    row = 0
+    while True:
+        try:
+            batch = next(batches)
+            if columns:
+                batch = batch.select(columns)
+            records = batch.to_pylist()
+        except StopIteration:
+            return
+        except Exception as exc:
+            raise DataError(f"{shown_path(path)}: damaged after row {row} ({_first_line(exc)}). Re-write the "
+                            f"file.") from None
+        for record in records:
+            row += 1
+            yield f"{shown_path(path)} row {row}", record
+
+
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0][:160] if text else type(exc).__name__
 
 
-__all__ = ["RECORD_SUFFIXES", "check_text", "content_key", "iter_records", "short"]
+__all__ = ["RECORD_SUFFIXES", "MissingColumn", "check_text", "content_key", "iter_records", "record_suffix", "short"]

@@ -50,8 +50,10 @@ def prepare(
     progress: bool = True,
     extra_files: dict[str, str] | None = None,
     seq_len: int = 0,
+    text_field: str = "text",
 ) -> dict:
-    """Tokenize every document of `source` into `out_dir`/{train,val}.{bin,idx}.
+    """Tokenize every document of `source` (`text_field`: the records' text) into
+    `out_dir`/{train,val}.{bin,idx}.
 
     Returns the meta dict written to meta.json: per split `documents`, `tokens`,
     `bytes` (UTF-8 bytes of the documents' text), `max_id`; and `skipped_bad_utf8`.
@@ -66,14 +68,15 @@ def prepare(
     """
     out = Path(out_dir)
     with atomic_dir(out, PREPARE_OUTPUT, what="`lmforge prepare`") as tmp:
-        meta = _prepare_into(tmp, source, tokenizer, val_fraction, include_tests, on_bad_utf8, progress, seq_len)
+        meta = _prepare_into(tmp, source, tokenizer, val_fraction, include_tests, on_bad_utf8, progress, seq_len,
+                            text_field)
         for name, text in (extra_files or {}).items():
             (tmp / name).write_text(text, encoding="utf-8")
     return meta
 
 
 def _prepare_into(tmp: Path, source: str, tokenizer: Tokenizer, val_fraction: float, include_tests: bool,
-                  on_bad_utf8: str, progress: bool, seq_len: int = 0) -> dict:
+                  on_bad_utf8: str, progress: bool, seq_len: int = 0, text_field: str = "text") -> dict:
     contract = tokenizer.contract
     dtype = contract.dtype
     meta: dict = {"source": source, "val_fraction": val_fraction, "splits": {}}
@@ -111,7 +114,7 @@ def _prepare_into(tmp: Path, source: str, tokenizer: Tokenizer, val_fraction: fl
         batch_splits: list = []
         seen: dict[bytes, str] = {}
         duplicates = 0
-        for doc in iter_documents(source, None, val_fraction, include_tests, on_bad_utf8, stats):
+        for doc in iter_documents(source, None, val_fraction, include_tests, on_bad_utf8, stats, text_field):
             digest = hashlib.sha256(doc.text.encode("utf-8")).digest()
             if digest in seen:  # exact duplicates are kept once, so no val text is trained on
                 duplicates += 1

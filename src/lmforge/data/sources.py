@@ -16,7 +16,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lmforge.data.records import RECORD_SUFFIXES, check_text, content_key, iter_records, short
+from lmforge.data.records import (RECORD_SUFFIXES, MissingColumn, check_text, content_key, iter_records,
+                                  record_suffix, short)
 from lmforge.errors import DataError, os_error
 from lmforge.fileio import shown_path
 
@@ -115,19 +116,25 @@ def iter_documents(
     include_tests: bool = False,
     on_bad_utf8: str = "skip",
     stats: SourceStats | None = None,
+    text_field: str = "text",
 ) -> Iterator[Document]:
     """Yield the documents of `source` (all of them, or only those of `split`).
 
     Args:
-        source: "stdlib", a folder, a `.jsonl` file or a `.parquet` file.
+        source: "stdlib"; a folder of text files (TEXT_SUFFIXES) and record shards
+            (RECORD_SUFFIXES); a glob of such files; one such file; or a `datasets`
+            save_to_disk folder. Files are read in sorted path order.
         split: "train", "val" or None (both).
+        text_field: the field / column of a record that holds its text.
     Raises:
-        DataError: missing or empty source, malformed JSONL, a non-UTF-8 file under "error".
+        DataError: missing or empty source, a glob that matches nothing, a malformed record
+        (naming the file and line or row), a record without `text_field` (naming the fields
+        it has), a non-UTF-8 file under "error".
     """
     if split is not None and split not in SPLITS:
         raise DataError(f"split {split!r}: expected one of {SPLITS}.")
     stats = stats if stats is not None else SourceStats()
-    for doc in _iter_all(source, include_tests, on_bad_utf8, stats):
+    for doc in _iter_all(source, include_tests, on_bad_utf8, stats, text_field):
         if not doc.text:
             stats.empty += 1
             continue
@@ -136,7 +143,42 @@ def iter_documents(
             yield doc
 
 
-def _iter_all(source: str, include_tests: bool, on_bad_utf8: str, stats: SourceStats) -> Iterator[Document]:
+#: What data.source may be, for error messages.
+SOURCE_HELP = (f"Use \"stdlib\", a folder of {'/'.join(TEXT_SUFFIXES)} files or record shards "
+               f"({', '.join(RECORD_SUFFIXES)}), a glob of them (\"corpus/*.parquet\"), one such file, or a folder "
+               f"written by datasets' save_to_disk")
+
+
+def is_glob(source: str) -> bool:
+    return any(c in source for c in "*?[")
+
+
+def save_to_disk_files(folder: Path) -> list[Path] | None:
+    """The Arrow files of a `datasets` save_to_disk folder in its own order (state.json's
+    `_data_files`), or None when `folder` is not one.
+
+    Raises:
+        DataError: a state.json that is not readable JSON or names a file that is missing.
+    """
+    import json
+
+    state = folder / "state.json"
+    if not (state.is_file() and (folder / "dataset_info.json").is_file()):
+        return None
+    try:
+        files = [folder / f["filename"] for f in json.loads(state.read_text(encoding="utf-8"))["_data_files"]]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise DataError(f"{shown_path(state)}: not the state.json of a datasets save_to_disk folder ({exc}). "
+                        f"Save the dataset again.") from None
+    for f in files:
+        if not f.is_file():
+            raise DataError(f"{shown_path(state)} names {f.name}, which {folder} does not hold. Save the dataset "
+                            f"again.")
+    return files
+
+
+def _iter_all(source: str, include_tests: bool, on_bad_utf8: str, stats: SourceStats,
+              text_field: str = "text") -> Iterator[Document]:
     if source == "stdlib":
         root = stdlib_root()
         skip = {"site-packages", "dist-packages", "__pycache__"}
@@ -149,45 +191,91 @@ def _iter_all(source: str, include_tests: bool, on_bad_utf8: str, stats: SourceS
                 yield Document(str(rel), text, key=module_name(rel))
         return
     path = Path(source)
+    if is_glob(source) and not path.exists():
+        import glob
+
+        files = sorted(Path(f) for f in glob.glob(source, recursive=True) if _corpus_kind(Path(f)) is not None)
+        if not files:
+            raise DataError(f"data.source = {source!r} matches no {'/'.join(TEXT_SUFFIXES)} file or record shard "
+                            f"({', '.join(RECORD_SUFFIXES)}). {SOURCE_HELP}.")
+        base = _glob_base(source)
+        for file in files:
+            yield from _iter_file(file, _relative(file, base), stats, on_bad_utf8, text_field)
+        return
     if not path.exists():
-        raise DataError(
-            f"data.source = {source!r} does not exist. Use \"stdlib\", a folder of "
-            f"{'/'.join(TEXT_SUFFIXES)} files, a .jsonl file with a \"text\" field, or a .parquet file."
-        )
+        raise DataError(f"data.source = {source!r} does not exist. {SOURCE_HELP}.")
     if path.is_dir():
+        arrow = save_to_disk_files(path)
+        if arrow is not None:
+            for file in arrow:
+                yield from _iter_records(file, text_field)
+            return
         found = False
-        for file in _walk(path, TEXT_SUFFIXES, {"__pycache__"}, stats):
+        for file in _walk(path, TEXT_SUFFIXES + RECORD_SUFFIXES, {"__pycache__"}, stats):
             found = True
-            text = _read_text(file, stats, on_bad_utf8)
-            if text is not None:
-                rel = shown_path(file.relative_to(path).as_posix())
-                yield Document(rel, text, key=rel)
+            yield from _iter_file(file, shown_path(file.relative_to(path).as_posix()), stats, on_bad_utf8, text_field)
         if not found:
-            raise DataError(
-                f"data.source folder {path} holds no {'/'.join(TEXT_SUFFIXES)} files. "
-                f"Add text files or point data.source at another folder."
-            )
+            raise DataError(f"data.source folder {path} holds no {'/'.join(TEXT_SUFFIXES)} files and no record "
+                            f"shards ({', '.join(RECORD_SUFFIXES)}). Add some, or point data.source elsewhere.")
         return
-    if path.suffix in RECORD_SUFFIXES:
-        yield from _iter_records(path)
-        return
-    raise DataError(
-        f"data.source = {source!r}: unsupported file type {path.suffix!r}; expected a folder, "
-        f".jsonl or .parquet."
-    )
+    if _corpus_kind(path) is None:
+        raise DataError(f"data.source = {source!r}: unsupported file type {path.suffix!r}. {SOURCE_HELP}.")
+    yield from _iter_file(path, path.name, stats, on_bad_utf8, text_field)
 
 
-def _iter_records(path: Path) -> Iterator[Document]:
-    """JSONL records with a string "text" field, or a Parquet file's "text" column."""
-    for where, record in iter_records(path, columns=["text"] if path.suffix == ".parquet" else None):
-        if path.suffix == ".parquet" and record.get("text") is None:
-            continue  # a null cell: no document
-        text = record.get("text") if isinstance(record, dict) else None
-        if not isinstance(text, str):
-            raise DataError(
-                f"{where}: expected an object with a string \"text\" field, got "
-                f"{type(record).__name__} with keys {sorted(record)[:10] if isinstance(record, dict) else '-'}"
-                f"{'' if not isinstance(record, dict) or 'text' not in record else f' (text is {short(text)})'}."
-            )
-        name = path.name + where[len(str(path)):]  # "f.jsonl:12", "f.parquet row 7"
-        yield Document(name, check_text(text, where, '"text"'), key=content_key(text))
+def _corpus_kind(path: Path) -> str | None:
+    """"records", "text" or None (not a corpus file), by the end of the name."""
+    if record_suffix(path) is not None:
+        return "records"
+    return "text" if path.name.endswith(TEXT_SUFFIXES) else None
+
+
+def _glob_base(pattern: str) -> Path:
+    """The folder a glob's matches are named from: its leading parts without a wildcard."""
+    parts = []
+    for part in Path(pattern).parts:
+        if is_glob(part):
+            break
+        parts.append(part)
+    return Path(*parts) if parts else Path(".")
+
+
+def _relative(file: Path, base: Path) -> str:
+    try:
+        return shown_path(file.relative_to(base).as_posix())
+    except ValueError:
+        return shown_path(file.as_posix())
+
+
+def _iter_file(file: Path, rel: str, stats: SourceStats, on_bad_utf8: str, text_field: str) -> Iterator[Document]:
+    """The documents of one corpus file: a text file is one document keyed by `rel` (its path
+    from the source), a record shard one per record keyed by content."""
+    if _corpus_kind(file) == "records":
+        yield from _iter_records(file, text_field)
+        return
+    text = _read_text(file, stats, on_bad_utf8)
+    if text is not None:
+        yield Document(rel, text, key=rel)
+
+
+def _iter_records(path: Path, text_field: str = "text") -> Iterator[Document]:
+    """Records with a string `text_field` field (JSONL) or column (Parquet, Arrow); a null cell
+    of a column is no document."""
+    columnar = record_suffix(path) in (".parquet", ".arrow")
+    try:
+        for where, record in iter_records(path, columns=[text_field] if columnar else None):
+            text = record.get(text_field) if isinstance(record, dict) else None
+            if columnar and text is None:
+                continue
+            if not isinstance(text, str):
+                if isinstance(record, dict) and text_field not in record:
+                    raise DataError(f"{where}: the record has no {text_field!r} field (its fields: "
+                                    f"{sorted(record)[:20]}). Set data.text_field to the field that holds the text.")
+                raise DataError(
+                    f"{where}: expected an object with a string {text_field!r} field, got "
+                    f"{type(record).__name__}"
+                    f"{f' whose {text_field!r} is {short(text)}' if isinstance(record, dict) else ''}.")
+            name = path.name + where[len(shown_path(path)):]  # "f.jsonl:12", "f.parquet row 7"
+            yield Document(name, check_text(text, where, repr(text_field)), key=content_key(text))
+    except MissingColumn as exc:
+        raise DataError(f"{exc} Set data.text_field to the column that holds the text.") from None

@@ -179,7 +179,8 @@ def probe_costs(session: TrainingSession, model: Transformer, stream, val_batche
     steps after a warm-up (`train.plan.measure_steps`; the compile is paid here, the run reuses
     its graph), one validation and one checkpoint into a temporary folder; the data stream and
     every RNG are put back where they were, so the run is the one `train.steps = N` would give.
-    Returns {"step_s" (mean), "val_s", "save_s", "measured_steps"}."""
+    Returns {"step_s" (the median: a second graph compiled during the timed steps made their mean
+    1.87 s where the run's steps took 0.48 s), "val_s", "save_s", "measured_steps"}."""
     import copy
     import tempfile
 
@@ -202,7 +203,7 @@ def probe_costs(session: TrainingSession, model: Transformer, stream, val_batche
         del probe
     set_rng_state(rng)
     stream.load_state_dict(position)
-    return {"step_s": measured["mean_step_seconds"], "val_s": val_s, "save_s": save_s,
+    return {"step_s": measured["step_seconds"], "val_s": val_s, "save_s": save_s,
             "measured_steps": measured["measured_steps"]}
 
 
@@ -240,7 +241,7 @@ def resolve_time_budget(session: TrainingSession, model: Transformer, stream, ob
         steps = all_reduce_min(budget.steps_for(t, now), info)
         budget.plan_revision(t, steps)
         why = (f"{spent:.1f} s spent on start-up and measurement (the compile included), then "
-               f"{costs['step_s']:.3f} s a step (mean of {costs['measured_steps']} timed steps on a throw-away copy), "
+               f"{costs['step_s']:.3f} s a step (median of {costs['measured_steps']} timed steps on a throw-away copy), "
                f"{costs['val_s']:.2f} s a validation, {costs['save_s']:.2f} s a checkpoint"
                + (f"; revised after step {budget.revise_at} from the run's own steps" if budget.revise_at else ""))
         derived(replace(cfg, train=replace(t, steps=steps)), "train.steps",
@@ -280,9 +281,10 @@ def startup_report(model: Transformer, tok: Tokenizer, data: dict, cfg: Config, 
     for split, m in data.items():
         lines.append(f"data {split}: {m['documents']:,} documents, {m['tokens']:,} tokens, max id {m['max_id']}")
     shape = objective.batch_shape(t.micro_batch_size)
+    steps = (f"the steps from train.time_budget_s = {t.time_budget_s:g} s (below)" if t.time_budget_s else
+             f"{t.steps} steps = {per_step * t.steps:,} tokens")
     lines.append(f"batch: {shape} x {cfg.data.seq_len} tokens x {t.grad_accum_steps} accumulation x "
-                 f"{world} ranks = {per_step:,} tokens/step; {t.steps} steps = {per_step * t.steps:,} tokens; "
-                 f"device {runtime.label}")
+                 f"{world} ranks = {per_step:,} tokens/step; {steps}; device {runtime.label}")
     return "\n".join(lines)
 
 

@@ -17,7 +17,7 @@ def prepare_stage(cfg: Config, out: str | Path | None = None, progress: bool = T
     tok = Tokenizer.load(cfg.tokenizer.dir)
     d = cfg.data
     meta = prepare(d.source, tok, out, d.val_fraction, d.include_tests, d.on_bad_utf8, progress,
-                   extra_files={CONFIG_FILE: cfg.to_toml()}, seq_len=d.seq_len)
+                   extra_files={CONFIG_FILE: cfg.to_toml()}, seq_len=d.seq_len, text_field=d.text_field)
     for split, m in meta["splits"].items():
         log(f"prepare: {split}: {m['documents']} documents, {m['tokens']:,} tokens, {m['bytes']:,} bytes "
             f"({m['bytes'] / max(1, m['tokens'] - 2 * m['documents']):.2f} bytes/token)")

@@ -31,7 +31,8 @@ def train_tokenizer_stage(cfg: Config, out: str | Path | None = None, progress: 
 
     def texts():
         used = 0
-        for doc in iter_documents(d.source, "train", d.val_fraction, d.include_tests, d.on_bad_utf8, stats):
+        for doc in iter_documents(d.source, "train", d.val_fraction, d.include_tests, d.on_bad_utf8, stats,
+                                  d.text_field):
             yield doc.text
             used += len(doc.text.encode("utf-8"))
             if budget and used >= budget:
@@ -68,7 +69,8 @@ def _report(cfg: Config, into: dict):
         try:
             for split in ("train", "val"):
                 texts[split] = sample(doc.text for doc in iter_documents(d.source, split, d.val_fraction,
-                                                                         d.include_tests, "skip", SourceStats()))
+                                                                         d.include_tests, "skip", SourceStats(),
+                                                                         d.text_field))
         except LmforgeError as exc:  # an imported tokenizer with no readable data.source: the vocabulary alone
             texts = {}
             into["text_unavailable"] = str(exc)

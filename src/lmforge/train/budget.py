@@ -6,15 +6,17 @@ compiled graph), the steps, the validations and the checkpoints. The step count 
 twice, each time from what is left of the budget:
 
 1. before the run (`StepBudget.steps_for`, from `stages.common.resolve_time_budget`): a few
-   steps timed on a throw-away copy of the model and optimizer (their mean, seconds), one
+   steps timed on a throw-away copy of the model and optimizer (their median, seconds), one
    validation and one checkpoint timed on that copy (a temporary folder), then
        N = done + floor((deadline - now - last) / per_step)
        per_step = step_s + val_s / eval_every + save_s / checkpoint_every
        last = val_s + save_s   (the validation and the checkpoint of the final step)
    with a term left out where eval_every or checkpoint_every is 0;
 2. once more in the run, after step `revise_at` (`Trainer`), from the run's own mean step
-   over its steps so far (10 timed steps said 0.382 s where 1,100 steps of the same run took
-   0.403 s on average: step times drift by a few percent over a run).
+   over its steps so far (`run_step_seconds`: 10 timed steps said 0.382 s where 1,100 steps of
+   the same run took 0.403 s on average: step times drift by a few percent over a run). A step
+   over ONE_TIME x the median (a graph compiled for a new shape of mask) is a one-time cost,
+   already paid by `now`, and left out of the mean.
 
 The revision never changes a step already taken: `revise_at` is at most the last step whose
 learning rate does not depend on N (cosine: the warm-up; wsd: 80% of the way to the decay
@@ -27,6 +29,7 @@ N from its checkpoint and decides nothing (the schedule of the steps taken stays
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass
 
 #: The revision needs at least this many steps of the run to average (else it is skipped).
@@ -84,10 +87,16 @@ class StepBudget:
         return n
 
 
-def mean_step_seconds(times: list[float]) -> float:
-    """The mean of step times (a sum of steps is what the budget spends; the median of a few
-    steps hides the slow ones)."""
-    return math.fsum(times) / len(times)
+#: A step this many times the median is a one-time cost (a compile), not the run's pace.
+ONE_TIME = 5.0
 
 
-__all__ = ["StepBudget", "decay_start", "mean_step_seconds", "MIN_REVISE_STEPS", "REVISE_BEFORE_DECAY"]
+def run_step_seconds(times: list[float]) -> float:
+    """The mean of the run's step times (seconds each; a sum of steps is what the budget spends,
+    the median hides the steady slow ones), steps over ONE_TIME x the median left out."""
+    median = statistics.median(times)
+    kept = [t for t in times if t <= ONE_TIME * median]
+    return math.fsum(kept) / len(kept)
+
+
+__all__ = ["StepBudget", "decay_start", "run_step_seconds", "MIN_REVISE_STEPS", "REVISE_BEFORE_DECAY", "ONE_TIME"]

@@ -151,7 +151,6 @@ def measure_steps(trainer, steps: int, tokens_per_step: int) -> dict:
     cfg = trainer.cfg.train
     eta = first_s + step_s * max(cfg.steps - 1, 0)  # a run pays the first step's set-up too
     out = {"measured_steps": len(times), "step_seconds": round(step_s, 4), "first_step_seconds": round(first_s, 4),
-           "mean_step_seconds": round(statistics.fmean(times), 4),
            "tokens_per_second": round(tokens_per_step / step_s, 1), "time_to_finish_seconds": round(eta, 1),
            "measured_peak_mib": round(peak / MIB, 1), "measured_growth_mib": round(max(peak - base, 0) / MIB, 1),
            "memory_measured_as": how}

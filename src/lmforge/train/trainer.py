@@ -45,7 +45,7 @@ from lmforge.model.io import (MODEL_FILE, OPTIMIZER_FILE, RNG_FILE, STEP_RE, is_
                               load_weights, read_checkpoint_meta, step_dir_name)
 from lmforge.runtime import Runtime, compiler_available, seed_everything, training_runtime
 from lmforge.train import checkpoint as ckpt
-from lmforge.train.budget import StepBudget
+from lmforge.train.budget import StepBudget, run_step_seconds
 from lmforge.train.distributed import DistInfo, all_reduce_min, all_reduce_sum, gather_to_main, wrap_model
 from lmforge.train.health import UPDATE_RATIO_EVERY, HealthMonitor, update_ratio, verdict_line, weights_snapshot
 from lmforge.train.optim import build_optimizer
@@ -323,7 +323,8 @@ class Trainer:
         last: dict = {}
         start_step = self.step
         revise = self.budget is not None and self.budget.revise_at > self.step + 1
-        side_s, timed_from = 0.0, None  # the revision's clock: steps and loop, without validations and saves
+        # the revision's clock: each loop of the run (its step and the rest), validations and saves left out
+        side_s, walls, last_end = 0.0, [], None
         try:
             while self.step < cfg.steps:
                 t0 = time.perf_counter()
@@ -332,12 +333,14 @@ class Trainer:
                 self.elapsed += dt
                 m["tokens_per_s"] = m["step_tokens"] / dt
                 m["elapsed_s"] = round(self.elapsed, 3)
-                if revise and self.step == start_step + 1:
-                    timed_from, side_s = self.clock(), 0.0  # from the end of the first step (the compile's)
-                elif revise and self.step == self.budget.revise_at:
+                if revise:
                     now = self.clock()
-                    cfg = self._revise_steps(now, (now - timed_from - side_s) / (self.step - start_step - 1), bar)
-                    revise = False
+                    if last_end is not None:  # from the end of the first step (the compile's) on
+                        walls.append(now - last_end - side_s)
+                    last_end, side_s = now, 0.0
+                    if self.step == self.budget.revise_at:
+                        cfg = self._revise_steps(now, run_step_seconds(walls), bar)
+                        revise = False
                 final = self.step == cfg.steps
                 out_of_time, signalled = self._agree_to_stop(cfg.time_limit_s > 0 and self.elapsed >= cfg.time_limit_s)
                 if (cfg.eval_every and self.step % cfg.eval_every == 0) or final or out_of_time:

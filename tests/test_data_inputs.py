@@ -1,0 +1,163 @@
+"""Corpora in the shapes the field ships them (issue 33): a folder or a glob of record shards,
+compressed JSONL, Parquet shards, a `datasets` save_to_disk folder, a text field of the user's
+choosing — each prepared into the same bytes as the same documents in one JSONL file.
+
+D1 the same documents as one JSONL, a .jsonl.gz, a .jsonl.zst, a glob of Parquet shards, a
+   folder of JSONL shards and a save_to_disk folder give byte-identical train/val .bin/.idx
+   (records are split by content, so the split is the same too); a text folder and a glob of its
+   files give the same shards (text files are split by their path from the source).
+D3 a bad record in the third shard of a glob is named by file and line, and prepare leaves
+   nothing behind.
+D4 a missing data.text_field exits 2 naming the fields the record has.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lmforge.data.shards import prepare
+from lmforge.data.sources import iter_documents
+from lmforge.errors import DataError
+
+SHARD_FILES = ("train.bin", "train.idx", "val.bin", "val.idx")
+
+
+def texts_of(corpus: Path) -> list[str]:
+    return [p.read_text(encoding="utf-8") for p in sorted(corpus.glob("*.py"))]
+
+
+def write_jsonl(path: Path, texts: list[str], field: str = "text") -> Path:
+    path.write_text("".join(json.dumps({"id": i, field: t}) + "\n" for i, t in enumerate(texts)), encoding="utf-8")
+    return path
+
+
+def shards(out: Path) -> dict[str, bytes]:
+    return {name: (out / name).read_bytes() for name in SHARD_FILES}
+
+
+def tree_hash(folder: Path) -> str:
+    h = hashlib.sha256()
+    for p in sorted(folder.rglob("*")):
+        h.update(str(p.relative_to(folder)).encode())
+        if p.is_file():
+            h.update(p.read_bytes())
+    return h.hexdigest()
+
+
+def prepared(source: str | Path, tok, out: Path, val_fraction: float = 0.2, text_field: str = "text") -> dict:
+    prepare(str(source), tok, out, val_fraction, progress=False, text_field=text_field)
+    return shards(out)
+
+
+def test_every_record_format_gives_the_same_shards(tiny_corpus, tiny_tokenizer, tmp_path):
+    """D1."""
+    pytest.importorskip("pyarrow")
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    texts = texts_of(tiny_corpus)
+    base = prepared(write_jsonl(tmp_path / "all.jsonl", texts), tiny_tokenizer, tmp_path / "out-jsonl")
+    assert len(base["val.idx"]) > 8 and len(base["train.idx"]) > 8  # both splits hold documents
+    sources: dict[str, Path | str] = {}
+    with gzip.open(tmp_path / "all.jsonl.gz", "wb") as f:
+        f.write((tmp_path / "all.jsonl").read_bytes())
+    sources["jsonl.gz"] = tmp_path / "all.jsonl.gz"
+    zstd = pytest.importorskip("zstandard")
+    (tmp_path / "all.jsonl.zst").write_bytes(zstd.ZstdCompressor(level=3).compress((tmp_path / "all.jsonl").read_bytes()))
+    sources["jsonl.zst"] = tmp_path / "all.jsonl.zst"
+    parts = [texts[:13], texts[13:27], texts[27:]]
+    (tmp_path / "pq").mkdir()
+    for i, part in enumerate(parts):  # shard names sort in document order
+        pq.write_table(pa.table({"text": part, "n": list(range(len(part)))}), tmp_path / "pq" / f"part-{i:05d}.parquet")
+    sources["glob of parquet"] = str(tmp_path / "pq" / "*.parquet")
+    (tmp_path / "shards").mkdir()
+    for i, part in enumerate(parts):
+        write_jsonl(tmp_path / "shards" / f"{i:03d}.jsonl", part)
+    sources["folder of jsonl shards"] = tmp_path / "shards"
+    sources["content field"] = write_jsonl(tmp_path / "content.jsonl", texts, field="content")
+    for name, source in sources.items():
+        field = "content" if name == "content field" else "text"
+        assert prepared(source, tiny_tokenizer, tmp_path / f"out-{len(name)}-{name[:5]}", text_field=field) == base, name
+
+
+def test_a_save_to_disk_folder_gives_the_same_shards(tiny_corpus, tiny_tokenizer, tmp_path):
+    """D1, the folder `datasets` itself writes (several Arrow files, read in state.json's order)."""
+    datasets = pytest.importorskip("datasets")
+    texts = texts_of(tiny_corpus)
+    base = prepared(write_jsonl(tmp_path / "all.jsonl", texts), tiny_tokenizer, tmp_path / "out-jsonl")
+    ds = datasets.Dataset.from_dict({"text": texts, "id": list(range(len(texts)))})
+    ds.save_to_disk(str(tmp_path / "saved"), num_shards=3)
+    assert len(list((tmp_path / "saved").glob("*.arrow"))) == 3
+    assert prepared(tmp_path / "saved", tiny_tokenizer, tmp_path / "out-saved") == base
+
+
+def test_a_text_folder_and_a_glob_of_its_files_give_the_same_shards(tiny_corpus, tiny_tokenizer, tmp_path):
+    """D1 for text files: they are split by their path from the source (an edit never moves a
+    file between splits; records are split by content), so a glob names them as the folder does."""
+    a = prepared(tiny_corpus, tiny_tokenizer, tmp_path / "out-folder")
+    b = prepared(str(tiny_corpus / "*.py"), tiny_tokenizer, tmp_path / "out-glob")
+    assert a == b and len(a["val.idx"]) > 8
+
+
+def test_a_bad_record_in_the_third_shard_is_named_and_nothing_is_left_behind(tiny_corpus, tiny_tokenizer, tmp_path):
+    """D3."""
+    texts = texts_of(tiny_corpus)
+    (tmp_path / "c").mkdir()
+    for i, part in enumerate([texts[:10], texts[10:20], texts[20:30]]):
+        write_jsonl(tmp_path / "c" / f"shard-{i}.jsonl", part)
+    third = tmp_path / "c" / "shard-2.jsonl"
+    lines = third.read_text(encoding="utf-8").splitlines(keepends=True)
+    lines[3] = '{"id": 3, "text": "unterminated\n'
+    third.write_text("".join(lines), encoding="utf-8")
+    before = tree_hash(tmp_path / "c")
+    out = tmp_path / "out"
+    with pytest.raises(DataError, match=r"shard-2\.jsonl:4: not valid JSON"):
+        prepare(str(tmp_path / "c" / "shard-*.jsonl"), tiny_tokenizer, out, 0.2, progress=False)
+    assert not out.exists() and [p.name for p in tmp_path.iterdir()] == ["c"]  # no half-written shard
+    assert tree_hash(tmp_path / "c") == before
+
+
+def test_a_damaged_compressed_file_is_named_with_the_last_good_line(tiny_corpus, tmp_path):
+    raw = gzip.compress("".join(json.dumps({"text": t}) + "\n" for t in texts_of(tiny_corpus)).encode())
+    (tmp_path / "cut.jsonl.gz").write_bytes(raw[: len(raw) // 2])
+    with pytest.raises(DataError, match=r"cut\.jsonl\.gz: damaged or cut short after line \d+"):
+        list(iter_documents(str(tmp_path / "cut.jsonl.gz")))
+
+
+def test_a_glob_that_matches_nothing_says_so(tmp_path):
+    with pytest.raises(DataError, match=r"matches no .* file or record shard"):
+        list(iter_documents(str(tmp_path / "none-*.parquet")))
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "parquet"])
+def test_a_missing_text_field_exits_2_naming_the_fields_present(tiny_run, tmp_path, kind):
+    """D4: `lmforge prepare` with data.text_field = "body" on records that hold "content" and "id"."""
+    cfg, _ = tiny_run
+    texts = ["def f():\n    return 1\n", "x = 2\n"]
+    if kind == "jsonl":
+        source = write_jsonl(tmp_path / "c.jsonl", texts, field="content")
+        expected = r"c\.jsonl:1: the record has no 'body' field \(its fields: \['content', 'id'\]\)"
+    else:
+        pa = pytest.importorskip("pyarrow")
+        import pyarrow.parquet as pq
+
+        source = tmp_path / "c.parquet"
+        pq.write_table(pa.table({"content": texts, "id": [0, 1]}), source)
+        expected = r"c\.parquet: no 'body' column \(columns: \['content', 'id'\]\)\. Set data\.text_field"
+    cfg.save(tmp_path / "cfg.toml")
+    res = subprocess.run([sys.executable, "-m", "lmforge", "prepare", "--config", str(tmp_path / "cfg.toml"),
+                          "--set", f"data.source={source}", "--set", "data.text_field=body", "--out",
+                          str(tmp_path / "out"), "--no-progress"], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2, res.stderr[-2000:]
+    import re
+
+    assert re.search(expected, res.stderr), res.stderr[-2000:]
+    assert "Set data.text_field" in res.stderr and "Traceback" not in res.stderr
+    assert not (tmp_path / "out").exists()
