@@ -162,7 +162,7 @@ def test_jsonl_source(tmp_path):
 @pytest.mark.parametrize(
     "line, needle",
     [("{not json", "data.jsonl:2: not valid JSON"),
-     ('{"txt": "x"}', "data.jsonl:2: the record has no 'text' field (its fields: ['txt']). Set data.text_field"),
+     ('{"txt": "x"}', 'data.jsonl:2: the record has no "text" field (its fields: [\'txt\']). Set data.text_field'),
      ('["a"]', "data.jsonl:2: expected an object"),
      ('{"text": 3}', "data.jsonl:2")],
 )

@@ -143,7 +143,7 @@ def test_a_missing_text_field_exits_2_naming_the_fields_present(tiny_run, tmp_pa
     texts = ["def f():\n    return 1\n", "x = 2\n"]
     if kind == "jsonl":
         source = write_jsonl(tmp_path / "c.jsonl", texts, field="content")
-        expected = r"c\.jsonl:1: the record has no 'body' field \(its fields: \['content', 'id'\]\)"
+        expected = r"c\.jsonl:1: the record has no \"body\" field \(its fields: \['content', 'id'\]\)"
     else:
         pa = pytest.importorskip("pyarrow")
         import pyarrow.parquet as pq

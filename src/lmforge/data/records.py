@@ -126,16 +126,13 @@ def _open_lines(path: Path, kind: str):
     return open(path, "rb")
 
 
-#: What a damaged compressed file raises while it is read.
-def _damage_errors() -> tuple[type[BaseException], ...]:
-    errors: list[type[BaseException]] = [EOFError, OSError]
-    try:
-        import zstandard
-
-        errors.append(zstandard.ZstdError)
-    except ImportError:
-        pass
-    return tuple(errors)
+def _damage_errors(kind: str) -> tuple[type[BaseException], ...]:
+    """What a damaged file of `kind` raises while it is read (gzip: EOFError, BadGzipFile, an
+    OSError; Zstandard: ZstdError)."""
+    if kind == ".jsonl.zst":
+        zstd = require_package("zstandard", "zstandard", "reading Zstandard", DataError)
+        return (EOFError, OSError, zstd.ZstdError)
+    return (EOFError, OSError)
 
 
 def _jsonl(path: Path, kind: str = ".jsonl") -> Iterator[tuple[str, object]]:
@@ -151,7 +148,7 @@ def _jsonl(path: Path, kind: str = ".jsonl") -> Iterator[tuple[str, object]]:
                 raw = next(lines)
             except StopIteration:
                 return
-            except _damage_errors() as exc:
+            except _damage_errors(kind) as exc:
                 raise DataError(f"{shown_path(path)}: damaged or cut short after line {lineno} ({_first_line(exc)}). "
                                 f"Re-write the file.") from None
             lineno += 1

@@ -163,7 +163,10 @@ def save_to_disk_files(folder: Path) -> list[Path] | None:
     import json
 
     state = folder / "state.json"
-    if not (state.is_file() and (folder / "dataset_info.json").is_file()):
+    try:
+        if not (state.is_file() and (folder / "dataset_info.json").is_file()):
+            return None
+    except OSError:  # a folder that cannot be listed: the walk names the system's reason
         return None
     try:
         files = [folder / f["filename"] for f in json.loads(state.read_text(encoding="utf-8"))["_data_files"]]
@@ -269,13 +272,13 @@ def _iter_records(path: Path, text_field: str = "text") -> Iterator[Document]:
                 continue
             if not isinstance(text, str):
                 if isinstance(record, dict) and text_field not in record:
-                    raise DataError(f"{where}: the record has no {text_field!r} field (its fields: "
+                    raise DataError(f"{where}: the record has no \"{text_field}\" field (its fields: "
                                     f"{sorted(record)[:20]}). Set data.text_field to the field that holds the text.")
-                raise DataError(
-                    f"{where}: expected an object with a string {text_field!r} field, got "
-                    f"{type(record).__name__}"
-                    f"{f' whose {text_field!r} is {short(text)}' if isinstance(record, dict) else ''}.")
+                field = f'"{text_field}"'
+                whose = f" whose {field} is {short(text)}" if isinstance(record, dict) else ""
+                raise DataError(f"{where}: expected an object with a string {field} field, got "
+                                f"{type(record).__name__}{whose}.")
             name = path.name + where[len(shown_path(path)):]  # "f.jsonl:12", "f.parquet row 7"
-            yield Document(name, check_text(text, where, repr(text_field)), key=content_key(text))
+            yield Document(name, check_text(text, where, f'"{text_field}"'), key=content_key(text))
     except MissingColumn as exc:
         raise DataError(f"{exc} Set data.text_field to the column that holds the text.") from None
