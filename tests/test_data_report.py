@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from conftest import tiny_config
-from lmforge.data.reports import DataReport
+from lmforge.data.reports import DataReport, data_report_lines
 from lmforge.data.sources import split_of
 
 
@@ -93,3 +93,39 @@ def test_minhash_estimates_jaccard():
     estimate = float((r.signature(base) == r.signature(other)).mean())
     assert abs(estimate - jaccard) < 0.15, (estimate, jaccard)
     assert float((r.signature(base) == r.signature(rng.integers(0, 1000, size=2000))).mean()) < 0.1
+
+
+def test_signatures_are_capped_by_a_consistent_sample_that_keeps_near_duplicates_together():
+    """D6: above `max_signatures` documents the report keeps a sample of signatures (the
+    documents whose first MinHash value is a multiple of 2^k), says so, and still finds planted
+    near-duplicates: a pair shares that value with probability ~ its similarity, so it stays in
+    the sample together. Every pair found is a planted one; the same documents under no cap find
+    at least 95% of the planted pairs."""
+    rng = np.random.default_rng(7)
+    docs, planted = [], set()
+    for i in range(1000):
+        docs.append(rng.integers(0, 5000, size=int(rng.integers(150, 300))))
+        if i % 5 == 4:  # 200 planted near-duplicates: a copy with two tokens changed
+            twin = docs[-1].copy()
+            twin[[10, len(twin) // 2]] = rng.integers(5000, 6000, size=2)
+            docs.append(twin)
+            planted.add((len(docs) - 2, len(docs) - 1))
+
+    def run(cap: int) -> tuple[DataReport, dict]:
+        r = DataReport(max_signatures=cap)
+        for i, ids in enumerate(docs):
+            r.add(f"d{i}", "train", ids, len(ids) + 2, 4 * len(ids))
+        return r, r.finish(seq_len=256)
+
+    full, report = run(10_000)
+    assert report["near_duplicates"]["sample"]["share"] == 1.0
+    every = {(i, j) for i, j, _ in full.near_duplicates()}
+    assert every <= planted and len(every) >= 0.95 * len(planted)  # MinHash estimates: a few fall under 0.8
+    capped, report = run(100)
+    sample = report["near_duplicates"]["sample"]
+    assert len(capped.signatures) <= 100 and capped.sampling >= 3 and sample["share"] == 1 / 2 ** capped.sampling
+    assert sample["documents"] == len(docs) and sample["with_signature"] == len(capped.signatures)
+    found = {(i, j) for i, j, _ in capped.near_duplicates()}
+    assert found and found <= every  # planted pairs found in the sample, nothing else
+    assert report["near_duplicates"]["within_train"]["pairs"] == len(found)
+    assert "counted on a sample of" in data_report_lines(report) and "capped at 100" in data_report_lines(report)

@@ -153,14 +153,20 @@ N_HASHES = 64
 BANDS = 16
 NEAR = 0.8
 EXAMPLES = 5
+#: Signatures kept at most (64 uint32 each: 256 MB at this cap). Above it the report keeps a
+#: consistent sample: the documents whose first MinHash value is a multiple of 2^k, k raised by
+#: one (half the sample) each time the cap is reached. Two documents of Jaccard similarity s share
+#: that value with probability s, so near-duplicates stay in the sample together (or leave it
+#: together); the report says the sample's share and counts the pairs found in it.
+MAX_SIGNATURES = 1_000_000
 
 
 class DataReport:
     """Collects, document by document, what `prepare`'s report.json holds (see `finish`):
-    lengths, bytes, names, exact duplicates and MinHash signatures (64 uint32 per document, so
-    memory grows by ~0.3 KB a document whatever its length)."""
+    lengths, bytes, names, exact duplicates and MinHash signatures (64 uint32 per document, at
+    most `max_signatures` of them: a consistent sample above that, see MAX_SIGNATURES)."""
 
-    def __init__(self, seed: int = 0):
+    def __init__(self, seed: int = 0, max_signatures: int = MAX_SIGNATURES):
         import numpy as np
 
         rng = np.random.default_rng(seed)
@@ -172,7 +178,11 @@ class DataReport:
         self.splits: list[str] = []
         self.lengths: list[int] = []
         self.nbytes: list[int] = []
-        self.signatures: list = []
+        self.max_signatures = max(2, max_signatures)
+        self.sampling = 0  # k: the signatures kept are those whose first value is a multiple of 2^k
+        self._sigs = np.empty((min(1024, self.max_signatures), N_HASHES), dtype=np.uint32)
+        self._docs = np.empty(len(self._sigs), dtype=np.int64)  # the document index of each kept signature
+        self._kept = 0
         self.exact: list[tuple[str, str]] = []  # (kept, dropped) names
 
     def signature(self, ids):
@@ -197,17 +207,46 @@ class DataReport:
         self.splits.append(split)
         self.lengths.append(n_tokens)
         self.nbytes.append(nbytes)
-        self.signatures.append(self.signature(ids))
+        self._keep(self.signature(ids), len(self.names) - 1)
+
+    def _sampled(self, first) -> bool:
+        return int(first) % (1 << self.sampling) == 0
+
+    def _keep(self, sig, doc: int) -> None:
+        """Keep `sig` (of document `doc`) if the sample takes it, halving the sample while it is full."""
+        np = self._np
+        if not self._sampled(sig[0]):
+            return
+        while self._kept >= self.max_signatures:
+            self.sampling += 1
+            stay = (self._sigs[: self._kept, 0].astype(np.int64) % (1 << self.sampling)) == 0
+            n = int(stay.sum())
+            self._sigs[:n], self._docs[:n] = self._sigs[: self._kept][stay], self._docs[: self._kept][stay]
+            self._kept = n
+            if not self._sampled(sig[0]):
+                return
+        if self._kept == len(self._sigs):  # grow (doubling, up to the cap)
+            size = min(2 * len(self._sigs), self.max_signatures)
+            self._sigs = np.concatenate([self._sigs, np.empty((size - len(self._sigs), N_HASHES), np.uint32)])
+            self._docs = np.concatenate([self._docs, np.empty(size - len(self._docs), np.int64)])
+        self._sigs[self._kept], self._docs[self._kept] = sig, doc
+        self._kept += 1
+
+    @property
+    def signatures(self):
+        """(n, N_HASHES) uint32: the signatures kept (every document's below the cap)."""
+        return self._sigs[: self._kept]
 
     def duplicate(self, kept: str, dropped: str) -> None:
         self.exact.append((kept, dropped))
 
     def near_duplicates(self) -> list[tuple[int, int, float]]:
-        """(i, j, estimated Jaccard) of every candidate pair at or above NEAR."""
+        """(i, j, estimated Jaccard) of every candidate pair at or above NEAR among the kept
+        signatures; i and j are document indices."""
         np = self._np
-        if not self.signatures:
+        if not self._kept:
             return []
-        sigs = np.stack(self.signatures)
+        sigs = self.signatures
         rows = N_HASHES // BANDS
         pairs: set[tuple[int, int]] = set()
         for band in range(BANDS):
@@ -223,8 +262,8 @@ class DataReport:
         for i, j in sorted(pairs):
             sim = float((sigs[i] == sigs[j]).mean())
             if sim >= NEAR:
-                out.append((i, j, sim))
-        return out
+                out.append((int(self._docs[i]), int(self._docs[j]), sim))
+        return sorted(out)
 
     def finish(self, seq_len: int) -> dict:
         """The report: per split documents, tokens, bytes per token, length quartiles (tokens)
@@ -261,6 +300,12 @@ class DataReport:
                                      for k, v in groups.items()}
         report["near_duplicates"]["method"] = (f"MinHash of token {SHINGLE}-grams, {N_HASHES} hashes, LSH "
                                                f"{BANDS} bands; estimated Jaccard >= {NEAR}")
+        report["near_duplicates"]["sample"] = {
+            "documents": len(self.names), "with_signature": self._kept, "share": 1.0 / (1 << self.sampling),
+            "max_signatures": self.max_signatures,
+            "how": ("every document" if not self.sampling else
+                    f"the documents whose first MinHash value is a multiple of {1 << self.sampling} (signatures "
+                    f"capped at {self.max_signatures:,}): the pairs counted are those of that sample")}
         order = np.argsort(-lengths)[:10]
         report["largest_documents"] = [{"name": self.names[i], "split": self.splits[i], "tokens": int(lengths[i])}
                                        for i in order]
@@ -281,7 +326,10 @@ def data_report_lines(report: dict) -> str:
                  f"pairs: within train {nd['within_train']['pairs']}, within val {nd['within_val']['pairs']}, "
                  f"between train and val {nd['between_train_and_val']['pairs']}"
                  + (f" (e.g. {nd['between_train_and_val']['examples'][0][:2]})"
-                    if nd["between_train_and_val"]["examples"] else ""))
+                    if nd["between_train_and_val"]["examples"] else "")
+                 + (f"; counted on a sample of {nd['sample']['with_signature']:,} of {nd['sample']['documents']:,} "
+                    f"documents (1/{round(1 / nd['sample']['share'])}: signatures capped at "
+                    f"{nd['sample']['max_signatures']:,})" if nd.get("sample", {}).get("share", 1.0) < 1.0 else ""))
     big = report["largest_documents"][:3]
     lines.append("data report: largest documents: " + ", ".join(f"{d['name']} ({d['tokens']:,} tokens)" for d in big))
     return "\n".join(lines)
