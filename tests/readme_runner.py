@@ -242,6 +242,12 @@ def prose_paths(text: str) -> list[str]:
 
 
 # -- fixtures: the user's own files -----------------------------------------------------------------
+def note_texts(n: int = 150) -> list[str]:
+    """The text of a user's corpus fixture: `n` notes of 40 to 40 + n - 1 words."""
+    words = "the model reads text and learns to predict the next token of each document".split()
+    return [" ".join(words[(i + k) % len(words)] for k in range(40 + i)) + "\n" for i in range(n)]
+
+
 def make_fixture(kind: str, path: Path, block: Block) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     if kind == "hf-smollm2":  # a folder transformers saves: SmolLM2's layout, tokenizer and template
@@ -268,13 +274,10 @@ def make_fixture(kind: str, path: Path, block: Block) -> None:
         path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
     elif kind == "texts":
         path.mkdir(parents=True, exist_ok=True)
-        words = "the model reads text and learns to predict the next token of each document".split()
-        for i in range(150):
-            body = " ".join(words[(i + k) % len(words)] for k in range(40 + i))
-            (path / f"note_{i:02d}.txt").write_text(body + "\n", encoding="utf-8")
-    elif kind in ("parquet-shards", "jsonl-zst"):  # a corpus as the field ships it: Parquet shards, compressed JSONL
-        words = "the model reads text and learns to predict the next token of each document".split()
-        bodies = [" ".join(words[(i + k) % len(words)] for k in range(40 + i)) + "\n" for i in range(150)]
+        for i, body in enumerate(note_texts()):
+            (path / f"note_{i:02d}.txt").write_text(body, encoding="utf-8")
+    elif kind in ("parquet-shards", "jsonl-zst"):  # the same notes as the field ships them
+        bodies = note_texts()
         if kind == "parquet-shards":
             import pyarrow as pa
             import pyarrow.parquet as pq

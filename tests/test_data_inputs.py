@@ -14,13 +14,15 @@ D4 a missing data.text_field exits 2 naming the fields the record has.
 from __future__ import annotations
 
 import gzip
-import hashlib
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "robustness"))
+from test_bad_inputs import tree_hash  # noqa: E402
 
 from lmforge.data.shards import prepare
 from lmforge.data.sources import iter_documents
@@ -40,15 +42,6 @@ def write_jsonl(path: Path, texts: list[str], field: str = "text") -> Path:
 
 def shards(out: Path) -> dict[str, bytes]:
     return {name: (out / name).read_bytes() for name in SHARD_FILES}
-
-
-def tree_hash(folder: Path) -> str:
-    h = hashlib.sha256()
-    for p in sorted(folder.rglob("*")):
-        h.update(str(p.relative_to(folder)).encode())
-        if p.is_file():
-            h.update(p.read_bytes())
-    return h.hexdigest()
 
 
 def prepared(source: str | Path, tok, out: Path, val_fraction: float = 0.2, text_field: str = "text") -> dict:

@@ -173,22 +173,8 @@ def _parquet(path: Path, columns: list[str] | None) -> Iterator[tuple[str, objec
         names = pf.schema_arrow.names
     except Exception as exc:  # pyarrow raises ArrowInvalid, OSError, ... for a damaged file
         raise DataError(f"{path}: not a readable Parquet file ({_first_line(exc)}). Re-write the file.") from None
-    missing = [c for c in columns or () if c not in names]
-    if missing:
-        raise MissingColumn(f"{shown_path(path)}: no {', '.join(repr(c) for c in missing)} column (columns: {names}).")
-    row = 0
-    batches = pf.iter_batches(columns=columns, batch_size=1024)
-    while True:
-        try:
-            batch = next(batches)
-            records = batch.to_pylist()
-        except StopIteration:
-            return
-        except Exception as exc:
-            raise DataError(f"{path}: damaged after row {row} ({_first_line(exc)}). Re-write the file.") from None
-        for record in records:
-            row += 1
-            yield f"{shown_path(path)} row {row}", record
+    _check_columns(path, names, columns)
+    return _rows(path, pf.iter_batches(columns=columns, batch_size=1024))
 
 
 def _arrow(path: Path, columns: list[str] | None) -> Iterator[tuple[str, object]]:
@@ -208,19 +194,29 @@ def _arrow(path: Path, columns: list[str] | None) -> Iterator[tuple[str, object]
     except Exception as exc:
         raise DataError(f"{shown_path(path)}: not a readable Arrow file ({_first_line(exc)}). Re-write the "
                         f"file.") from None
+    _check_columns(path, names, columns)
+    if columns:
+        batches = (batch.select(columns) for batch in batches)  # selected as each is read
+    return _rows(path, batches)
+
+
+def _check_columns(path: Path, names: list[str], columns: list[str] | None) -> None:
+    """Raises MissingColumn (listing the file's columns `names`) when one of `columns` is not there."""
     missing = [c for c in columns or () if c not in names]
     if missing:
         raise MissingColumn(f"{shown_path(path)}: no {', '.join(repr(c) for c in missing)} column (columns: {names}).")
+
+
+def _rows(path: Path, batches) -> Iterator[tuple[str, object]]:
+    """(where, record) for every row of a Parquet or Arrow file's record `batches`; a batch that
+    cannot be read is a DataError naming the last good row."""
     row = 0
     while True:
         try:
-            batch = next(batches)
-            if columns:
-                batch = batch.select(columns)
-            records = batch.to_pylist()
+            records = next(batches).to_pylist()
         except StopIteration:
             return
-        except Exception as exc:
+        except Exception as exc:  # pyarrow raises ArrowInvalid, OSError, ... for a damaged file
             raise DataError(f"{shown_path(path)}: damaged after row {row} ({_first_line(exc)}). Re-write the "
                             f"file.") from None
         for record in records:

@@ -216,7 +216,7 @@ def _iter_all(source: str, include_tests: bool, on_bad_utf8: str, stats: SourceS
         found = False
         for file in _walk(path, TEXT_SUFFIXES + RECORD_SUFFIXES, {"__pycache__"}, stats):
             found = True
-            yield from _iter_file(file, shown_path(file.relative_to(path).as_posix()), stats, on_bad_utf8, text_field)
+            yield from _iter_file(file, _relative(file, path), stats, on_bad_utf8, text_field)
         if not found:
             raise DataError(f"data.source folder {path} holds no {'/'.join(TEXT_SUFFIXES)} files and no record "
                             f"shards ({', '.join(RECORD_SUFFIXES)}). Add some, or point data.source elsewhere.")
@@ -244,10 +244,9 @@ def _glob_base(pattern: str) -> Path:
 
 
 def _relative(file: Path, base: Path) -> str:
-    try:
-        return shown_path(file.relative_to(base).as_posix())
-    except ValueError:
-        return shown_path(file.as_posix())
+    """A text file's name and split key: its path from the source's folder (a glob's matches all
+    start with its leading parts, `_glob_base`)."""
+    return shown_path(file.relative_to(base).as_posix())
 
 
 def _iter_file(file: Path, rel: str, stats: SourceStats, on_bad_utf8: str, text_field: str) -> Iterator[Document]:
@@ -265,6 +264,7 @@ def _iter_records(path: Path, text_field: str = "text") -> Iterator[Document]:
     """Records with a string `text_field` field (JSONL) or column (Parquet, Arrow); a null cell
     of a column is no document."""
     columnar = record_suffix(path) in (".parquet", ".arrow")
+    field = f'"{text_field}"'
     try:
         for where, record in iter_records(path, columns=[text_field] if columnar else None):
             text = record.get(text_field) if isinstance(record, dict) else None
@@ -272,13 +272,12 @@ def _iter_records(path: Path, text_field: str = "text") -> Iterator[Document]:
                 continue
             if not isinstance(text, str):
                 if isinstance(record, dict) and text_field not in record:
-                    raise DataError(f"{where}: the record has no \"{text_field}\" field (its fields: "
-                                    f"{sorted(record)[:20]}). Set data.text_field to the field that holds the text.")
-                field = f'"{text_field}"'
+                    raise DataError(f"{where}: the record has no {field} field (its fields: {sorted(record)[:20]}). "
+                                    f"Set data.text_field to the field that holds the text.")
                 whose = f" whose {field} is {short(text)}" if isinstance(record, dict) else ""
                 raise DataError(f"{where}: expected an object with a string {field} field, got "
                                 f"{type(record).__name__}{whose}.")
             name = path.name + where[len(shown_path(path)):]  # "f.jsonl:12", "f.parquet row 7"
-            yield Document(name, check_text(text, where, f'"{text_field}"'), key=content_key(text))
+            yield Document(name, check_text(text, where, field), key=content_key(text))
     except MissingColumn as exc:
         raise DataError(f"{exc} Set data.text_field to the column that holds the text.") from None

@@ -194,9 +194,9 @@ def probe_costs(session: TrainingSession, model: Transformer, stream, val_batche
                                                     cfg.data.seq_len)
         measured = measure_steps(probe, BUDGET_TIMED_STEPS, tokens_per_step)
         t0 = time.perf_counter()
-        probe.validate()
+        probe.validate()  # without validation data or tasks: next to nothing
         probe.evaluate_tasks()
-        val_s = time.perf_counter() - t0 if val_batches is not None or t.eval_tasks else 0.0
+        val_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         probe.save()
         save_s = time.perf_counter() - t0

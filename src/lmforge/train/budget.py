@@ -32,16 +32,13 @@ import math
 import statistics
 from dataclasses import dataclass
 
+from lmforge.train.schedule import decay_start
+
 #: The revision needs at least this many steps of the run to average (else it is skipped).
 MIN_REVISE_STEPS = 20
 #: wsd: the revision comes at this fraction of the first decision's decay start, so that a
 #: revised N a little smaller still starts its decay after the steps already taken.
 REVISE_BEFORE_DECAY = 0.8
-
-
-def decay_start(steps: int, decay_fraction: float) -> int:
-    """The first step of wsd's decay over `steps` steps (as `train.schedule.lr_at` computes it)."""
-    return steps - max(1, int(round(decay_fraction * steps)))
 
 
 @dataclass

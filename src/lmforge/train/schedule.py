@@ -21,9 +21,14 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
         span = max(1, cfg.steps - cfg.warmup_steps)
         progress = min(1.0, (step - cfg.warmup_steps) / span)
         return floor + (peak - floor) * 0.5 * (1 + math.cos(math.pi * progress))
-    decay_steps = max(1, int(round(cfg.decay_fraction * cfg.steps)))
-    decay_start = cfg.steps - decay_steps
-    if step < decay_start:
+    start = decay_start(cfg.steps, cfg.decay_fraction)
+    if step < start:
         return peak
-    progress = min(1.0, (step - decay_start + 1) / decay_steps)
+    progress = min(1.0, (step - start + 1) / (cfg.steps - start))
     return peak + (floor - peak) * progress
+
+
+def decay_start(steps: int, decay_fraction: float) -> int:
+    """wsd: the first step (0-based) of the linear decay over the last `decay_fraction` of `steps`
+    (at least one step of decay)."""
+    return steps - max(1, int(round(decay_fraction * steps)))
