@@ -219,6 +219,8 @@ def missing_promises(cmd: Command, cwd: Path) -> list[str]:
         if fmt == "gguf":
             return [] if out.read_bytes()[:4] == b"GGUF" else [f"{out} (not a GGUF file)"]
         names = EXPORT_PROMISES.get(fmt, ())
+    elif sub == "prepare" and any("data.sources=" in x for x in w):  # a mixture: one prepared folder a source
+        names = ("mixture.json", "contract.json", "config.toml")
     else:
         names = PROMISES.get(sub, ())
     gone = [str(out / n) for n in names if not (out / n).exists()]

@@ -171,3 +171,27 @@ def test_one_encoding_thread_and_several_give_the_same_shards(tiny_corpus, tiny_
         monkeypatch.setattr(shards_mod, "batch_encoder", lambda tok, threads=threads: real(tok, threads=threads))
         outs.append(prepared(source, tiny_tokenizer, tmp_path / f"out-{threads}"))
     assert outs[0] == outs[1] and len(outs[0]["train.idx"]) > 8 * 100
+
+
+def test_an_interrupted_prepare_is_said_and_starts_over(tiny_corpus, tiny_tokenizer, tmp_path, capsys):
+    """A prepare killed before it could clean up (SIGKILL) leaves its unfinished temporary
+    folder beside data.dir; the next prepare says so, removes it, and starts over. A temporary of
+    a live process and a folder that only looks alike are left alone."""
+    import os
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    out = tmp_path / "data"
+    stale = tmp_path / f".data.tmp-{dead.pid}-k1ll3d"
+    (stale / "sub").mkdir(parents=True)
+    (stale / "train.bin").write_bytes(b"\0" * 4096)
+    live = tmp_path / f".data.tmp-{os.getppid()}-alive1"
+    live.mkdir()
+    other = tmp_path / ".data.tmp-mine"
+    other.mkdir()
+    prepare(str(tiny_corpus), tiny_tokenizer, out, 0.2, progress=False)
+    err = capsys.readouterr().err
+    assert f"{stale.name} (0.0 MiB) is removed, never read, and this one starts over" in err
+    assert f"process {dead.pid} is gone" in err
+    assert not stale.exists() and live.is_dir() and other.is_dir()
+    assert (out / "train.bin").is_file() and not list(tmp_path.glob(f".data.tmp-{os.getpid()}-*"))

@@ -111,6 +111,8 @@ def _config(args):
     for name in CONFIG_PATHS:  # a NUL or an unencodable character: refused before any file is opened
         section, key = name.split(".")
         check_path_text(getattr(getattr(cfg, section), key), name)
+    for i, entry in enumerate(cfg.data.sources):
+        check_path_text(entry["source"], f"data.sources[{i}].source")
     return cfg
 
 

@@ -64,6 +64,54 @@ class TokenizerConfig:
     derived: the declared eos_token, or <|endoftext|>, <|end_of_text|>, </s>, <eos>)."""
 
 
+#: The keys of a data.sources entry.
+SOURCE_KEYS = ("source", "weight", "text_field", "name")
+#: The most sources a mixture may have.
+MAX_SOURCES = 256
+
+
+def _check_sources(name: str, sources: list[dict]) -> None:
+    """Each data.sources entry: a table of SOURCE_KEYS with a non-empty `source`, a finite
+    weight > 0, a non-empty text_field and a folder-safe name; no source twice, no name twice."""
+    import re
+
+    example = '[{source = "corpus/*.parquet", weight = 3}, {source = "code.jsonl.zst", text_field = "content"}]'
+    if len(sources) > MAX_SOURCES:
+        raise ConfigError(f"{name} lists {len(sources)} sources; at most {MAX_SOURCES}. Merge some into one folder.")
+    seen: dict[tuple, int] = {}
+    names: dict[str, int] = {}
+    for i, entry in enumerate(sources):
+        where = f"{name}[{i}]"
+        unknown = sorted(set(entry) - set(SOURCE_KEYS))
+        if unknown:
+            raise ConfigError(f"{where} has the key {unknown[0]!r}; a source takes {', '.join(SOURCE_KEYS)} "
+                              f"(e.g. {name} = {example}).")
+        src = entry.get("source")
+        if not isinstance(src, str) or not src:
+            raise ConfigError(f"{where} = {entry!r}: `source` must be a non-empty text (what data.source takes), "
+                              f"e.g. {name} = {example}.")
+        weight = entry.get("weight", 1)
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight) or weight <= 0:
+            raise ConfigError(f"{where}.weight = {weight!r}: expected a finite number > 0 (its share of the rows is "
+                              f"weight / the sum of the weights; default 1).")
+        field = entry.get("text_field", "text")
+        if not isinstance(field, str) or not field:
+            raise ConfigError(f"{where}.text_field = {field!r}: expected a non-empty text (default \"text\").")
+        own = entry.get("name")
+        if own is not None and (not isinstance(own, str) or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}", own)):
+            raise ConfigError(f"{where}.name = {own!r}: expected 1 to 64 letters, digits, '.', '_' or '-' (it names "
+                              f"the source's folder in data.dir), or no name (derived from the source).")
+        key = (src, field)
+        if key in seen:
+            raise ConfigError(f"{where} repeats {name}[{seen[key]}] (source {src!r}, text_field {field!r}); list a "
+                              f"source once and give it the summed weight.")
+        seen[key] = i
+        if own is not None:
+            if own in names:
+                raise ConfigError(f"{where}.name = {own!r} is also {name}[{names[own]}]'s; give each a name of its own.")
+            names[own] = i
+
+
 @dataclass
 class DataConfig:
     source: str = text("stdlib", allowed(
@@ -76,6 +124,14 @@ class DataConfig:
     path order (a save_to_disk folder: its own order)."""
     text_field: str = text("text", allowed("read by prepare only (the documents are in the shards)"), nonempty=True)
     """The field (JSONL) or column (Parquet, Arrow) of a record that holds its text."""
+    sources: list[dict] = items((), refused(
+        PRE, "which source each training row is drawn from (the rows' order and proportions)",
+        "SFT and DPO do not read it"), check=_check_sources)
+    """A weighted mixture instead of data.source: a list of tables {source, weight = 1,
+    text_field = "text", name}, each `source` anything data.source takes. `lmforge prepare`
+    prepares each into data.dir/NAME once (a source already prepared with the same files and
+    settings is reused, whatever the weights); pretraining draws its rows from the sources in
+    proportion to `weight`, deterministically (lmforge.data.mixture). [] = data.source alone."""
     dir: str = text("runs/data", refused(PRE, "the shards the rows come from", "SFT and DPO do not read it",
                                          path=True), nonempty=True)
     """Folder of the prepared shards ({split}.bin, {split}.idx, contract.json)."""

@@ -59,8 +59,12 @@ def _coerce(section: str, key: str, value: Any, typ: type, where: str) -> Any:
         if isinstance(value, list) and all(isinstance(v, item) for v in value):
             return list(value)
     shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
+    expected = getattr(typ, "__name__", typ)
+    if typing.get_origin(typ) is list:
+        (item,) = typing.get_args(typ)
+        expected = f"a list of {'tables' if item is dict else 'texts' if item is str else item.__name__}"
     raise ConfigError(
-        f"{where}: {name} = {shown} has type {type(value).__name__}, expected {getattr(typ, '__name__', typ)}. "
+        f"{where}: {name} = {shown} has type {type(value).__name__}, expected {expected}. "
         f"Fix the value (for example {name}={_default(section, key)!r}, the default)."
     )
 def from_dict(raw: dict[str, Any], where: str = "config") -> Config:

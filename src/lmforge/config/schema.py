@@ -138,6 +138,10 @@ def validate(cfg: Config) -> Config:
     if d.seq_len > m.max_seq_len:
         raise ConfigError(f"data.seq_len = {d.seq_len} exceeds model.max_seq_len = {m.max_seq_len}. "
                           f"Lower data.seq_len or raise model.max_seq_len.")
+    if d.sources and d.source != _default("data", "source"):
+        raise ConfigError(f"data.source = {d.source!r} and data.sources ({len(d.sources)} sources) are both set: a "
+                          f"mixture reads data.sources only. Add {d.source!r} to data.sources (with its weight), or "
+                          f"remove data.sources to prepare data.source alone.")
     if t.micro_batch_size == AUTO_MICRO_BATCH and t.global_batch_size == 0:
         raise ConfigError('train.micro_batch_size = "auto" (or 0) needs train.global_batch_size (the rows of one optimizer '
                           'step, over all ranks) to keep: set it, e.g. --set train.global_batch_size=16.')

@@ -162,9 +162,12 @@ MAX_SIGNATURES = 1_000_000
 
 
 class DataReport:
-    """Collects, document by document, what `prepare`'s report.json holds (see `finish`):
-    lengths, bytes, names, exact duplicates and MinHash signatures (64 uint32 per document, at
-    most `max_signatures` of them: a consistent sample above that, see MAX_SIGNATURES)."""
+    """Collects, document by document, what `prepare`'s report.json holds (see `finish`), in
+    memory bounded whatever the number of documents: per split the counts, sums and a count of
+    each document length (the quartiles are exact from them: there are at most as many distinct
+    lengths as the longest document has tokens), the 10 largest documents, and MinHash
+    signatures (64 uint32 per document, at most `max_signatures` of them: a consistent sample
+    above that, see MAX_SIGNATURES) with the names and splits of the documents they belong to."""
 
     def __init__(self, seed: int = 0, max_signatures: int = MAX_SIGNATURES):
         import numpy as np
@@ -174,16 +177,18 @@ class DataReport:
         self.mul = rng.integers(1, 2**63, size=SHINGLE, dtype=np.uint64) | np.uint64(1)
         self.a = rng.integers(1, 2**63, size=N_HASHES, dtype=np.uint64) | np.uint64(1)
         self.b = rng.integers(0, 2**63, size=N_HASHES, dtype=np.uint64)
-        self.names: list[str] = []
-        self.splits: list[str] = []
-        self.lengths: list[int] = []
-        self.nbytes: list[int] = []
+        self.documents = 0
+        self._per_split: dict[str, dict] = {}  # split -> documents, tokens, bytes, {length: count}
+        self._largest: list[tuple[int, int, str, str]] = []  # heap of (tokens, -index, name, split)
         self.max_signatures = max(2, max_signatures)
         self.sampling = 0  # k: the signatures kept are those whose first value is a multiple of 2^k
         self._sigs = np.empty((min(1024, self.max_signatures), N_HASHES), dtype=np.uint32)
         self._docs = np.empty(len(self._sigs), dtype=np.int64)  # the document index of each kept signature
+        self._kept_names: list[str] = []  # name and split of each kept signature's document
+        self._kept_splits: list[str] = []
         self._kept = 0
-        self.exact: list[tuple[str, str]] = []  # (kept, dropped) names
+        self.exact_count = 0
+        self.exact: list[tuple[str, str]] = []  # (kept, dropped) names: the first EXAMPLES
 
     def signature(self, ids):
         """64 uint32 MinHash values of the document's token 5-grams (a short document: its one n-gram)."""
@@ -203,16 +208,26 @@ class DataReport:
     def add(self, name: str, split: str, ids, n_tokens: int, nbytes: int) -> None:
         """One document: its text's token ids (for the signature), its tokens as stored (with
         BOS/EOS: what `seq_len` is compared with) and its UTF-8 bytes."""
-        self.names.append(name)
-        self.splits.append(split)
-        self.lengths.append(n_tokens)
-        self.nbytes.append(nbytes)
-        self._keep(self.signature(ids), len(self.names) - 1)
+        import heapq
+
+        doc = self.documents
+        self.documents += 1
+        m = self._per_split.setdefault(split, {"documents": 0, "tokens": 0, "bytes": 0, "lengths": {}})
+        m["documents"] += 1
+        m["tokens"] += n_tokens
+        m["bytes"] += nbytes
+        m["lengths"][n_tokens] = m["lengths"].get(n_tokens, 0) + 1
+        item = (n_tokens, -doc, name, split)
+        if len(self._largest) < 10:
+            heapq.heappush(self._largest, item)
+        elif item > self._largest[0]:
+            heapq.heapreplace(self._largest, item)
+        self._keep(self.signature(ids), doc, name, split)
 
     def _sampled(self, first) -> bool:
         return int(first) % (1 << self.sampling) == 0
 
-    def _keep(self, sig, doc: int) -> None:
+    def _keep(self, sig, doc: int, name: str, split: str) -> None:
         """Keep `sig` (of document `doc`) if the sample takes it, halving the sample while it is full."""
         np = self._np
         if not self._sampled(sig[0]):
@@ -222,6 +237,8 @@ class DataReport:
             stay = (self._sigs[: self._kept, 0].astype(np.int64) % (1 << self.sampling)) == 0
             n = int(stay.sum())
             self._sigs[:n], self._docs[:n] = self._sigs[: self._kept][stay], self._docs[: self._kept][stay]
+            self._kept_names = [x for x, keep in zip(self._kept_names, stay) if keep]
+            self._kept_splits = [x for x, keep in zip(self._kept_splits, stay) if keep]
             self._kept = n
             if not self._sampled(sig[0]):
                 return
@@ -230,6 +247,8 @@ class DataReport:
             self._sigs = np.concatenate([self._sigs, np.empty((size - len(self._sigs), N_HASHES), np.uint32)])
             self._docs = np.concatenate([self._docs, np.empty(size - len(self._docs), np.int64)])
         self._sigs[self._kept], self._docs[self._kept] = sig, doc
+        self._kept_names.append(name)
+        self._kept_splits.append(split)
         self._kept += 1
 
     @property
@@ -238,11 +257,14 @@ class DataReport:
         return self._sigs[: self._kept]
 
     def duplicate(self, kept: str, dropped: str) -> None:
-        self.exact.append((kept, dropped))
+        """An exact duplicate `dropped` of the document `kept` (a name, or words for one)."""
+        self.exact_count += 1
+        if len(self.exact) < EXAMPLES:
+            self.exact.append((kept, dropped))
 
-    def near_duplicates(self) -> list[tuple[int, int, float]]:
-        """(i, j, estimated Jaccard) of every candidate pair at or above NEAR among the kept
-        signatures; i and j are document indices."""
+    def _candidates(self) -> list[tuple[int, int, float]]:
+        """(i, j, estimated Jaccard) of every candidate pair at or above NEAR, i and j indices
+        into the kept signatures."""
         np = self._np
         if not self._kept:
             return []
@@ -262,8 +284,13 @@ class DataReport:
         for i, j in sorted(pairs):
             sim = float((sigs[i] == sigs[j]).mean())
             if sim >= NEAR:
-                out.append((int(self._docs[i]), int(self._docs[j]), sim))
-        return sorted(out)
+                out.append((i, j, sim))
+        return out
+
+    def near_duplicates(self) -> list[tuple[int, int, float]]:
+        """(i, j, estimated Jaccard) of every candidate pair at or above NEAR among the kept
+        signatures; i and j are document indices (in the order added)."""
+        return sorted((int(self._docs[i]), int(self._docs[j]), sim) for i, j, sim in self._candidates())
 
     def finish(self, seq_len: int) -> dict:
         """The report: per split documents, tokens, bytes per token, length quartiles (tokens)
@@ -272,44 +299,56 @@ class DataReport:
         to 5 example name pairs); the 10 largest documents."""
         np = self._np
         report: dict = {"seq_len": seq_len, "splits": {}}
-        lengths = np.asarray(self.lengths, dtype=np.int64)
-        splits = np.asarray(self.splits)
         for split in ("train", "val"):
-            sel = splits == split
-            n = lengths[sel]
-            if not len(n):
+            m = self._per_split.get(split)
+            if not m:
                 continue
-            b = int(np.asarray(self.nbytes)[sel].sum())
+            lengths = np.asarray(sorted(m["lengths"]), dtype=np.int64)
+            counts = np.asarray([m["lengths"][n] for n in lengths.tolist()], dtype=np.int64)
+            tokens, b = m["tokens"], m["bytes"]
             report["splits"][split] = {
-                "documents": int(sel.sum()), "tokens": int(n.sum()), "bytes": b,
-                "bytes_per_token": round(b / max(int(n.sum()), 1), 4),
-                "length_tokens": {"min": int(n.min()), "q1": float(np.percentile(n, 25)),
-                                  "median": float(np.median(n)), "q3": float(np.percentile(n, 75)),
-                                  "max": int(n.max())},
-                "share_of_tokens_in_documents_longer_than_seq_len": round(float(n[n > seq_len + 1].sum() / n.sum()), 4),
+                "documents": m["documents"], "tokens": tokens, "bytes": b,
+                "bytes_per_token": round(b / max(tokens, 1), 4),
+                "length_tokens": {"min": int(lengths[0]), "q1": _percentile(lengths, counts, 25),
+                                  "median": _percentile(lengths, counts, 50), "q3": _percentile(lengths, counts, 75),
+                                  "max": int(lengths[-1])},
+                "share_of_tokens_in_documents_longer_than_seq_len": round(
+                    float((lengths * counts)[lengths > seq_len + 1].sum() / tokens), 4),
             }
-        near = self.near_duplicates()
         groups = {"within_train": [], "within_val": [], "between_train_and_val": []}
-        for i, j, sim in near:
-            si, sj = self.splits[i], self.splits[j]
+        for i, j, sim in self._candidates():
+            si, sj = self._kept_splits[i], self._kept_splits[j]
             key = "within_" + si if si == sj else "between_train_and_val"
-            groups[key].append((self.names[i], self.names[j], round(sim, 3)))
-        report["exact_duplicates_dropped"] = {"count": len(self.exact),
+            groups[key].append((self._kept_names[i], self._kept_names[j], round(sim, 3)))
+        report["exact_duplicates_dropped"] = {"count": self.exact_count,
                                               "examples": [list(p) for p in self.exact[:EXAMPLES]]}
         report["near_duplicates"] = {k: {"pairs": len(v), "examples": [list(p) for p in v[:EXAMPLES]]}
                                      for k, v in groups.items()}
         report["near_duplicates"]["method"] = (f"MinHash of token {SHINGLE}-grams, {N_HASHES} hashes, LSH "
                                                f"{BANDS} bands; estimated Jaccard >= {NEAR}")
         report["near_duplicates"]["sample"] = {
-            "documents": len(self.names), "with_signature": self._kept, "share": 1.0 / (1 << self.sampling),
+            "documents": self.documents, "with_signature": self._kept, "share": 1.0 / (1 << self.sampling),
             "max_signatures": self.max_signatures,
             "how": ("every document" if not self.sampling else
                     f"the documents whose first MinHash value is a multiple of {1 << self.sampling} (signatures "
                     f"capped at {self.max_signatures:,}): the pairs counted are those of that sample")}
-        order = np.argsort(-lengths)[:10]
-        report["largest_documents"] = [{"name": self.names[i], "split": self.splits[i], "tokens": int(lengths[i])}
-                                       for i in order]
+        report["largest_documents"] = [{"name": name, "split": split, "tokens": int(n)}
+                                       for n, _, name, split in sorted(self._largest, reverse=True)]
         return report
+
+
+def _percentile(values, counts, q: float) -> float:
+    """numpy.percentile's default (linear) of the multiset holding counts[i] copies of the sorted
+    values[i], without expanding it."""
+    import numpy as np
+
+    n = int(counts.sum())
+    pos = (n - 1) * q / 100
+    lo, frac = int(pos // 1), pos - int(pos // 1)
+    ends = np.cumsum(counts)  # value i covers ranks [ends[i] - counts[i], ends[i])
+    a = values[int(np.searchsorted(ends, lo, side="right"))]
+    b = values[int(np.searchsorted(ends, min(lo + 1, n - 1), side="right"))]
+    return float(a + (b - a) * frac)
 
 
 def data_report_lines(report: dict) -> str:

@@ -37,6 +37,8 @@ from lmforge.tokenizer import Tokenizer
 META_FILE = "meta.json"
 REPORT_FILE = "report.json"
 PREPARE_OUTPUT = "prepare"
+#: `{split}.hashes`: every document's content hash (`hash64`), uint64 little-endian, in shard order.
+HASHES_SUFFIX = ".hashes"
 BATCH_DOCS = 64
 
 
@@ -75,18 +77,59 @@ def prepare(
     return meta
 
 
+class SeenHashes:
+    """The 64-bit content hashes of the documents kept so far, for exact deduplication, in 8
+    bytes a document: a sorted numpy array, with the newest in a small set merged into it every
+    `buffer` documents. (A Python set would take about 70 bytes a document.)"""
+
+    def __init__(self, buffer: int = 1 << 18):
+        self.sorted = np.zeros(0, dtype=np.uint64)
+        self.recent: set[int] = set()
+        self.buffer = buffer
+
+    def add(self, h: int) -> bool:
+        """Record `h`; False when it was seen before."""
+        if h in self.recent:
+            return False
+        i = int(np.searchsorted(self.sorted, h))
+        if i < len(self.sorted) and int(self.sorted[i]) == h:
+            return False
+        self.recent.add(h)
+        if len(self.recent) >= self.buffer:
+            self.sorted = np.union1d(self.sorted, np.fromiter(self.recent, dtype=np.uint64, count=len(self.recent)))
+            self.recent.clear()
+        return True
+
+
+#: Names of the first documents kept, for the examples of exact duplicates (beyond them a
+#: duplicate's original is "an earlier document"): memory bounded whatever the corpus size.
+NAMED_DOCUMENTS = 100_000
+
+
+def hash64(data: bytes) -> int:
+    """The first 8 bytes of sha256(`data`, a text's UTF-8), as an unsigned integer (big-endian):
+    the content hash of deduplication and of `{split}.hashes`."""
+    return int.from_bytes(hashlib.sha256(data).digest()[:8], "big")
+
+
 def _prepare_into(tmp: Path, source: str, tokenizer: Tokenizer, val_fraction: float, include_tests: bool,
-                  on_bad_utf8: str, progress: bool, seq_len: int = 0, text_field: str = "text") -> dict:
+                  on_bad_utf8: str, progress: bool, seq_len: int = 0, text_field: str = "text",
+                  input: dict | None = None) -> dict:
     contract = tokenizer.contract
     dtype = contract.dtype
     meta: dict = {"source": source, "val_fraction": val_fraction, "splits": {}}
+    if input is not None:
+        meta["input"] = input
     stats = SourceStats()
     t0 = time.perf_counter()
     files = {s: open(tmp / f"{s}.bin", "wb") for s in SPLITS}
+    idx_files = {s: open(tmp / f"{s}.idx", "wb") for s in SPLITS}
+    hash_files = {s: open(tmp / f"{s}{HASHES_SUFFIX}", "wb") for s in SPLITS}
     try:
-        offsets = {s: [0] for s in SPLITS}
+        ends = {s: 0 for s in SPLITS}
+        for s in SPLITS:
+            idx_files[s].write(np.zeros(1, dtype=np.int64).tobytes())
         split_meta = {s: {"documents": 0, "tokens": 0, "bytes": 0, "max_id": -1} for s in SPLITS}
-        hashes = {s: [] for s in SPLITS}
         report = DataReport()
         bar = tqdm(desc="prepare", unit="B", unit_scale=True, disable=not progress, mininterval=1.0)
         batch: list = []
@@ -95,43 +138,45 @@ def _prepare_into(tmp: Path, source: str, tokenizer: Tokenizer, val_fraction: fl
 
         def flush() -> None:
             encoded = encode_batch([d.text for d in batch])
-            for (doc, split), ids in zip(batch_splits, encoded):
+            for (doc, split, h, nbytes), ids in zip(batch_splits, encoded):
                 arr = np.array([*contract.document_start, *ids, contract.eos_id], dtype=np.int64)
                 files[split].write(arr.astype(dtype).tobytes())
-                offsets[split].append(offsets[split][-1] + len(arr))
+                ends[split] += len(arr)
+                idx_files[split].write(np.int64(ends[split]).tobytes())
+                hash_files[split].write(np.uint64(h).astype("<u8").tobytes())
                 m = split_meta[split]
                 m["documents"] += 1
                 m["tokens"] += len(arr)
-                nbytes = len(doc.text.encode("utf-8"))
                 m["bytes"] += nbytes
                 m["max_id"] = max(m["max_id"], int(arr.max()))
-                hashes[split].append(hashlib.sha256(doc.text.encode("utf-8")).hexdigest()[:32])
                 report.add(doc.name, split, ids, len(arr), nbytes)
                 bar.update(nbytes)
 
         from lmforge.data.sources import split_of
 
         batch_splits: list = []
-        seen: dict[bytes, str] = {}
+        seen = SeenHashes()
+        names: dict[int, str] = {}
         duplicates = 0
         for doc in iter_documents(source, None, val_fraction, include_tests, on_bad_utf8, stats, text_field):
-            digest = hashlib.sha256(doc.text.encode("utf-8")).digest()
-            if digest in seen:  # exact duplicates are kept once, so no val text is trained on
+            data = doc.text.encode("utf-8")
+            h = hash64(data)
+            if not seen.add(h):  # exact duplicates are kept once, so no val text is trained on
                 duplicates += 1
-                report.duplicate(seen[digest], doc.name)
+                report.duplicate(names.get(h, "an earlier document"), doc.name)
                 continue
-            seen[digest] = doc.name
+            if len(names) < NAMED_DOCUMENTS:
+                names[h] = doc.name
             batch.append(doc)
-            batch_splits.append((doc, split_of(doc.key, val_fraction)))
+            batch_splits.append((doc, split_of(doc.key, val_fraction), h, len(data)))
             if len(batch) >= BATCH_DOCS:
                 flush()
                 batch, batch_splits = [], []
         if batch:
             flush()
         bar.close()
-        for s in SPLITS:
-            files[s].close()
-            np.asarray(offsets[s], dtype=np.int64).tofile(tmp / f"{s}.idx")
+        for f in (*files.values(), *idx_files.values(), *hash_files.values()):
+            f.close()
         total = sum(m["documents"] for m in split_meta.values())
         if total == 0:
             raise DataError(
@@ -153,15 +198,46 @@ def _prepare_into(tmp: Path, source: str, tokenizer: Tokenizer, val_fraction: fl
         meta["skipped_names"] = stats.skipped_names[:20]
         meta["skipped_duplicates"] = duplicates
         meta["seconds"] = round(time.perf_counter() - t0, 2)
-        (tmp / "hashes.json").write_text(json.dumps(hashes), encoding="utf-8")
         (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
         data_report = report.finish(seq_len)
         (tmp / REPORT_FILE).write_text(json.dumps(data_report, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
         contract.save(tmp)
     finally:
-        for f in files.values():
+        for f in (*files.values(), *idx_files.values(), *hash_files.values()):
             f.close()
     return {**meta, "report": data_report}
+
+
+def read_hashes(folder: str | Path) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """(val, train) content hashes of a prepared folder, each a sorted uint64 array (hash64):
+    `{split}.hashes`, or the hashes.json of a folder prepared before 2026-11-26 (the first 16
+    hex digits of each); (None, None) when the folder has neither.
+
+    Raises:
+        DataError: a file that is not what prepare writes.
+    """
+    folder = Path(folder)
+    out = []
+    for split in ("val", "train"):
+        path = folder / f"{split}{HASHES_SUFFIX}"
+        if not path.is_file():
+            break
+        if path.stat().st_size % 8:
+            raise DataError(f"{path}: size {path.stat().st_size} is not a multiple of 8 bytes. Re-run `lmforge prepare`.")
+        out.append(np.sort(np.fromfile(path, dtype="<u8").astype(np.uint64)))
+    else:
+        return out[0], out[1]
+    legacy = folder / "hashes.json"
+    if not legacy.is_file():
+        return None, None
+    hashes = _read_json(legacy, dict)
+    val, train = hashes.get("val", []), hashes.get("train", [])
+    if not (isinstance(val, list) and isinstance(train, list) and all(isinstance(h, str) for h in val + train)):
+        raise DataError(f"{legacy}: expected {{\"train\": [hashes], \"val\": [hashes]}}. Re-run `lmforge prepare`.")
+    try:
+        return tuple(np.sort(np.array([int(h[:16], 16) for h in v], dtype=np.uint64)) for v in (val, train))
+    except ValueError:
+        raise DataError(f"{legacy}: a hash that is not hexadecimal. Re-run `lmforge prepare`.") from None
 
 
 def _read_json(path: Path, kind: type):
@@ -209,6 +285,14 @@ class Shard:
         folder = Path(folder)
         bin_path, idx_path = folder / f"{split}.bin", folder / f"{split}.idx"
         if not bin_path.is_file() or not idx_path.is_file():
+            from lmforge.data.mixture import read_mixture
+
+            mixture = read_mixture(folder)
+            if mixture is not None:
+                raise DataError(f"data folder {folder} holds a mixture of {len(mixture)} sources "
+                                f"({', '.join(e['name'] for e in mixture)}; mixture.json), not one {split} split: "
+                                f"pretraining reads it with data.sources set as when it was prepared; elsewhere "
+                                f"give one source's folder ({folder / mixture[0]['name']}).")
             raise DataError(
                 f"data folder {folder} has no {split}.bin/{split}.idx. Run `lmforge prepare --out {folder}` "
                 f"first (or set data.dir to a prepared folder)."
@@ -294,17 +378,12 @@ def preflight(folder: str | Path, contract: Contract, contract_path: str | Path 
                 f"{int(ends[i])}, not eos_id {contract.eos_id}. Re-run `lmforge prepare`."
             )
         report[split] = {"documents": shard.n_documents, "tokens": shard.n_tokens, "max_id": max_id}
-    hashes_path = folder / "hashes.json"
-    if hashes_path.is_file():
-        hashes = _read_json(hashes_path, dict)
-        val, train = hashes.get("val", []), hashes.get("train", [])
-        if not (isinstance(val, list) and isinstance(train, list) and all(isinstance(h, str) for h in val + train)):
-            raise DataError(f"{hashes_path}: expected {{\"train\": [hashes], \"val\": [hashes]}}. Re-run `lmforge prepare`.")
-        leaked = set(val) & set(train)
-        if leaked:
-            i = hashes["val"].index(next(iter(leaked)))
+    val, train = read_hashes(folder)
+    if val is not None:
+        leaked = np.intersect1d(val, train)
+        if len(leaked):
             raise DataError(
-                f"{folder}: validation document {i} also appears in the training split ({len(leaked)} "
-                f"such documents, by content hash). Deduplicate the corpus, then re-run `lmforge prepare`."
+                f"{folder}: {len(leaked)} validation document(s) also appear in the training split (by content "
+                f"hash). Deduplicate the corpus, then re-run `lmforge prepare`."
             )
     return report

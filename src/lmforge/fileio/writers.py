@@ -19,6 +19,7 @@ import json
 import os
 import shutil
 import stat
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -62,8 +63,10 @@ def atomic_dir(out: str | Path, command: str, fsync: bool = False, what: str | N
                                                                       f"was.") from None
     make_parent(out)
     with output_lock(out) if check else contextlib.nullcontext():
+        if check:
+            _sweep_interrupted(out, what or f"`lmforge {command}`")
         try:
-            tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+            tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-{os.getpid()}-", dir=out.parent))
         except OSError as exc:
             raise OutputError(f"--out {out}: cannot create a temporary folder beside it ({exc.strerror}); "
                               f"{'choose a shorter name' if exc.errno == 36 else os_advice(exc)}. Nothing was "
@@ -80,6 +83,31 @@ def atomic_dir(out: str | Path, command: str, fsync: bool = False, what: str | N
             if failure is not None:
                 raise failure from None
             raise
+
+
+def _sweep_interrupted(out: Path, what: str) -> None:
+    """Remove the temporary folders of an earlier write of `out` whose process was killed before
+    it could clean up (SIGKILL, a power cut): `.NAME.tmp-PID-XXXXXX` beside it, PID no longer
+    running. Called with `out`'s lock held, so no live process is writing any of them. Says
+    what it removed (the new write starts over)."""
+    import re
+
+    from lmforge.fileio.locking import _pid_alive
+
+    pattern = re.compile(re.escape(f".{out.name}.tmp-") + r"(\d+)-[A-Za-z0-9_]+")
+    try:
+        siblings = list(out.parent.iterdir())
+    except OSError:
+        return
+    for path in siblings:
+        m = pattern.fullmatch(path.name)
+        if not m or not path.is_dir() or path.is_symlink() or _pid_alive(int(m.group(1))):
+            continue
+        size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and not f.is_symlink())
+        shutil.rmtree(path, ignore_errors=True)
+        print(f"note: an earlier {what} of {out} was interrupted before it finished (process {m.group(1)} is "
+              f"gone); its unfinished {path.name} ({size / 2**20:,.1f} MiB) is removed, never read, and this one "
+              f"starts over.", file=sys.stderr)
 
 
 @contextlib.contextmanager

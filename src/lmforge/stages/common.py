@@ -27,6 +27,7 @@ from lmforge.tokenizer import Tokenizer
 from lmforge.train.budget import StepBudget
 from lmforge.train.checkpoint import rng_state, set_rng_state
 from lmforge.train.distributed import DistInfo, all_reduce_min, all_reduce_sum, barrier, init_distributed, shutdown
+from lmforge.data.mixture import MIXTURE_FILE, mixture_lines
 from lmforge.train.plan import PLAN_FILE, auto_micro_batch, make_plan, measure_steps, plan_lines
 from lmforge.train.trainer import TokenObjective, Trainer, seed_everything
 
@@ -292,8 +293,9 @@ def startup_report(model: Transformer, tok: Tokenizer, data: dict, cfg: Config, 
 #: starts; `--resume` refuses an input whose content changed under the same name.
 INPUTS_FILE = "data_inputs.json"
 #: The files of a prepared data folder that change with its documents (the .bin files are not
-#: read: hashes.json holds every document's hash, the .idx files every boundary).
-DATA_DIR_FINGERPRINT = ("meta.json", "hashes.json", "train.idx", "val.idx")
+#: read: {split}.hashes (hashes.json before 2026-11-26) hold every document's hash, the .idx files
+#: every boundary); a mixture's (mixture.json) are those of each source's folder.
+DATA_DIR_FINGERPRINT = ("meta.json", "hashes.json", "train.hashes", "val.hashes", "train.idx", "val.idx")
 
 
 def data_fingerprints(inputs: dict[str, Path]) -> dict[str, dict]:
@@ -304,10 +306,15 @@ def data_fingerprints(inputs: dict[str, Path]) -> dict[str, dict]:
     out = {}
     for key, path in inputs.items():
         path = Path(path)
-        files = [path / n for n in DATA_DIR_FINGERPRINT if (path / n).is_file()] if path.is_dir() else [path]
+        files = [path]
+        if path.is_dir():
+            folders = [path]
+            if (path / MIXTURE_FILE).is_file():
+                folders += sorted(p for p in path.iterdir() if p.is_dir())
+            files = [f / n for f in folders for n in (MIXTURE_FILE, *DATA_DIR_FINGERPRINT) if (f / n).is_file()]
         h = hashlib.sha256()
         for f in files:
-            h.update(os.fsencode(f.name) + b"\0")
+            h.update(os.fsencode(f.relative_to(path) if f != path else f.name) + b"\0")
             try:
                 with open(f, "rb") as fh:
                     for chunk in iter(lambda: fh.read(1 << 20), b""):
@@ -384,6 +391,7 @@ def run_training(session: TrainingSession, contract_dir: Path, model: Transforme
     def on_steps(revised: Config) -> None:  # the budget's revision: the run folder says the count it trains
         session.cfg = revised
         plan["steps"] = revised.train.steps
+        _mixture_plan(plan, stream, revised, info.world_size)
         write_text(out / CONFIG_FILE, revised.to_toml())
         write_text(out / PLAN_FILE, json.dumps(plan, indent=2) + "\n")
 
@@ -392,8 +400,11 @@ def run_training(session: TrainingSession, contract_dir: Path, model: Transforme
     if resume and not trainer.resume(session.command):
         log(f"--resume: no checkpoint in {out} yet; starting from step 0")
     plan = make_plan(trainer)
+    _mixture_plan(plan, stream, cfg, info.world_size)
     if info.is_main:
         log(plan_lines(plan))
+        if "mixture" in plan:
+            log(mixture_lines(plan["mixture"], cfg.data.seq_len))
         # every text made first: a side file that cannot be written leaves no half-made run folder
         texts = {CONFIG_FILE: cfg.to_toml(), PLAN_FILE: json.dumps(plan, indent=2) + "\n", **(side_files or {})}
         if fingerprints:
@@ -402,6 +413,14 @@ def run_training(session: TrainingSession, contract_dir: Path, model: Transforme
         for name, text in texts.items():
             write_text(out / name, text, skip_same=True)
     return trainer.fit()
+
+
+def _mixture_plan(plan: dict, stream, cfg: Config, world: int) -> None:
+    """plan.json's "mixture" for a stream of several sources (`MixtureStream.plan_report`): the
+    rows each source gives to the run's train.steps, their share and the epochs they make."""
+    if hasattr(stream, "plan_report"):
+        t = cfg.train
+        plan["mixture"] = stream.plan_report(t.steps * t.micro_batch_size * t.grad_accum_steps * world)
 
 
 def dry_run_step(model: Transformer, stream, runtime: Runtime, objective: TokenObjective | None = None,

@@ -9,10 +9,12 @@ config.toml, the contract and tokenizer files, and `step_NNNNNN/` checkpoints.
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 from lmforge.config import Config
 from lmforge.contract import CONTRACT_FILE
+from lmforge.data.mixture import MixtureStream, check_mixture_folder, check_no_leak, mixture_sources
 from lmforge.data.packing import shard_stream
 from lmforge.errors import ConfigError
 from lmforge.data.shards import Shard, preflight
@@ -48,19 +50,23 @@ def pretrain_stage(cfg: Config, out: str | Path, resume: bool = False, dry_run: 
         cfg = s.cfg  # train.micro_batch_size = "auto" is resolved there
         tok = Tokenizer.load(cfg.tokenizer.dir)
         tok_contract_path = Path(cfg.tokenizer.dir) / CONTRACT_FILE
-        data = preflight(cfg.data.dir, tok.contract, tok_contract_path)
+        d, t = cfg.data, cfg.train
+        if d.sources:
+            data, stream, val_batches = _mixture_data(cfg, tok, tok_contract_path, s.info.rank, s.info.world_size)
+        else:
+            data = preflight(d.dir, tok.contract, tok_contract_path)
+            train = Shard.open(d.dir, "train", tok.contract, tok_contract_path)
+            val = Shard.open(d.dir, "val", tok.contract, tok_contract_path)
+            stream = shard_stream(train, d.seq_len, t.micro_batch_size, t.seed, d.document_masking,
+                                  rank=s.info.rank, world_size=s.info.world_size)
+
+            def val_batches():
+                return shard_batches(val, d.seq_len, t.micro_batch_size, t.eval_tokens, d.document_masking)
+
         if init is None:
             model = Transformer(resolve_model_config(cfg.model, tok.contract))
             model.reset_parameters(seed=cfg.train.seed, zero_init=cfg.train.zero_init)
         model = s.place(model)
-        train = Shard.open(cfg.data.dir, "train", tok.contract, tok_contract_path)
-        val = Shard.open(cfg.data.dir, "val", tok.contract, tok_contract_path)
-        d, t = cfg.data, cfg.train
-        stream = shard_stream(train, d.seq_len, t.micro_batch_size, t.seed, d.document_masking,
-                              rank=s.info.rank, world_size=s.info.world_size)
-
-        def val_batches():
-            return shard_batches(val, d.seq_len, t.micro_batch_size, t.eval_tokens, d.document_masking)
 
         if s.info.is_main:
             if init is not None:
@@ -71,3 +77,36 @@ def pretrain_stage(cfg: Config, out: str | Path, resume: bool = False, dry_run: 
             log(stream.epoch_report())
         return run_training(s, Path(cfg.tokenizer.dir), model, stream, val_batches, resume=resume,
                             dry_run=dry_run, progress=progress, inputs={"data.dir": Path(cfg.data.dir)})
+
+
+def _mixture_data(cfg: Config, tok: Tokenizer, tok_contract_path: Path, rank: int, world_size: int):
+    """data.sources: (the start-up report's per-split totals, the `MixtureStream`, the validation
+    batches: every source's val split, data_tokens x its share of train.eval_tokens).
+
+    Raises:
+        DataError: data.dir not prepared for these sources, a source's shards that fail
+        `preflight`, or a validation document of one source in another's training split.
+    """
+    d, t = cfg.data, cfg.train
+    sources = mixture_sources(d.sources)
+    check_mixture_folder(d.dir, sources)
+    folders = [Path(d.dir) / src.name for src in sources]
+    data: dict[str, dict] = {}
+    for folder in folders:
+        for split, m in preflight(folder, tok.contract, tok_contract_path).items():
+            total = data.setdefault(split, {"documents": 0, "tokens": 0, "max_id": -1})
+            total["documents"] += m["documents"]
+            total["tokens"] += m["tokens"]
+            total["max_id"] = max(total["max_id"], m["max_id"])
+    check_no_leak(folders, [src.name for src in sources])
+    streams = [shard_stream(Shard.open(f, "train", tok.contract, tok_contract_path), d.seq_len, 1,
+                            t.seed + i, d.document_masking) for i, f in enumerate(folders)]
+    stream = MixtureStream(streams, sources, t.micro_batch_size, rank, world_size)
+    vals = [Shard.open(f, "val", tok.contract, tok_contract_path) for f in folders]
+
+    def val_batches():
+        budgets = [max(d.seq_len, round(t.eval_tokens * p)) if t.eval_tokens else 0 for p in stream.shares]
+        return itertools.chain.from_iterable(
+            shard_batches(v, d.seq_len, t.micro_batch_size, n, d.document_masking) for v, n in zip(vals, budgets))
+
+    return data, stream, val_batches

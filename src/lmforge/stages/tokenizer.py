@@ -9,7 +9,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from lmforge.config import CONFIG_FILE, Config
-from lmforge.data.reports import report_lines, sample, tokenizer_report
+from lmforge.data.mixture import mixture_documents, mixture_sources
+from lmforge.data.reports import SAMPLE_BYTES, report_lines, sample, tokenizer_report
 from lmforge.data.sources import SourceStats, iter_documents
 from lmforge.errors import LmforgeError
 from lmforge.stages.common import log
@@ -31,8 +32,7 @@ def train_tokenizer_stage(cfg: Config, out: str | Path | None = None, progress: 
 
     def texts():
         used = 0
-        for doc in iter_documents(d.source, "train", d.val_fraction, d.include_tests, d.on_bad_utf8, stats,
-                                  d.text_field):
+        for doc in corpus_documents(d, "train", stats, d.on_bad_utf8, budget):
             yield doc.text
             used += len(doc.text.encode("utf-8"))
             if budget and used >= budget:
@@ -58,6 +58,15 @@ def train_tokenizer_stage(cfg: Config, out: str | Path | None = None, progress: 
     return tok
 
 
+def corpus_documents(d, split: str, stats: SourceStats, on_bad_utf8: str, max_bytes: int = 0):
+    """The documents of `split` of data.source, or of every data.sources entry (each capped at
+    `max_bytes` x its weight's share when `max_bytes` > 0)."""
+    if d.sources:
+        return mixture_documents(mixture_sources(d.sources), split, d.val_fraction, d.include_tests, on_bad_utf8,
+                                 stats, max_bytes)
+    return iter_documents(d.source, split, d.val_fraction, d.include_tests, on_bad_utf8, stats, d.text_field)
+
+
 def _report(cfg: Config, into: dict):
     """report.json's text, computed on the saved (temporary) tokenizer folder: the tokenizer
     report (lmforge.data.reports) on samples of data.source's splits; `into` receives it."""
@@ -68,9 +77,8 @@ def _report(cfg: Config, into: dict):
         texts: dict[str, list[str]] = {}
         try:
             for split in ("train", "val"):
-                texts[split] = sample(doc.text for doc in iter_documents(d.source, split, d.val_fraction,
-                                                                         d.include_tests, "skip", SourceStats(),
-                                                                         d.text_field))
+                texts[split] = sample(doc.text for doc in corpus_documents(d, split, SourceStats(), "skip",
+                                                                           SAMPLE_BYTES))
         except LmforgeError as exc:  # an imported tokenizer with no readable data.source: the vocabulary alone
             texts = {}
             into["text_unavailable"] = str(exc)
