@@ -14,8 +14,16 @@
 4. Peak RSS of a `prepare` process (a fresh subprocess) on a synthetic corpus of 10 MB and
    of 100 MB (stdlib files repeated, each copy with a distinct first line so that none is
    deduplicated): it should stay flat.
+5. Issue 33's goal: a `.jsonl.zst` corpus (stdlib slices and random words, `zst_corpus`) of 10 and
+   100 MB compressed, prepared by `lmforge prepare`'s code and, side by side on the same file,
+   the way users do it today (nanoGPT's prepare.py: `datasets.load_dataset("json").map(encode,
+   num_proc=2)`, then a numpy memmap), each in a fresh process with the same tiktoken encoding;
+   seconds, MB/s of compressed input and of JSONL, and the peak resident set of the process tree
+   (worker processes included). Goals: >= 20 MB/s, peak RSS < 1 GB and growing <= 1.3x for a
+   10x corpus; >= 2x faster than the baseline at <= 0.5x its memory.
 
-Run: `python bench/bench_data.py [--repeat 3] [--sizes 10,100]`; `--smoke`: seconds, on a
+Run: `python bench/bench_data.py [--repeat 3] [--sizes 10,100] [--corpus-sizes 10,100]
+[--only-corpus]`; `--smoke`: seconds, on a
 0.2 MB corpus with a 512-token tokenizer and a tiny model (proves the benchmark runs).
 """
 
@@ -157,16 +165,189 @@ def prepare_rss(tok, sizes: list[float], workdir: Path, val_fraction: float = 0.
     return rows
 
 
+# -- 5. issue 33's goal: a .jsonl.zst corpus, lmforge prepare vs datasets.map + a numpy memmap ------
+
+def zst_corpus(path: Path, megabytes: float, texts: list[str], seed: int = 0) -> dict:
+    """A `.jsonl.zst` of `megabytes` MB (compressed), from the standard library and random
+    text: each record a random slice (300-6,000 characters) of a stdlib file and a line of 20-100
+    random words of it, with its number (so none is a duplicate). Returns its sizes."""
+    import random
+
+    import zstandard
+
+    rng = random.Random(seed)
+    words = sorted({w for t in texts[:200] for w in t.split() if w.isidentifier()})
+    target, n, raw = int(megabytes * 1_000_000), 0, 0
+    with open(path, "wb") as f, zstandard.ZstdCompressor(level=3).stream_writer(f, closefd=False) as z:
+        while f.tell() < target:
+            lines = []
+            for _ in range(256):
+                t = texts[rng.randrange(len(texts))]
+                start = rng.randrange(max(1, len(t) - 300))
+                body = t[start: start + rng.randint(300, 6000)]
+                line = " ".join(rng.choice(words) for _ in range(rng.randint(20, 100)))
+                lines.append(json.dumps({"id": n, "text": f"{body}\n# {n}: {line}\n"}) + "\n")
+                n += 1
+            data = "".join(lines).encode("utf-8")
+            raw += len(data)
+            z.write(data)
+            z.flush()
+    return {"zst_mb": path.stat().st_size / 1e6, "jsonl_mb": raw / 1e6, "records": n}
+
+
+_NANOGPT_CHILD = """
+# The way users prepare a corpus today: nanoGPT's data/openwebtext/prepare.py, with this
+# benchmark's tokenizer (the same tiktoken encoding lmforge uses) and 2 processes.
+import json, sys, time
+sys.path.insert(0, {src!r})
+import numpy as np
+from datasets import load_dataset, disable_progress_bars
+from lmforge.data.fast_encode import batch_encoder
+from lmforge.tokenizer import Tokenizer
+disable_progress_bars()
+tok = Tokenizer.load({tok!r})
+enc = batch_encoder(tok).encoding
+eot = tok.contract.eos_id
+t0 = time.perf_counter()
+ds = load_dataset("json", data_files={corpus!r}, split="train", cache_dir={cache!r})
+split = ds.train_test_split(test_size=0.02, seed=2357, shuffle=True)
+def process(example):
+    ids = enc.encode_ordinary(example["text"])
+    ids.append(eot)
+    return {{"ids": ids, "len": len(ids)}}
+tokenized = split.map(process, remove_columns=["text", "id"], num_proc=2)
+tokens = 0
+for name, dset in tokenized.items():
+    arr_len = int(np.sum(dset["len"], dtype=np.uint64))
+    arr = np.memmap({out!r} + "-" + name + ".bin", dtype=np.uint16, mode="w+", shape=(arr_len,))
+    idx = 0
+    n_batches = min(1024, len(dset))
+    for b in range(n_batches):
+        batch = dset.shard(num_shards=n_batches, index=b, contiguous=True).with_format("numpy")
+        arr_batch = np.concatenate(batch["ids"])
+        arr[idx: idx + len(arr_batch)] = arr_batch
+        idx += len(arr_batch)
+    arr.flush()
+    tokens += arr_len
+print(json.dumps({{"seconds": time.perf_counter() - t0, "tokens": tokens}}))
+"""
+
+_LMFORGE_CHILD = """
+import json, sys, time
+sys.path.insert(0, {src!r})
+from lmforge.data.shards import prepare
+from lmforge.tokenizer import Tokenizer
+tok = Tokenizer.load({tok!r})
+t0 = time.perf_counter()
+meta = prepare({corpus!r}, tok, {out!r}, val_fraction=0.02, progress=False)
+print(json.dumps({{"seconds": time.perf_counter() - t0,
+                   "tokens": sum(m["tokens"] for m in meta["splits"].values())}}))
+"""
+
+
+def _tree_rss_mb(pid: int) -> float:
+    """Resident set of a process and all its descendants (MB), from /proc."""
+    total, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            total += int(open(f"/proc/{p}/status").read().split("VmRSS:")[1].split()[0])
+            for task in Path(f"/proc/{p}/task").iterdir():
+                todo += [int(c) for c in (task / "children").read_text().split()]
+        except (OSError, IndexError, ValueError):
+            continue
+    return total / 1024
+
+
+def run_child(code: str) -> dict:
+    """Run `code` in a fresh interpreter; its last line of output (JSON) with the peak resident
+    set of its whole process tree (polled every 50 ms: worker processes count too)."""
+    import threading
+
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    peak = [0.0]
+
+    def poll():
+        while proc.poll() is None:
+            peak[0] = max(peak[0], _tree_rss_mb(proc.pid))
+            time.sleep(0.05)
+
+    t = threading.Thread(target=poll, daemon=True)
+    t.start()
+    out, err = proc.communicate()
+    t.join()
+    if proc.returncode != 0:
+        raise RuntimeError(f"a benchmark child failed:\n{err[-2000:]}")
+    res = json.loads(out.strip().splitlines()[-1])
+    res["peak_rss_mb"] = peak[0]
+    return res
+
+
+def corpus_goal(tok, sizes: list[float], workdir: Path, texts: list[str], log, baseline: bool = True) -> list[dict]:
+    """Section 5: per size (MB of .jsonl.zst) lmforge's prepare and, with `baseline`, nanoGPT's
+    way (datasets.map, then a memmap), each in a fresh process; the same corpus file."""
+    rows = []
+    for mb in sizes:
+        corpus = workdir / f"corpus-{mb:g}mb.jsonl.zst"
+        info = zst_corpus(corpus, mb, texts)
+        arms = {"lmforge prepare": _LMFORGE_CHILD.format(src=str(common.ROOT / "src"), tok=str(tok.folder),
+                                                         corpus=str(corpus), out=str(workdir / "lmf-out"))}
+        if baseline:
+            arms["datasets.map + memmap"] = _NANOGPT_CHILD.format(
+                src=str(common.ROOT / "src"), tok=str(tok.folder), corpus=str(corpus),
+                cache=str(workdir / "hf-cache"), out=str(workdir / "nano"))
+        for name, code in arms.items():
+            res = run_child(code)
+            res.update(info, arm=name, size_mb=mb)
+            res["zst_mb_per_s"] = info["zst_mb"] / res["seconds"]
+            res["jsonl_mb_per_s"] = info["jsonl_mb"] / res["seconds"]
+            log(f"  {mb:g} MB .jsonl.zst ({info['jsonl_mb']:.0f} MB of JSONL): {name}: {res['seconds']:.1f} s, "
+                f"{res['zst_mb_per_s']:.2f} MB/s compressed, {res['jsonl_mb_per_s']:.2f} MB/s of JSONL, peak RSS "
+                f"{res['peak_rss_mb']:.0f} MB")
+            rows.append(res)
+            for leftover in ("lmf-out", "hf-cache"):
+                shutil.rmtree(workdir / leftover, ignore_errors=True)
+            for f in workdir.glob("nano-*.bin"):
+                f.unlink()
+        corpus.unlink()
+    return rows
+
+
+def corpus_table(rows: list[dict], smoke: bool) -> str:
+    by = {(r["size_mb"], r["arm"]): r for r in rows}
+    sizes = sorted({r["size_mb"] for r in rows})
+    first = by.get((sizes[0], "lmforge prepare"))
+    out = []
+    for (mb, arm), r in sorted(by.items()):
+        ours = by.get((mb, "lmforge prepare"))
+        vs = "" if arm == "lmforge prepare" else (
+            f"lmforge {r['seconds'] / ours['seconds']:.2f}x faster, {ours['peak_rss_mb'] / r['peak_rss_mb']:.2f}x "
+            f"the memory")
+        growth = f"{r['peak_rss_mb'] / first['peak_rss_mb']:.2f}x" if arm == "lmforge prepare" else ""
+        out.append((f"{mb:g} ({r['jsonl_mb']:.0f} MB JSONL, {r['records']:,} records)", arm, f"{r['seconds']:.1f}",
+                    f"{r['zst_mb_per_s']:.2f}", f"{r['jsonl_mb_per_s']:.2f}", f"{r['peak_rss_mb']:.0f}", growth, vs))
+    return common.table(
+        ["MB .jsonl.zst", "arm", "seconds", "MB/s compressed", "MB/s JSONL", "peak RSS MB (tree)",
+         "RSS vs smallest", "vs lmforge"], out,
+        title="A .jsonl.zst corpus (stdlib slices + random words): lmforge prepare vs datasets.map + memmap "
+              "(nanoGPT's prepare.py), each a fresh process" + (" (SMOKE RUN: figures mean nothing)" if smoke else ""))
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--warmup", type=int, default=0, help="untimed encoding passes per encoder")
     ap.add_argument("--repeat", type=int, default=3, help="timed encoding passes per encoder")
     ap.add_argument("--prepare-repeat", type=int, default=1, help="timed prepare() runs per encoder")
     ap.add_argument("--sizes", default="10,100", help="synthetic corpus sizes (MB) for the RSS check")
+    ap.add_argument("--corpus-sizes", default="10,100",
+                    help="sizes (MB, compressed) of the .jsonl.zst corpora of section 5 (issue 33's goal)")
+    ap.add_argument("--only-corpus", action="store_true", help="run section 5 only")
     common.smoke_flag(ap)
     args = ap.parse_args([] if argv is None else argv)
     if args.smoke:
-        args.warmup, args.repeat, args.prepare_repeat, args.sizes = 0, 1, 1, "0.1,0.5"
+        args.warmup, args.repeat, args.prepare_repeat, args.sizes, args.corpus_sizes = 0, 1, 1, "0.1,0.5", "0.05"
+    if args.only_corpus:
+        return _corpus_only(args)
 
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
@@ -195,6 +376,7 @@ def main(argv: list[str] | None = None) -> dict:
         sizes = [float(s) for s in args.sizes.split(",") if s]
         rss = prepare_rss(tok, sizes, work, 0.5 if args.smoke else 0.1)
         log("  prepare RSS: " + ", ".join(f"{r['megabytes']:.1f} MB -> {r['peak_rss_mb']:.0f} MB" for r in rss))
+        corpus = corpus_section(args, tok, work, texts)
 
     enc_rows = []
     for name, s in enc_rates.items():
@@ -231,12 +413,35 @@ def main(argv: list[str] | None = None) -> dict:
         f"loader: {loader['precision']} step; next_batch median over {loader_repeat} rounds of 10 batches; "
         f"padding fraction {100 * loader['padding_fraction']:.1f}%.",
     ]
-    print(t1 + "\n\n" + t2 + "\n\n" + t3 + "\n\n" + "\n".join(f"- {n}" for n in notes), flush=True)
+    t4 = corpus_table(corpus, args.smoke)
+    print(t1 + "\n\n" + t2 + "\n\n" + t3 + "\n\n" + t4 + "\n\n" + "\n".join(f"- {n}" for n in notes), flush=True)
     return {"benchmark": "data", "corpus_mb": mb, "documents": len(texts),
             "encode_mb_per_s": {k: s.as_dict() for k, s in enc_rates.items()},
             "prepare_mb_per_s": {k: s.as_dict() for k, s in prep_rates.items()},
             "encode_speedup": enc_rates["lmforge"].median / ref, "loader": loader, "prepare_rss": rss,
+            "corpus": corpus,
             "seconds": round(time.perf_counter() - t_start, 1)}
+
+
+def _corpus_only(args) -> dict:
+    t_start = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        tok = common.bench_tokenizer(args.smoke, work, 8192, lambda m: print(m, file=sys.stderr, flush=True))
+        texts = common.smoke_texts() if args.smoke else common.stdlib_texts()
+        rows = corpus_section(args, tok, work, texts)
+    print(corpus_table(rows, args.smoke), flush=True)
+    return {"benchmark": "data-corpus", "corpus": rows, "seconds": round(time.perf_counter() - t_start, 1)}
+
+
+def corpus_section(args, tok, work: Path, texts: list[str]) -> list[dict]:
+    import importlib.util
+
+    baseline = importlib.util.find_spec("datasets") is not None
+    if not baseline:
+        print("  (datasets is not installed: section 5 runs lmforge only)", file=sys.stderr)
+    sizes = [float(x) for x in args.corpus_sizes.split(",") if x]
+    return corpus_goal(tok, sizes, work, texts, lambda m: print(m, file=sys.stderr, flush=True), baseline)
 
 
 if __name__ == "__main__":

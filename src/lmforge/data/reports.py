@@ -144,21 +144,26 @@ __all__ = ["tokenizer_report", "report_lines", "line_kind", "sample", "KINDS", "
 
 
 # -- the data report (prepare) -----------------------------------------------------------------
-#: MinHash over token 5-grams: 64 hash functions, LSH with 16 bands of 4 (a pair of Jaccard
-#: similarity s becomes a candidate with probability 1 - (1 - s^4)^16: 0.99 at s = 0.8, 0.05 at
-#: s = 0.3); a candidate is a near-duplicate when its signatures agree on >= 80% of the hashes
-#: (Broder 1997; Leskovec, Rajaraman & Ullman, Mining of Massive Datasets, ch. 3).
+#: MinHash over token 5-grams: 64 values by one-permutation hashing (each shingle hashed once,
+#: the 64 values the minima of 64 buckets of the hash range, empty buckets filled by rotation:
+#: Li, Owen & Zhang 2012, "One Permutation Hashing"; Shrivastava & Li 2014, "Densifying One
+#: Permutation Hashing via Rotation"; 1/64 of the hashing of 64 hash functions, the same Jaccard
+#: estimate), LSH with 16 bands of 4 (a pair of Jaccard similarity s becomes a candidate with
+#: probability 1 - (1 - s^4)^16: 0.99 at s = 0.8, 0.05 at s = 0.3); a candidate is a
+#: near-duplicate when its signatures agree on >= 80% of the values (Broder 1997; Leskovec,
+#: Rajaraman & Ullman, Mining of Massive Datasets, ch. 3).
 SHINGLE = 5
 N_HASHES = 64
 BANDS = 16
 NEAR = 0.8
 EXAMPLES = 5
-#: Signatures kept at most (64 uint32 each: 256 MB at this cap). Above it the report keeps a
+#: Signatures kept at most (64 uint32 each: 64 MB at this cap, allocated once and filled as
+#: documents come, so untouched pages cost nothing). Above it the report keeps a
 #: consistent sample: the documents whose first MinHash value is a multiple of 2^k, k raised by
 #: one (half the sample) each time the cap is reached. Two documents of Jaccard similarity s share
 #: that value with probability s, so near-duplicates stay in the sample together (or leave it
 #: together); the report says the sample's share and counts the pairs found in it.
-MAX_SIGNATURES = 1_000_000
+MAX_SIGNATURES = 250_000
 
 
 class DataReport:
@@ -182,7 +187,7 @@ class DataReport:
         self._largest: list[tuple[int, int, str, str]] = []  # heap of (tokens, -index, name, split)
         self.max_signatures = max(2, max_signatures)
         self.sampling = 0  # k: the signatures kept are those whose first value is a multiple of 2^k
-        self._sigs = np.empty((min(1024, self.max_signatures), N_HASHES), dtype=np.uint32)
+        self._sigs = np.empty((self.max_signatures, N_HASHES), dtype=np.uint32)  # pages touched as filled
         self._docs = np.empty(len(self._sigs), dtype=np.int64)  # the document index of each kept signature
         self._kept_names: list[str] = []  # name and split of each kept signature's document
         self._kept_splits: list[str] = []
@@ -191,19 +196,29 @@ class DataReport:
         self.exact: list[tuple[str, str]] = []  # (kept, dropped) names: the first EXAMPLES
 
     def signature(self, ids):
-        """64 uint32 MinHash values of the document's token 5-grams (a short document: its one n-gram)."""
+        """64 uint32 MinHash values of the document's token 5-grams (a short document: its one
+        n-gram), by one-permutation hashing with rotation (module comment above SHINGLE)."""
         np = self._np
         ids = np.asarray(ids, dtype=np.uint64)
         if len(ids) < SHINGLE:
             ids = np.concatenate([ids, np.zeros(SHINGLE - len(ids), dtype=np.uint64)])
         grams = np.lib.stride_tricks.sliding_window_view(ids, SHINGLE)
         with np.errstate(over="ignore"):
-            shingles = (grams * self.mul).sum(axis=1, dtype=np.uint64)
-            sig = np.full(N_HASHES, np.iinfo(np.uint64).max, dtype=np.uint64)
-            for start in range(0, len(shingles), 4096):  # bounded temporaries for long documents
-                block = shingles[start: start + 4096, None] * self.a + self.b
-                sig = np.minimum(sig, block.min(axis=0))
-        return (sig >> np.uint64(32)).astype(np.uint32)
+            h = (grams * self.mul).sum(axis=1, dtype=np.uint64) * self.a[0] + self.b[0]
+            h ^= h >> np.uint64(31)  # the multiply's high bits mixed down: the bucket is the top 6 bits
+            h *= self.a[1]
+        h.sort()
+        starts = np.searchsorted(h, np.arange(N_HASHES, dtype=np.uint64) << np.uint64(58))
+        present = starts < len(h)
+        present[present] = (h[starts[present]] >> np.uint64(58)) == np.flatnonzero(present).astype(np.uint64)
+        low = np.uint64((1 << 57) - 1)  # each bucket's minimum, 57 bits of it
+        values = np.where(present, h[np.minimum(starts, len(h) - 1)] & low, np.uint64(0))
+        # an empty bucket takes the next non-empty one's value (circularly), offset by the distance
+        full = np.flatnonzero(present)
+        nxt = full[np.searchsorted(full, np.arange(N_HASHES)) % len(full)]
+        dist = (nxt - np.arange(N_HASHES)) % N_HASHES
+        sig = values[nxt] + dist.astype(np.uint64) * np.uint64(1 << 57)
+        return (sig >> np.uint64(31)).astype(np.uint32)
 
     def add(self, name: str, split: str, ids, n_tokens: int, nbytes: int) -> None:
         """One document: its text's token ids (for the signature), its tokens as stored (with
@@ -242,10 +257,6 @@ class DataReport:
             self._kept = n
             if not self._sampled(sig[0]):
                 return
-        if self._kept == len(self._sigs):  # grow (doubling, up to the cap)
-            size = min(2 * len(self._sigs), self.max_signatures)
-            self._sigs = np.concatenate([self._sigs, np.empty((size - len(self._sigs), N_HASHES), np.uint32)])
-            self._docs = np.concatenate([self._docs, np.empty(size - len(self._docs), np.int64)])
         self._sigs[self._kept], self._docs[self._kept] = sig, doc
         self._kept_names.append(name)
         self._kept_splits.append(split)

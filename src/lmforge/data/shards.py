@@ -103,7 +103,7 @@ class SeenHashes:
 
 #: Names of the first documents kept, for the examples of exact duplicates (beyond them a
 #: duplicate's original is "an earlier document"): memory bounded whatever the corpus size.
-NAMED_DOCUMENTS = 100_000
+NAMED_DOCUMENTS = 20_000
 
 
 def hash64(data: bytes) -> int:
@@ -132,13 +132,11 @@ def _prepare_into(tmp: Path, source: str, tokenizer: Tokenizer, val_fraction: fl
         split_meta = {s: {"documents": 0, "tokens": 0, "bytes": 0, "max_id": -1} for s in SPLITS}
         report = DataReport()
         bar = tqdm(desc="prepare", unit="B", unit_scale=True, disable=not progress, mininterval=1.0)
-        batch: list = []
         # tiktoken from the same merges when installed (ids proven identical), else HF tokenizers
         encode_batch = batch_encoder(tokenizer)
 
-        def flush() -> None:
-            encoded = encode_batch([d.text for d in batch])
-            for (doc, split, h, nbytes), ids in zip(batch_splits, encoded):
+        def write(batch: list) -> None:
+            for (doc, split, h, nbytes), ids in zip(batch, encode_batch([doc.text for doc, *_ in batch])):
                 arr = np.array([*contract.document_start, *ids, contract.eos_id], dtype=np.int64)
                 files[split].write(arr.astype(dtype).tobytes())
                 ends[split] += len(arr)
@@ -151,10 +149,11 @@ def _prepare_into(tmp: Path, source: str, tokenizer: Tokenizer, val_fraction: fl
                 m["max_id"] = max(m["max_id"], int(arr.max()))
                 report.add(doc.name, split, ids, len(arr), nbytes)
                 bar.update(nbytes)
+            bar.set_postfix_str(f"{report.documents:,} documents", refresh=False)
 
         from lmforge.data.sources import split_of
 
-        batch_splits: list = []
+        batch: list = []
         seen = SeenHashes()
         names: dict[int, str] = {}
         duplicates = 0
@@ -167,13 +166,12 @@ def _prepare_into(tmp: Path, source: str, tokenizer: Tokenizer, val_fraction: fl
                 continue
             if len(names) < NAMED_DOCUMENTS:
                 names[h] = doc.name
-            batch.append(doc)
-            batch_splits.append((doc, split_of(doc.key, val_fraction), h, len(data)))
+            batch.append((doc, split_of(doc.key, val_fraction), h, len(data)))
             if len(batch) >= BATCH_DOCS:
-                flush()
-                batch, batch_splits = [], []
+                write(batch)
+                batch = []
         if batch:
-            flush()
+            write(batch)
         bar.close()
         for f in (*files.values(), *idx_files.values(), *hash_files.values()):
             f.close()
