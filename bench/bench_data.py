@@ -320,7 +320,7 @@ def corpus_table(rows: list[dict], smoke: bool) -> str:
     out = []
     for (mb, arm), r in sorted(by.items()):
         ours = by.get((mb, "lmforge prepare"))
-        vs = "" if arm == "lmforge prepare" else (
+        vs = "" if arm == "lmforge prepare" or ours is None else (
             f"lmforge {r['seconds'] / ours['seconds']:.2f}x faster, {ours['peak_rss_mb'] / r['peak_rss_mb']:.2f}x "
             f"the memory")
         growth = f"{r['peak_rss_mb'] / first['peak_rss_mb']:.2f}x" if arm == "lmforge prepare" else ""
@@ -342,6 +342,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--corpus-sizes", default="10,100",
                     help="sizes (MB, compressed) of the .jsonl.zst corpora of section 5 (issue 33's goal)")
     ap.add_argument("--only-corpus", action="store_true", help="run section 5 only")
+    ap.add_argument("--no-baseline", action="store_true", help="section 5 without the datasets.map arm")
     common.smoke_flag(ap)
     args = ap.parse_args([] if argv is None else argv)
     if args.smoke:
@@ -437,8 +438,8 @@ def _corpus_only(args) -> dict:
 def corpus_section(args, tok, work: Path, texts: list[str]) -> list[dict]:
     import importlib.util
 
-    baseline = importlib.util.find_spec("datasets") is not None
-    if not baseline:
+    baseline = importlib.util.find_spec("datasets") is not None and not args.no_baseline
+    if not baseline and not args.no_baseline:
         print("  (datasets is not installed: section 5 runs lmforge only)", file=sys.stderr)
     sizes = [float(x) for x in args.corpus_sizes.split(",") if x]
     return corpus_goal(tok, sizes, work, texts, lambda m: print(m, file=sys.stderr, flush=True), baseline)

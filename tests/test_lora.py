@@ -176,7 +176,7 @@ def test_t4_one_step_changes_only_the_adapters(optimizer):
     (["lora.targets=['wqq']"], r"'wqq', not a linear layer of the blocks.*Did you mean 'wq'"),
     (["lora.targets=[]"], r"lora.targets is empty"),
     (["lora.targets=['wq','wq']"], r"appears twice"),
-    (["lora.targets='wq'"], r"lora.targets = 'wq' has type str, expected list"),
+    (["lora.targets='wq'"], r"lora.targets = 'wq' has type str, expected a list of texts"),
     (["lora.rank=-1"], r"lora.rank = -1"),
     (["lora.dropout=1.0"], r"lora.dropout = 1.0: expected 0.0 <= value < 1.0"),
     (["lora.alpha=0"], r"lora.alpha = 0.0"),

@@ -43,11 +43,11 @@ import numpy as np
 
 from lmforge.data.packing import Batch, RowStream, build_row, collate
 from lmforge.data.records import record_suffix
+from lmforge.data.shards import MIXTURE_FILE, PREPARE_OUTPUT, _prepare_into, read_hashes, read_mixture
 from lmforge.data.sources import TEXT_SUFFIXES, Document, SourceStats, is_glob, iter_documents, stdlib_root
 from lmforge.errors import DataError
 from lmforge.fileio import shown_path
 
-MIXTURE_FILE = "mixture.json"
 #: Beyond this many rows a period of the pattern, `mixture_counts` gives the rounded shares.
 MAX_EXACT_PERIOD = 10_000_000
 
@@ -268,27 +268,6 @@ def source_input(src: MixSource, val_fraction: float, include_tests: bool, on_ba
             "include_tests": include_tests, "on_bad_utf8": on_bad_utf8, "files": listing_fingerprint(src.source)}
 
 
-def read_mixture(folder: Path) -> list[dict] | None:
-    """mixture.json's sources ([{name, source, text_field}]), or None when `folder` holds none.
-
-    Raises:
-        DataError: a mixture.json that is not what prepare writes.
-    """
-    path = Path(folder) / MIXTURE_FILE
-    if not path.is_file():
-        return None
-    damaged = DataError(f"{shown_path(path)}: not the mixture.json `lmforge prepare` writes. The data folder is "
-                        f"damaged: re-run `lmforge prepare`.")
-    try:
-        entries = json.loads(path.read_text(encoding="utf-8"))["sources"]
-    except (OSError, ValueError, KeyError, TypeError):
-        raise damaged from None
-    if not (isinstance(entries, list) and all(isinstance(e, dict) and isinstance(e.get("name"), str)
-                                              for e in entries)):
-        raise damaged
-    return entries
-
-
 def _reusable(old: Path, want: dict, contract_text: str) -> Path | None:
     """The folder in the previous data.dir `old` prepared from `want` with this tokenizer, or None."""
     entries = read_mixture(old) if old.is_dir() else None
@@ -325,7 +304,6 @@ def prepare_mixture(sources: Sequence[MixSource], tokenizer, out_dir: str | Path
     Raises:
         DataError / OutputError: as `lmforge.data.shards.prepare`, naming the source.
     """
-    from lmforge.data.shards import PREPARE_OUTPUT, _prepare_into
     from lmforge.fileio import atomic_dir
 
     out = Path(out_dir)
@@ -393,8 +371,6 @@ def check_no_leak(folders: Sequence[Path], names: Sequence[str]) -> None:
     Raises:
         DataError: naming both sources.
     """
-    from lmforge.data.shards import read_hashes
-
     hashes = [read_hashes(f) for f in folders]
     for i, (val_i, _) in enumerate(hashes):
         for j, (_, train_j) in enumerate(hashes):

@@ -31,7 +31,7 @@ from lmforge.data.fast_encode import batch_encoder
 from lmforge.data.reports import DataReport
 from lmforge.data.sources import SPLITS, SourceStats, iter_documents
 from lmforge.errors import DataError, os_error
-from lmforge.fileio import atomic_dir
+from lmforge.fileio import atomic_dir, shown_path
 from lmforge.tokenizer import Tokenizer
 
 META_FILE = "meta.json"
@@ -39,6 +39,8 @@ REPORT_FILE = "report.json"
 PREPARE_OUTPUT = "prepare"
 #: `{split}.hashes`: every document's content hash (`hash64`), uint64 little-endian, in shard order.
 HASHES_SUFFIX = ".hashes"
+#: A mixture's data folder (lmforge.data.mixture): its sources, one prepared folder each.
+MIXTURE_FILE = "mixture.json"
 BATCH_DOCS = 64
 
 
@@ -257,6 +259,28 @@ def _read_json(path: Path, kind: type):
     return value
 
 
+def read_mixture(folder: Path) -> list[dict] | None:
+    """mixture.json's sources ([{name, source, text_field}]), or None when `folder` holds none.
+
+    Raises:
+        DataError: a mixture.json that is not what prepare writes.
+    """
+    path = Path(folder) / MIXTURE_FILE
+    if not path.is_file():
+        return None
+    damaged = DataError(f"{shown_path(path)}: not the mixture.json `lmforge prepare` writes. The data folder is "
+                        f"damaged: re-run `lmforge prepare`.")
+    try:
+        entries = json.loads(path.read_text(encoding="utf-8"))["sources"]
+    except (OSError, ValueError, KeyError, TypeError):
+        raise damaged from None
+    if not (isinstance(entries, list) and all(isinstance(e, dict) and isinstance(e.get("name"), str)
+                                              for e in entries)):
+        raise damaged
+    return entries
+
+
+
 @dataclass
 class Shard:
     """One split of a prepared data folder, memory-mapped.
@@ -283,8 +307,6 @@ class Shard:
         folder = Path(folder)
         bin_path, idx_path = folder / f"{split}.bin", folder / f"{split}.idx"
         if not bin_path.is_file() or not idx_path.is_file():
-            from lmforge.data.mixture import read_mixture
-
             mixture = read_mixture(folder)
             if mixture is not None:
                 raise DataError(f"data folder {folder} holds a mixture of {len(mixture)} sources "
