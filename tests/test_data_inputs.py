@@ -195,3 +195,55 @@ def test_an_interrupted_prepare_is_said_and_starts_over(tiny_corpus, tiny_tokeni
     assert f"process {dead.pid} is gone" in err
     assert not stale.exists() and live.is_dir() and other.is_dir()
     assert (out / "train.bin").is_file() and not list(tmp_path.glob(f".data.tmp-{os.getpid()}-*"))
+
+
+def _hub_cache(root: Path, repo: str, files: dict[str, bytes], revision: str = "c" * 40) -> Path:
+    """`repo` in a Hugging Face hub cache at `root`, laid out as huggingface_hub writes it:
+    blobs/SHA, snapshots/REVISION/PATH links to them, refs/main naming the revision."""
+    import hashlib
+    import os
+
+    folder = root / f"datasets--{repo.replace('/', '--')}"
+    (folder / "blobs").mkdir(parents=True, exist_ok=True)
+    for rel, data in files.items():
+        blob = folder / "blobs" / hashlib.sha256(data).hexdigest()
+        blob.write_bytes(data)
+        link = folder / "snapshots" / revision / rel
+        link.parent.mkdir(parents=True, exist_ok=True)
+        os.symlink(os.path.relpath(blob, link.parent), link)
+    (folder / "refs").mkdir(exist_ok=True)
+    (folder / "refs" / "main").write_text(revision)
+    return folder
+
+
+def test_a_dataset_in_the_hugging_face_cache_is_read_by_name_never_downloaded(tiny_corpus, tiny_tokenizer, tmp_path,
+                                                                              monkeypatch):
+    """data.source = "hf:OWNER/NAME[:PATTERN]" reads the cached snapshot (huggingface_hub's own lookup,
+    local files only): the same shards as the same records in one JSONL; a pattern picks files inside
+    it; a dataset not in the cache is a DataError that names the download command, and nothing is
+    fetched (the network is not touched: HF_HUB_OFFLINE is not needed)."""
+    pytest.importorskip("huggingface_hub")
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    texts = texts_of(tiny_corpus)
+    base = prepared(write_jsonl(tmp_path / "all.jsonl", texts), tiny_tokenizer, tmp_path / "out-jsonl")
+    buf = pa.BufferOutputStream()
+    pq.write_table(pa.table({"text": texts[20:]}), buf)
+    files = {"data/train-00000-of-00002.jsonl": "".join(json.dumps({"text": t}) + "\n" for t in texts[:20]).encode(),
+             "data/train-00001-of-00002.parquet": buf.getvalue().to_pybytes(),
+             "README.md": b"---\nlicense: mit\n---\n# not a document of the pattern\n"}
+    cache = tmp_path / "hub"
+    _hub_cache(cache, "me/notes", files)
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    assert prepared("hf:me/notes:data/*", tiny_tokenizer, tmp_path / "out-hf") == base
+    assert prepared("hf:me/notes:data", tiny_tokenizer, tmp_path / "out-hf-folder") == base
+    with pytest.raises(DataError, match=r"not in the local Hugging Face cache .*hf download me/absent --repo-type "
+                                        r"dataset"):
+        prepare("hf:me/absent", tiny_tokenizer, tmp_path / "never", 0.2, progress=False)
+    with pytest.raises(DataError, match=r"revision 0123abc.*hf download me/notes --repo-type dataset --revision "
+                                        r"0123abc"):
+        prepare("hf:me/notes@0123abc", tiny_tokenizer, tmp_path / "never", 0.2, progress=False)
+    with pytest.raises(DataError, match="expected hf:OWNER/NAME"):
+        prepare("hf:a/b/c", tiny_tokenizer, tmp_path / "never", 0.2, progress=False)
+    assert not (tmp_path / "never").exists()

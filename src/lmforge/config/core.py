@@ -119,8 +119,10 @@ class DataConfig:
         nonempty=True)
     """"stdlib" (the running interpreter's standard library); a folder of .txt/.md/.py files
     and record shards (.jsonl, .jsonl.gz, .jsonl.zst, .parquet); a glob of such files
-    ("corpus/*.parquet", "shards/**/*.jsonl.zst"); one such file; or a folder written by
-    `datasets`' `save_to_disk`. Records give their `data.text_field`. Files are read in sorted
+    ("corpus/*.parquet", "shards/**/*.jsonl.zst"); one such file; a folder written by
+    `datasets`' `save_to_disk`; or "hf:OWNER/NAME[@REVISION][:PATH]", a dataset already in the local
+    Hugging Face cache (never downloaded: `hf download OWNER/NAME --repo-type dataset` first; PATH a
+    subfolder or glob inside it). Records give their `data.text_field`. Files are read in sorted
     path order (a save_to_disk folder: its own order)."""
     text_field: str = text("text", allowed("read by prepare only (the documents are in the shards)"), nonempty=True)
     """The field (JSONL) or column (Parquet, Arrow) of a record that holds its text."""

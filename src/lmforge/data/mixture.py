@@ -44,7 +44,8 @@ import numpy as np
 from lmforge.data.packing import Batch, RowStream, build_row, collate
 from lmforge.data.records import record_suffix
 from lmforge.data.shards import MIXTURE_FILE, PREPARE_OUTPUT, _prepare_into, read_hashes, read_mixture
-from lmforge.data.sources import TEXT_SUFFIXES, Document, SourceStats, is_glob, iter_documents, stdlib_root
+from lmforge.data.sources import (HF_PREFIX, TEXT_SUFFIXES, Document, SourceStats, hf_snapshot, is_glob,
+                                  iter_documents, stdlib_root)
 from lmforge.errors import DataError
 from lmforge.fileio import shown_path
 
@@ -240,6 +241,8 @@ def listing_fingerprint(source: str) -> str:
     contents: cheap for any size); "stdlib" by the interpreter's version and library path. A
     source that changed under its name gets another fingerprint, so it is prepared again."""
     h = hashlib.sha256()
+    if source.startswith(HF_PREFIX):  # the snapshot's files (a new revision is another folder)
+        source = hf_snapshot(source)
     if source == "stdlib":
         h.update(f"stdlib {sys.version} {stdlib_root()}".encode())
         return h.hexdigest()

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from lmforge.data.records import (RECORD_SUFFIXES, MissingColumn, check_text, content_key, iter_records,
                                   record_suffix, short)
-from lmforge.errors import DataError, os_error
+from lmforge.errors import DataError, os_error, require_package
 from lmforge.fileio import shown_path
 
 TEXT_SUFFIXES = (".txt", ".md", ".py")
@@ -122,8 +122,9 @@ def iter_documents(
 
     Args:
         source: "stdlib"; a folder of text files (TEXT_SUFFIXES) and record shards
-            (RECORD_SUFFIXES); a glob of such files; one such file; or a `datasets`
-            save_to_disk folder. Files are read in sorted path order.
+            (RECORD_SUFFIXES); a glob of such files; one such file; a `datasets`
+            save_to_disk folder; or "hf:OWNER/NAME[@REVISION][:PATH]", a dataset of the local
+            Hugging Face cache (`hf_snapshot`; never downloaded). Files are read in sorted path order.
         split: "train", "val" or None (both).
         text_field: the field / column of a record that holds its text.
     Raises:
@@ -145,8 +146,46 @@ def iter_documents(
 
 #: What data.source may be, for error messages.
 SOURCE_HELP = (f"Use \"stdlib\", a folder of {'/'.join(TEXT_SUFFIXES)} files or record shards "
-               f"({', '.join(RECORD_SUFFIXES)}), a glob of them (\"corpus/*.parquet\"), one such file, or a folder "
-               f"written by datasets' save_to_disk")
+               f"({', '.join(RECORD_SUFFIXES)}), a glob of them (\"corpus/*.parquet\"), one such file, a folder "
+               f"written by datasets' save_to_disk, or \"hf:OWNER/NAME\" (a dataset in the local Hugging Face cache)")
+
+
+#: data.source naming a dataset of the local Hugging Face hub cache: "hf:OWNER/NAME[@REVISION][:PATH]".
+HF_PREFIX = "hf:"
+
+
+def hf_snapshot(source: str) -> str:
+    """The local path that data.source = "hf:OWNER/NAME[@REVISION][:PATH]" names: the snapshot
+    folder of that dataset repository in the Hugging Face hub cache (`HF_HUB_CACHE`, else
+    huggingface_hub's default), found by huggingface_hub itself with local files only, or PATH
+    inside it (a subfolder, a file or a glob such as `data/train-*.parquet`). Never downloads.
+
+    Raises:
+        DataError: a malformed name, or a dataset (or revision) that is not in the cache, with the
+        command that downloads it.
+    """
+    import re
+
+    repo, _, path = source[len(HF_PREFIX):].partition(":")
+    repo, _, revision = repo.partition("@")
+    if not re.fullmatch(r"[\w.-]+(/[\w.-]+)?", repo):
+        raise DataError(f"data.source = {source!r}: expected hf:OWNER/NAME, hf:OWNER/NAME@REVISION or "
+                        f"hf:OWNER/NAME:PATH (a subfolder, file or glob inside the dataset), e.g. "
+                        f"\"hf:HuggingFaceFW/fineweb-edu:sample/10BT/*.parquet\".")
+    hub = require_package("huggingface_hub", "huggingface_hub", f"data.source = {source!r}", DataError)
+    cache = os.environ.get("HF_HUB_CACHE") or None
+    try:
+        folder = hub.snapshot_download(repo, repo_type="dataset", revision=revision or None, cache_dir=cache,
+                                       local_files_only=True)
+    except (OSError, ValueError) as exc:  # LocalEntryNotFoundError is a FileNotFoundError
+        where = cache or hub.constants.HF_HUB_CACHE
+        what = f"{repo} (revision {revision})" if revision else repo
+        raise DataError(f"data.source = {source!r}: the dataset {what} is not in the local Hugging Face cache "
+                        f"({where}; {type(exc).__name__}). lmforge never downloads at run time: download it first "
+                        f"with `hf download {repo} --repo-type dataset{' --revision ' + revision if revision else ''}` "
+                        f"(huggingface_hub's command line; set HF_HUB_CACHE to use another cache), then run "
+                        f"again.") from None
+    return str(Path(folder) / path) if path else str(folder)
 
 
 def is_glob(source: str) -> bool:
@@ -182,6 +221,8 @@ def save_to_disk_files(folder: Path) -> list[Path] | None:
 
 def _iter_all(source: str, include_tests: bool, on_bad_utf8: str, stats: SourceStats,
               text_field: str = "text") -> Iterator[Document]:
+    if source.startswith(HF_PREFIX):
+        source = hf_snapshot(source)
     if source == "stdlib":
         root = stdlib_root()
         skip = {"site-packages", "dist-packages", "__pycache__"}
