@@ -93,7 +93,8 @@ class SeenHashes:
         """Record `h`; False when it was seen before."""
         if h in self.recent:
             return False
-        i = int(np.searchsorted(self.sorted, h))
+        # a numpy scalar: a Python int above 2**63 would make searchsorted convert the whole array
+        i = int(np.searchsorted(self.sorted, np.uint64(h)))
         if i < len(self.sorted) and int(self.sorted[i]) == h:
             return False
         self.recent.add(h)
