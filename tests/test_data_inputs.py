@@ -247,3 +247,22 @@ def test_a_dataset_in_the_hugging_face_cache_is_read_by_name_never_downloaded(ti
     with pytest.raises(DataError, match="expected hf:OWNER/NAME"):
         prepare("hf:a/b/c", tiny_tokenizer, tmp_path / "never", 0.2, progress=False)
     assert not (tmp_path / "never").exists()
+
+
+def test_seen_hashes_find_every_repeat_across_merges():
+    """Exact deduplication in 8 bytes a document (`SeenHashes`): a hash seen before is found
+    whether it is still in the recent set or merged into the sorted array, for values on both
+    sides of 2**63 (where numpy's scalar conversion once made each lookup convert the array)."""
+    import random
+
+    from lmforge.data.shards import SeenHashes, hash64
+
+    rng = random.Random(3)
+    values = [0, 1, 2**63 - 1, 2**63, 2**63 + 1, 2**64 - 1] + [rng.getrandbits(64) for _ in range(500)]
+    seen = SeenHashes(buffer=7)  # merged every 7 new hashes
+    assert [seen.add(v) for v in values] == [True] * len(values)
+    assert len(seen.sorted) > len(values) - 7 and seen.sorted.dtype.name == "uint64"
+    assert [seen.add(v) for v in reversed(values)] == [False] * len(values)
+    fresh = [v for v in (rng.getrandbits(64) for _ in range(200)) if v not in set(values)]
+    assert [seen.add(v) for v in fresh] == [True] * len(fresh)
+    assert hash64(b"abc") == int("ba7816bf8f01cfea", 16)  # sha256("abc")'s first 8 bytes, big-endian

@@ -221,3 +221,25 @@ def test_a_validation_document_of_one_source_in_anothers_training_split_is_refus
         check_no_leak([tmp_path / "data" / "a", tmp_path / "data" / "b"], ["a", "b"])
     with pytest.raises(DataError, match="of the source a are training documents"):
         pretrain_stage(cfg, tmp_path / "run", progress=False)
+
+
+def test_the_speedrun_refuses_a_mixture_before_writing(two_sources, tmp_path):
+    """The speedrun's summary scores one corpus's held-out split: a mixture is refused up front."""
+    from lmforge.stages.speedrun import speedrun_stage
+
+    cfg, _, _ = two_sources
+    with pytest.raises(ConfigError, match="data.sources lists 2 sources, but the speedrun"):
+        speedrun_stage(cfg, tmp_path / "speedrun", progress=False)
+    assert not (tmp_path / "speedrun").exists()
+
+
+def test_a_damaged_previous_mixture_is_replaced_not_reused(two_sources, tmp_path):
+    cfg, _, _ = two_sources
+    out = tmp_path / "data"
+    prepare_stage(cfg, out, progress=False)
+    (out / MIXTURE_FILE).write_text("{not json")
+    with pytest.raises(DataError, match="not the mixture.json"):
+        Shard.open(out, "train")
+    metas = prepare_stage(cfg, out, progress=False)  # nothing reused from it, all prepared again
+    assert not any(m["reused"] for m in metas.values())
+    assert json.loads((out / MIXTURE_FILE).read_text())["sources"][1]["name"] == "code"

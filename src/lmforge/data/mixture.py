@@ -273,7 +273,10 @@ def source_input(src: MixSource, val_fraction: float, include_tests: bool, on_ba
 
 def _reusable(old: Path, want: dict, contract_text: str) -> Path | None:
     """The folder in the previous data.dir `old` prepared from `want` with this tokenizer, or None."""
-    entries = read_mixture(old) if old.is_dir() else None
+    try:
+        entries = read_mixture(old) if old.is_dir() else None
+    except DataError:  # a damaged previous folder: nothing in it is reused (the new one replaces it)
+        return None
     for e in entries or []:
         folder = old / e["name"]
         try:

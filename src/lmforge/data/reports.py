@@ -283,14 +283,18 @@ class DataReport:
         rows = N_HASHES // BANDS
         pairs: set[tuple[int, int]] = set()
         for band in range(BANDS):
-            buckets: dict[bytes, list[int]] = {}
-            part = np.ascontiguousarray(sigs[:, band * rows: (band + 1) * rows])
-            for i in range(len(part)):
-                buckets.setdefault(part[i].tobytes(), []).append(i)
-            for members in buckets.values():
-                if 1 < len(members) <= 1000:  # a bucket of 1000+ look-alikes: counted by its first
-                    first = members[0]
-                    pairs.update((first, j) for j in members[1:])
+            # the band's 4 values as one 16-byte key a row; rows with equal keys share a bucket (found
+            # by sorting, in arrays: no dict of hundreds of thousands of entries)
+            keys = np.ascontiguousarray(sigs[:, band * rows: (band + 1) * rows]).view(np.dtype((np.void, 4 * rows)))
+            keys = keys.ravel()
+            order = np.argsort(keys, kind="stable")  # equal keys keep row order: the first is the smallest
+            ordered = keys[order]
+            starts = np.flatnonzero(np.concatenate([[True], ordered[1:] != ordered[:-1]]))
+            sizes = np.diff(np.append(starts, len(order)))
+            for start, size in zip(starts[(sizes > 1) & (sizes <= 1000)], sizes[(sizes > 1) & (sizes <= 1000)]):
+                members = order[start: start + size]  # a bucket of 1000+ look-alikes: counted by its first
+                first = int(members[0])
+                pairs.update((first, int(j)) for j in members[1:])
         out = []
         for i, j in sorted(pairs):
             sim = float((sigs[i] == sigs[j]).mean())

@@ -84,7 +84,7 @@ class SeenHashes:
     bytes a document: a sorted numpy array, with the newest in a small set merged into it every
     `buffer` documents. (A Python set would take about 70 bytes a document.)"""
 
-    def __init__(self, buffer: int = 1 << 18):
+    def __init__(self, buffer: int = 1 << 16):
         self.sorted = np.zeros(0, dtype=np.uint64)
         self.recent: set[int] = set()
         self.buffer = buffer

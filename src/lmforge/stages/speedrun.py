@@ -26,7 +26,7 @@ from lmforge.contract import CONTRACT_FILE
 from lmforge.data.shards import Shard
 from lmforge.evals.suite import results_table
 from lmforge.scorers import body_parse_rate, doctest_pass_rate, held_out_prompts
-from lmforge.errors import Interrupted
+from lmforge.errors import ConfigError, Interrupted
 from lmforge.evaluate import evaluate_shard, split_texts, xz_bits_per_byte
 from lmforge.fileio import atomic_file, open_run_dir, read_marker, write_json, write_text
 from lmforge.loading import load_checkpoint
@@ -80,7 +80,16 @@ def plot_loss(run_dir: Path, out: Path) -> Path | None:
 
 
 def speedrun_stage(cfg: Config, out: str | Path, resume: bool = False, progress: bool = True) -> dict:
-    """Run tokenizer -> prepare -> pretrain -> eval -> samples -> sft in `out`; return the summary."""
+    """Run tokenizer -> prepare -> pretrain -> eval -> samples -> sft in `out`; return the summary.
+
+    Raises:
+        ConfigError: data.sources set (the speedrun scores the held-out split of one corpus).
+    """
+    if cfg.data.sources:
+        raise ConfigError(f"data.sources lists {len(cfg.data.sources)} sources, but the speedrun scores the "
+                          f"held-out split of one corpus (data.source) in its summary. Run a mixture with "
+                          f"`lmforge prepare` and `lmforge pretrain` (README: Your own corpus), or remove "
+                          f"data.sources.")
     # absent, empty, or an earlier speedrun (which needs --resume once a stage wrote into it): nothing else is touched
     out = open_run_dir(out, SPEEDRUN_OUTPUT, resume, has_stage_output)
     cfg = replace(cfg, tokenizer=replace(cfg.tokenizer, dir=str(out / "tokenizer")),
