@@ -64,7 +64,8 @@ def test_three_to_one_is_realised_at_every_prefix():
             assert np.all(np.cumsum(seq == i) - k * w / sum(weights) > -1)
         assert mixture_counts(3000, weights)[0] == [int((seq == i).sum()) for i in range(len(weights))]
     assert integer_weights([0.75, 0.25]) == [3, 1] and integer_weights([3.0, 1.0]) == [3, 1]
-    assert integer_weights([0.1, 0.2]) == [1, 2]
+    assert integer_weights([0.1, 0.2]) == [1, 2] and integer_weights([0.7, 0.3]) == [7, 3]
+    assert integer_weights([1e-300, 1]) == [1, 10**300] and mixture_counts(10, [7, 3]) == ([7, 3], True)
 
 
 def test_sources_are_named_and_checked():

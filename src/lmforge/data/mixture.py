@@ -92,8 +92,9 @@ def _slug(source: str) -> str:
 
 def integer_weights(weights: Sequence[float]) -> list[int]:
     """The weights as integers in the same ratios, in lowest terms (3.0, 1.0 -> 3, 1;
-    0.5, 0.25 -> 2, 1). Exact: each float is a binary fraction."""
-    fracs = [Fraction(w) for w in weights]
+    0.5, 0.25 -> 2, 1; 0.7, 0.3 -> 7, 3): each weight read as the decimal it is written as
+    (its shortest repr), so the pattern repeats every 10 rows for 0.7 and 0.3."""
+    fracs = [Fraction(repr(float(w))) for w in weights]
     lcm = reduce(lambda a, b: a * b // math.gcd(a, b), (f.denominator for f in fracs), 1)
     ints = [int(f * lcm) for f in fracs]
     g = reduce(math.gcd, ints)
