@@ -98,8 +98,10 @@ class SeenHashes:
         if i < len(self.sorted) and int(self.sorted[i]) == h:
             return False
         self.recent.add(h)
-        if len(self.recent) >= self.buffer:
-            self.sorted = np.union1d(self.sorted, np.fromiter(self.recent, dtype=np.uint64, count=len(self.recent)))
+        if len(self.recent) >= self.buffer:  # none of them is in `sorted`: a merge, no deduplication
+            merged = np.concatenate([self.sorted, np.fromiter(self.recent, dtype=np.uint64, count=len(self.recent))])
+            merged.sort()
+            self.sorted = merged
             self.recent.clear()
         return True
 
