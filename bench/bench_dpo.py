@@ -64,7 +64,7 @@ def score(policy, reference, samples, seq_len: int, pad_id: int, runtime, kinds:
         right += int(ok.sum())
         reward_right += int(((pc - rc) > (pr - rr)).sum())
         nats -= float(pc.sum())
-        tokens += int(b.loss_mask[: b.n_pairs].sum())
+        tokens += int(b.completion_tokens[: b.n_pairs].sum())
         n += b.n_pairs
         for j, i in enumerate(b.pair_index.tolist()):
             kind = samples.mutations[i]

@@ -170,7 +170,11 @@ def test_t12_the_mask_is_the_final_reply_and_its_end_of_turn_token(tiny_run):
     assert np.array_equal(samples.ids["chosen"][0][:p], samples.ids["rejected"][0][:p])
 
 
-def test_t12_pair_logps_do_not_depend_on_padding_or_batch_order(tiny_run):
+@pytest.mark.parametrize("packing", [False, True])
+def test_t12_pair_logps_do_not_depend_on_padding_or_batch_order(tiny_run, packing):
+    """Each pair's two log-probabilities, scored alone in rows just wide enough, equal those of
+    the same pair in shuffled micro-batches of 3 and of every pair: right-padded one side a row,
+    or packed (each side its own segment among other pairs' sides)."""
     cfg, tok = tiny_run
     model = Transformer(resolve_model_config(cfg.model, tok.contract))
     model.reset_parameters(seed=1)
@@ -182,15 +186,74 @@ def test_t12_pair_logps_do_not_depend_on_padding_or_batch_order(tiny_run):
         for i in range(len(samples)):  # one pair a batch, in a row only as wide as it needs
             sub = render_pairs([pairs[i]], tok, 64)
             width = int(sub.n_pairs[0])
-            b = next(iter(pair_batches(sub, width, 1, tok.pad_id)))
+            b = next(iter(pair_batches(sub, width, 1, tok.pad_id, packing=False)))
             alone[i] = torch.stack(sequence_logps(model, b)).squeeze(1)
         for batch_size, seed in ((3, 0), (len(samples), 5)):
-            stream = PairStream(samples, 64, batch_size, tok.pad_id, seed=seed)
+            # packed rows of 128: two sides of up to 64 pairs each fit one
+            stream = PairStream(samples, 128 if packing else 64, batch_size, tok.pad_id, seed=seed, packing=packing)
             for _ in range(3):
                 b = stream.next_batch()
+                assert b.tokens.shape[0] <= batch_size + 1 if packing else b.tokens.shape[0] == 2 * batch_size
                 c, r = sequence_logps(model, b)
                 for k, i in enumerate(b.pair_index.tolist()):
                     assert torch.allclose(torch.stack([c[k], r[k]]), alone[i], atol=1e-4), (i, batch_size)
+
+
+def test_packed_pair_rows_hold_each_side_once_as_its_own_segment(tiny_run):
+    """dpo.packing's layout: every side of the micro-batch's pairs lies whole in one segment of
+    one row (its slots named by `groups`, its positions from 0, its targets and loss mask those
+    of the side alone), no segment holds two sides, and the padding is what is left."""
+    _, tok = tiny_run
+    records = zen_records()
+    samples = render_pairs([pair_from_record(r, f"zen:{i}") for i, r in enumerate(records)], tok, 64)
+    stream = PairStream(samples, 128, 7, tok.pad_id, seed=3, packing=True)
+    padded = PairStream(samples, 128, 7, tok.pad_id, seed=3, packing=False)
+    for _ in range(4):
+        b, q = stream.next_batch(), padded.next_batch()
+        assert torch.equal(b.pair_index, q.pair_index) and torch.equal(b.completion_tokens, q.completion_tokens)
+        P = b.n_pairs
+        seen = set()
+        for row in range(b.tokens.shape[0]):
+            for d in b.document_ids[row].unique().tolist():
+                where = (b.document_ids[row] == d).nonzero().flatten()
+                side = b.groups[row, where].unique().tolist()
+                if not bool(b.loss_mask[row, where].any()) and int(b.tokens[row, where[0]]) == tok.pad_id:
+                    continue  # the padding after the last side
+                assert len(side) == 1 and side[0] not in seen
+                seen.add(side[0])
+                j = side[0]
+                k, which = j % P, ("chosen", "rejected")[j // P]
+                ids = samples.ids[which][int(b.pair_index[k])]
+                mask = samples.mask[which][int(b.pair_index[k])]
+                assert torch.equal(b.positions[row, where], torch.arange(len(ids) - 1))
+                assert b.tokens[row, where].tolist() == ids[:-1].tolist()
+                assert b.targets[row, where].tolist() == ids[1:].tolist()
+                assert b.loss_mask[row, where].tolist() == mask[1:].tolist()
+                assert int(b.loss_mask[row, where].sum()) == int(b.completion_tokens[j])
+        assert seen == set(range(2 * P))
+        assert b.tokens.numel() < q.tokens.numel()
+    assert stream.padding_fraction() < padded.padding_fraction()
+
+
+def test_packed_and_padded_dpo_runs_take_the_same_steps(tiny_run, init_ckpt, tmp_path):
+    """dpo.packing changes the layout, not the training: the same pairs in each micro-batch, the
+    same loss, rewards and weights, step after step (float32; float tolerance), in fewer rows."""
+    cfg, _ = tiny_run
+    data = write_jsonl(tmp_path / "zen.jsonl", zen_records())
+    runs = {}
+    for packing in (False, True):
+        c = dpo_cfg(cfg, init_ckpt, data, steps=4, micro_batch_size=5, packing=packing)
+        c = replace(c, train=replace(c.train, precision="fp32"), data=replace(c.data, seq_len=128))
+        dpo_stage(c, tmp_path / str(packing), progress=False)
+        runs[packing] = read_metrics(tmp_path / str(packing))
+    for x, y in zip(runs[False], runs[True], strict=True):
+        for key in ("loss", "rewards/margins", "logps/chosen", "logps/rejected", "supervised"):
+            assert x[key] == pytest.approx(y[key], rel=1e-4, abs=1e-5), (key, x, y)
+    wa = load_file(str(latest_checkpoint(tmp_path / "False") / MODEL_FILE))
+    wb = load_file(str(latest_checkpoint(tmp_path / "True") / MODEL_FILE))
+    assert max((wa[k] - wb[k]).abs().max().item() for k in wa) < 1e-4
+    info = {p: json.loads((tmp_path / str(p) / "dpo_data.json").read_text()) for p in (False, True)}
+    assert info[True]["packing"] and info[True]["padding_fraction"] < info[False]["padding_fraction"]
 
 
 def test_an_imported_template_masks_the_final_reply_and_refuses_prompts_that_differ(tmp_path):

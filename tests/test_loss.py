@@ -40,6 +40,37 @@ def test_cross_entropy_sum_matches_float64_reference():
     assert got_b.dtype == torch.float32 and abs(float(got_b) - float(ref_b)) <= 1e-5 * float(ref_b)
 
 
+def test_grouped_sums_and_their_gradients_match_a_per_group_reference():
+    """linear_cross_entropy_sum(..., groups): one sum per group (a side of a DPO pair, wherever it
+    lies in a packed row), and the gradient of any weighted combination of them, equal the
+    float64 cross-entropy of each group's positions alone (to float32's precision: the loss
+    is summed in float32)."""
+    from lmforge.model.loss import linear_cross_entropy_sum
+
+    g = torch.Generator().manual_seed(0)
+    N, D, V, G = 37, 8, 11, 5
+    hidden = torch.randn(N, D, generator=g, requires_grad=True)
+    weight = torch.randn(V, D, generator=g, requires_grad=True)
+    targets = torch.randint(0, V, (N,), generator=g)
+    mask = torch.rand(N, generator=g) < 0.7
+    groups = torch.randint(0, G, (N,), generator=g)
+    groups[groups == 3] = 2  # group 3: no position at all, so 0.0
+    upstream = torch.randn(G, generator=g, dtype=torch.float64)
+    sums = linear_cross_entropy_sum(hidden, weight, targets, mask, chunk_rows=6, groups=groups, n_groups=G)
+    assert sums.shape == (G,) and sums.dtype == torch.float32 and sums[3] == 0.0
+    (sums.double() * upstream).sum().backward()
+    h64, w64 = hidden.detach().double().requires_grad_(), weight.detach().double().requires_grad_()
+    ce = F.cross_entropy(h64 @ w64.t(), targets, reduction="none") * mask
+    ref = torch.zeros(G, dtype=torch.float64).index_add(0, groups, ce)
+    (ref * upstream).sum().backward()
+    tol = 1e-5
+    assert torch.allclose(sums.double(), ref, rtol=tol, atol=tol)
+    assert torch.allclose(hidden.grad.double(), h64.grad, rtol=tol, atol=tol)
+    assert torch.allclose(weight.grad.double(), w64.grad, rtol=tol, atol=tol)
+    total = linear_cross_entropy_sum(hidden.detach(), weight.detach(), targets, mask)  # ungrouped: the sum
+    assert float(total) == pytest.approx(float(ref.detach().sum()), rel=tol)
+
+
 def test_targets_outside_the_mask_are_never_read():
     """A pad id equal to a real id cannot leak in: only loss_mask decides (P4)."""
     g = torch.Generator().manual_seed(1)

@@ -73,6 +73,8 @@ def test_the_objective_declares_rows_tokens_per_step_and_its_batch_line(tiny_run
     assert token.tokens_per_step(4, 2, 3, 64) == 4 * 2 * 3 * 64
     assert pairs.tokens_per_step(4, 2, 3, 64) == 2 * 4 * 2 * 3 * 64
     assert token.batch_shape(16) == "16" and pairs.batch_shape(8) == "8 pairs (2 rows each)"
+    pairs.packing = True
+    assert pairs.batch_shape(8) == "8 pairs (packed: at most 16 rows)"
     trainer, _ = _trainer(tiny_run, TokenObjective(), tmp_path)
     t = trainer.cfg.train
     assert make_plan(trainer)["tokens_per_step"] == t.micro_batch_size * t.grad_accum_steps * trainer.cfg.data.seq_len

@@ -142,7 +142,7 @@ class DataConfig:
     """Tokens per training row."""
     document_masking: bool = flag(True, refused(
         PRE, "the attention mask and positions of every row",
-        "SFT and DPO do not read it (sft.packing decides; DPO's rows are right-padded)"))
+        "SFT and DPO do not read it (sft.packing and dpo.packing decide)"))
     """Attend only within a document (block-diagonal causal mask) and reset positions."""
     val_fraction: float = num(0.02, 0.0, 1.0, refused(
         TUNE, "which conversations (or pairs) are trained on",

@@ -129,6 +129,12 @@ class DPOConfig(TuningConfig):
     """"live": the reference's log-probabilities are computed at every step (LoRA: the same
     model with its adapters disabled; full fine-tuning: a frozen copy); "precomputed": once for
     every pair before training (no second model; the same numbers)."""
+    packing: bool = flag(True, refused(DPO, "how pairs are laid out in rows (the float sums of every step)", _NO_DPO))
+    """Pack the sides of a micro-batch's pairs into as few rows as fit, each side its own
+    attention segment with positions from 0 (exact: each side sees only itself, as alone in a
+    row), instead of right-padding each side in a row of its own (false). A micro-batch holds
+    the same pairs either way (`micro_batch_size` still counts pairs): the loss and the step are
+    the same up to float rounding, the padding is gone (bench/RESULTS.md, "Packed DPO")."""
 
 
 #: `rl.loss_type`'s choices: how the summed policy-gradient term is normalised (lmforge.train.rl).

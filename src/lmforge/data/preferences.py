@@ -26,10 +26,17 @@ a side longer than `seq_len` pairs keeps its first `seq_len + 1` tokens; a pair 
 completion is cut away entirely on either side is dropped and counted (`dropped_empty`),
 never trained (its loss would be a constant ln 2).
 
-Rows (`PairStream`): the stream deals *pairs* exactly as `RowStream` deals samples (one per
-row, right-padded; epochs, ranks and resume included) and turns each micro-batch of B pairs
-into a `PairBatch` of 2B rows: the chosen sides in rows 0..B-1, the rejected sides in rows
-B..2B-1, so one forward scores both.
+Rows (`PairStream`): the stream deals *pairs* exactly as `RowStream` deals samples (epochs,
+ranks and resume included) and turns each micro-batch of B pairs into a `PairBatch` whose one
+forward scores both sides of every pair. Its 2B sides are the groups 0..B-1 (chosen) and
+B..2B-1 (rejected), and every slot names its side in `groups`:
+- padded (`packing=False`): 2B rows, side j right-padded alone in row j (causal attention);
+- packed (`packing=True`, `dpo.packing`'s default): the 2B sides packed into as few rows of
+  `seq_len` as best fit (longest first) finds, each side its own attention segment with
+  positions from 0 (`lmforge.data.packing.build_row`), so each side sees only itself exactly as
+  alone in a row. A micro-batch holds the same pairs either way, so the loss, its count and the
+  step are the same (up to float rounding); only the padding goes. Rows per micro-batch vary
+  (at most 2B).
 """
 
 from __future__ import annotations
@@ -42,7 +49,7 @@ import numpy as np
 import torch
 
 from lmforge.data.conversations import cap_examples, validate_messages
-from lmforge.data.packing import _FIELDS, Batch, Piece, RowStream, build_row
+from lmforge.data.packing import _FIELDS, Batch, Piece, RowStream, build_row, collate, plan_packed
 from lmforge.data.records import check_text, content_key, read_items, short
 from lmforge.data.sources import split_of
 from lmforge.errors import DataError
@@ -243,55 +250,90 @@ def render_pairs(pairs: Sequence[PreferencePair], tokenizer, seq_len: int) -> Pa
 # -- rows --------------------------------------------------------------------------------------
 @dataclass
 class PairBatch(Batch):
-    """A micro-batch of B pairs as 2B rows (chosen rows first, then rejected rows; fields as
-    `Batch`'s, (2B, T)) and `pair_index` (B,) int64: each pair's index in its `PairSamples`."""
+    """A micro-batch of P pairs (module docstring): `Batch`'s fields, (R, T) with R = 2P rows
+    padded or at most 2P packed; `groups` (R, T) int64, each slot's side (chosen of pair k: k,
+    rejected: P + k; padding: 0, outside the loss mask); `completion_tokens` (2P,) int64, each
+    side's supervised targets in the same order; `pair_index` (P,) int64, each pair's index in
+    its `PairSamples`."""
 
+    groups: torch.Tensor | None = None
+    completion_tokens: torch.Tensor | None = None
     pair_index: torch.Tensor | None = None
 
     @property
     def n_pairs(self) -> int:
-        return self.tokens.shape[0] // 2
+        return int(self.pair_index.shape[0])
 
     def to(self, device: torch.device | str) -> "PairBatch":
         return PairBatch(*(getattr(self, f).to(device, non_blocking=True) for f in _FIELDS),
+                         groups=self.groups.to(device, non_blocking=True), completion_tokens=self.completion_tokens,
                          pair_index=self.pair_index)
 
 
 class PairStream(RowStream):
     """An endless, resumable stream of `PairBatch`es over `samples` (module docstring): the
-    pairs are dealt as `RowStream` deals samples (right-padded, one per row, seeded shuffle per
-    epoch, ranks and `state_dict` alike).
+    pairs are dealt as `RowStream` deals samples (one pair a unit, seeded shuffle per epoch,
+    ranks and `state_dict` alike); `packing` chooses how a micro-batch's pairs are laid out.
 
     Raises:
         DataError: no pair to train on.
     """
 
     def __init__(self, samples: PairSamples, seq_len: int, micro_batch_size: int, pad_id: int, seed: int,
-                 shuffle: bool = True, rank: int = 0, world_size: int = 1):
+                 shuffle: bool = True, rank: int = 0, world_size: int = 1, packing: bool = True):
         if not len(samples):
             raise DataError(f"no preference pair left to train on ({samples.counts()}). Use a longer data.seq_len "
                             f"or shorter pairs.")
-        self.samples = samples
+        self.samples, self.pack_sides = samples, packing
+        # the dealing unit is a pair, one per planned "row"; make_batch lays the micro-batch out
         super().__init__(samples.n_pairs, None, None, seq_len, micro_batch_size, pad_id, seed, packing=False,
                          document_masking=False, shuffle=shuffle, rank=rank, world_size=world_size)
 
+    def layout(self, index: Sequence[int]) -> tuple[list[np.ndarray], list[np.ndarray], list[list[Piece]]]:
+        """The sides of pairs `index` (ids and completion masks, side j = group j) and the rows
+        they are laid out in (pieces (side, 0, its pairs))."""
+        ids = [self.samples.ids[side][s] for side in ("chosen", "rejected") for s in index]
+        mask = [self.samples.mask[side][s] for side in ("chosen", "rejected") for s in index]
+        n = np.array([len(x) - 1 for x in ids], dtype=np.int64)
+        if self.pack_sides:  # longest first, best fit; every side fits a row (render_pairs cut it to seq_len)
+            return ids, mask, plan_packed(n, np.argsort(-n, kind="stable"), self.seq_len)
+        return ids, mask, [[(j, 0, int(n[j]))] for j in range(len(ids))]
+
     def make_batch(self, rows: Sequence[Sequence[Piece]]) -> PairBatch:
         index = [row[0][0] for row in rows]
-        built = []
-        for side in ("chosen", "rejected"):
-            ids, mask = self.samples.ids[side], self.samples.mask[side]
-            for s in index:
-                built.append(build_row([(s, 0, len(ids[s]) - 1)], lambda i, a, b: ids[i][a:b],
-                                       lambda i, a, b: mask[i][a:b], self.seq_len, self.pad_id, False))
-        batch = Batch(*(torch.from_numpy(np.stack([r[f] for r in built])) for f in _FIELDS))
-        return PairBatch(*(getattr(batch, f) for f in _FIELDS), pair_index=torch.tensor(index, dtype=torch.int64))
+        ids, mask, layout = self.layout(index)
+        built, groups = [], np.zeros((len(layout), self.seq_len), dtype=np.int64)
+        for r, pieces in enumerate(layout):
+            built.append(build_row(pieces, lambda j, a, b: ids[j][a:b], lambda j, a, b: mask[j][a:b], self.seq_len,
+                                   self.pad_id, self.pack_sides))
+            at = 0
+            for j, _, m in pieces:
+                groups[r, at: at + m] = j
+                at += m
+        batch = collate(built)
+        return PairBatch(*(getattr(batch, f) for f in _FIELDS), groups=torch.from_numpy(groups),
+                         completion_tokens=torch.tensor([int(m[1:].sum()) for m in mask], dtype=torch.int64),
+                         pair_index=torch.tensor(index, dtype=torch.int64))
+
+    def padding_fraction(self) -> float:
+        """Padding slots / all slots of epoch 0's micro-batches of `micro_batch_size` pairs, laid
+        out as this stream lays them out."""
+        order = [row[0][0] for row in self.plan(0)]
+        B, used, rows = self.micro_batch_size, 0, 0
+        for i in range(0, len(order), B):
+            _, _, layout = self.layout(order[i: i + B])
+            used += sum(m for pieces in layout for (_, _, m) in pieces)
+            rows += len(layout)
+        return 1.0 - used / max(1, rows * self.seq_len)
 
 
-def pair_batches(samples: PairSamples, seq_len: int, batch_size: int, pad_id: int) -> Iterator[PairBatch]:
-    """Every pair once, in order (validation); the last batch may be short."""
+def pair_batches(samples: PairSamples, seq_len: int, batch_size: int, pad_id: int,
+                 packing: bool = True) -> Iterator[PairBatch]:
+    """Every pair once, in order (validation), `batch_size` pairs a batch (the last may be
+    short), laid out as `PairStream` does."""
     if not len(samples):
         return iter(())
-    return PairStream(samples, seq_len, batch_size, pad_id, seed=0, shuffle=False).batches_once()
+    return PairStream(samples, seq_len, batch_size, pad_id, seed=0, shuffle=False, packing=packing).batches_once()
 
 
 __all__ = ["PreferencePair", "PairSamples", "PairBatch", "PairStream", "pair_from_record", "read_pairs",

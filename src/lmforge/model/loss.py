@@ -51,14 +51,15 @@ class _LinearCrossEntropySum(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, compute_dtype, chunk_rows):
+    def forward(ctx, hidden, weight, labels, compute_dtype, chunk_rows, groups=None, n_groups=0):
         h = hidden.to(compute_dtype)  # (N, D)
         w = weight.to(compute_dtype)  # (V, D)
         n = h.shape[0]
         # d(sum CE)/d(logits) is all the backward needs: keep it (N, V) in the compute dtype
         # (half the bytes of the float32 logits in bf16) instead of the logits themselves.
         grad_logits = torch.empty(n, w.shape[0], dtype=compute_dtype, device=h.device)
-        total = torch.zeros((), dtype=torch.float32, device=h.device)
+        # one sum, or one per group (groups: (N,) int64 in [0, n_groups))
+        total = torch.zeros(() if groups is None else (n_groups,), dtype=torch.float32, device=h.device)
         for s in range(0, n, chunk_rows):  # chunk_rows rows of float32 logits at a time stay in cache
             e = min(n, s + chunk_rows)
             logits = torch.mm(h[s:e], w.t()).float()  # (rows, V), float32 for the log-sum-exp
@@ -67,30 +68,37 @@ class _LinearCrossEntropySum(torch.autograd.Function):
             safe = torch.where(valid, lab, 0)[:, None]  # (rows, 1): any in-range index for ignored rows
             lse = torch.logsumexp(logits, dim=-1)  # (rows,)
             # CE = logsumexp - logit of the label; ignored rows add exactly 0
-            total += torch.where(valid, lse - logits.gather(1, safe).squeeze(1), 0.0).sum()
+            ce = torch.where(valid, lse - logits.gather(1, safe).squeeze(1), 0.0)  # (rows,)
+            if groups is None:
+                total += ce.sum()
+            else:
+                total.index_add_(0, groups[s:e], ce)
             # dCE/dlogits = softmax - one_hot(label), computed in place in the logits buffer:
             # exp(logits - lse) is the softmax; subtract 1 at the label; zero the ignored rows.
             probs = logits.sub_(lse[:, None]).exp_()  # (rows, V)
             probs.scatter_add_(1, safe, -valid[:, None].to(probs.dtype))
             probs.mul_(valid[:, None])
             grad_logits[s:e] = probs
-        ctx.save_for_backward(h, w, grad_logits)
+        ctx.save_for_backward(h, w, grad_logits, groups)
         ctx.dtypes = (hidden.dtype, weight.dtype)
         return total
 
     @staticmethod
     def backward(ctx, grad_total):
-        h, w, grad_logits = ctx.saved_tensors
+        h, w, grad_logits, groups = ctx.saved_tensors
         # the loss is linear in grad_total (the upstream scale: 1 / supervised count, etc.),
-        # so the saved dCE/dlogits only needs scaling; then logits = h @ w.T gives the two matmuls
-        g = grad_logits * grad_total.to(grad_logits.dtype)  # (N, V)
+        # so the saved dCE/dlogits only needs scaling (each row by its group's upstream
+        # gradient, when grouped); then logits = h @ w.T gives the two matmuls
+        scale = grad_total if groups is None else grad_total[groups][:, None]  # () or (N, 1)
+        g = grad_logits * scale.to(grad_logits.dtype)  # (N, V)
         grad_hidden = torch.mm(g, w).to(ctx.dtypes[0])  # (N, V) @ (V, D) -> (N, D)
         grad_weight = torch.mm(g.t(), h).to(ctx.dtypes[1])  # (V, N) @ (N, D) -> (V, D)
-        return grad_hidden, grad_weight, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None
 
 
 def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                             loss_mask: torch.Tensor, chunk_rows: int = LOSS_CHUNK_ROWS) -> torch.Tensor:
+                             loss_mask: torch.Tensor, chunk_rows: int = LOSS_CHUNK_ROWS,
+                             groups: torch.Tensor | None = None, n_groups: int = 0) -> torch.Tensor:
     """`cross_entropy_sum(hidden @ weight.T, targets, loss_mask)`, without materialising the
     float32 logits: the training and evaluation loss of lmforge's model.
 
@@ -99,8 +107,12 @@ def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, targets
         weight: (V, D) float, the output projection (V = the tokenizer's vocab).
         targets: (B, T) / (N,) int64; loss_mask: same shape, bool.
         chunk_rows: rows of logits computed at a time (float32 work stays in cache).
+        groups: None, or (B, T) / (N,) int64 in [0, n_groups): sum each group's positions
+            apart (a row, or one document of a packed row: DPO's sequence log-probabilities).
+            Positions outside the loss mask add nothing to any group.
     Returns:
-        0-dim float32 tensor: summed nats over supervised positions (0.0 when none).
+        0-dim float32 tensor: summed nats over supervised positions (0.0 when none); with
+        `groups`, (n_groups,) float32, one sum per group (0.0 for a group with none).
     Matmuls run in the autocast dtype when autocast is on (bf16 on CPU/GPU), else in
     hidden's dtype; the log-sum-exp and the loss are always float32.
     """
@@ -108,8 +120,10 @@ def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, targets
     h = hidden.reshape(-1, D)
     labels = torch.where(loss_mask.reshape(-1), targets.reshape(-1), IGNORE_INDEX)
     dtype = compute_dtype(h.device, torch.promote_types(h.dtype, weight.dtype))
+    if groups is not None:
+        groups = groups.reshape(-1).to(device=h.device, dtype=torch.int64)
     with torch.autocast(h.device.type, enabled=False):
-        return _LinearCrossEntropySum.apply(h, weight, labels, dtype, chunk_rows)
+        return _LinearCrossEntropySum.apply(h, weight, labels, dtype, chunk_rows, groups, n_groups)
 
 
 #: The preference losses by `dpo.loss` (`config.DPO_LOSSES`): `dpo_loss` compares with a reference

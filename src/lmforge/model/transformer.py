@@ -258,7 +258,7 @@ class Transformer(nn.Module):
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
                 document_ids: torch.Tensor | None = None, cache: KVCache | None = None,
                 *, targets: torch.Tensor | None = None, loss_mask: torch.Tensor | None = None,
-                per_row: bool = False) -> torch.Tensor:
+                groups: torch.Tensor | None = None, n_groups: int = 0) -> torch.Tensor:
         """Next-token logits, or the summed training loss when `targets` is given.
 
         Args:
@@ -270,11 +270,12 @@ class Transformer(nn.Module):
                 (nats) over positions where loss_mask is True: lmforge's one loss
                 (`lmforge.model.loss.linear_cross_entropy_sum`), which never materialises the
                 float32 logits. Going through forward keeps DDP/FSDP hooks in the path.
-            per_row: with targets, return each row's sum instead: (B,) float32 nats (the
-                sequence log-probabilities DPO compares are their negatives).
+            groups, n_groups: with targets, (B, T) int64 in [0, n_groups): return each group's
+                sum instead, (n_groups,) float32 nats (a group is a row, or a document of a
+                packed row: the sequence log-probabilities DPO compares are their negatives).
         Returns:
             logits: (B, T, vocab_size) in the compute dtype (float32, or bf16 under autocast);
-            or, with targets, a 0-dim float32 tensor ((B,) with `per_row`).
+            or, with targets, a 0-dim float32 tensor ((n_groups,) with `groups`).
         """
         h = self.hidden(tokens, positions, document_ids, cache)
         if targets is None:
@@ -282,10 +283,7 @@ class Transformer(nn.Module):
         if loss_mask is None:
             loss_mask = torch.ones_like(targets, dtype=torch.bool)
         weight = self.output.weight[: self.vocab_size]
-        if per_row:  # the same loss, one row at a time: (B,) sums
-            return torch.stack([linear_cross_entropy_sum(h[i], weight, targets[i], loss_mask[i])
-                                for i in range(h.shape[0])])
-        return linear_cross_entropy_sum(h, weight, targets, loss_mask)
+        return linear_cross_entropy_sum(h, weight, targets, loss_mask, groups=groups, n_groups=n_groups)
 
     # -- the decode path (lmforge.model.decode): delegates, for the callers of these methods --
     def new_cache(self, batch: int, max_len: int, key_mask: torch.Tensor | None = None) -> KVCache:

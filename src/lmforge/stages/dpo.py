@@ -94,24 +94,25 @@ def dpo_stage(cfg: Config, out: str | Path, resume: bool = False, dry_run: bool 
         pairs, data_info = load_pairs(cfg)
         samples = {split: render_pairs(ps, tok, d.seq_len) for split, ps in pairs.items()}
         stream = PairStream(samples["train"], d.seq_len, t.micro_batch_size, tok.pad_id, t.seed,
-                            rank=info.rank, world_size=info.world_size)
+                            rank=info.rank, world_size=info.world_size, packing=p.packing)
         val = samples["val"]
         reference = live_reference(model, rt) if p.loss not in REFERENCE_FREE else None
         val_reference = reference
         if p.reference == "precomputed" and reference is not None:
             ref_t0 = time.perf_counter()
             reference = table_reference(*precompute(reference, samples["train"], d.seq_len, t.micro_batch_size,
-                                                    tok.pad_id, rt))
+                                                    tok.pad_id, rt, p.packing))
             val_reference = table_reference(*precompute(val_reference, val, d.seq_len, t.micro_batch_size,
-                                                        tok.pad_id, rt))
+                                                        tok.pad_id, rt, p.packing))
             data_info["reference_seconds"] = round(time.perf_counter() - ref_t0, 2)
         objective = DPOObjective(p, reference, val_reference, val.mutations)
         data_info["seconds"] = round(time.perf_counter() - t0, 2)
         data_info["splits"] = {split: smp.counts() for split, smp in samples.items()}
-        data_info.update(seq_len=d.seq_len, init=str(init), beta=p.beta, loss=p.loss, reference=p.reference)
+        data_info.update(seq_len=d.seq_len, init=str(init), beta=p.beta, loss=p.loss, reference=p.reference,
+                         packing=p.packing, padding_fraction=round(stream.padding_fraction(), 4))
 
         def val_batches():
-            return pair_batches(val, d.seq_len, t.micro_batch_size, tok.pad_id)
+            return pair_batches(val, d.seq_len, t.micro_batch_size, tok.pad_id, p.packing)
 
         if info.is_main:
             report = {split: {"documents": 2 * len(smp), "tokens": smp.counts()["tokens"],
@@ -129,7 +130,9 @@ def dpo_stage(cfg: Config, out: str | Path, resume: bool = False, dry_run: bool 
                 log(f"dpo data {split}: {c['pairs']} pairs, {c['truncated']} truncated to seq_len {d.seq_len} "
                     f"(tail cut), {c['dropped_empty']} dropped (a completion was cut away entirely), "
                     f"{c['completion_tokens']:,} completion tokens" + (f"; kinds {kinds}" if kinds else ""))
-            log(f"dpo data read and rendered in {data_info['seconds']:.1f}s")
+            log(f"dpo rows: {'packed (each side its own segment)' if p.packing else 'right-padded, one side a row'}, "
+                f"padding {data_info['padding_fraction']:.1%} of the training rows; data read and rendered in "
+                f"{data_info['seconds']:.1f}s")
         side = {DPO_DATA_FILE: json.dumps(data_info, indent=2, default=str) + "\n"}
         return run_training(session, tok.folder, model, stream, val_batches if len(val) else None,
                             resume=resume, dry_run=dry_run, progress=progress, side_files=side,

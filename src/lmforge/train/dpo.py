@@ -4,9 +4,10 @@
 micro-batch is a `PairBatch` (B pairs as 2B rows), its count is B pairs, and its loss is
 the sum over pairs of `lmforge.model.loss.dpo_loss` — so the step's loss is the mean over
 every pair of the step, whatever the accumulation and the number of ranks (P3). Chosen and
-rejected are scored in one forward (`Transformer.forward(..., per_row=True)`: the summed
-log-probability of each row's completion, float32, through the same loss function as
-pretraining and SFT).
+rejected are scored in one forward (`Transformer.forward(..., groups=batch.groups)`: the
+summed log-probability of each side's completion, float32, through the same loss function as
+pretraining and SFT), whether the sides are padded one a row or packed
+(lmforge.data.preferences).
 
 The reference (`reference_for`):
 - LoRA ("live"): the model itself with its adapters disabled, under no_grad. Refused when
@@ -51,13 +52,13 @@ Reference = Callable[[PairBatch], tuple[torch.Tensor, torch.Tensor]]
 
 
 def sequence_logps(model: torch.nn.Module, batch: PairBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """(chosen (B,), rejected (B,)) float32 log-probabilities of each completion: minus the
-    summed nats over the row's loss mask (the final assistant turn and its end-of-turn token)."""
+    """(chosen (P,), rejected (P,)) float32 log-probabilities of each completion: minus the
+    summed nats over its side's loss mask (the final assistant turn and its end-of-turn token)."""
+    P = batch.n_pairs
     nats = model(batch.tokens, batch.positions, batch.document_ids, targets=batch.targets,
-                 loss_mask=batch.loss_mask, per_row=True)
+                 loss_mask=batch.loss_mask, groups=batch.groups, n_groups=2 * P)
     logps = -nats
-    B = batch.n_pairs
-    return logps[:B], logps[B:]
+    return logps[:P], logps[P:]
 
 
 def reference_model(model: torch.nn.Module, runtime: Runtime) -> Callable[[], contextlib.AbstractContextManager]:
@@ -119,10 +120,10 @@ def check_only_adapters_train(model: torch.nn.Module) -> None:
 
 @torch.no_grad()
 def precompute(reference: Reference, samples: PairSamples, seq_len: int, batch_size: int, pad_id: int,
-               runtime: Runtime) -> tuple[torch.Tensor, torch.Tensor]:
+               runtime: Runtime, packing: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """The reference's (chosen, rejected) log-probabilities of every pair of `samples`, (N,) float32 each."""
     chosen, rejected = torch.zeros(len(samples)), torch.zeros(len(samples))
-    for b in pair_batches(samples, seq_len, batch_size, pad_id):
+    for b in pair_batches(samples, seq_len, batch_size, pad_id, packing):
         c, r = reference(b.to(runtime.device))
         chosen[b.pair_index], rejected[b.pair_index] = c.float().cpu(), r.float().cpu()
     return chosen, rejected
@@ -145,11 +146,12 @@ class DPOObjective(TokenObjective):
 
     stats = STATS
     unit = "pair"
-    rows_per_sample = 2  # chosen and rejected, in one forward
+    rows_per_sample = 2  # chosen and rejected, in one forward (packed: at most)
+    packing = False
 
     def __init__(self, cfg: DPOConfig, reference: Reference, val_reference: Reference | None = None,
                  val_mutations: Sequence[str] = ()):
-        self.beta, self.kind, self.gamma = cfg.beta, cfg.loss, cfg.simpo_gamma
+        self.beta, self.kind, self.gamma, self.packing = cfg.beta, cfg.loss, cfg.simpo_gamma, cfg.packing
         self.reference = reference
         self.val_reference = val_reference or reference
         self.kinds = sorted({k for k in val_mutations if k})
@@ -158,12 +160,17 @@ class DPOObjective(TokenObjective):
     def count(self, batch: PairBatch) -> int:
         return batch.n_pairs
 
+    def batch_shape(self, micro_batch_size: int) -> str:
+        if not self.packing:
+            return super().batch_shape(micro_batch_size)
+        return f"{micro_batch_size} pairs (packed: at most {self.rows_per_sample * micro_batch_size} rows)"
+
     def _pairs(self, model, batch: PairBatch, reference: Reference | None):
         pc, pr = sequence_logps(model, batch)
         if self.kind in REFERENCE_FREE:  # length-normalised, no reference model
-            n = batch.loss_mask.sum(1).clamp(min=1).to(pc.dtype)
-            B = batch.n_pairs
-            losses, rc, rr = reference_free_loss(pc / n[:B], pr / n[B:], self.beta, self.kind, self.gamma)
+            n = batch.completion_tokens.to(pc.device).clamp(min=1).to(pc.dtype)  # (2P,)
+            P = batch.n_pairs
+            losses, rc, rr = reference_free_loss(pc / n[:P], pr / n[P:], self.beta, self.kind, self.gamma)
         else:
             ref_c, ref_r = reference(batch)
             losses, rc, rr = dpo_loss(pc, pr, ref_c.float(), ref_r.float(), self.beta, self.kind)
