@@ -41,11 +41,11 @@ from pathlib import Path
 
 import numpy as np
 
-from lmforge.data.packing import Batch, RowStream, build_row, collate
+from lmforge.data.packing import Batch, RowStream, collate
 from lmforge.data.records import record_suffix
-from lmforge.data.shards import MIXTURE_FILE, PREPARE_OUTPUT, _prepare_into, read_hashes, read_mixture
+from lmforge.data.shards import MIXTURE_FILE, PREPARE_OUTPUT, prepare_into, read_hashes, read_mixture
 from lmforge.data.sources import (HF_PREFIX, TEXT_SUFFIXES, Document, SourceStats, hf_snapshot, is_glob,
-                                  iter_documents, stdlib_root)
+                                  capped, iter_documents, stdlib_root)
 from lmforge.errors import DataError
 from lmforge.fileio import shown_path
 
@@ -164,14 +164,10 @@ class MixtureStream:
     def next_batch(self) -> Batch:
         B = self.micro_batch_size
         dealt, counts = self._deal(self.world_size * B)
-        rows = []
-        for i, offset in dealt[self.rank * B: (self.rank + 1) * B]:
-            s = self.streams[i]
-            epoch, row = s._ahead(offset)
-            rows.append(build_row(s.plan(epoch)[row], s.get_tokens, s.get_learn, self.seq_len, self.pad_id,
-                                  self.document_masking))
+        rows = [self.streams[i].build(self.streams[i].peek(offset))
+                for i, offset in dealt[self.rank * B: (self.rank + 1) * B]]
         for i, s in enumerate(self.streams):
-            s.epoch, s.cursor = s._ahead(counts[i] - self.counts[i])
+            s.advance(counts[i] - self.counts[i])
         self.rows += self.world_size * B
         self.counts = counts
         return collate(rows)
@@ -334,7 +330,7 @@ def prepare_mixture(sources: Sequence[MixSource], tokenizer, out_dir: str | Path
                 log(f"prepare: source {n}/{len(sources)} {src.name} ({src.source}, field {src.text_field!r})")
                 folder.mkdir()
                 try:
-                    meta = _prepare_into(folder, src.source, tokenizer, val_fraction, include_tests, on_bad_utf8,
+                    meta = prepare_into(folder, src.source, tokenizer, val_fraction, include_tests, on_bad_utf8,
                                          progress, seq_len, src.text_field, input=want)
                 except DataError as exc:
                     raise DataError(f"data.sources[{n - 1}] ({src.name}): {exc}") from None
@@ -398,10 +394,5 @@ def mixture_documents(sources: Sequence[MixSource], split: str | None, val_fract
     `max_bytes` x its share when `max_bytes` > 0."""
     weights = integer_weights([s.weight for s in sources])
     for src, w in zip(sources, weights):
-        cap = max_bytes * w / sum(weights) if max_bytes else 0
-        used = 0
-        for doc in iter_documents(src.source, split, val_fraction, include_tests, on_bad_utf8, stats, src.text_field):
-            yield doc
-            used += len(doc.text.encode("utf-8"))
-            if cap and used >= cap:
-                break
+        yield from capped(iter_documents(src.source, split, val_fraction, include_tests, on_bad_utf8, stats,
+                                         src.text_field), max_bytes * w / sum(weights))

@@ -275,18 +275,27 @@ class RowStream:
                 f"({n_pieces:,} pieces), padding {100 * padding_fraction(rows, self.seq_len):.2f}%, "
                 f"document masking {'on' if self.document_masking else 'off'}")
 
+    def build(self, pieces: Sequence[Piece]) -> dict[str, np.ndarray]:
+        """One planned row's arrays (`build_row` with this stream's data and settings)."""
+        return build_row(pieces, self.get_tokens, self.get_learn, self.seq_len, self.pad_id, self.document_masking)
+
     def make_batch(self, rows: Sequence[Sequence[Piece]]) -> Batch:
         """The micro-batch of these planned rows (a subclass may lay them out otherwise)."""
-        return collate([build_row(r, self.get_tokens, self.get_learn, self.seq_len, self.pad_id,
-                                  self.document_masking) for r in rows])
+        return collate([self.build(r) for r in rows])
+
+    def peek(self, k: int) -> list[Piece]:
+        """The planned row `k` global rows past the current position (the position stays)."""
+        epoch, row = self._ahead(k)
+        return self.plan(epoch)[row]
+
+    def advance(self, n: int) -> None:
+        """Move the position `n` global rows on."""
+        self.epoch, self.cursor = self._ahead(n)
 
     def next_batch(self) -> Batch:
         B = self.micro_batch_size
-        rows = []
-        for i in range(B):
-            epoch, row = self._ahead(self.rank * B + i)  # this rank's micro-batch among the next W
-            rows.append(self.plan(epoch)[row])
-        self.epoch, self.cursor = self._ahead(self.world_size * B)
+        rows = [self.peek(self.rank * B + i) for i in range(B)]  # this rank's micro-batch among the next W
+        self.advance(self.world_size * B)
         return self.make_batch(rows)
 
     def _ahead(self, k: int) -> tuple[int, int]:

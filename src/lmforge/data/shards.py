@@ -72,7 +72,7 @@ def prepare(
     """
     out = Path(out_dir)
     with atomic_dir(out, PREPARE_OUTPUT, what="`lmforge prepare`") as tmp:
-        meta = _prepare_into(tmp, source, tokenizer, val_fraction, include_tests, on_bad_utf8, progress, seq_len,
+        meta = prepare_into(tmp, source, tokenizer, val_fraction, include_tests, on_bad_utf8, progress, seq_len,
                             text_field)
         for name, text in (extra_files or {}).items():
             (tmp / name).write_text(text, encoding="utf-8")
@@ -117,7 +117,7 @@ def hash64(data: bytes) -> int:
     return int.from_bytes(hashlib.sha256(data).digest()[:8], "big")
 
 
-def _prepare_into(tmp: Path, source: str, tokenizer: Tokenizer, val_fraction: float, include_tests: bool,
+def prepare_into(tmp: Path, source: str, tokenizer: Tokenizer, val_fraction: float, include_tests: bool,
                   on_bad_utf8: str, progress: bool, seq_len: int = 0, text_field: str = "text",
                   input: dict | None = None) -> dict:
     contract = tokenizer.contract

@@ -12,7 +12,7 @@ import hashlib
 import os
 import stat
 import sysconfig
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -152,6 +152,17 @@ SOURCE_HELP = (f"Use \"stdlib\", a folder of {'/'.join(TEXT_SUFFIXES)} files or 
 
 #: data.source naming a dataset of the local Hugging Face hub cache: "hf:OWNER/NAME[@REVISION][:PATH]".
 HF_PREFIX = "hf:"
+
+
+def capped(documents: Iterable[Document], max_bytes: float) -> Iterator[Document]:
+    """`documents` until `max_bytes` bytes of UTF-8 text have been given (the document that
+    reaches the cap included); every document when `max_bytes` <= 0."""
+    used = 0
+    for doc in documents:
+        yield doc
+        used += len(doc.text.encode("utf-8"))
+        if 0 < max_bytes <= used:
+            return
 
 
 def hf_snapshot(source: str) -> str:

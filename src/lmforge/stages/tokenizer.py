@@ -11,7 +11,7 @@ from pathlib import Path
 from lmforge.config import CONFIG_FILE, Config
 from lmforge.data.mixture import mixture_documents, mixture_sources
 from lmforge.data.reports import SAMPLE_BYTES, report_lines, sample, tokenizer_report
-from lmforge.data.sources import SourceStats, iter_documents
+from lmforge.data.sources import SourceStats, capped, iter_documents
 from lmforge.errors import LmforgeError
 from lmforge.stages.common import log
 from lmforge.tokenizer import Tokenizer, import_tokenizer, train_tokenizer
@@ -31,12 +31,7 @@ def train_tokenizer_stage(cfg: Config, out: str | Path | None = None, progress: 
     budget = cfg.tokenizer.max_train_bytes
 
     def texts():
-        used = 0
-        for doc in corpus_documents(d, "train", stats, d.on_bad_utf8, budget):
-            yield doc.text
-            used += len(doc.text.encode("utf-8"))
-            if budget and used >= budget:
-                return
+        return (doc.text for doc in capped(corpus_documents(d, "train", stats, d.on_bad_utf8, budget), budget))
 
     t0 = time.perf_counter()
     report: dict = {}
