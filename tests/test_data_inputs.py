@@ -124,6 +124,62 @@ def test_a_damaged_compressed_file_is_named_with_the_last_good_line(tiny_corpus,
         list(iter_documents(str(tmp_path / "cut.jsonl.gz")))
 
 
+@pytest.mark.parametrize("kind", [".jsonl", ".jsonl.gz", ".jsonl.zst", ".parquet"])
+def test_progress_counts_the_input_files_bytes_on_disk_to_their_total(tmp_path, kind):
+    """The ETA's measure: `SourceStats.input_read()` counts bytes of the files on disk (compressed
+    as they are), never goes back, moves inside a file (a single file is most of a corpus), and
+    ends at the listed total."""
+    from lmforge.data.sources import SourceStats
+
+    import random
+
+    rng = random.Random(0)  # text that compresses little: a compressed shard larger than the readers' buffers
+    texts = [rng.randbytes(600).hex() for _ in range(4500)]  # 1.8 MB a shard: past the 1 MiB read buffer
+    (tmp_path / "c").mkdir()
+    for i in range(3):
+        part = texts[i::3]
+        body = "".join(json.dumps({"text": t}) + "\n" for t in part).encode()
+        path = tmp_path / "c" / f"shard-{i}{kind}"
+        if kind == ".jsonl.gz":
+            path.write_bytes(gzip.compress(body))
+        elif kind == ".jsonl.zst":
+            zstandard = pytest.importorskip("zstandard")
+            path.write_bytes(zstandard.ZstdCompressor().compress(body))
+        elif kind == ".parquet":
+            pa = pytest.importorskip("pyarrow")
+            import pyarrow.parquet as pq
+
+            pq.write_table(pa.table({"text": part}), path, row_group_size=50)
+        else:
+            path.write_bytes(body)
+    total = sum(p.stat().st_size for p in (tmp_path / "c").iterdir())
+    stats = SourceStats()
+    seen = [stats.input_read() for _ in iter_documents(str(tmp_path / "c"), stats=stats)]
+    assert stats.input_bytes == total
+    assert seen == sorted(seen) and stats.input_read() == total
+    first = (tmp_path / "c" / f"shard-0{kind}").stat().st_size
+    assert any(0 < x < first for x in seen), seen[:5]  # within the first file, before its end
+
+
+def test_a_shard_that_changes_or_goes_between_listing_and_reading_is_an_error(tiny_corpus, tmp_path):
+    texts = texts_of(tiny_corpus)
+    (tmp_path / "c").mkdir()
+    for i in range(3):
+        write_jsonl(tmp_path / "c" / f"shard-{i}.jsonl", texts[i * 5: i * 5 + 5])
+    docs = iter_documents(str(tmp_path / "c"))
+    next(docs)  # listed, and shard-0 opened
+    with open(tmp_path / "c" / "shard-1.jsonl", "a", encoding="utf-8") as f:  # grows after the listing
+        f.write(json.dumps({"text": "one more"}) + "\n")
+    with pytest.raises(DataError, match=r"shard-1\.jsonl: changed while the corpus was read \(\d[\d,]* bytes when "
+                                        r"listed, [\d,]+ now"):
+        list(docs)
+    docs = iter_documents(str(tmp_path / "c"))
+    next(docs)
+    (tmp_path / "c" / "shard-2.jsonl").unlink()
+    with pytest.raises(DataError, match=r"shard-2\.jsonl does not exist \(it was listed: did it move\?\)"):
+        list(docs)
+
+
 def test_a_glob_that_matches_nothing_says_so(tmp_path):
     with pytest.raises(DataError, match=r"matches no .* file or record shard"):
         list(iter_documents(str(tmp_path / "none-*.parquet")))

@@ -88,9 +88,13 @@ def read_items(path: str | Path, key: str, items: str, make: Callable[[object, s
     return out
 
 
-def iter_records(path: str | Path, columns: list[str] | None = None) -> Iterator[tuple[str, object]]:
+def iter_records(path: str | Path, columns: list[str] | None = None,
+                 on_open: Callable[[Callable[[], int]], None] | None = None) -> Iterator[tuple[str, object]]:
     """(where, record) for every record of a `.jsonl` or `.parquet` file, in file order.
-    `columns` (Parquet only) reads just those columns; a missing one is an error.
+    `columns` (Parquet only) reads just those columns; a missing one is an error. `on_open`,
+    when given, is called once the file is open with a function that says how many bytes of
+    the file on disk are read so far (JSONL, compressed or not: the file's position; Parquet
+    and Arrow: its size x the share of rows read), for progress.
 
     Raises:
         DataError: the file is missing or not a regular file, has another suffix, or a
@@ -101,29 +105,33 @@ def iter_records(path: str | Path, columns: list[str] | None = None) -> Iterator
         what = "is a folder" if path.is_dir() else "does not exist (it was listed: did it move?)"
         raise DataError(f"{shown_path(path)} {what}; expected one of {', '.join(RECORD_SUFFIXES)}.")
     kind = record_suffix(path)
+    on_open = on_open or (lambda position: None)
     if kind in (".jsonl", ".jsonl.gz", ".jsonl.zst"):
-        yield from _jsonl(path, kind)
+        yield from _jsonl(path, kind, on_open)
     elif kind == ".parquet":
-        yield from _parquet(path, columns)
+        yield from _parquet(path, columns, on_open)
     elif kind == ".arrow":
-        yield from _arrow(path, columns)
+        yield from _arrow(path, columns, on_open)
     else:
         raise DataError(f"{path}: unsupported file type {path.suffix!r}; expected one of {RECORD_SUFFIXES}.")
 
 
 def _open_lines(path: Path, kind: str):
-    """A binary file object over the decompressed bytes of `path` (plain, gzip or Zstandard)."""
+    """(a binary file object over the decompressed bytes of `path` (plain, gzip or Zstandard),
+    a function giving the position in the file on disk)."""
     if kind == ".jsonl.gz":
         import gzip
 
-        return gzip.open(path, "rb")
+        f = gzip.open(path, "rb")
+        return f, f.fileobj.tell
     if kind == ".jsonl.zst":
         import io
 
         zstd = require_package("zstandard", "zstandard", f"{shown_path(path)}: reading Zstandard", DataError)
         raw = open(path, "rb")
-        return io.BufferedReader(zstd.ZstdDecompressor().stream_reader(raw, closefd=True), 1 << 20)
-    return open(path, "rb")
+        return io.BufferedReader(zstd.ZstdDecompressor().stream_reader(raw, closefd=True), 1 << 20), raw.tell
+    f = open(path, "rb")
+    return f, f.tell
 
 
 def _damage_errors(kind: str) -> tuple[type[BaseException], ...]:
@@ -135,11 +143,12 @@ def _damage_errors(kind: str) -> tuple[type[BaseException], ...]:
     return (EOFError, OSError)
 
 
-def _jsonl(path: Path, kind: str = ".jsonl") -> Iterator[tuple[str, object]]:
+def _jsonl(path: Path, kind: str, on_open: Callable) -> Iterator[tuple[str, object]]:
     try:
-        f = _open_lines(path, kind)
+        f, position = _open_lines(path, kind)
     except OSError as exc:
         raise DataError(f"{shown_path(path)}: cannot be read ({exc.strerror}).") from None
+    on_open(position)
     lineno = 0
     with f:
         lines = iter(f)
@@ -166,18 +175,19 @@ def _jsonl(path: Path, kind: str = ".jsonl") -> Iterator[tuple[str, object]]:
             yield where, record
 
 
-def _parquet(path: Path, columns: list[str] | None) -> Iterator[tuple[str, object]]:
+def _parquet(path: Path, columns: list[str] | None, on_open: Callable) -> Iterator[tuple[str, object]]:
     pq = require_package("pyarrow.parquet", "parquet", f"{path}: reading Parquet", DataError)
     try:
         pf = pq.ParquetFile(path)
         names = pf.schema_arrow.names
+        total = pf.metadata.num_rows
     except Exception as exc:  # pyarrow raises ArrowInvalid, OSError, ... for a damaged file
         raise DataError(f"{path}: not a readable Parquet file ({_first_line(exc)}). Re-write the file.") from None
     _check_columns(path, names, columns)
-    return _rows(path, pf.iter_batches(columns=columns, batch_size=1024))
+    return _rows(path, pf.iter_batches(columns=columns, batch_size=1024), total, on_open)
 
 
-def _arrow(path: Path, columns: list[str] | None) -> Iterator[tuple[str, object]]:
+def _arrow(path: Path, columns: list[str] | None, on_open: Callable) -> Iterator[tuple[str, object]]:
     """An Arrow IPC file (stream format, as `datasets` writes, or file format), batch by batch."""
     pa = require_package("pyarrow", "parquet", f"{shown_path(path)}: reading Arrow", DataError)
     import pyarrow.ipc as ipc
@@ -186,10 +196,11 @@ def _arrow(path: Path, columns: list[str] | None) -> Iterator[tuple[str, object]
     try:
         try:
             reader = ipc.open_stream(source)
-            batches = iter(reader)
+            batches, total = iter(reader), 0  # a stream does not say its rows up front
         except pa.ArrowInvalid:
             reader = ipc.open_file(source)
             batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
+            total = sum(reader.get_batch(i).num_rows for i in range(reader.num_record_batches))
         names = reader.schema.names
     except Exception as exc:
         raise DataError(f"{shown_path(path)}: not a readable Arrow file ({_first_line(exc)}). Re-write the "
@@ -197,7 +208,7 @@ def _arrow(path: Path, columns: list[str] | None) -> Iterator[tuple[str, object]
     _check_columns(path, names, columns)
     if columns:
         batches = (batch.select(columns) for batch in batches)  # selected as each is read
-    return _rows(path, batches)
+    return _rows(path, batches, total, on_open)
 
 
 def _check_columns(path: Path, names: list[str], columns: list[str] | None) -> None:
@@ -207,10 +218,12 @@ def _check_columns(path: Path, names: list[str], columns: list[str] | None) -> N
         raise MissingColumn(f"{shown_path(path)}: no {', '.join(repr(c) for c in missing)} column (columns: {names}).")
 
 
-def _rows(path: Path, batches) -> Iterator[tuple[str, object]]:
-    """(where, record) for every row of a Parquet or Arrow file's record `batches`; a batch that
-    cannot be read is a DataError naming the last good row."""
+def _rows(path: Path, batches, total: int, on_open: Callable) -> Iterator[tuple[str, object]]:
+    """(where, record) for every row of a Parquet or Arrow file's record `batches` (`total`
+    rows, 0 when unknown); a batch that cannot be read is a DataError naming the last good row."""
     row = 0
+    size = path.stat().st_size
+    on_open(lambda: size * row // total if total else 0)
     while True:
         try:
             records = next(batches).to_pylist()

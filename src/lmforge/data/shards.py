@@ -136,6 +136,8 @@ def prepare_into(tmp: Path, source: str, tokenizer: Tokenizer, val_fraction: flo
             idx_files[s].write(np.zeros(1, dtype=np.int64).tobytes())
         split_meta = {s: {"documents": 0, "tokens": 0, "bytes": 0, "max_id": -1} for s in SPLITS}
         report = DataReport()
+        # progress in bytes of the input files on disk (compressed as they are), so the ETA holds for
+        # any format; the total is known once the source is listed (at its first document)
         bar = tqdm(desc="prepare", unit="B", unit_scale=True, disable=not progress, mininterval=1.0)
         # tiktoken from the same merges when installed (ids proven identical), else HF tokenizers
         encode_batch = batch_encoder(tokenizer)
@@ -153,8 +155,11 @@ def prepare_into(tmp: Path, source: str, tokenizer: Tokenizer, val_fraction: flo
                 m["bytes"] += nbytes
                 m["max_id"] = max(m["max_id"], int(arr.max()))
                 report.add(doc.name, split, ids, len(arr), nbytes)
-                bar.update(nbytes)
-            bar.set_postfix_str(f"{report.documents:,} documents", refresh=False)
+            if bar.total is None and stats.input_bytes:
+                bar.total = stats.input_bytes
+            bar.update(max(0, min(stats.input_read(), stats.input_bytes) - bar.n))
+            text = sum(m["bytes"] for m in split_meta.values())
+            bar.set_postfix_str(f"{report.documents:,} documents, {text / 1e6:,.1f} MB of text", refresh=False)
 
         from lmforge.data.sources import split_of
 

@@ -12,7 +12,7 @@ import hashlib
 import os
 import stat
 import sysconfig
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -42,6 +42,30 @@ class SourceStats:
     not_regular: int = 0
     """Files with a corpus suffix that are not regular files (a FIFO, a device, a link to one): never read."""
     skipped_names: list[str] = field(default_factory=list)
+    input_bytes: int = 0
+    """Bytes on disk of every file the source lists (known once the first document is read)."""
+    input_done: int = 0
+    """Bytes on disk of the files read to their end."""
+    position: Callable[[], int] | None = None
+    """Bytes on disk of the file being read that are read so far (None: not known within the file)."""
+
+    def input_read(self) -> int:
+        """Bytes on disk read so far, for progress: whole files, and the part of the current one."""
+        return self.input_done + (self.position() if self.position is not None else 0)
+
+
+@dataclass(frozen=True)
+class InputFile:
+    """A file a source lists: `kind` "module" (a stdlib module, named by its path under the
+    library), "text" (one document keyed by `rel`) or "records" (a shard, a document a record);
+    its size and modification time when listed (a file that changes before it is read to its end
+    is an error: the corpus would be another than the one listed)."""
+
+    path: Path
+    rel: str
+    kind: str
+    size: int
+    mtime_ns: int
 
 
 def split_of(key: str, val_fraction: float) -> str:
@@ -230,8 +254,14 @@ def save_to_disk_files(folder: Path) -> list[Path] | None:
     return files
 
 
-def _iter_all(source: str, include_tests: bool, on_bad_utf8: str, stats: SourceStats,
-              text_field: str = "text") -> Iterator[Document]:
+def list_inputs(source: str, include_tests: bool = False, stats: SourceStats | None = None) -> list[InputFile]:
+    """Every file `source` is read from, in reading order (module docstring of `iter_documents`),
+    with its size and modification time.
+
+    Raises:
+        DataError: a source that does not exist, a glob that matches nothing, a folder with no
+        corpus file, an unsupported file type, a save_to_disk folder whose state.json is bad.
+    """
     if source.startswith(HF_PREFIX):
         source = hf_snapshot(source)
     if source == "stdlib":
@@ -239,12 +269,7 @@ def _iter_all(source: str, include_tests: bool, on_bad_utf8: str, stats: SourceS
         skip = {"site-packages", "dist-packages", "__pycache__"}
         if not include_tests:
             skip |= {"test", "tests"}
-        for path in _walk(root, (".py",), skip, stats):
-            text = _read_text(path, stats, on_bad_utf8)
-            if text is not None:
-                rel = path.relative_to(root)
-                yield Document(str(rel), text, key=module_name(rel))
-        return
+        return [_listed(path, str(path.relative_to(root)), "module") for path in _walk(root, (".py",), skip, stats)]
     path = Path(source)
     if is_glob(source) and not path.exists():
         import glob
@@ -254,28 +279,62 @@ def _iter_all(source: str, include_tests: bool, on_bad_utf8: str, stats: SourceS
             raise DataError(f"data.source = {source!r} matches no {'/'.join(TEXT_SUFFIXES)} file or record shard "
                             f"({', '.join(RECORD_SUFFIXES)}). {SOURCE_HELP}.")
         base = _glob_base(source)
-        for file in files:
-            yield from _iter_file(file, _relative(file, base), stats, on_bad_utf8, text_field)
-        return
+        return [_listed(f, _relative(f, base), _corpus_kind(f)) for f in files]
     if not path.exists():
         raise DataError(f"data.source = {source!r} does not exist. {SOURCE_HELP}.")
     if path.is_dir():
         arrow = save_to_disk_files(path)
         if arrow is not None:
-            for file in arrow:
-                yield from _iter_records(file, text_field)
-            return
-        found = False
-        for file in _walk(path, TEXT_SUFFIXES + RECORD_SUFFIXES, {"__pycache__"}, stats):
-            found = True
-            yield from _iter_file(file, _relative(file, path), stats, on_bad_utf8, text_field)
-        if not found:
+            return [_listed(f, f.name, "records") for f in arrow]
+        files = [_listed(f, _relative(f, path), _corpus_kind(f))
+                 for f in _walk(path, TEXT_SUFFIXES + RECORD_SUFFIXES, {"__pycache__"}, stats)]
+        if not files:
             raise DataError(f"data.source folder {path} holds no {'/'.join(TEXT_SUFFIXES)} files and no record "
                             f"shards ({', '.join(RECORD_SUFFIXES)}). Add some, or point data.source elsewhere.")
-        return
+        return files
     if _corpus_kind(path) is None:
         raise DataError(f"data.source = {source!r}: unsupported file type {path.suffix!r}. {SOURCE_HELP}.")
-    yield from _iter_file(path, path.name, stats, on_bad_utf8, text_field)
+    return [_listed(path, path.name, _corpus_kind(path))]
+
+
+def _listed(path: Path, rel: str, kind: str) -> InputFile:
+    try:
+        st = path.stat()
+        size, mtime = st.st_size, st.st_mtime_ns
+    except OSError:  # a broken link or a loop: reading it names the system's reason
+        size, mtime = 0, 0
+    return InputFile(path, rel, kind, size, mtime)
+
+
+def _iter_all(source: str, include_tests: bool, on_bad_utf8: str, stats: SourceStats,
+              text_field: str = "text") -> Iterator[Document]:
+    files = list_inputs(source, include_tests, stats)
+    stats.input_bytes, stats.input_done = sum(f.size for f in files), 0
+    for f in files:
+        if f.kind == "records":
+            yield from _iter_records(f.path, text_field, stats)
+        else:
+            text = _read_text(f.path, stats, on_bad_utf8)
+            if text is not None:
+                yield Document(f.rel, text, key=module_name(Path(f.rel)) if f.kind == "module" else f.rel)
+        stats.position = None
+        _check_unchanged(f)
+        stats.input_done += f.size
+
+
+def _check_unchanged(f: InputFile) -> None:
+    """Raises DataError when `f` is not the file that was listed any more (size or modification
+    time): documents read from a file being written are not the corpus the listing named."""
+    try:
+        st = f.path.stat()
+        now = (st.st_size, st.st_mtime_ns)
+    except OSError as exc:
+        raise DataError(f"{shown_path(f.path)}: gone while the corpus was read ({exc.strerror}). Nothing is "
+                        f"written from a corpus that changes; run again once it stays put.") from None
+    if now != (f.size, f.mtime_ns):
+        raise DataError(f"{shown_path(f.path)}: changed while the corpus was read ({f.size:,} bytes when listed, "
+                        f"{now[0]:,} now; or modified since). Nothing is written from a corpus that changes; run "
+                        f"again once it stays put.")
 
 
 def _corpus_kind(path: Path) -> str | None:
@@ -301,24 +360,14 @@ def _relative(file: Path, base: Path) -> str:
     return shown_path(file.relative_to(base).as_posix())
 
 
-def _iter_file(file: Path, rel: str, stats: SourceStats, on_bad_utf8: str, text_field: str) -> Iterator[Document]:
-    """The documents of one corpus file: a text file is one document keyed by `rel` (its path
-    from the source), a record shard one per record keyed by content."""
-    if _corpus_kind(file) == "records":
-        yield from _iter_records(file, text_field)
-        return
-    text = _read_text(file, stats, on_bad_utf8)
-    if text is not None:
-        yield Document(rel, text, key=rel)
-
-
-def _iter_records(path: Path, text_field: str = "text") -> Iterator[Document]:
+def _iter_records(path: Path, text_field: str = "text", stats: SourceStats | None = None) -> Iterator[Document]:
     """Records with a string `text_field` field (JSONL) or column (Parquet, Arrow); a null cell
-    of a column is no document."""
+    of a column is no document. `stats.position` follows the read."""
     columnar = record_suffix(path) in (".parquet", ".arrow")
     field = f'"{text_field}"'
+    on_open = None if stats is None else (lambda position: setattr(stats, "position", position))
     try:
-        for where, record in iter_records(path, columns=[text_field] if columnar else None):
+        for where, record in iter_records(path, columns=[text_field] if columnar else None, on_open=on_open):
             text = record.get(text_field) if isinstance(record, dict) else None
             if columnar and text is None:
                 continue
