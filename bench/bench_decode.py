@@ -56,8 +56,9 @@ def prompts_for(batch: int, seed: int, contract) -> list[list[int]]:
             for n in lengths]
 
 
-def run_lmforge(model, prompts, n_new: int, contract) -> list[list[int]]:
-    return generate(model, prompts, [], SamplingConfig(max_new_tokens=n_new, greedy=True), contract.pad_id)
+def run_lmforge(model, prompts, n_new: int, contract, compile: bool = False) -> list[list[int]]:
+    return generate(model, prompts, [], SamplingConfig(max_new_tokens=n_new, greedy=True, compile=compile),
+                    contract.pad_id)
 
 
 def run_hf(model, prompts, n_new: int, contract) -> list[list[int]]:
@@ -104,6 +105,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--compile", action="store_true",
+                    help="also time lmforge with generate.compile = true (the decode step through torch.compile; "
+                         "its one-time compile is left out: it runs in the warm-up)")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch intra-op threads for both (default 1: several threads on a busy 2-core "
                          "machine spend most of their time waiting for each other)")
@@ -134,6 +138,13 @@ def _run(args) -> dict:
             "lmforge_tok_s": n / a["wall"], "transformers_tok_s": n / b["wall"], "ratio": b["wall"] / a["wall"],
             "cpu_ratio": b["cpu"] / a["cpu"], "same_ids": ids_ours == ids_hf,
         }
+        if args.compile:  # against the eager lmforge, interleaved the same way
+            c, e, ids_c, ids_e = timed_pair(lambda: run_lmforge(ours, prompts, args.new_tokens, contract, True),
+                                            lambda: run_lmforge(ours, prompts, args.new_tokens, contract),
+                                            args.repeats)
+            results[f"batch_{batch}"].update(compiled_tok_s=n / c["wall"], paired_eager_tok_s=n / e["wall"],
+                                             compiled_vs_eager=e["wall"] / c["wall"],
+                                             compiled_same_ids=ids_c == ids_e)
     results["seconds"] = time.perf_counter() - t0
     c = ours.config
     print(f"decode: greedy, {args.new_tokens} new tokens (no stopping), prompts of 16-32 tokens left-padded, "
@@ -148,6 +159,14 @@ def _run(args) -> dict:
                      f"{r['cpu_ratio']:.2f}x", r["same_ids"]])
     print(common.table(["batch", "lmforge tok/s", f"transformers ({results['reference']}) tok/s", "ratio",
                         "CPU-time ratio", "same ids"], rows))
+    if args.compile:
+        print(common.table(["batch", "lmforge eager tok/s", "lmforge compiled tok/s", "compiled / eager",
+                            "same ids"],
+                           [[b, f"{results[f'batch_{b}']['paired_eager_tok_s']:.1f}",
+                             f"{results[f'batch_{b}']['compiled_tok_s']:.1f}",
+                             f"{results[f'batch_{b}']['compiled_vs_eager']:.2f}x",
+                             results[f"batch_{b}"]["compiled_same_ids"]] for b in args.batches],
+                           title="generate.compile (warm: the compile itself is in the warm-up)"))
     print(f"({results['seconds']:.0f} s in all)")
     return results
 

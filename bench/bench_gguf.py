@@ -1,4 +1,5 @@
-"""Decode throughput of the GGUF export in llama.cpp (f32 and q8_0) next to lmforge's own decode.
+"""Decode throughput of the GGUF export in llama.cpp (f32 and q8_0) next to lmforge's own decode
+(eager, and with `generate.compile = true`: the decode step through torch.compile).
 
 A speedrun-sized model (dim 256, 4 layers, 8 query / 4 KV heads, the stdlib tokenizer of
 8192 ids, random weights) is saved as an lmforge checkpoint and exported with
@@ -28,17 +29,25 @@ import importlib.util
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # noqa: E402
+import torch  # noqa: E402
+
+from lmforge.runtime import compiler_available  # noqa: E402
 
 GGML_TYPE_F32 = 0
 #: (row name, export dtype, f32 KV cache)
 BACKENDS = (("llama.cpp f32", "float32", True), ("llama.cpp q8_0", "q8_0", False))
 NOT_INSTALLED = "llama.cpp not installed"
 N_CTX = 256
+
+
+#: the row of `generate.compile = true` (lmforge.model.decode.compiled_decode_step)
+COMPILED = "lmforge compiled"
 
 
 def llama_installed() -> bool:
@@ -161,6 +170,11 @@ def _run(args, tmp: Path) -> dict:
     def lmforge() -> None:
         last["lmforge"] = [generate(model, [p], [], sampling, tok.pad_id)[0] for p in prompts]
 
+    compiled_sampling = replace(sampling, compile=True)
+
+    def lmforge_compiled() -> None:  # generate.compile: the decode step through torch.compile
+        last[COMPILED] = [generate(model, [p], [], compiled_sampling, tok.pad_id)[0] for p in prompts]
+
     def llama(name: str, child: common.Child):
         def fn() -> None:
             last[name] = child.request({"prompts": prompts, "new_tokens": n_new})["ids"]
@@ -168,6 +182,12 @@ def _run(args, tmp: Path) -> dict:
 
     fns = {"lmforge": lmforge}
     status: dict[str, str] = {}  # backends with no figures: why
+    if args.smoke:
+        status[COMPILED] = "not run in --smoke (its compile takes ~30 s)"
+    elif not compiler_available(torch.device("cpu")):
+        status[COMPILED] = "no C++ compiler"
+    else:
+        fns[COMPILED] = lmforge_compiled
     children: dict[str, common.Child] = {}
     installed = llama_installed()
     for name, _, kv_f32 in BACKENDS:
@@ -201,7 +221,7 @@ def _run(args, tmp: Path) -> dict:
           f"{tok.vocab_size}, {args.threads} thread(s), median of {args.repeats}; tokens/s = new tokens / wall "
           f"time, prefill included" + (" (SMOKE RUN: figures mean nothing)" if args.smoke else ""))
     rows = []
-    for name in ["lmforge", *(b[0] for b in BACKENDS)]:
+    for name in ["lmforge", COMPILED, *(b[0] for b in BACKENDS)]:
         r = results[name]
         size = f"{sizes[name] / 2**20:.1f}" if name in sizes else "-"
         if "status" in r:

@@ -211,3 +211,45 @@ def test_sampled_generation_is_seeded_and_respects_filters():
             top3 = m(torch.tensor([seq]))[0, -1].topk(3).indices.tolist()
             assert t in top3
             seq.append(t)
+
+
+def test_the_masked_whole_cache_step_equals_the_growing_one_with_left_padding():
+    """`decode_step` with a slot tensor (what the compiled step runs: every step attends over the
+    whole cache with a mask) equals the step over the filled slots, left padding included."""
+    from lmforge.model.decode import decode_step
+
+    m = model(seed=7)
+    rows = prompts([9, 3, 1, 6], seed=8)
+    tokens, positions, key_mask = left_pad(rows, PAD, 6)
+    B, L = tokens.shape
+    caches = [m.new_cache(B, L + 6, key_mask) for _ in range(2)]
+    with torch.inference_mode():
+        for c in caches:
+            m(tokens, positions, cache=c)
+        nxt, pos = torch.tensor([5, 17, 33, 90]), positions[:, -1] + 1
+        for _ in range(5):
+            a = decode_step(m, nxt, pos, caches[0])
+            slots = torch.full((B,), caches[1].length)
+            b = decode_step(m, nxt, pos, caches[1], slots)
+            caches[1].length += 1
+            assert float((a - b).abs().max()) < 1e-5
+            nxt, pos = a.argmax(-1), pos + 1
+
+
+@pytest.mark.slow
+def test_compiled_decode_generates_the_same_ids():
+    """generate.compile: the compiled decode step (one graph for every batch size and cache
+    length) gives the eager step's greedy ids, alone and in a left-padded batch with stops."""
+    from lmforge.runtime import compiler_available
+
+    if not compiler_available(torch.device("cpu")):
+        pytest.skip("no C++ compiler: generate.compile decodes eagerly here")
+    m = model(seed=9)
+    rows = prompts([1, 12, 5, 30], seed=10)
+    stop = generate(m, rows[1:2], [], SamplingConfig(max_new_tokens=16, greedy=True), PAD)[0][6]
+    for batch in (rows[:1], rows):
+        for stops in ([], [stop]):
+            eager = generate(m, batch, stops, SamplingConfig(max_new_tokens=16, greedy=True), PAD)
+            compiled = generate(m, batch, stops, SamplingConfig(max_new_tokens=16, greedy=True, compile=True), PAD)
+            assert compiled == eager, (len(batch), stops)
+    assert "_compiled_decode" in m.__dict__

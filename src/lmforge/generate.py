@@ -15,6 +15,7 @@ only host synchronisation per step is the all-rows-stopped check.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 
 import torch
@@ -22,7 +23,17 @@ import torch
 from lmforge.config import SamplingConfig
 from lmforge.errors import LmforgeError
 from lmforge.model import Transformer
-from lmforge.runtime import Runtime, compute_dtype, decode_runtime
+from lmforge.model.decode import compiled_decode_step
+from lmforge.runtime import Runtime, compiler_available, compute_dtype, decode_runtime
+
+
+_SAID: set[str] = set()
+
+
+def _say_once(line: str) -> None:
+    if line not in _SAID:
+        _SAID.add(line)
+        print(f"note: {line}", file=sys.stderr)
 
 
 def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
@@ -233,6 +244,9 @@ def _generate(model, prompts, stop_ids, cfg: SamplingConfig, pad_id: int, trunca
     seen = None
     if cfg.repetition_penalty != 1.0:
         seen = seen_mask(torch.where(key_mask[:, :L], tokens, -1), model.vocab_size)
+    step = model.decode_step
+    if cfg.compile and compiler_available(device, _say_once, "generate.compile"):
+        step = compiled_decode_step(model)
     stops = torch.as_tensor(list(stop_ids), dtype=torch.long, device=device)
     out = torch.full((B, n_new), pad_id, dtype=torch.long, device=device)
     done = torch.zeros(B, dtype=torch.bool, device=device)
@@ -256,7 +270,7 @@ def _generate(model, prompts, stop_ids, cfg: SamplingConfig, pad_id: int, trunca
             break
         if seen is not None:
             seen.scatter_(1, nxt[:, None], True)
-        logits = model.decode_step(nxt, next_pos, cache)  # (B, V): a T = 1 decode step
+        logits = step(nxt, next_pos, cache)  # (B, V): a T = 1 decode step
         next_pos = next_pos + 1
 
     out = out[:, :steps].cpu()

@@ -106,16 +106,17 @@ def decode_runtime(device: torch.device | str | None = None) -> Runtime:
     return Runtime(device, None)
 
 
-def compiler_available(device: torch.device, log: Callable[[str], None] | None = None) -> bool:
-    """`train.compile` on `device`: on CPU, torch.compile's inductor builds C++ kernels and needs a
-    C++ compiler (`$CXX`, g++, c++ or clang++ on PATH); without one the run trains eagerly and
-    says so in one line, instead of failing deep inside torch at the first step."""
+def compiler_available(device: torch.device, log: Callable[[str], None] | None = None,
+                       setting: str = "train.compile") -> bool:
+    """`setting` (train.compile, generate.compile) on `device`: on CPU, torch.compile's inductor
+    builds C++ kernels and needs a C++ compiler (`$CXX`, g++, c++ or clang++ on PATH); without one
+    the work runs eagerly and says so in one line, instead of failing deep inside torch."""
     if device.type != "cpu":
         return True
     found = [c for c in (os.environ.get("CXX"), "g++", "c++", "clang++") if c and shutil.which(c)]
     if not found and log is not None:
-        log("train.compile = true: no C++ compiler on PATH ($CXX, g++, c++, clang++), which torch.compile needs "
-            "on a CPU; training without compiling (install g++ to compile, or set train.compile = false)")
+        log(f"{setting} = true: no C++ compiler on PATH ($CXX, g++, c++, clang++), which torch.compile needs "
+            f"on a CPU; running without compiling (install g++ to compile, or set {setting} = false)")
     return bool(found)
 
 

@@ -122,7 +122,7 @@ def rl_stage(cfg: Config, out: str | Path, resume: bool = False, dry_run: bool =
         stream = PromptStream(len(train), t.micro_batch_size, t.seed, rank=info.rank, world_size=info.world_size)
         reference = token_reference(model, rt, p.temperature) if p.beta > 0 else None
         objective = RLObjective(p, model, tok, train, train_ids, rewards, decode_runtime(rt.device), t.seed,
-                                val, val_ids, reference)
+                                val, val_ids, reference, compile_decode=cfg.generate.compile)
         data_info.update(seconds=round(time.perf_counter() - t0, 2), too_long={"train": dropped, "val": val_dropped},
                          seq_len=d.seq_len, init=str(init), rewards=p.rewards, group_size=p.group_size,
                          loss_type=p.loss_type, temperature=p.temperature, max_new_tokens=p.max_new_tokens)

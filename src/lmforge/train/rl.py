@@ -136,15 +136,17 @@ class RLObjective(TokenObjective):
 
     def __init__(self, cfg: RLConfig, policy: torch.nn.Module, tok, prompts: Sequence[Prompt],
                  prompt_ids: Sequence[Sequence[int]], rewards: Rewards, decode: Runtime, seed: int,
-                 val_prompts: Sequence[Prompt] = (), val_ids: Sequence[Sequence[int]] = (), reference=None):
+                 val_prompts: Sequence[Prompt] = (), val_ids: Sequence[Sequence[int]] = (), reference=None,
+                 compile_decode: bool = False):
         self.cfg, self.policy, self.tok, self.rewards, self.decode, self.seed = cfg, policy, tok, rewards, decode, seed
         self.prompts, self.prompt_ids = list(prompts), [list(x) for x in prompt_ids]
         self.val_prompts, self.val_ids = list(val_prompts), [list(x) for x in val_ids]
         self.rows_per_sample = cfg.group_size
         self.stop_ids = [tok.im_end_id, tok.eos_id]
         self.reference = reference
+        self.compile_decode = compile_decode  # generate.compile: the rollouts' decode step compiled
         self.sampling = SamplingConfig(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_k=0,
-                                       top_p=1.0, repetition_penalty=1.0, greedy=False)
+                                       top_p=1.0, repetition_penalty=1.0, greedy=False, compile=compile_decode)
         self._acc: Counter = Counter()
         # every rank reduces the same figures in the same order, whatever its own rollouts gave
         self._keys = sorted({"prompts", "rows", "reward", "reward_std", "frac_reward_zero_std",
@@ -244,7 +246,8 @@ class RLObjective(TokenObjective):
         `val_static` with `val_static_lo` / `val_static_hi` (95% Wilson), `val_parse_end` (parses and
         ends its turn), `val_trivial_rate`, `val_n`; for standard-library prompts also
         `val_behaviour` (with `_lo`, `_hi` and `_n`: the held-out functions it applies to)."""
-        greedy = SamplingConfig(max_new_tokens=self.cfg.max_new_tokens, greedy=True, repetition_penalty=1.0)
+        greedy = SamplingConfig(max_new_tokens=self.cfg.max_new_tokens, greedy=True, repetition_penalty=1.0,
+                                compile=self.compile_decode)
         n = reward = static = parse_end = trivial = b_pass = b_n = 0.0
         for chunk in batches:
             rows = [self.val_ids[i] for i in chunk]
