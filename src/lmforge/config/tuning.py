@@ -266,10 +266,11 @@ class SamplingConfig:
     greedy: bool = flag(False, _SAMPLING)
     """argmax decoding (also when temperature == 0)."""
     compile: bool = flag(False, _SAMPLING)
-    """torch.compile the decode step (`lmforge.model.decode.compiled_decode_step`): 1.6x the
-    tokens per second of a small model at batch 1 on a CPU, after a one-time compile of ~25 s
-    (seconds with inductor's cache warm), so for long generation: serving, reinforcement
-    learning's rollouts, evaluation. Needs a C++ compiler on a CPU (without one: eager, said once)."""
+    """torch.compile the decode step (`lmforge.model.decode.compiled_decode_step`) of `generate`,
+    `chat` and reinforcement learning's rollouts: 1.6x the tokens per second of the speedrun's
+    model at batch 1 on a CPU, 1.7x at batch 8, after a one-time compile of 8-25 s (inductor's
+    cache warm: seconds), so for long generation. The server keeps its eager batch-invariant step.
+    Needs a C++ compiler on a CPU (without one: eager, said once)."""
 
     def override(self, **values) -> "SamplingConfig":
         """A copy with `values` set, skipping those that are None (command-line flags not
