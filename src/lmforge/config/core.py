@@ -162,7 +162,8 @@ class ModelConfig:
     n_layers: int = num(4, 1, 1024, ARCH)  # Llama 3 405B: 126
     n_heads: int = num(4, 1, 1 << 12, ARCH)
     """Query heads (head_dim = dim / n_heads). The recipe's 4 (head_dim 64) against 8 (head_dim 32):
-    -0.058 and -0.073 bits/byte at equal wall clock, 2 seeds, 13-15% faster steps (bench/RESULTS.md)."""
+    -0.066 bits/byte at equal wall clock (mean of 3 seeds, every seed lower), 13-15% faster steps
+    (bench/RESULTS.md)."""
     n_kv_heads: int = num(2, 1, 1 << 12, ARCH)
     vocab_size: int = num(0, 0, MAX_VOCAB, ARCH)
     """0 = derived from the tokenizer's contract (always, in practice). A value set by

@@ -177,6 +177,14 @@ def decode_weights(model: "Transformer", dtype: torch.dtype | None = None) -> De
 
 
 
+def _cache_weights(model: "Transformer", cache: KVCache, device: torch.device) -> DecodeWeights:
+    """The cache's decode weights in the compute dtype of `device`, made on first use."""
+    dtype = compute_dtype(device, model.output.weight.dtype)
+    if cache.weights is None or cache.weights.dtype != dtype:
+        cache.weights = decode_weights(model, dtype)
+    return cache.weights
+
+
 @torch.no_grad()
 def decode_step(model: "Transformer", tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                 slots: torch.Tensor | None = None, batch_invariant: bool = False) -> torch.Tensor:
@@ -200,11 +208,8 @@ def decode_step(model: "Transformer", tokens: torch.Tensor, positions: torch.Ten
     Returns:
         logits (B, vocab_size) in the compute dtype.
     """
-    w = cache.weights
-    dev = tokens.device
-    dtype = compute_dtype(dev, model.output.weight.dtype)
-    if w is None or w.dtype != dtype:
-        w = cache.weights = decode_weights(model, dtype)
+    w = _cache_weights(model, cache, tokens.device)
+    dev, dtype = tokens.device, w.dtype
     c = model.config
     B, H, KV, hd = tokens.shape[0], c.n_heads, c.n_kv_heads, c.head_dim
     G, eps, scale = H // KV, c.norm_eps, 1.0 / math.sqrt(hd)
@@ -285,9 +290,7 @@ def compiled_decode_step(model: "Transformer"):
         compiled = torch.compile(decode_step, dynamic=True, options={"cpp_wrapper": True})
 
         def step(tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
-            dtype = compute_dtype(tokens.device, model.output.weight.dtype)
-            if cache.weights is None or cache.weights.dtype != dtype:  # made eagerly, outside the graph
-                cache.weights = decode_weights(model, dtype)
+            _cache_weights(model, cache, tokens.device)  # made eagerly, outside the graph
             slots = torch.full((tokens.shape[0],), cache.length, dtype=torch.long, device=tokens.device)
             logits = compiled(model, tokens, positions, cache, slots)
             cache.length += 1
