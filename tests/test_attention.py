@@ -339,6 +339,11 @@ def test_resolve_backend():
     assert resolve_backend("sdpa", "cpu") == "sdpa"
     assert resolve_backend("flex", "cuda") == "flex"
     assert resolve_backend("flex", "cpu", training=False) == "flex"  # forward only: inference is fine
+    # FlexAttention's kernel needs head_dim >= 16 (an inductor NotImplementedError on CUDA otherwise)
+    assert resolve_backend("auto", "cuda", head_dim=16) == "flex"
+    assert resolve_backend("auto", "cuda", head_dim=8) == "sdpa"
+    with pytest.raises(ConfigError, match="head_dim 8 .*at least 16"):
+        resolve_backend("flex", "cuda", head_dim=8)
     with pytest.raises(ConfigError, match=r'model.attention = "flex" cannot train on cpu.*model.attention="sdpa"'):
         resolve_backend("flex", "cpu", training=True)
     with pytest.raises(ConfigError, match=r"model.attention = 'xformers': expected one of 'auto', 'sdpa', 'flex'"):

@@ -199,6 +199,41 @@ def test_t12_pair_logps_do_not_depend_on_padding_or_batch_order(tiny_run, packin
                     assert torch.allclose(torch.stack([c[k], r[k]]), alone[i], atol=1e-4), (i, batch_size)
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (FlexAttention backward)")
+def test_cuda_flex_packed_pair_logps_and_gradients_equal_each_pair_alone(tiny_run):
+    """On CUDA, fp32 without TF32, the path `attention = "auto"` takes there: FlexAttention over
+    packed pair rows gives each side's log-probability and the gradient of their sum that sdpa gives
+    the pairs one a row."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    cfg, tok = tiny_run
+    # head_dim 16: FlexAttention's kernel needs at least 16 (the tiny model's 8 resolves to sdpa)
+    model = Transformer(resolve_model_config(replace(cfg.model, n_heads=2, n_kv_heads=1), tok.contract))
+    model.reset_parameters(seed=1)
+    model = model.cuda()
+    pairs = [pair_from_record(r, f"zen:{i}") for i, r in enumerate(zen_records())]
+    samples = render_pairs(pairs, tok, 64)
+    stream = PairStream(samples, 128, 6, tok.pad_id, seed=2, packing=True)
+    b = stream.next_batch().to("cuda")
+    model.set_attention("flex")
+    model.zero_grad()
+    c, r = sequence_logps(model, b)
+    (c.sum() + r.sum()).backward()
+    packed_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.set_attention("sdpa")
+    model.zero_grad()
+    total = 0.0
+    for k, i in enumerate(b.pair_index.tolist()):
+        sub = render_pairs([pairs[i]], tok, 64)
+        one = next(iter(pair_batches(sub, int(sub.n_pairs[0]), 1, tok.pad_id, packing=False))).to("cuda")
+        c1, r1 = sequence_logps(model, one)
+        assert abs(float(c1[0]) - float(c[k])) <= 1e-4 and abs(float(r1[0]) - float(r[k])) <= 1e-4, i
+        total = total + c1.sum() + r1.sum()
+    total.backward()
+    for n, p in model.named_parameters():
+        assert float((p.grad - packed_grads[n]).abs().max()) <= 1e-4, n
+
+
 def test_packed_pair_rows_hold_each_side_once_as_its_own_segment(tiny_run):
     """dpo.packing's layout: every side of the micro-batch's pairs lies whole in one segment of
     one row (its slots named by `groups`, its positions from 0, its targets and loss mask those

@@ -40,12 +40,16 @@ def test_cross_entropy_sum_matches_float64_reference():
     assert got_b.dtype == torch.float32 and abs(float(got_b) - float(ref_b)) <= 1e-5 * float(ref_b)
 
 
-def test_grouped_sums_and_their_gradients_match_a_per_group_reference():
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["eager", "compiled"])
+def test_grouped_sums_and_their_gradients_match_a_per_group_reference(compiled):
     """linear_cross_entropy_sum(..., groups): one sum per group (a side of a DPO pair, wherever it
     lies in a packed row), and the gradient of any weighted combination of them, equal the
     float64 cross-entropy of each group's positions alone (to float32's precision: the loss
-    is summed in float32)."""
-    from lmforge.model.loss import linear_cross_entropy_sum
+    is summed in float32). Compiled too: torch.compile traces the forward's out-of-place branch
+    (the in-place one lost every gradient under torch 2.11 on CUDA)."""
+    from lmforge.model.loss import linear_cross_entropy_sum as eager
+
+    linear_cross_entropy_sum = torch.compile(eager, fullgraph=True) if compiled else eager
 
     g = torch.Generator().manual_seed(0)
     N, D, V, G = 37, 8, 11, 5
@@ -67,8 +71,14 @@ def test_grouped_sums_and_their_gradients_match_a_per_group_reference():
     assert torch.allclose(sums.double(), ref, rtol=tol, atol=tol)
     assert torch.allclose(hidden.grad.double(), h64.grad, rtol=tol, atol=tol)
     assert torch.allclose(weight.grad.double(), w64.grad, rtol=tol, atol=tol)
-    total = linear_cross_entropy_sum(hidden.detach(), weight.detach(), targets, mask)  # ungrouped: the sum
-    assert float(total) == pytest.approx(float(ref.detach().sum()), rel=tol)
+    h2, w2 = hidden.detach().requires_grad_(), weight.detach().requires_grad_()
+    total = linear_cross_entropy_sum(h2, w2, targets, mask)  # ungrouped: the sum, and its gradient
+    assert float(total.detach()) == pytest.approx(float(ref.detach().sum()), rel=tol)
+    total.backward()
+    h64, w64 = hidden.detach().double().requires_grad_(), weight.detach().double().requires_grad_()
+    (F.cross_entropy(h64 @ w64.t(), targets, reduction="none") * mask).sum().backward()
+    assert torch.allclose(h2.grad.double(), h64.grad, rtol=tol, atol=tol)
+    assert torch.allclose(w2.grad.double(), w64.grad, rtol=tol, atol=tol)
 
 
 def test_targets_outside_the_mask_are_never_read():

@@ -215,25 +215,39 @@ def _causal_block_mask_cached(T: int, device: str):
 BACKENDS = {"sdpa": sdpa_attend, "flex": flex_attend}
 
 
-def resolve_backend(name: str, device: torch.device | str, training: bool = True) -> str:
-    """The backend for `model.attention` on `device`: "auto" -> "flex" on CUDA, "sdpa"
-    elsewhere; "sdpa" and "flex" as given.
+#: FlexAttention's compiled kernel needs a head dimension of at least 16 (inductor: "NYI:
+#: embedding dimension of the query, key, and value must be at least 16"; seen on an H100,
+#: torch 2.11, session 13).
+FLEX_MIN_HEAD_DIM = 16
+
+
+def resolve_backend(name: str, device: torch.device | str, training: bool = True,
+                    head_dim: int | None = None) -> str:
+    """The backend for `model.attention` on `device`: "auto" -> "flex" on CUDA (sdpa for a
+    head_dim below FLEX_MIN_HEAD_DIM), "sdpa" elsewhere; "sdpa" and "flex" as given.
 
     Raises:
-        ConfigError: an unknown name, or an explicit "flex" for training on a device other
-            than CUDA (torch 2.13's FlexAttention has no backward pass on CPU). Stages call
-            this before any work, so the error comes at config time.
+        ConfigError: an unknown name, an explicit "flex" for training on a device other
+            than CUDA (torch 2.13's FlexAttention has no backward pass on CPU), or an explicit
+            "flex" for a model whose head_dim (dim / n_heads) is below 16. Stages call this
+            before any work, so the error comes at config time.
     """
     device = torch.device(device)
     if name not in ("auto", *BACKENDS):
         raise ConfigError(f"model.attention = {name!r}: expected one of 'auto', 'sdpa', 'flex'. "
                           f"Set model.attention=\"auto\".")
+    small = head_dim is not None and head_dim < FLEX_MIN_HEAD_DIM
     if name == "auto":
-        return "flex" if device.type == "cuda" else "sdpa"
+        return "flex" if device.type == "cuda" and not small else "sdpa"
     if name == "flex" and training and device.type != "cuda":
         raise ConfigError(
             f"model.attention = \"flex\" cannot train on {device.type}: FlexAttention has no backward "
             f"pass on CPU in torch {torch.__version__.split('+')[0]} (expected a CUDA device for \"flex\"). "
             f"Set model.attention=\"sdpa\" (or \"auto\", which picks flex on CUDA and sdpa elsewhere)."
         )
+    if name == "flex" and small:
+        raise ConfigError(
+            f"model.attention = \"flex\" with head_dim {head_dim} (model.dim / model.n_heads): FlexAttention's "
+            f"kernel needs a head_dim of at least {FLEX_MIN_HEAD_DIM}. Set model.attention=\"auto\" (sdpa for "
+            f"this model) or fewer heads.")
     return name

@@ -55,7 +55,15 @@ class TrainingSession:
     started: float = 0.0
 
     def place(self, model: Transformer) -> Transformer:
-        """`model` with the session's attention backend, on its device, in training mode."""
+        """`model` with the session's attention backend, on its device, in training mode
+        (resolved again for the model's own head_dim: a model read from a checkpoint or a
+        Hugging Face folder may have other shapes than the config's).
+
+        Raises:
+            ConfigError: see `resolve_backend`.
+        """
+        self.backend = resolve_backend(self.cfg.model.attention, self.info.device, training=True,
+                                       head_dim=model.config.head_dim)
         model.set_attention(self.backend)
         return model.to(self.runtime.device).train()
 
@@ -112,7 +120,8 @@ def training_session(cfg: Config, out: str | Path, command: str, resume: bool, d
         # the model's vocab is not resolved yet: the tokenizer's size bounds it from above
         check_fits_in_memory(replace(cfg.model, vocab_size=cfg.model.vocab_size or cfg.tokenizer.vocab_size),
                              cfg.train.micro_batch_size * cfg.data.seq_len)
-        backend = resolve_backend(cfg.model.attention, info.device, training=True)
+        backend = resolve_backend(cfg.model.attention, info.device, training=True,
+                                  head_dim=cfg.model.head_dim)
         runtime = training_runtime(cfg.train.precision, info.device)
         with contextlib.ExitStack() as stack:
             seed_everything(cfg.train.seed)

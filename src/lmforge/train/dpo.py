@@ -144,6 +144,8 @@ class DPOObjective(TokenObjective):
     pairs, `val_reference` the held-out ones (the same function when it is live);
     `val_mutations[i]` is held-out pair i's kind ("" when the data names none)."""
 
+    zero_gradient_is_a_fault = False  # its gradient can be 0 (TokenObjective.zero_gradient_is_a_fault)
+
     stats = STATS
     unit = "pair"
     rows_per_sample = 2  # chosen and rejected, in one forward (packed: at most)

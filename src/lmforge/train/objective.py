@@ -27,6 +27,12 @@ class TokenObjective:
     """What `count` counts (the loss is in nats per unit)."""
     rows_per_sample = 1
     """Rows of seq_len tokens one micro-batch item takes (DPO: 2, chosen and rejected)."""
+    zero_gradient_is_a_fault = True
+    """Cross-entropy over supervised targets always has a gradient (the output head's is
+    hidden x (softmax - one-hot)): a gradient norm of exactly 0 with a finite loss above 0 is a
+    broken backward pass, and the trainer stops at the first step (a compiled loss that lost
+    its saved tensor on torch 2.11 + CUDA trained a frozen model for a whole run; session 13).
+    Objectives whose gradient can be 0 legitimately (RL: equal rewards in every group) say False."""
 
     def count(self, batch: Batch) -> int:
         return batch.n_supervised

@@ -132,6 +132,8 @@ class RLObjective(TokenObjective):
     function (RLBatch) -> (R, T) log-probabilities under `rl.init` (rl.beta > 0), else None.
     """
 
+    zero_gradient_is_a_fault = False  # its gradient can be 0 (TokenObjective.zero_gradient_is_a_fault)
+
     unit = "prompt"
 
     def __init__(self, cfg: RLConfig, policy: torch.nn.Module, tok, prompts: Sequence[Prompt],

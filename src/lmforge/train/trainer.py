@@ -102,6 +102,7 @@ class Trainer:
         self.supervised = 0
         self.elapsed = 0.0
         self._stop_signal: int | None = None
+        self._gradient_checked = False
         self._fsdp = self.dist.distributed and is_sharded(self.raw_model)
         self.health = HealthMonitor(self.cfg.train.steps, self.cfg.train.warmup_steps)
         self.eval_tasks = self._eval_tasks()
@@ -269,6 +270,16 @@ class Trainer:
         if not (math.isfinite(loss) and math.isfinite(float(grad_norm))):
             self.optimizer.zero_grad(set_to_none=True)
             self._non_finite(loss, float(grad_norm))
+        if not self._gradient_checked:  # the first step of this process (a resume's too)
+            self._gradient_checked = True
+            if self.objective.zero_gradient_is_a_fault and n_global > 0 and loss > 0 and float(grad_norm) == 0.0:
+                self.optimizer.zero_grad(set_to_none=True)
+                raise TrainingError(
+                    f"step {self.step + 1}: the loss is {loss:.4f} nats/token over {int(n_global)} supervised "
+                    f"targets but the gradient norm is exactly 0: the backward pass is broken, and every step "
+                    f"would leave the weights as they are. train.compile = {str(self.cfg.train.compile).lower()} "
+                    f"(torch {torch.__version__}, {self.device.type}): with true, set train.compile=false and run "
+                    f"again; nothing was saved for this step.")
         # every UPDATE_RATIO_EVERY steps: |delta W| / |W| of this step, for the health monitor
         # (a copy of the trainable weights; not for FSDP2's DTensor shards)
         trained = [p for p in self.raw_model.parameters() if p.requires_grad]
