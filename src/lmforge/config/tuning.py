@@ -201,6 +201,12 @@ class RLConfig(TuningConfig):
     otherwise); 0 = none, and no reference model is built."""
     reward_timeout_s: float = num(5.0, 0.1, 600.0, _RL_ROLLOUT)
     """Seconds one sandboxed reward (doctests) may run before it is a TIMEOUT (scored 0)."""
+    packing: bool = flag(True, refused(RL, "how rollouts are laid out in rows (the float sums of every step)", _NO_RL))
+    """Pack a micro-batch's rollouts (prompt + completion) into as few rows as fit, each its own
+    attention segment with positions from 0 (exact: each sees only itself, as alone in a row),
+    for the policy's and the reference's forward, instead of one rollout a right-padded row
+    (false). The same rollouts, loss and step up to float rounding; the log's `padding` says
+    the share of row slots that held none (bench/RESULTS.md, "Packed RL rollouts")."""
 
 
 def check_lora_targets(name: str, targets: list[str]) -> None:

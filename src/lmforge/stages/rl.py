@@ -136,7 +136,9 @@ def rl_stage(cfg: Config, out: str | Path, resume: bool = False, dry_run: bool =
                       for split, ids in (("train", train_ids), ("val", val_ids))}
             log(f"rl: init {init}; prompts {p.data!r}; rewards {', '.join(p.rewards)}; {p.group_size} completions "
                 f"per prompt at temperature {p.temperature:g}, at most {p.max_new_tokens} tokens; loss {p.loss_type}"
-                + (f", KL to the init x {p.beta:g}" if p.beta > 0 else ", no KL term (no reference model)"))
+                + (f", KL to the init x {p.beta:g}" if p.beta > 0 else ", no KL term (no reference model)")
+                + ("; rollouts packed in rows (each its own segment)" if p.packing else
+                   "; one rollout a right-padded row"))
             log(startup_report(model, tok, report, cfg, info.world_size, rt, objective))
             log(f"rl: {chat_template_line(tok)}")
             if cfg.lora.rank > 0:

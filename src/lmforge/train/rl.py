@@ -35,9 +35,11 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from lmforge.config import RLConfig, SamplingConfig
+from lmforge.data.packing import Batch, build_row, collate, plan_packed
 from lmforge.data.prompts import Prompt, PromptStream
 from lmforge.generate import generate
 from lmforge.model import lora
@@ -53,10 +55,16 @@ from lmforge.train.objective import TokenObjective
 
 @dataclass
 class RLBatch:
-    """A micro-batch of rollouts: R = prompts x group_size rows, (R, T) right-padded prompt +
+    """A micro-batch of rollouts: R = prompts x group_size rollouts, (R, T) right-padded prompt +
     completion. `loss_mask`: the completion's tokens (the sampled stop token included) as
     targets; `sampler_logps` (R, T) float32: the sampler's log-probabilities there (0 elsewhere);
-    `advantages` (R,) float64; `rewards` (R,) float64; `stats`: the rollout's sums for the log."""
+    `advantages` (R,) float64; `rewards` (R,) float64; `stats`: the rollout's sums for the log.
+
+    With `rows` (rl.packing): the forward runs on `rows`, the rollouts packed into R' <= R rows
+    of T (best fit, longest first; each its own attention segment with positions from 0, so
+    exactly as alone in a row), and `unpack` (R, T) int64 maps each rollout's position to its
+    slot in the flattened rows (0 past its end: masked out); every other field keeps the (R, T)
+    layout, so the loss is the padded one's."""
 
     tokens: torch.Tensor
     targets: torch.Tensor
@@ -66,6 +74,10 @@ class RLBatch:
     advantages: torch.Tensor
     rewards: torch.Tensor
     stats: dict = field(default_factory=dict)
+    rows: Batch | None = None
+    unpack: torch.Tensor | None = None
+    #: (padding slots, all slots) of the rows the forward runs on
+    slots: tuple[int, int] = (0, 0)
 
     @property
     def n_supervised(self) -> int:
@@ -74,7 +86,17 @@ class RLBatch:
     def to(self, device) -> "RLBatch":
         moved = {f: getattr(self, f).to(device) for f in ("tokens", "targets", "loss_mask", "positions",
                                                           "sampler_logps", "advantages", "rewards")}
-        return RLBatch(**moved, stats=self.stats)
+        packed = {} if self.rows is None else {"rows": self.rows.to(device), "unpack": self.unpack.to(device)}
+        return RLBatch(**moved, stats=self.stats, slots=self.slots, **packed)
+
+    def logps(self, model: torch.nn.Module, temperature: float) -> torch.Tensor:
+        """(R, T) float32 log-probabilities of the targets under `model` at `temperature`
+        (`token_logps`), from one forward over the rows as laid out (packed or padded)."""
+        if self.rows is None:
+            return token_logps(model(self.tokens, self.positions), self.targets, temperature)
+        r = self.rows
+        lp = token_logps(model(r.tokens, r.positions, r.document_ids), r.targets, temperature)  # (R', T)
+        return lp.reshape(-1)[self.unpack]
 
 
 @contextlib.contextmanager
@@ -101,26 +123,40 @@ def sampling_seed(seed: int, epoch: int, start: int) -> int:
 
 def build_batch(prompt_ids: Sequence[Sequence[int]], completions: Sequence[Sequence[int]],
                 logps: Sequence[Sequence[float]], advantages: torch.Tensor, rewards: torch.Tensor,
-                pad_id: int) -> RLBatch:
+                pad_id: int, packing: bool = False) -> RLBatch:
     """Rows prompt + completion, right-padded to the longest; the completion's tokens are the
-    targets of the positions before them (`loss_mask`), with the sampler's log-probabilities."""
+    targets of the positions before them (`loss_mask`), with the sampler's log-probabilities.
+    With `packing`, the forward's rows too (`RLBatch.rows`: `plan_packed` into rows as wide as
+    the longest rollout, longest first; deterministic, the same on every rank count)."""
     R = len(prompt_ids)
-    T = max(len(p) + len(c) for p, c in zip(prompt_ids, completions)) - 1
-    T = max(T, 1)
+    seqs = [list(p) + list(c) for p, c in zip(prompt_ids, completions)]
+    n = np.array([len(x) - 1 for x in seqs], dtype=np.int64)  # each rollout's positions
+    T = max(int(n.max(initial=0)), 1)
     tokens = torch.full((R, T), pad_id, dtype=torch.long)
     targets = torch.zeros((R, T), dtype=torch.long)
     mask = torch.zeros((R, T), dtype=torch.bool)
     sampler = torch.zeros((R, T), dtype=torch.float32)
     for i, (p, c, lp) in enumerate(zip(prompt_ids, completions, logps)):
-        row = list(p) + list(c)
-        n = len(row) - 1
-        tokens[i, :n] = torch.as_tensor(row[:-1], dtype=torch.long)
-        targets[i, :n] = torch.as_tensor(row[1:], dtype=torch.long)
+        row = seqs[i]
+        tokens[i, :n[i]] = torch.as_tensor(row[:-1], dtype=torch.long)
+        targets[i, :n[i]] = torch.as_tensor(row[1:], dtype=torch.long)
         a, b = len(p) - 1, len(p) - 1 + len(c)
         mask[i, a:b] = True
         sampler[i, a:b] = torch.as_tensor(list(lp), dtype=torch.float32)
     positions = torch.arange(T).expand(R, T).clone()
-    return RLBatch(tokens, targets, mask, positions, sampler, advantages.double(), rewards.double())
+    batch = RLBatch(tokens, targets, mask, positions, sampler, advantages.double(), rewards.double(),
+                    slots=(R * T - int(n.sum()), R * T))
+    if packing:
+        layout = plan_packed(n, np.argsort(-n, kind="stable"), T)
+        batch.rows = collate([build_row(pieces, lambda j, a, b: seqs[j][a:b], None, T, pad_id) for pieces in layout])
+        batch.unpack = torch.zeros((R, T), dtype=torch.long)
+        for r, pieces in enumerate(layout):
+            at = r * T
+            for j, _, m in pieces:
+                batch.unpack[j, :m] = torch.arange(at, at + m)
+                at += m
+        batch.slots = (len(layout) * T - int(n.sum()), len(layout) * T)
+    return batch
 
 
 class RLObjective(TokenObjective):
@@ -153,7 +189,7 @@ class RLObjective(TokenObjective):
         # every rank reduces the same figures in the same order, whatever its own rollouts gave
         self._keys = sorted({"prompts", "rows", "reward", "reward_std", "frac_reward_zero_std",
                              "completions/mean_length", "completions/clipped_ratio", "stop_rate", "trivial_rate",
-                             "rollout_s", "mismatch_kl", "tokens", *(f"rewards/{n}" for n in rewards.names),
+                             "rollout_s", "mismatch_kl", "tokens", "pad_slots", "row_slots", *(f"rewards/{n}" for n in rewards.names),
                              *(f"applies/{n}" for n in rewards.names),
                              *(f"sandbox/{v}" for v in (*VERDICTS, "NODOC") if SANDBOXED & set(rewards.names))})
 
@@ -175,7 +211,7 @@ class RLObjective(TokenObjective):
         check_errors(scored.results, f"rl: the rollouts of prompts {draw.indices}")
         rewards = torch.tensor(scored.total, dtype=torch.float64)
         advantages = group_advantages(rewards, G)
-        batch = build_batch(rows, ids, logps, advantages, rewards, self.tok.pad_id)
+        batch = build_batch(rows, ids, logps, advantages, rewards, self.tok.pad_id, packing=self.cfg.packing)
         groups = rewards.view(-1, G)
         std = groups.std(1, unbiased=False)
         stats = Counter({"prompts": len(draw.indices), "rows": len(rows), "reward": float(rewards.sum()),
@@ -184,7 +220,8 @@ class RLObjective(TokenObjective):
                          "completions/clipped_ratio": float(sum(not s for s in stopped)),
                          "stop_rate": float(sum(stopped)),
                          "trivial_rate": float(sum(r == "trivial" for r in scored.reasons)),
-                         "rollout_s": time.perf_counter() - t0})
+                         "rollout_s": time.perf_counter() - t0,
+                         "pad_slots": float(batch.slots[0]), "row_slots": float(batch.slots[1])})
         for name, values in scored.each.items():
             stats[f"rewards/{name}"] = float(sum(v for v in values if v is not None))
             stats[f"applies/{name}"] = float(sum(v is not None for v in values))
@@ -203,8 +240,7 @@ class RLObjective(TokenObjective):
         return float(R * self.cfg.max_new_tokens if kind == "dr_grpo" else R if kind == "grpo" else batch.n_supervised)
 
     def loss(self, model: torch.nn.Module, batch: RLBatch) -> tuple[torch.Tensor, None]:
-        logits = model(batch.tokens, batch.positions)
-        lp = token_logps(logits, batch.targets, self.cfg.temperature)
+        lp = batch.logps(model, self.cfg.temperature)
         ref = self.reference(batch) if self.cfg.beta > 0 else None
         num, _ = policy_gradient_loss(lp, batch.advantages, batch.loss_mask, self.cfg.loss_type,
                                       self.cfg.max_new_tokens, ref, self.cfg.beta)
@@ -223,7 +259,10 @@ class RLObjective(TokenObjective):
         rows, prompts, tokens = max(t.get("rows", 0.0), 1.0), max(t.get("prompts", 0.0), 1.0), max(t.get("tokens", 0.0), 1.0)
         out = {}
         for k, v in t.items():
-            if k in ("rows", "prompts", "tokens"):
+            if k in ("rows", "prompts", "tokens", "row_slots"):
+                continue
+            if k == "pad_slots":  # the share of the forward's row slots that held no rollout
+                out["padding"] = round(v / max(t.get("row_slots", 0.0), 1.0), 4)
                 continue
             if k in ("reward_std", "frac_reward_zero_std"):
                 out[k] = v / prompts
@@ -293,7 +332,7 @@ def token_reference(model: torch.nn.Module, runtime: Runtime, temperature: float
 
     def ref(batch: RLBatch) -> torch.Tensor:
         with scoring() as reference:
-            return token_logps(reference(batch.tokens, batch.positions), batch.targets, temperature)
+            return batch.logps(reference, temperature)
 
     return ref
 
