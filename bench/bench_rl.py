@@ -26,7 +26,9 @@ Skipped (a note, exit 0) when the checkpoint is absent: `make speedrun` writes i
 `--smoke`: a tiny model trained in seconds (figures mean nothing; proves the benchmark runs).
 `--speed`: instead, the rollout's tokens per second (sampling with the sampler's log-probabilities, the
 static reward, the batch built: `RLObjective.next_batch`) beside plain `generate` at the same batch (4
-prompts x 8 completions, 96 new tokens, temperature 1), interleaved round by round in one process.
+prompts x 8 completions, 96 new tokens, temperature 1), interleaved round by round in one process;
+and the loss's forward + backward on each round's rollouts, one rollout a right-padded row against
+packed rows (`rl.packing`), interleaved, with each layout's padding share.
 """
 
 from __future__ import annotations
@@ -174,11 +176,26 @@ def rollout_speed(ckpt: Path, args) -> dict:
     objective = RLObjective(rl_cfg, model, tok, prompts, ids, rl_module.Rewards(["static"]), rt, seed=0)
     stream = PromptStream(len(prompts), 4, seed=0)
     sampling = SamplingConfig(max_new_tokens=96, temperature=1.0, top_k=0, top_p=1.0, repetition_penalty=1.0)
-    rollout, plain = [], []
+    rollout, plain, step = [], [], {"padded": [], "packed": []}
+    padding = {"padded": [], "packed": []}
     for r in range(args.rounds):
         t0 = time.perf_counter()
         batch = objective.next_batch(stream, model)
         rollout.append(int(batch.loss_mask.sum()) / (time.perf_counter() - t0))
+        # the training forward + backward on these rollouts, one rollout a row against packed (rl.packing)
+        layouts = {"padded": replace(batch, rows=None, unpack=None), "packed": batch}
+        for name in (("padded", "packed") if r % 2 == 0 else ("packed", "padded")):
+            b = layouts[name]
+            if name == "padded":
+                R, T = b.tokens.shape
+                b.slots = (R * T - (b.slots[1] - b.slots[0]), R * T)
+            model.train()
+            t0 = time.perf_counter()
+            num, _ = objective.loss(model, b)
+            (num / objective.count(b)).backward()
+            step[name].append(time.perf_counter() - t0)
+            model.zero_grad(set_to_none=True)
+            padding[name].append(b.slots[0] / b.slots[1])
         rows = [ids[i % len(ids)] for i in range(4 * r, 4 * r + 4) for _ in range(8)]
         t0 = time.perf_counter()
         out = generate(model, rows, [tok.im_end_id, tok.eos_id], sampling, tok.pad_id,
@@ -191,7 +208,17 @@ def rollout_speed(ckpt: Path, args) -> dict:
                         ["ratio generate / rollout", f"{b.median / a.median:.2f}x", ""]],
                        title=f"rollout speed, 4 prompts x 8 completions, 96 new tokens, {args.rounds} rounds; "
                              f"{common.machine_line()}"))
-    return {"rollout_tokens_per_s": a.median, "generate_tokens_per_s": b.median}
+    p, q = common.Stats(step["padded"]), common.Stats(step["packed"])
+    print(common.table(["rows", "padding (mean)", "forward + backward s (median)", "min-max"],
+                       [["one rollout a row (rl.packing = false)", f"{statistics.mean(padding['padded']):.1%}",
+                         f"{p.median:.3f}", p.spread("{:.3f}")],
+                        ["packed (rl.packing = true)", f"{statistics.mean(padding['packed']):.1%}", f"{q.median:.3f}",
+                         q.spread("{:.3f}")],
+                        ["ratio padded / packed", "", f"{p.median / q.median:.2f}x", ""]],
+                       title="the loss's forward + backward on the same rollouts (32 a micro-batch), interleaved"))
+    return {"rollout_tokens_per_s": a.median, "generate_tokens_per_s": b.median, "loss_s_padded": p.median,
+            "loss_s_packed": q.median, "padding_padded": statistics.mean(padding["padded"]),
+            "padding_packed": statistics.mean(padding["packed"])}
 
 
 def run(ckpt: Path, args, tmp: Path) -> dict:
