@@ -288,10 +288,16 @@ def main(argv: list[str] | None = None) -> dict:
                     help="seconds for all configs' steps; fewer steps (>= 3 timed) when the first is slow; 0 = none")
     ap.add_argument("--compile", action="store_true", help="torch.compile both models (slow to start on CPU)")
     ap.add_argument("--no-profile", action="store_true")
+    ap.add_argument("--attention-backward", default="matmul", choices=("matmul", "sdpa"),
+                    help="lmforge's attention backward in compiled bf16 CPU training: matmul (the default, "
+                         "lmforge.model.attention.cpu_attention) or sdpa (torch's own flash backward, as before)")
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                     help="where both sides run (cuda: the profile is left out; the gpu config fits it)")
     common.smoke_flag(ap)
     args = ap.parse_args([] if argv is None else argv)
+    from lmforge.model import attention
+
+    attention.CPU_ATTENTION = args.attention_backward == "matmul"
     configs, mm_n, profiled = CONFIGS, 2048, "larger"
     if args.device == "cuda":
         mm_n = 8192  # a GPU's matmul peak needs a large product

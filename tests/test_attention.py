@@ -103,6 +103,81 @@ def test_backend_matches_the_float64_reference(backend, B, H, KV, T):
         torch.testing.assert_close(fn(q, k, v, docs), v.repeat_interleave(H // KV, 1), rtol=0, atol=1e-6)
 
 
+# -- cpu_attention: sdpa's CPU forward, a backward from matrix products (compiled bf16 training) --
+def _bf16_inputs(B, H, KV, T, hd, gen, q_scale=1.0):
+    q = (q_scale * torch.randn(B, H, T, hd, generator=gen)).bfloat16().requires_grad_()
+    k = torch.randn(B, KV, T, hd, generator=gen).bfloat16().requires_grad_()
+    v = torch.randn(B, KV, T, hd, generator=gen).bfloat16().requires_grad_()
+    return q, k, v, torch.randn(B, H, T, hd, generator=gen).bfloat16()
+
+
+def _grads(fn, q, k, v, d_out):
+    out = fn(q, k, v)
+    grads = torch.autograd.grad(out, (q, k, v), d_out)
+    return out, grads
+
+
+@pytest.mark.parametrize("B, H, KV, T, q_scale", [(2, 4, 2, 96, 1.0), (3, 4, 4, 64, 4.0), (1, 8, 2, 130, 2.0),
+                                                   (2, 2, 1, 1, 1.0)])
+@pytest.mark.parametrize("mask_kind", ["causal", "bool", "additive"])
+def test_cpu_attention_forward_equals_sdpa_and_gradients_are_as_close_to_float64(B, H, KV, T, q_scale, mask_kind):
+    """The forward is sdpa's own output bit for bit; each gradient's relative error against a
+    float64 reference is at most 1.5x that of sdpa's bf16 backward + 1e-3 (bf16 rounding), with
+    plain causal rows, document masks (bool and additive) and padded segments, GQA 1-4, T = 1."""
+    gen = torch.Generator().manual_seed(B * 100 + T)
+    q, k, v, d_out = _bf16_inputs(B, H, KV, T, 64, gen, q_scale)
+    docs = random_document_ids(B, T, gen)
+    allowed = document_mask(docs)
+    attn_mask = {"causal": None, "bool": allowed,
+                 "additive": A.additive_document_mask(docs, torch.bfloat16)}[mask_kind]
+    mask = A.AttentionMask(is_causal=attn_mask is None, attn_mask=attn_mask)
+    ours, our_grads = _grads(lambda *t: A.cpu_attention(*t, attn_mask), q, k, v, d_out)
+    sdpa, sdpa_grads = _grads(lambda *t: A.sdpa_attend(*t, mask), q, k, v, d_out)
+    assert ours.dtype == torch.bfloat16 and torch.equal(ours, sdpa)
+    ids = None if attn_mask is None else docs
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    rep = H // KV
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q64, k64.repeat_interleave(rep, 1), v64.repeat_interleave(rep, 1),
+        attn_mask=None if ids is None else document_mask(ids), is_causal=ids is None)
+    ref_grads = torch.autograd.grad(ref, (q64, k64, v64), d_out.double())
+    for name, a, b, r in zip("qkv", our_grads, sdpa_grads, ref_grads):
+        err = float((a.double() - r).norm() / r.norm())
+        sdpa_err = float((b.double() - r).norm() / r.norm())
+        assert err <= 1.5 * sdpa_err + 1e-3, f"d{name}: {err:.2e} against sdpa's {sdpa_err:.2e}"
+
+
+def test_cpu_attention_is_taken_only_by_compiled_bf16_training(monkeypatch):
+    """sdpa_attend routes to cpu_attention while torch.compile traces a bf16 forward that needs
+    gradients; not in eager, not without gradients, not in fp32, not when switched off."""
+    calls = []
+    real = A.cpu_attention
+    monkeypatch.setattr(A, "cpu_attention", lambda *a: calls.append(1) or real(*a))
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, d_out = _bf16_inputs(2, 4, 2, 32, 64, gen)
+    mask = A.AttentionMask(is_causal=True)
+
+    def step(q, k, v):
+        return A.sdpa_attend(q, k, v, mask)
+
+    step(q, k, v)
+    with torch.no_grad():
+        torch.compile(step, backend="eager")(q, k, v)
+    torch.compile(step, backend="eager")(q.float(), k.float(), v.float())
+    assert calls == []
+    torch._dynamo.reset()
+    out, grads = _grads(torch.compile(step, backend="eager", fullgraph=True), q, k, v, d_out)
+    assert calls == [1]
+    _, eager_grads = _grads(lambda *t: real(*t, None), q, k, v, d_out)
+    for a, b in zip(grads, eager_grads):
+        assert torch.equal(a, b)
+    monkeypatch.setattr(A, "CPU_ATTENTION", False)
+    torch._dynamo.reset()
+    torch.compile(step, backend="eager")(q, k, v)
+    assert calls == [1]
+    torch._dynamo.reset()
+
+
 def test_one_document_rows_take_the_causal_path(monkeypatch):
     """sdpa builds no mask when every row is one segment (is_causal), and one per forward
     otherwise — not one per layer."""
