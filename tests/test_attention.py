@@ -149,7 +149,8 @@ def test_cpu_attention_forward_equals_sdpa_and_gradients_are_as_close_to_float64
 
 def test_cpu_attention_is_taken_only_by_compiled_bf16_training(monkeypatch):
     """sdpa_attend routes to cpu_attention while torch.compile traces a bf16 forward that needs
-    gradients; not in eager, not without gradients, not in fp32, not when switched off."""
+    gradients; not in eager, not without gradients, not in fp32, not past CPU_ATTENTION_MAX_SCORES,
+    not when switched off."""
     calls = []
     real = A.cpu_attention
     monkeypatch.setattr(A, "cpu_attention", lambda *a: calls.append(1) or real(*a))
@@ -171,6 +172,11 @@ def test_cpu_attention_is_taken_only_by_compiled_bf16_training(monkeypatch):
     _, eager_grads = _grads(lambda *t: real(*t, None), q, k, v, d_out)
     for a, b in zip(grads, eager_grads):
         assert torch.equal(a, b)
+    monkeypatch.setattr(A, "CPU_ATTENTION_MAX_SCORES", 2 * 4 * 32 * 32 - 1)  # one element over: sdpa's own
+    torch._dynamo.reset()
+    torch.compile(step, backend="eager")(q, k, v)
+    assert calls == [1]
+    monkeypatch.setattr(A, "CPU_ATTENTION_MAX_SCORES", 1 << 24)
     monkeypatch.setattr(A, "CPU_ATTENTION", False)
     torch._dynamo.reset()
     torch.compile(step, backend="eager")(q, k, v)

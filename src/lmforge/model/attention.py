@@ -14,6 +14,8 @@ attention) and return (B, H, T, hd). Masking rules (P2, P5, P7):
 one document, or no `document_ids`), else an additive float mask (0 / -inf, (B, 1, T, T),
 broadcast over heads and grouped-query aware through `enable_gqa`). `is_causal=True` is
 used only when T == S, because PyTorch aligns its causal mask top-left when they differ.
+Under torch.compile, bf16 training on CPU goes through `cpu_attention`: sdpa's forward
+kernel with a backward written as batched matrix products (faster there, as exact).
 `flex` uses FlexAttention with a `BlockMask` from `create_block_mask` over `document_ids`,
 compiled on CUDA. On CPU it runs the unfused eager FlexAttention (forward only: torch
 2.13 has no FlexAttention backward on CPU), which is what `resolve_backend` allows there.
@@ -128,9 +130,11 @@ def sdpa_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Attenti
 #: Off: every CPU training step takes F.scaled_dot_product_attention's own backward (the
 #: benchmarks flip it to compare; bench/bench_train.py --attention-backward).
 CPU_ATTENTION = True
-#: The most fp32 score elements (B x H x T x S) one layer's backward may hold (128 MiB): longer
-#: rows go through sdpa's own backward, whose memory does not grow with T x S.
-CPU_ATTENTION_MAX_SCORES = 1 << 25
+#: The most score elements (B x H x T x S) one layer's backward may hold: ~14 bytes each while it
+#: runs (float32 scores and probabilities, bf16 copies), so at most ~235 MB (the recipe's 16 x 256
+#: rows: 4.2M, 59 MB). Larger batches of longer rows go through sdpa's own backward, whose memory
+#: does not grow with T x S.
+CPU_ATTENTION_MAX_SCORES = 1 << 24
 
 
 def _takes_cpu_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask) -> bool:
