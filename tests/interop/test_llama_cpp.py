@@ -111,10 +111,13 @@ def stdlib_tokenizer(tmp_path_factory) -> Tokenizer:
     return train_tokenizer(train_texts(), VOCAB, tmp_path_factory.mktemp("tok") / "tok", show_progress=False)
 
 
+#: llama.cpp's settings for every check (f32 KV cache, all logits), here and in the child process
+LLAMA_OPTIONS = dict(logits_all=True, type_k=GGML_TYPE_F32, type_v=GGML_TYPE_F32, flash_attn=False, n_threads=2,
+                     n_threads_batch=2, verbose=False, seed=0)
+
+
 def load_llama(path: Path, n_ctx: int = 256):
-    return llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, logits_all=True,
-                           type_k=GGML_TYPE_F32, type_v=GGML_TYPE_F32, flash_attn=False, n_threads=2,
-                           n_threads_batch=2, verbose=False, seed=0)
+    return llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, **LLAMA_OPTIONS)
 
 
 @pytest.fixture(scope="module")
@@ -265,20 +268,19 @@ def test_chat_template_same_prompt_ids(exported):
 
 
 #: The child that evaluates a GGUF in llama.cpp for `llama_logits_in_child`: argv is the file, the
-#: ids (comma-separated), the .npy to write, and optionally "quantize:OUT" to have llama.cpp
-#: quantize the file to q8_0 itself first (`llama_model_quantize`) and evaluate that.
+#: ids (comma-separated), the .npy to write, LLAMA_OPTIONS as JSON, and optionally "quantize:OUT" to
+#: have llama.cpp quantize the file to q8_0 itself first (`llama_model_quantize`) and evaluate that.
 _CHILD = """
-import sys, numpy as np, llama_cpp
+import json, sys, numpy as np, llama_cpp
 path, ids, out = sys.argv[1], [int(i) for i in sys.argv[2].split(",")], sys.argv[3]
-if len(sys.argv) > 4:
+if len(sys.argv) > 5:
     q = llama_cpp.llama_model_quantize_default_params()
     q.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0
-    target = sys.argv[4].split(":", 1)[1]
+    target = sys.argv[5].split(":", 1)[1]
     if llama_cpp.llama_model_quantize(path.encode(), target.encode(), q) != 0:
         sys.exit("llama_model_quantize failed")
     path = target
-llm = llama_cpp.Llama(model_path=path, n_ctx=256, n_batch=256, n_ubatch=256, logits_all=True, type_k=0, type_v=0,
-                      flash_attn=False, n_threads=2, n_threads_batch=2, verbose=False, seed=0)
+llm = llama_cpp.Llama(model_path=path, n_ctx=256, n_batch=256, n_ubatch=256, **json.loads(sys.argv[4]))
 llm.eval(ids)
 np.save(out, np.array(llm.scores[: len(ids)], dtype=np.float32))
 """
@@ -288,11 +290,12 @@ def llama_logits_in_child(gguf: Path, ids: list[int], out: Path, quantize_to: Pa
     """llama.cpp's logits for `ids` (n, vocab) float32, evaluated in a child process, or a string
     saying how the child ended ("crashed: SIGSEGV", "exit 1: ...") when it did not finish: llama.cpp's
     quantized kernels crash on some CPUs, and a crash in this process would end the whole session."""
+    import json
     import signal
     import subprocess
     import sys
 
-    argv = [sys.executable, "-c", _CHILD, str(gguf), ",".join(map(str, ids)), str(out)]
+    argv = [sys.executable, "-c", _CHILD, str(gguf), ",".join(map(str, ids)), str(out), json.dumps(LLAMA_OPTIONS)]
     if quantize_to is not None:
         argv.append(f"quantize:{quantize_to}")
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=600)

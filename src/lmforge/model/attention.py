@@ -160,7 +160,8 @@ class _CpuAttention(torch.autograd.Function):
     log-sum-exp) and whose backward is FlashAttention's (Dao et al. 2022, Algorithm 2) written
     as whole batched matrix products for inductor to fuse around: on a 2-core Xeon at the
     recipe's shape (16 x 256 tokens, 4/2 heads of 64, bf16) forward + backward of one layer
-    take 0.73x the time of torch 2.13's CPU flash backward (bench/RESULTS.md, session 14).
+    take 0.72x (plain causal rows) and 0.53x (document masks) the time of sdpa's with torch
+    2.13's CPU flash backward (bench/RESULTS.md, session 14).
 
     Precision as the flash kernel's: the scores are recomputed in float32 (bf16 scores would
     put |s| x 2^-9 into every probability); dP - delta comes out of one product's float32
@@ -174,18 +175,19 @@ class _CpuAttention(torch.autograd.Function):
         group = q.shape[1] // k.shape[1]
         ke, ve = (k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)) if group > 1 else (k, v)
         flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        additive = None
         if attn_mask is None:
             out, lse = flash(q, ke, ve, is_causal=True)
-        else:  # the kernel takes an additive mask of q's dtype
+        else:  # the kernel takes an additive mask of q's dtype; the backward reuses it
             additive = (torch.zeros((), dtype=q.dtype, device=q.device).masked_fill(~attn_mask, float("-inf"))
                         if attn_mask.dtype == torch.bool else attn_mask.to(q.dtype))
             out, lse = flash(q, ke, ve, attn_mask=additive)
-        ctx.save_for_backward(q, k, v, out, lse, attn_mask)
+        ctx.save_for_backward(q, k, v, out, lse, additive)
         return out
 
     @staticmethod
     def backward(ctx, d_out):
-        q, k, v, out, lse, attn_mask = ctx.saved_tensors
+        q, k, v, out, lse, additive = ctx.saved_tensors
         B, H, T, D = q.shape
         KV, S = k.shape[1], k.shape[2]
         G = H // KV
@@ -193,13 +195,11 @@ class _CpuAttention(torch.autograd.Function):
         qg = q.reshape(B, KV, G * T, D)  # each KV head's G query heads as one (G*T, D) matrix
         # P again: float32 scores minus the forward's log-sum-exp, masked
         x = ((qg.float() * scale) @ k.float().mT).view(B, KV, G, T, S) - lse.view(B, KV, G, T, 1)
-        if attn_mask is None:
+        if additive is None:  # plain causal
             keep = torch.ones(T, S, dtype=torch.bool, device=q.device).tril()
             p = torch.where(keep, torch.exp(x), 0.0)
-        elif attn_mask.dtype == torch.bool:
-            p = torch.where(attn_mask.unsqueeze(2), torch.exp(x), 0.0)
-        else:  # additive: 0 / -inf
-            p = torch.exp(x + attn_mask.unsqueeze(2).float())
+        else:  # the forward's 0 / -inf mask, (B or 1, 1, T, S) -> over the G query heads of a KV head
+            p = torch.exp(x + additive.unsqueeze(2).float())
         d_out = d_out.contiguous()
         dg = d_out.reshape(B, KV, G * T, D)
         dv = p.to(q.dtype).view(B, KV, G * T, S).mT @ dg
