@@ -11,7 +11,10 @@ micro-batches with and without a document boundary both occur, as in the stdlib 
   (`lmforge.model.attention.CPU_ATTENTION = False`), as before session 14;
 - Newton-Schulz written out: Muon's iteration as `a x + (b s + c s s) x` with separate bf16
   elementwise passes (the form before session 14; below as `newton_schulz_written_out`);
-- before: both taken back (the recipe's step before session 14).
+- before: both taken back (the recipe's step before session 14);
+- two graphs: micro-batches whose rows hold one document each attend plain causal (the
+  session-14 step; `one_segment_per_row` decides, a graph break and a second compiled graph)
+  where the recipe now keeps the document mask (one graph, session 15).
 
 Both changes keep the arithmetic's meaning; the last column shows the losses staying together.
 
@@ -100,10 +103,12 @@ def main(argv: list[str] | None = None) -> dict:
     from lmforge.model import attention
     from lmforge.train import optim
 
-    shipped = optim.newton_schulz
-    arms = {"as shipped": (True, shipped), "attention backward sdpa": (False, shipped),
-            "Newton-Schulz written out": (True, newton_schulz_written_out),
-            "before (both taken back)": (False, newton_schulz_written_out)}
+    shipped, one_graph = optim.newton_schulz, attention._one_training_graph
+    two_graphs = lambda *args: False  # noqa: E731
+    arms = {"as shipped": (True, shipped, one_graph), "attention backward sdpa": (False, shipped, one_graph),
+            "Newton-Schulz written out": (True, newton_schulz_written_out, one_graph),
+            "before (both taken back)": (False, newton_schulz_written_out, one_graph),
+            "two graphs (plain causal rows)": (True, shipped, two_graphs)}
     cfg = recipe_config(args.smoke)
     t_start = time.perf_counter()
     losses: dict[str, list[float]] = {n: [] for n in arms}
@@ -112,11 +117,12 @@ def main(argv: list[str] | None = None) -> dict:
 
         def step(name: str):
             def run() -> None:
-                attention.CPU_ATTENTION, optim.newton_schulz = arms[name]
+                attention.CPU_ATTENTION, optim.newton_schulz, attention._one_training_graph = arms[name]
                 try:
                     losses[name].append(trainers[name].train_step()["loss"])
                 finally:
-                    attention.CPU_ATTENTION, optim.newton_schulz = True, shipped
+                    attention.CPU_ATTENTION, optim.newton_schulz, attention._one_training_graph = (
+                        True, shipped, one_graph)
             return run
 
         times = common.interleaved({n: step(n) for n in arms}, args.warmup, args.repeat)

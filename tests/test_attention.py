@@ -203,6 +203,52 @@ def test_one_document_rows_take_the_causal_path(monkeypatch):
     assert len(built) == 2
 
 
+def _graphs_compiled(m, batches, autocast: bool, grad: bool = True) -> int:
+    """The graphs torch.compile makes for forwards (and backwards) of `m` over `batches`."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    cm = torch.compile(m, backend=backend)
+    for tokens, ids in batches:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast), torch.set_grad_enabled(grad):
+            out = cm(tokens, None, ids)
+        if grad:
+            out.float().square().mean().backward()
+    torch._dynamo.reset()
+    return len(graphs)
+
+
+def test_compiled_bf16_cpu_training_keeps_one_graph_for_one_document_rows(monkeypatch):
+    """Under torch.compile, bf16 training on CPU (cpu_attention's path) attends through the
+    document mask even when every row is one segment: one graph for both kinds of micro-batch
+    (no graph break at one_segment_per_row, no second compile), and the same logits as the
+    plain causal path. fp32 training and no-grad forwards keep the choice (two graphs and a
+    break); so does a batch past CPU_ATTENTION_MAX_SCORES."""
+    torch.manual_seed(0)
+    m = with_backend(Transformer(small(n_layers=2)), "sdpa")
+    tokens = torch.randint(0, VOCAB, (2, 12))
+    one = torch.zeros(2, 12, dtype=torch.int32)
+    two = torch.tensor([[0] * 5 + [1] * 7, [0] * 12], dtype=torch.int32)
+    batches = [(tokens, one), (tokens, two), (tokens, one)]
+    assert _graphs_compiled(m, batches, autocast=True) == 1
+    assert _graphs_compiled(m, batches, autocast=False) > 1
+    assert _graphs_compiled(m, batches, autocast=True, grad=False) > 1
+    monkeypatch.setattr(A, "CPU_ATTENTION_MAX_SCORES", 2 * small().n_heads * 12 * 12 - 1)
+    assert _graphs_compiled(m, batches, autocast=True) > 1
+    monkeypatch.undo()
+    # the document mask over one-segment rows is plain causal attention: the same logits
+    torch._dynamo.reset()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        compiled = torch.compile(m, backend="eager")(tokens, None, one)
+        eager = m(tokens, None, one)
+    torch._dynamo.reset()
+    assert torch.allclose(compiled.float(), eager.float(), atol=2e-2, rtol=0)
+
+
 def test_mask_reuse_follows_in_place_changes():
     """Reusing one document_ids tensor (changed in place) never reuses a stale mask."""
     torch.manual_seed(0)

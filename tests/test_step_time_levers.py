@@ -37,10 +37,11 @@ class FakeClock:
 
 
 def fixed_costs(monkeypatch, step_s: float, val_s: float = 0.0, save_s: float = 0.0,
-                spent: float = 0.0, per_step: float = 0.0) -> tuple[list[dict], FakeClock]:
+                spent: float = 0.0, per_step=0.0) -> tuple[list[dict], FakeClock]:
     """The probe runs for real (a copy trains, validates and saves) but reports these figures;
     the clock stands still except `spent` seconds for the start-up and the probe, and `per_step`
-    seconds for each step of the run. Returns (the probes made, the clock)."""
+    seconds (or `per_step(step)`, 1-based) for each step of the run. Returns (the probes made,
+    the clock)."""
     real, made, clock = common.probe_costs, [], FakeClock()
 
     def probe(*args, **kwargs):
@@ -56,7 +57,7 @@ def fixed_costs(monkeypatch, step_s: float, val_s: float = 0.0, save_s: float = 
 
         def train_step(self):
             if not self.run_dir.name.startswith("lmforge-budget-"):  # the run's steps, not the probe's
-                clock.now += per_step
+                clock.now += per_step(self.step + 1) if callable(per_step) else per_step
             return original(self)
 
         monkeypatch.setattr(Trainer, "train_step", train_step)
@@ -83,6 +84,33 @@ def test_the_budget_sets_the_steps_and_the_run_equals_that_many_steps(tiny_run, 
         assert [m[key] for m in a] == [m[key] for m in b], key
     assert a[-1]["loss"] < a[0]["loss"]  # it trained: the comparison is not vacuous
     assert_same_state(tmp_path / "budget" / "step_000012", tmp_path / "plain" / "step_000012")
+
+
+def test_a_command_of_its_own_process_counts_the_budget_from_the_process_start(tiny_run, tmp_path, monkeypatch):
+    """`lmforge pretrain` as the process's command (cli.main with argv None): the budget counts
+    the interpreter's start and the imports (COMMAND_AGE seconds before the session), once; a
+    call from Python (argv given) counts from the session's start."""
+    cfg, _ = tiny_run
+    fixed_costs(monkeypatch, 0.05, spent=0.1)
+    c = with_train(cfg, time_budget_s=1.0, steps=999, checkpoint_every=0, keep_last=0, warmup_steps=2, eval_every=0)
+    monkeypatch.setattr(common, "COMMAND_AGE", 0.3)
+    assert pretrain_stage(c, tmp_path / "aged", progress=False)["step"] == 12  # int((1.0 - 0.3 - 0.1) / 0.05)
+    assert common.COMMAND_AGE is None  # used once: a later session in the process counts from its own start
+    assert pretrain_stage(c, tmp_path / "fresh", progress=False)["step"] == 18  # int((1.0 - 0.1) / 0.05)
+    age = common.process_age_s()
+    assert age is None or 0.0 <= age < 24 * 3600
+    # the CLI marks only the process's own command line
+    from lmforge import cli, stages
+
+    seen = []
+    monkeypatch.setattr(common, "process_age_s", lambda: 4.2)
+    monkeypatch.setattr(stages, "pretrain_stage", lambda *a, **k: seen.append(common.COMMAND_AGE) or {})
+    argv = ["pretrain", "--config", str(tmp_path / "aged" / "config.toml"), "--out", str(tmp_path / "x")]
+    assert cli.main(argv) == 0
+    monkeypatch.setattr("sys.argv", ["lmforge", *argv])
+    assert cli.main() == 0
+    assert seen == [None, 4.2]
+    common.COMMAND_AGE = None
 
 
 def test_validations_and_checkpoints_are_paid_from_the_budget(tiny_run, tmp_path, monkeypatch):
@@ -121,6 +149,35 @@ def test_the_run_revises_the_count_from_its_own_steps(tiny_run, tmp_path, monkey
     assert_same_state(tmp_path / "budget" / "step_000045", tmp_path / "plain" / "step_000045")
 
 
+def test_a_wsd_run_revises_again_before_its_decay(tiny_run, tmp_path, monkeypatch, capsys):
+    """The steps slow down after the first revision (at the first checkpoint, step 40): 0.05 s
+    a step, then 0.06. A second revision at 80% of the decay start (step 80) takes the pace
+    since the first and ends the run inside its budget (one revision: 200 steps, 11.6 s of a
+    10 s budget); the steps taken keep their learning rates (a plain run of the final count
+    gives the same), and the newest config.toml holds the final count."""
+    cfg, _ = tiny_run
+    _, clock = fixed_costs(monkeypatch, 0.05, per_step=lambda step: 0.05 if step <= 40 else 0.06)
+    c = with_train(cfg, time_budget_s=10.0, steps=999, checkpoint_every=40, keep_last=1, warmup_steps=2,
+                   eval_every=0, schedule="wsd", decay_fraction=0.5)
+    last = pretrain_stage(c, tmp_path / "budget", progress=False)
+    # first: 200 steps (decay from step 100); at step 40 the pace is 0.05 s: still 200; at step 80
+    # the clock says 4.4 s and the pace is 0.06 s: 80 + int(5.6 / 0.06) = 173 (decay from 87)
+    assert last["step"] == 173
+    assert clock.now == pytest.approx(4.4 + 93 * 0.06) and clock.now <= 10.0
+    err = capsys.readouterr().err
+    assert "200 steps (" in err and "revised after step 40" in err
+    assert "train.time_budget_s: 200 steps (was 200): 0.050 s a step over the run's steps 2-40" in err
+    assert "train.time_budget_s: 173 steps (was 200): 0.060 s a step over the run's steps 41-80" in err
+    assert "steps = 173\n" in (tmp_path / "budget" / "config.toml").read_text()
+    monkeypatch.undo()
+    plain = with_train(c, time_budget_s=0.0, steps=173)
+    pretrain_stage(plain, tmp_path / "plain", progress=False)
+    a, b = read_metrics(tmp_path / "budget"), read_metrics(tmp_path / "plain")
+    for key in ("loss", "lr"):
+        assert [m[key] for m in a] == [m[key] for m in b], key
+    assert_same_state(tmp_path / "budget" / "step_000173", tmp_path / "plain" / "step_000173")
+
+
 def test_the_budget_arithmetic():
     from lmforge.config import TrainConfig
 
@@ -140,6 +197,12 @@ def test_the_budget_arithmetic():
     assert b.revise_at == 0  # too few steps to average
     n = b.revised_steps(t, now=400.0, done=200, step_s=0.45)
     assert decay_start(n, 0.5) >= 200 and n == 400
+    # wsd revises once more, at 80% of the revised decay start, and no more; cosine does not
+    b = StepBudget(deadline=420.0, step_s=0.4, val_s=1.0, save_s=2.0)
+    b.plan_revision(t, 850)
+    assert b.next_revision(t, 850, 200) == 340 and b.next_revision(t, 850, 340) == 0
+    assert StepBudget(420.0, 0.4, 1.0, 2.0).next_revision(t, 250, 100) == 0  # 80% of 125 is 100: too close
+    assert StepBudget(420.0, 0.4, 1.0, 2.0).next_revision(replace(t, schedule="cosine"), 850, 50) == 0
     # the run's pace: the mean of its steps, a one-time compile (over 5x the median) left out
     assert run_step_seconds([0.4] * 19 + [0.6]) == pytest.approx(0.41)
     assert run_step_seconds([0.4] * 19 + [0.6, 15.0]) == pytest.approx(0.41)

@@ -175,6 +175,10 @@ def _train(stage_name: str) -> Callable[[argparse.Namespace], int]:
 
         cfg = _config(args)
         out = Path(args.out) if args.out else (Path(".") if args.dry_run else _need_out(args, "DIR (the run folder)"))
+        if getattr(args, "process_command", False):  # train.time_budget_s counts from the process's start
+            from lmforge.stages import common
+
+            common.COMMAND_AGE = common.process_age_s()
         last = getattr(stages, stage_name)(cfg, out, resume=args.resume, dry_run=args.dry_run,
                                            progress=not args.no_progress)
         print(json.dumps(last))
@@ -486,6 +490,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         try:
             args = build_parser().parse_args(argv)
+            args.process_command = argv is None  # the command line of this process (not a call from Python)
             command = args.command
             _check_path_args(args)
             code = run(args)

@@ -67,6 +67,18 @@ def one_segment_per_row(document_ids: torch.Tensor) -> bool:
     return bool((document_ids == document_ids[:, :1]).all())
 
 
+def _one_training_graph(device: torch.device, dtype: torch.dtype, document_ids: torch.Tensor,
+                        n_heads: int) -> bool:
+    """Compiled bf16 training on CPU (`cpu_attention`'s path) keeps the document mask even
+    for rows of one segment each: the masked path is as fast there (bench/RESULTS.md,
+    session 14) and the step compiles one graph instead of two (the recipe's stage: 25-30 s
+    of its 460 s budget; session 15). Elsewhere `one_segment_per_row` picks plain causal."""
+    B, T = document_ids.shape
+    return (CPU_ATTENTION and torch.compiler.is_compiling() and device.type == "cpu"
+            and dtype == torch.bfloat16 and torch.is_grad_enabled()
+            and B * n_heads * T * T <= CPU_ATTENTION_MAX_SCORES)
+
+
 def cache_mask(T: int, offset: int, key_mask: torch.Tensor | None, S: int, device) -> torch.Tensor:
     """(B or 1, 1, T, S) bool for queries at slots offset..offset+T-1 over S cache slots."""
     q = torch.arange(offset, offset + T, device=device)[:, None]  # (T, 1): cache slot of each query
@@ -91,7 +103,8 @@ class AttentionMask:
 
 def prepare_mask(backend: str, T: int, device: torch.device, dtype: torch.dtype,
                  document_ids: torch.Tensor | None = None, cache_offset: int | None = None,
-                 key_mask: torch.Tensor | None = None, S: int | None = None) -> AttentionMask:
+                 key_mask: torch.Tensor | None = None, S: int | None = None,
+                 n_heads: int = 1) -> AttentionMask:
     """The mask of one forward, for T queries.
 
     Args:
@@ -100,6 +113,7 @@ def prepare_mask(backend: str, T: int, device: torch.device, dtype: torch.dtype,
         document_ids: (B, T) segment ids (no cache only); None: one segment.
         cache_offset, key_mask, S: with a KV cache, the slots already filled, the (B, S) valid
             slots (left padding) and the number of keys after this step's update.
+        n_heads: the query heads (the `cpu_attention` path's size cap).
     """
     if cache_offset is not None:
         if key_mask is None and T == 1:
@@ -109,7 +123,8 @@ def prepare_mask(backend: str, T: int, device: torch.device, dtype: torch.dtype,
         if document_ids is None:
             return AttentionMask(block_mask=_causal_block_mask(T, device))
         return AttentionMask(block_mask=document_block_mask(document_ids, T, device))
-    if document_ids is None or one_segment_per_row(document_ids):
+    if document_ids is None or (not _one_training_graph(device, dtype, document_ids, n_heads)
+                                and one_segment_per_row(document_ids)):
         return AttentionMask(is_causal=True)
     return AttentionMask(attn_mask=additive_document_mask(document_ids.to(device), dtype))
 

@@ -241,7 +241,7 @@ class Transformer(nn.Module):
         # One mask for all layers (the block-diagonal document mask, or the cache's mask).
         backend = self.layers[0].attention.backend
         if cache is None:
-            mask = prepare_mask(backend, T, device, dtype, document_ids)
+            mask = prepare_mask(backend, T, device, dtype, document_ids, n_heads=self.config.n_heads)
         else:
             mask = prepare_mask(backend, T, device, dtype, None, cache.length, cache.key_mask, cache.length + T)
         x = self.tok_embeddings(tokens)  # (B, T, dim)

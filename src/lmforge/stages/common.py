@@ -112,7 +112,7 @@ def training_session(cfg: Config, out: str | Path, command: str, resume: bool, d
     """
     if cfg.train.tensorboard:  # an optional package: refused before any work, not at the first step
         require_package("tensorboard", "tensorboard", "train.tensorboard = true", ConfigError)
-    started = budget_clock()
+    started = take_command_start(budget_clock())
     info = init_distributed(cfg)  # validates the parallel degrees against WORLD_SIZE first
     try:
         if cfg.train.micro_batch_size == AUTO_MICRO_BATCH:
@@ -265,6 +265,33 @@ def resolve_time_budget(session: TrainingSession, model: Transformer, stream, ob
 def budget_clock() -> float:
     """The clock of the budget (`time.perf_counter`; tests replace it to test the arithmetic)."""
     return time.perf_counter()
+
+
+#: Seconds between this process's start and the CLI's call of a training command, when the
+#: command is the process's own (`lmforge pretrain ...`, set by `lmforge.cli.main`); the first
+#: training session counts `train.time_budget_s` from the process's start (the interpreter and
+#: the imports, ~4 s, included: the wall clock around the command), then clears it.
+COMMAND_AGE: float | None = None
+
+
+def process_age_s() -> float | None:
+    """Seconds since this process started (Linux: /proc/self/stat's start time against
+    /proc/uptime, 10 ms ticks); None where the system does not say."""
+    try:
+        stat = Path("/proc/self/stat").read_text()
+        start_ticks = int(stat[stat.rindex(")") + 2:].split()[19])  # field 22, after the (comm)
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return max(0.0, uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def take_command_start(now: float) -> float:
+    """The budget's start on the clock that read `now`: the process's start when the CLI marked
+    this command as the process's own (`COMMAND_AGE`, used once), else `now`."""
+    global COMMAND_AGE
+    age, COMMAND_AGE = COMMAND_AGE, None
+    return now - age if age else now
 
 
 def copy_contract_files(src: Path, dst: Path) -> None:

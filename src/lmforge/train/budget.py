@@ -12,18 +12,22 @@ twice, each time from what is left of the budget:
        per_step = step_s + val_s / eval_every + save_s / checkpoint_every
        last = val_s + save_s   (the validation and the checkpoint of the final step)
    with a term left out where eval_every or checkpoint_every is 0;
-2. once more in the run, after step `revise_at` (`Trainer`), from the run's own mean step
-   over its steps so far (`run_step_seconds`: 10 timed steps said 0.382 s where 1,100 steps of
-   the same run took 0.403 s on average: step times drift by a few percent over a run). A step
-   over ONE_TIME x the median (a graph compiled for a new shape of mask) is a one-time cost,
-   already paid by `now`, and left out of the mean.
+2. in the run, after step `revise_at` (`Trainer`), from the run's own mean step over its
+   steps so far (`run_step_seconds`: 10 timed steps said 0.382 s where 1,100 steps of the same
+   run took 0.403 s on average: step times drift by a few percent over a run). A step over
+   ONE_TIME x the median (a graph compiled for a new shape of mask) is a one-time cost, already
+   paid by `now`, and left out of the mean;
+3. wsd only: once more before the decay (`next_revision`), from the mean of the steps since the
+   first revision: a VM whose steps slowed from 0.29 to 0.32 s after the first revision ended
+   the recipe's 460 s stage at 480 s (bench/RESULTS.md, session 14).
 
-The revision never changes a step already taken: `revise_at` is at most the last step whose
+A revision never changes a step already taken: `revise_at` is at most the last step whose
 learning rate does not depend on N (cosine: the warm-up; wsd: 80% of the way to the decay
-start, and N is kept high enough that the decay starts after it) and at most the first
-checkpoint's step, so every checkpoint holds the final N; the revision is skipped
-(`revise_at = 0`) when that leaves fewer than `MIN_REVISE_STEPS` steps. A `--resume` takes
-N from its checkpoint and decides nothing (the schedule of the steps taken stays).
+start, and N is kept high enough that the decay starts after it); the first is at most the
+first checkpoint's step, so every checkpoint holds a revised N; a revision is skipped
+(`revise_at = 0`) when it would average fewer than `MIN_REVISE_STEPS` steps. A `--resume`
+takes N from its checkpoint and decides nothing (the schedule of the steps taken stays; from a
+checkpoint older than the last revision the run ends at that checkpoint's N).
 """
 
 from __future__ import annotations
@@ -39,6 +43,8 @@ MIN_REVISE_STEPS = 20
 #: wsd: the revision comes at this fraction of the first decision's decay start, so that a
 #: revised N a little smaller still starts its decay after the steps already taken.
 REVISE_BEFORE_DECAY = 0.8
+#: At most this many revisions in a run (wsd: the first at the first checkpoint, one before the decay).
+MAX_REVISIONS = 2
 
 
 @dataclass
@@ -51,6 +57,7 @@ class StepBudget:
     val_s: float
     save_s: float
     revise_at: int = 0
+    revisions: int = 0
 
     def per_step(self, train, step_s: float | None = None) -> float:
         """Seconds a step costs, its share of the periodic validations and checkpoints included."""
@@ -72,6 +79,16 @@ class StepBudget:
             safe = train.warmup_steps
         at = min(safe, train.checkpoint_every) if train.checkpoint_every else safe
         self.revise_at = at if MIN_REVISE_STEPS <= at < steps else 0
+
+    def next_revision(self, train, steps: int, done: int) -> int:
+        """The step of the revision after the one at `done` that made N = `steps` (wsd: at
+        REVISE_BEFORE_DECAY of the decay start, MIN_REVISE_STEPS after `done` at least; at most
+        MAX_REVISIONS in all), or 0 for none. Counts the revision at `done`."""
+        self.revisions += 1
+        if train.schedule != "wsd" or self.revisions >= MAX_REVISIONS:
+            return 0
+        at = int(REVISE_BEFORE_DECAY * decay_start(steps, train.decay_fraction))
+        return at if done + MIN_REVISE_STEPS <= at < steps else 0
 
     def revised_steps(self, train, now: float, done: int, step_s: float) -> int:
         """N again after `done` (= revise_at) steps of the run at `step_s` seconds a step on

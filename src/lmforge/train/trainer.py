@@ -80,7 +80,8 @@ class Trainer:
     runtime: Runtime | None = None
     objective: TokenObjective = field(default_factory=TokenObjective)
     #: train.time_budget_s's costs and deadline (lmforge.train.budget): the step count is revised
-    #: once, after step `budget.revise_at`; `on_steps(cfg)` then rewrites the run folder's files
+    #: after step `budget.revise_at` (wsd: once more before the decay); `on_steps(cfg)` then
+    #: rewrites the run folder's files
     budget: StepBudget | None = None
     clock: Callable[[], float] = time.perf_counter
     on_steps: Callable[[Config], None] | None = None
@@ -350,8 +351,9 @@ class Trainer:
                         walls.append(now - last_end - side_s)
                     last_end, side_s = now, 0.0
                     if self.step == self.budget.revise_at:
-                        cfg = self._revise_steps(now, run_step_seconds(walls), bar)
-                        revise = False
+                        cfg = self._revise_steps(now, run_step_seconds(walls), self.step - len(walls) + 1, bar)
+                        self.budget.revise_at = self.budget.next_revision(cfg, cfg.steps, self.step)
+                        revise, walls = self.budget.revise_at > self.step, []  # the next from the pace since
                 final = self.step == cfg.steps
                 out_of_time, signalled = self._agree_to_stop(cfg.time_limit_s > 0 and self.elapsed >= cfg.time_limit_s)
                 if (cfg.eval_every and self.step % cfg.eval_every == 0) or final or out_of_time:
@@ -405,10 +407,11 @@ class Trainer:
             self.log(verdict_line(last["health"]))
         return last
 
-    def _revise_steps(self, now: float, step_s: float, bar) -> TrainConfig:
-        """train.time_budget_s's second decision (lmforge.train.budget), after step
-        `budget.revise_at`: N from the run's own mean step `step_s` (seconds, the loop included,
-        validations and checkpoints left out); the smallest over the ranks. Returns the new [train]."""
+    def _revise_steps(self, now: float, step_s: float, first: int, bar) -> TrainConfig:
+        """train.time_budget_s's decision in the run (lmforge.train.budget), after step
+        `budget.revise_at`: N from the run's own mean step `step_s` over its steps `first` to now
+        (seconds, the loop included, validations and checkpoints left out); the smallest over the
+        ranks. Returns the new [train]."""
         t = self.cfg.train
         steps = all_reduce_min(self.budget.revised_steps(t, now, self.step, step_s), self.dist)
         if steps != t.steps:
@@ -420,7 +423,7 @@ class Trainer:
                 self.on_steps(self.cfg)
         if self.dist.is_main:
             tqdm.write(f"train.time_budget_s: {steps:,} steps (was {t.steps:,}): {step_s:.3f} s a step over the "
-                       f"run's steps 2-{self.step}, {max(0.0, self.budget.deadline - now):.1f} s of the budget left",
+                       f"run's steps {first}-{self.step}, {max(0.0, self.budget.deadline - now):.1f} s of the budget left",
                        file=sys.stderr)
         return self.cfg.train
 
