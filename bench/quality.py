@@ -26,6 +26,9 @@ the reference for the same wall-clock seconds of training (its step count fixed 
 starts, from 5 timed steps of a throw-away copy). The machine may be shared: step times are
 measured per arm and printed; compare at equal tokens x measured step-time ratio when noisy.
 
+`--reference-only --reference-seconds S` trains the reference alone for S seconds of steps per
+seed (the recipe's stage is a real `lmforge pretrain` run: its figure comes from there).
+
 Seeds: `--seeds 1337,1,2` runs every lmforge arm and the reference once per seed (the reference
 of seed s gets the seconds of the first arm's seed-s run) and prints a table over seeds: the
 mean, min and max bits per byte and the ratio of the means. `--step-times` times one step of
@@ -372,6 +375,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--seeds", default="", help="comma-separated train.seed values for each lmforge arm")
     ap.add_argument("--set", action="append", default=[], help="override for every lmforge arm (and shapes)")
     ap.add_argument("--no-reference", action="store_true")
+    ap.add_argument("--reference-seconds", type=float, default=0.0,
+                    help="train the reference for these seconds of steps per seed (instead of each lmforge seed's)")
+    ap.add_argument("--reference-only", action="store_true",
+                    help="no lmforge arm: only the reference, per seed, for --reference-seconds (or --steps)")
     ap.add_argument("--no-sliding", action="store_true", help="skip the sliding-window score of lmforge arms")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (default: every core)")
     ap.add_argument("--step-times", action="store_true",
@@ -404,8 +411,9 @@ def _main(args, cache: Path) -> dict:
     arms = [parse_arm(a) for a in args.arm] or [("lmforge", [])]
     seeds = [int(s) for s in args.seeds.split(",") if s] or [base.train.seed]
     steps = args.steps or (QUICK_STEPS if args.mode == "quick" else base.train.steps)
-    print(f"quality: {common.machine_line()}; {steps} lmforge steps per arm; arms {[a for a, _ in arms]}; "
-          f"seeds {seeds}", flush=True)
+    what = (f"the reference alone, {args.reference_seconds:g} s of steps" if args.reference_only else
+            f"{steps} lmforge steps per arm; arms {[a for a, _ in arms]}")
+    print(f"quality: {common.machine_line()}; {what}; seeds {seeds}", flush=True)
     if args.step_times:
         ms = interleaved_step_ms({name: apply_overrides(base, sets) for name, sets in arms}, cache=cache,
                                  reference=None if args.no_reference else base)
@@ -416,7 +424,9 @@ def _main(args, cache: Path) -> dict:
     if args.sft_only:
         return {"sft": sft_seeds(base, [int(x) for x in args.sft_seeds.split(",") if x], Path(args.init), cache)}
     results = []
-    for name, sets in arms:
+    if args.reference_only and not (args.reference_seconds or args.steps):
+        raise SystemExit("quality: --reference-only needs --reference-seconds S or --steps N")
+    for name, sets in ([] if args.reference_only else arms):
         for seed in seeds:
             cfg = apply_overrides(base, sets + [f"train.seed={seed}"])
             t0 = time.perf_counter()
@@ -431,9 +441,10 @@ def _main(args, cache: Path) -> dict:
                     f.write(json.dumps(r) + "\n")
     refs: list[dict] = []
     if not args.no_reference:
-        first = [r for r in results if r["arm"] == arms[0][0]]
+        first = [r for r in results if r["arm"] == arms[0][0]] or [None] * len(seeds)
         for seed, paired in zip(seeds, first):  # each seed gets its paired lmforge run's seconds
-            ref = train_reference(base, args.steps or None, None if args.steps else paired["train_s"], seed,
+            seconds = args.reference_seconds or (None if args.steps else paired["train_s"])
+            ref = train_reference(base, None if args.reference_seconds else (args.steps or None), seconds, seed,
                                   cache=cache)
             ref.update(arm=REFERENCE, seed=seed, sets=[])
             refs.append(ref)
@@ -461,7 +472,8 @@ def _main(args, cache: Path) -> dict:
                            [[a, x["n"], f"{x['mean']:.4f}", f"{x['min']:.4f}", f"{x['max']:.4f}",
                              f"{x['mean'] / summary[REFERENCE]['mean']:.3f}" if REFERENCE in summary else "-"]
                             for a, x in summary.items()], title="Over seeds"))
-    how = "equal steps" if args.steps else "equal wall clock (each reference seed: its lmforge seed's training seconds)"
+    how = (f"the reference: {args.reference_seconds:g} s of steps per seed" if args.reference_seconds else
+           "equal steps" if args.steps else "equal wall clock (each reference seed: its lmforge seed's training seconds)")
     print(f"- budget: {how}; machine possibly shared: compare ms/step within one run.")
     out = {"arms": results, "reference": refs[0] if refs else None, "references": refs, "steps": steps,
            "summary": summary}
