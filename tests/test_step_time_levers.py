@@ -64,6 +64,17 @@ def fixed_costs(monkeypatch, step_s: float, val_s: float = 0.0, save_s: float = 
     return made, clock
 
 
+def assert_equals_plain_run(c, steps: int, tmp_path) -> None:
+    """The budgeted run in tmp_path/budget took the same steps (losses, learning rates, final
+    state) as a plain run of `steps` steps of `c` without a budget."""
+    pretrain_stage(with_train(c, time_budget_s=0.0, steps=steps), tmp_path / "plain", progress=False)
+    a, b = read_metrics(tmp_path / "budget"), read_metrics(tmp_path / "plain")
+    for key in ("loss", "lr"):
+        assert [m[key] for m in a] == [m[key] for m in b], key
+    final = f"step_{steps:06d}"
+    assert_same_state(tmp_path / "budget" / final, tmp_path / "plain" / final)
+
+
 def test_the_budget_sets_the_steps_and_the_run_equals_that_many_steps(tiny_run, tmp_path, monkeypatch, capsys):
     cfg, _ = tiny_run
     made, _ = fixed_costs(monkeypatch, 0.05, spent=0.1)
@@ -141,12 +152,7 @@ def test_the_run_revises_the_count_from_its_own_steps(tiny_run, tmp_path, monkey
     assert "train.time_budget_s: 45 steps (was 58): 0.100 s a step over the run's steps 2-36" in err
     assert "steps = 45\n" in (tmp_path / "budget" / "config.toml").read_text()
     monkeypatch.undo()
-    plain = with_train(c, time_budget_s=0.0, steps=45)
-    pretrain_stage(plain, tmp_path / "plain", progress=False)
-    a, b = read_metrics(tmp_path / "budget"), read_metrics(tmp_path / "plain")
-    for key in ("loss", "lr"):
-        assert [m[key] for m in a] == [m[key] for m in b], key
-    assert_same_state(tmp_path / "budget" / "step_000045", tmp_path / "plain" / "step_000045")
+    assert_equals_plain_run(c, 45, tmp_path)
 
 
 def test_a_wsd_run_revises_again_before_its_decay(tiny_run, tmp_path, monkeypatch, capsys):
@@ -170,12 +176,7 @@ def test_a_wsd_run_revises_again_before_its_decay(tiny_run, tmp_path, monkeypatc
     assert "train.time_budget_s: 173 steps (was 200): 0.060 s a step over the run's steps 41-80" in err
     assert "steps = 173\n" in (tmp_path / "budget" / "config.toml").read_text()
     monkeypatch.undo()
-    plain = with_train(c, time_budget_s=0.0, steps=173)
-    pretrain_stage(plain, tmp_path / "plain", progress=False)
-    a, b = read_metrics(tmp_path / "budget"), read_metrics(tmp_path / "plain")
-    for key in ("loss", "lr"):
-        assert [m[key] for m in a] == [m[key] for m in b], key
-    assert_same_state(tmp_path / "budget" / "step_000173", tmp_path / "plain" / "step_000173")
+    assert_equals_plain_run(c, 173, tmp_path)
 
 
 def test_the_budget_arithmetic():

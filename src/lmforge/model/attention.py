@@ -74,9 +74,7 @@ def _one_training_graph(device: torch.device, dtype: torch.dtype, document_ids: 
     session 14) and the step compiles one graph instead of two (the recipe's stage: 25-30 s
     of its 460 s budget; session 15). Elsewhere `one_segment_per_row` picks plain causal."""
     B, T = document_ids.shape
-    return (CPU_ATTENTION and torch.compiler.is_compiling() and device.type == "cpu"
-            and dtype == torch.bfloat16 and torch.is_grad_enabled()
-            and B * n_heads * T * T <= CPU_ATTENTION_MAX_SCORES)
+    return _cpu_attention_applies(device, dtype, B * n_heads * T * T)
 
 
 def cache_mask(T: int, offset: int, key_mask: torch.Tensor | None, S: int, device) -> torch.Tensor:
@@ -152,15 +150,21 @@ CPU_ATTENTION = True
 CPU_ATTENTION_MAX_SCORES = 1 << 24
 
 
+def _cpu_attention_applies(device: torch.device, dtype: torch.dtype, scores: int) -> bool:
+    """The setting `cpu_attention` serves: switched on, under torch.compile (eager, its
+    backward's elementwise work unfused is slower than sdpa's), on CPU, bf16, gradients
+    enabled, at most CPU_ATTENTION_MAX_SCORES score elements (B x H x T x S)."""
+    return (CPU_ATTENTION and torch.compiler.is_compiling() and device.type == "cpu"
+            and dtype == torch.bfloat16 and torch.is_grad_enabled() and scores <= CPU_ATTENTION_MAX_SCORES)
+
+
 def _takes_cpu_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask) -> bool:
-    """Whether this call goes through `cpu_attention`: under torch.compile (eager, its
-    backward's elementwise work unfused is slower than sdpa's), on CPU, bf16 q/k/v, gradients
-    wanted, T == S (training and prefill: plain causal or a document mask)."""
-    return (CPU_ATTENTION and torch.compiler.is_compiling() and q.device.type == "cpu"
-            and q.dtype == k.dtype == v.dtype == torch.bfloat16 and torch.is_grad_enabled()
-            and (q.requires_grad or k.requires_grad or v.requires_grad) and mask.block_mask is None
-            and (mask.is_causal or mask.attn_mask is not None) and q.shape[-2] == k.shape[-2]
-            and q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] <= CPU_ATTENTION_MAX_SCORES)
+    """Whether this call goes through `cpu_attention` (`_cpu_attention_applies`, bf16 q/k/v
+    with gradients wanted, T == S: training and prefill, plain causal or a document mask)."""
+    return (_cpu_attention_applies(q.device, q.dtype, q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2])
+            and q.dtype == k.dtype == v.dtype and (q.requires_grad or k.requires_grad or v.requires_grad)
+            and mask.block_mask is None and (mask.is_causal or mask.attn_mask is not None)
+            and q.shape[-2] == k.shape[-2])
 
 
 def _bf16_parts(x: torch.Tensor) -> torch.Tensor:
