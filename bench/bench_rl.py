@@ -1,15 +1,16 @@
 """RL with verifiable rewards on the speedrun's SFT model: does it lift what the speedrun measures?
 
-From an SFT checkpoint (default: the speedrun's, runs/speedrun/sft), `lmforge rl` on the
-standard-library prompts with the static reward (parses under its signature, ends its turn, not a
-stub, every name resolves), for a wall-clock budget per run (`--minutes`, `train.time_limit_s`;
-constant learning rate), then the speedrun's own held-out figure:
+From an SFT checkpoint (default: the speedrun's, runs/speedrun/sft), `lmforge rl --set rl.init=CKPT`
+exactly as the README types it (its own defaults: the standard-library prompts, the static reward —
+parses under its signature, ends its turn, not a stub, every name resolves —, `rl.steps`, AdamW at a
+constant rate); a benchmark changes only `train.seed` and, with `--minutes`, `train.time_limit_s`
+(`arm_config`). Then the speedrun's own held-out figure:
 
 - baseline: the SFT model's held-out **plain greedy** "parses and ends its turn with <|im_end|>"
   (`scorers.body_parse_rate` on the speedrun's held-out prompts, `held_out_prompts(sft_val.jsonl,
   64)`, 160 new tokens, no repetition penalty), the static pass rate of those bodies, the share of
   trivial ones, and the held-out SFT loss (nats per supervised token on sft_val.jsonl);
-- arms, each `lmforge rl` for the same wall clock: full fine-tuning, LoRA (rank 16), and a control
+- arms, each `lmforge rl` as the README types it: full fine-tuning, LoRA (`--set lora.rank=16`), and a control
   whose rewards are permuted within each micro-batch (it must stay near the baseline, or the
   figure moves for another reason than the reward);
 - each with its rates' 95% Wilson intervals (63 prompts), the RL steps taken and seconds.
@@ -21,7 +22,7 @@ constant learning rate), then the speedrun's own held-out figure:
 An arm is `NAME[:REWARDS]`: `full`, `lora` or `shuffled`, trained on `rl.rewards` REWARDS joined
 by "+" (default `--rewards`), e.g. `--arms full:static,full:static+behaviour,lora:static+behaviour`.
 
-Run: `python bench/bench_rl.py [--checkpoint DIR] [--minutes 2] [--seeds 3] [--arms full,shuffled,lora]`.
+Run: `python bench/bench_rl.py [--checkpoint DIR] [--seeds 3] [--arms full,shuffled,lora] [--minutes M]`.
 Skipped (a note, exit 0) when the checkpoint is absent: `make speedrun` writes it.
 `--smoke`: a tiny model trained in seconds (figures mean nothing; proves the benchmark runs).
 `--speed`: instead, the rollout's tokens per second (sampling with the sampler's log-probabilities, the
@@ -45,7 +46,6 @@ from pathlib import Path
 
 import common  # noqa: F401  (puts src/ on the path)
 
-from lmforge.config import LoRAConfig
 from lmforge.data.conversations import Conversation, render_samples, sft_batches
 from lmforge.evaluate import evaluate_batches
 from lmforge.loading import load_checkpoint
@@ -60,6 +60,27 @@ from lmforge.stages.sft import SFT_VAL_FILE
 
 DEFAULT_CHECKPOINT = common.ROOT / "runs" / "speedrun" / "sft"
 EVAL_PROMPTS, EVAL_NEW_TOKENS = 64, 160
+#: arm -> (the --set overrides of the README's command for it, rewards shuffled): every arm is
+#: `lmforge rl --set rl.init=CKPT` as the README types it, plus only these, the seed and the time.
+ARMS = {"full": ([], False), "lora": (["lora.rank=16"], False), "shuffled": ([], True)}
+#: --smoke: the tiny checkpoint's short rows, tiny rollouts (figures mean nothing).
+SMOKE_SETS = ["data.seq_len=512", "rl.max_new_tokens=8", "rl.group_size=2", "rl.micro_batch_size=2",
+              "rl.max_examples=8", "rl.steps=2"]
+
+
+def arm_config(ckpt: Path, kind: str, rewards: list[str], seed: int, minutes: float = 0.0, smoke: bool = False):
+    """The config `lmforge rl --set rl.init=CKPT [the arm's --set] --set train.seed=SEED` trains with
+    (no --config: the command's own defaults, loaded as the CLI loads them), with
+    `train.time_limit_s` = `minutes` x 60 when given; `rewards` other than the default are the
+    arm's `rl.rewards`. tests/test_bench_smoke.py holds it equal to the command's."""
+    from lmforge.config import load_config
+
+    sets = [f"rl.init={ckpt}", *ARMS[kind][0], f"train.seed={seed}"]
+    if rewards != load_config(None, []).rl.rewards:
+        sets.append("rl.rewards=" + json.dumps(rewards))
+    if minutes:
+        sets.append(f"train.time_limit_s={minutes * 60:g}")
+    return load_config(None, sets + (SMOKE_SETS if smoke else []))
 
 
 def held_out(model, tok, items, seq_len: int) -> dict:
@@ -128,12 +149,9 @@ class ShuffledRewards(rl_module.Rewards):
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--checkpoint", type=Path, default=None, help=f"SFT checkpoint (default {DEFAULT_CHECKPOINT})")
-    ap.add_argument("--minutes", type=float, default=2.0, help="wall-clock budget of each RL run")
-    ap.add_argument("--steps", type=int, default=1000, help="at most this many steps (the clock usually stops first)")
-    ap.add_argument("--lr", type=float, default=3e-5)
-    ap.add_argument("--lora-lr", type=float, default=5e-4)
-    ap.add_argument("--beta", type=float, default=0.0, help="rl.beta: the KL term to the SFT model (0: none)")
-    ap.add_argument("--seeds", type=int, default=1)
+    ap.add_argument("--minutes", type=float, default=0.0,
+                    help="train.time_limit_s of each RL run in minutes (0: none, the command's own rl.steps)")
+    ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--arms", default="full,shuffled", help="NAME[:REWARDS], comma-separated (module docstring)")
     ap.add_argument("--rewards", default="static", help="rl.rewards of an arm that names none, joined by '+'")
     ap.add_argument("--speed", action="store_true", help="measure the rollout's tokens/s against generate instead")
@@ -145,7 +163,7 @@ def main(argv: list[str] | None = None) -> dict:
         if args.smoke:
             from bench_dpo import smoke_checkpoint
 
-            ckpt, args.minutes, args.seeds, args.steps = smoke_checkpoint(tmp), 0.05, 1, 2
+            ckpt, args.minutes, args.seeds = smoke_checkpoint(tmp), 0.05, 1
         else:
             ckpt = args.checkpoint or DEFAULT_CHECKPOINT
             if not ckpt.exists():
@@ -242,29 +260,16 @@ def run(ckpt: Path, args, tmp: Path) -> dict:
           f"{base['static']:.1%}, stubs {base['trivial']:.1%}, reads no parameter {base['reads_no_parameter']:.1%}, "
           f"SFT loss {base['sft_loss']:.4f}, behaviour held-out {_rate(base, 'val')}, training {_rate(base, 'train')}",
           flush=True)
-    arms = {"full": dict(lora=0, lr=args.lr, shuffled=False), "lora": dict(lora=16, lr=args.lora_lr, shuffled=False),
-            "shuffled": dict(lora=0, lr=args.lr, shuffled=True)}
     results: dict[str, list[dict]] = {}
     original = rl_module.Rewards
     for spec in [a for a in args.arms.split(",") if a]:
         kind, _, reward_spec = spec.partition(":")
-        arm = arms[kind]
         reward_names = (reward_spec or args.rewards).split("+")
         name = f"{kind} ({'+'.join(reward_names)})"
         for seed in range(args.seeds):
-            cfg = replace(base_cfg, rl=replace(base_cfg.rl, init=str(ckpt), data="stdlib", steps=args.steps,
-                                               lr=arm["lr"], warmup_steps=0, val_examples=0, beta=args.beta,
-                                               rewards=reward_names),
-                          train=replace(base_cfg.train, seed=base_cfg.train.seed + seed, optimizer="adamw",
-                                        checkpoint_every=0, keep_last=1, eval_every=0, schedule="cosine",
-                                        min_lr_ratio=1.0, time_limit_s=args.minutes * 60, time_budget_s=0.0,
-                                        compile=False),
-                          lora=LoRAConfig(rank=arm["lora"]) if arm["lora"] else LoRAConfig())
-            if args.smoke:  # the smoke model's rows are short: room for the prompts, tiny rollouts
-                cfg = replace(cfg, data=replace(cfg.data, seq_len=512),
-                              rl=replace(cfg.rl, max_new_tokens=8, group_size=2, micro_batch_size=2, max_examples=8))
+            cfg = arm_config(ckpt, kind, reward_names, base_cfg.train.seed + seed, args.minutes, args.smoke)
             ShuffledRewards.seed = seed
-            rl_module.Rewards = ShuffledRewards if arm["shuffled"] else original
+            rl_module.Rewards = ShuffledRewards if ARMS[kind][1] else original
             t0 = time.perf_counter()
             try:
                 last = rl_stage(cfg, tmp / f"run-{kind}-{seed}", progress=False)
@@ -319,9 +324,9 @@ def print_table(base: dict, results: dict, args) -> None:
                      _mean(rs, "reads_no_parameter"),
                      f"{loss:.4f} ({loss / base['sft_loss'] - 1:+.1%})", _behaviour(rs, "val"), _behaviour(rs, "train"),
                      f"{statistics.mean(r['steps'] for r in rs):.0f}", f"{statistics.mean(r['seconds'] for r in rs):.0f}"])
-    print(common.table(headers, rows, title=f"lmforge rl, {args.minutes:g} min a run, lr {args.lr:g} (LoRA "
-                                            f"{args.lora_lr:g}), beta {args.beta:g}, {args.seeds} "
-                                            f"seed(s); held-out prompts {base['n']}; {common.machine_line()}"
+    limit = f"{args.minutes:g} min a run" if args.minutes else "the command's own steps"
+    print(common.table(headers, rows, title=f"lmforge rl --set rl.init=CKPT as the README types it, {limit}, "
+                                            f"{args.seeds} seed(s); held-out prompts {base['n']}; {common.machine_line()}"
                                             + (" (SMOKE RUN: figures mean nothing)" if args.smoke else "")))
 
 

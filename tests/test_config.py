@@ -346,3 +346,18 @@ def test_a_field_declared_once_is_bounded_checked_and_ruled():
     on_file.dpo.data = "pairs.jsonl"
     assert rules["dpo.max_chars"].when(Config()) and not rules["dpo.max_chars"].when(on_file)
     assert rules["sft.max_chars"].when(on_file)  # [sft] still reads the standard library
+
+
+@pytest.mark.parametrize("schedule", ["cosine", "wsd", "constant"])
+@pytest.mark.parametrize("steps,warmup", [(1, 0), (2, 0), (5, 2), (60, 0), (600, 50)])
+def test_every_step_of_every_schedule_trains(schedule, steps, warmup):
+    """No step is taken at learning rate 0 (the floor, min_lr_ratio = 0, comes after the last step):
+    `rl.steps = 1` under wsd trained nothing before."""
+    from lmforge.config import TrainConfig
+    from lmforge.train.schedule import lr_at
+
+    cfg = TrainConfig(schedule=schedule, steps=steps, warmup_steps=warmup, lr=1e-3, min_lr_ratio=0.0)
+    lrs = [lr_at(i, cfg) for i in range(steps)]
+    assert min(lrs) > 0 and max(lrs) <= 1e-3
+    if schedule == "constant":
+        assert lrs[warmup:] == [1e-3] * (steps - warmup)

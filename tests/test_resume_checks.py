@@ -126,7 +126,7 @@ def test_the_schedule_refusal_names_the_step_and_both_rates(run_copy):
     cfg, run = run_copy
     refused(pretrain_stage, _set(cfg, "train.steps", 3), run,
             r"train\.steps = 3 \(the run has 4\): step 2 of the run already took learning rate 0\.01, and with "
-            r"the new value it would be 0\.005")
+            r"the new value it would be 0\.0066666667")
 
 
 def test_several_refused_fields_are_named_together(run_copy):

@@ -31,6 +31,10 @@ SCHEDULE = ("shapes the learning-rate schedule: refused when it changes the lear
 ACCUM = ("the rows of every optimizer step: compared as accumulation x data-parallel ranks, so a run continued "
          "on another number of ranks keeps its global batch (up to the float order of the sums)")
 _OWN = "SFT and DPO train with their own section's value and compare that (sft.{key}, dpo.{key})"
+#: train.schedule's choices (lmforge.train.schedule.lr_at dispatches on them).
+SCHEDULES = ("cosine", "wsd", "constant")
+#: train.optimizer's choices (lmforge.train.optim builds them).
+OPTIMIZERS = ("adamw", "muon")
 _OPT = refused(BOTH, "an optimizer setting applied at every step, the steps taken included")
 
 
@@ -235,8 +239,8 @@ class TrainConfig:
     min_lr_ratio: float = num(0.0, 0.0, 1.0, refused(BOTH, SCHEDULE, schedule=True))
     """The schedule decays to lr * min_lr_ratio."""
     warmup_steps: int = num(50, 0, MAX_STEPS, refused(PRE, SCHEDULE, _OWN.format(key="warmup_steps"), schedule=True))
-    schedule: str = choice("wsd", ("cosine", "wsd"), refused(BOTH, SCHEDULE, schedule=True))
-    """"cosine" (warmup + cosine) or "wsd" (warmup-stable-decay)."""
+    schedule: str = choice("wsd", SCHEDULES, refused(BOTH, SCHEDULE, schedule=True))
+    """"cosine" (warmup + cosine), "wsd" (warmup-stable-decay) or "constant" (warmup, then lr)."""
     decay_fraction: float = num(0.5, 0.0, 1.0, refused(BOTH, SCHEDULE, schedule=True), low_open=True)
     """wsd only: the fraction of steps spent in the final linear decay."""
     weight_decay: float = num(0.1, 0.0, 1.0, _OPT)
@@ -250,7 +254,7 @@ class TrainConfig:
     """Pretraining starts the residual projections (attention wo, MLP w2) and an untied output
     head at zero (modded-nanogpt). An initialisation only: the model is the same architecture;
     `Transformer(config)` itself stays randomly initialised."""
-    optimizer: str = choice("muon", ("adamw", "muon"), refused(BOTH, "another optimizer has another state"))
+    optimizer: str = choice("muon", OPTIMIZERS, refused(BOTH, "another optimizer has another state"))
     """"adamw", or "muon": Muon for the 2-D matrices of the blocks and AdamW for the
     embedding, the head and the norms (lmforge.train.optim.MuonAdamW)."""
     muon_lr_scale: float = num(1.0, 0.0, 100.0, _MUON, low_open=True)

@@ -7,7 +7,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from lmforge.config.core import ACCUM, MAX_SEQ_LEN, MAX_STEPS, MAX_VOCAB, SCHEDULE
+from lmforge.config.core import ACCUM, MAX_SEQ_LEN, MAX_STEPS, MAX_VOCAB, OPTIMIZERS, SCHEDULE, SCHEDULES
 from lmforge.config.fields import BOTH, DPO, HERE, RL, SFT, ResumeRule, again, allowed, choice, flag, items, num, \
     per_section, refused, suggest, text, check_number
 from lmforge.errors import ConfigError
@@ -45,7 +45,9 @@ class TuningConfig:
     with their bounds and resume rules (a subclass's WORDS put its rules in its own words): the
     checkpoint to start from, the data, and the [train] values the run takes from its section
     (`stages.tuning.TUNING_TRAIN_KEYS`: steps, micro_batch_size, grad_accum_steps, lr,
-    warmup_steps, compile; every other [train] key applies as it is)."""
+    warmup_steps, optimizer, schedule, compile; every other [train] key applies as it is). Each
+    section's defaults are the settings its measured results came from (README, bench/RESULTS.md):
+    the benchmarks run the command's own configuration and change only the seed and the time."""
 
     init: str = text("", _tune("the {init}; compared as a resolved path by stages/tuning.py (check_same_init), before "
                                "the model is loaded", elsewhere=True))
@@ -60,6 +62,12 @@ class TuningConfig:
     grad_accum_steps: int = num(1, 1, 1 << 16, _tune(ACCUM, per_rank=True))
     lr: float = num(1e-3, 0.0, 10.0, _tune(SCHEDULE, schedule=True), low_open=True)
     warmup_steps: int = num(10, 0, MAX_STEPS, _tune(SCHEDULE, schedule=True))
+    optimizer: str = choice("muon", OPTIMIZERS, _tune("another optimizer has another state"))
+    """The stage's optimizer, as train.optimizer (not inherited from [train]: a tuning stage's
+    learning rate is measured with its own optimizer)."""
+    schedule: str = choice("wsd", SCHEDULES, _tune(SCHEDULE, schedule=True))
+    """The stage's learning-rate schedule, as train.schedule (train.min_lr_ratio and
+    train.decay_fraction apply as they are)."""
     compile: bool = flag(False, _tune("compiled kernels fuse and reorder float operations: the steps differ in the "
                                       "last bits"))
     """torch.compile the model for this stage (pretraining's is train.compile). Off by default: a
@@ -110,6 +118,9 @@ class DPOConfig(TuningConfig):
     WORDS = dict(items="the pairs", one="pairs", batch_items="pairs", init="checkpoint tuned and the reference",
                  val_rows="val_* rows only", no=_NO_DPO)
     steps: int = again(TuningConfig, "steps", 100)
+    optimizer: str = again(TuningConfig, "optimizer", "adamw")
+    """AdamW: DPO's figures (bench/bench_dpo.py) and its learning rate were measured with it."""
+    schedule: str = again(TuningConfig, "schedule", "cosine")
     lr: float = again(TuningConfig, "lr", 1e-4)
     """DPO's learning rate. The paper's 1e-6 (and TRL's default) is for billion-parameter models;
     on the speedrun's 5M-parameter SFT model 1e-5 moved nothing in 150 steps and 5e-4 tripled the
@@ -175,6 +186,11 @@ class RLConfig(TuningConfig):
     """RL's learning rate. On the speedrun's SFT model (AdamW, static reward) 1e-4 lifted the held-out
     figure as far in 1 minute but cost 10% on the SFT loss; 3e-5 cost 2.5% in 2 minutes
     (bench/bench_rl.py, bench/RESULTS.md 2026-11-26)."""
+    optimizer: str = again(TuningConfig, "optimizer", "adamw")
+    """AdamW at a constant rate: the settings RL's figures were measured with. Muon at AdamW's 3e-5
+    (the [train] default before) left the held-out parse rate at 33% after 60 steps, against 98%
+    (bench/RESULTS.md, 2026-11-27)."""
+    schedule: str = again(TuningConfig, "schedule", "constant")
     warmup_steps: int = again(TuningConfig, "warmup_steps", 0)
     max_examples: int = again(TuningConfig, "max_examples", 2000)
     val_examples: int = again(TuningConfig, "val_examples", 64)

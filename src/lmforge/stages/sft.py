@@ -3,8 +3,8 @@
 SFT is data, not a second trainer: `sft_stage` loads the model from `sft.init`, checks its
 contract against the tokenizer, renders conversations into rows (lmforge.data.conversations) and
 runs the same `Trainer.fit` as pretraining, with the same loss (P3). The [sft] section
-supplies the step count, batch shape, learning rate and warm-up; every other [train] key
-(schedule, weight decay, clipping, precision, seed, checkpointing) applies as it is.
+supplies the step count, batch shape, learning rate, warm-up, optimizer and schedule; every other
+[train] key (weight decay, clipping, precision, seed, checkpointing) applies as it is.
 
 The SFT run folder holds what a pretraining run folder holds (metrics.jsonl, config.toml
 with the [train] values actually used, step_NNNNNN/ checkpoints, contract and tokenizer
@@ -39,7 +39,7 @@ SFT_VAL_FILE = "sft_val.jsonl"
 # -- configuration -------------------------------------------------------------------------
 def sft_config(cfg: Config, init_cfg: Config) -> Config:
     """The config an SFT run trains and saves: [model] from the initial checkpoint, and
-    [train] steps / micro_batch_size / grad_accum_steps / lr / warmup_steps from [sft]
+    [train] steps / micro_batch_size / grad_accum_steps / lr / warmup_steps / optimizer / schedule from [sft]
     (`stages.tuning.tuning_config`).
 
     Raises:

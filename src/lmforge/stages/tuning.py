@@ -25,7 +25,8 @@ from lmforge.model.load import lora_base
 from lmforge.tokenizer import Tokenizer
 
 #: The [train] keys a fine-tuning section ([sft], [dpo]) supplies for its run.
-TUNING_TRAIN_KEYS = ("steps", "micro_batch_size", "grad_accum_steps", "lr", "warmup_steps", "compile")
+TUNING_TRAIN_KEYS = ("steps", "micro_batch_size", "grad_accum_steps", "lr", "warmup_steps", "optimizer", "schedule",
+                     "compile")
 
 
 @dataclass

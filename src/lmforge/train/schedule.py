@@ -12,11 +12,18 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 
     cosine: linear warmup over warmup_steps, then cosine from lr to lr * min_lr_ratio
     (Loshchilov & Hutter 2017). wsd: warmup, constant, then linear decay over the last
-    decay_fraction of the steps (warmup-stable-decay; Hu et al. 2024, MiniCPM).
+    decay_fraction of the steps (warmup-stable-decay; Hu et al. 2024, MiniCPM). constant:
+    warmup, then lr (the tuning stages' schedule where a few steps must all count).
+
+    Every step trains: the decays reach lr * min_lr_ratio only after the last step (cosine's last
+    step is 1 / (steps - warmup) short of it; wsd's n decay steps stop 1 / (n + 1) short), so a
+    one-step run trains at lr / 2, not at the floor.
     """
     peak, floor = cfg.lr, cfg.lr * cfg.min_lr_ratio
     if step < cfg.warmup_steps:
         return peak * (step + 1) / cfg.warmup_steps
+    if cfg.schedule == "constant":
+        return peak
     if cfg.schedule == "cosine":
         span = max(1, cfg.steps - cfg.warmup_steps)
         progress = min(1.0, (step - cfg.warmup_steps) / span)
@@ -24,7 +31,9 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     start = decay_start(cfg.steps, cfg.decay_fraction)
     if step < start:
         return peak
-    progress = min(1.0, (step - start + 1) / (cfg.steps - start))
+    # n decay steps are n of the n + 1 equal stretches from lr to the floor: the last trains at
+    # lr / (n + 1) above it (it reached the floor exactly before, so a 1-step run trained nothing)
+    progress = min(1.0, (step - start + 1) / (cfg.steps - start + 1))
     return peak + (floor - peak) * progress
 
 
