@@ -21,3 +21,22 @@ def not_numbers(completions, prompts, **fields):
 
 def too_few(completions, prompts, **fields):
     return [0.5]
+
+
+# -- hostile rewards (tests/test_rl_inputs.py) ---------------------------------------------------
+#: calls of `hostile` so far; PLAN[n]: what its n-th call does first (1 is the stage's check
+#: before training, 2 the first step's rollouts, ...), a function of the completions whose
+#: result, when not None, is what the call returns. Both set by the tests.
+CALLS: dict = {"hostile": 0}
+PLAN: dict = {}
+
+
+def hostile(completions, prompts, **fields):
+    """`short`'s rewards, but its n-th call first does PLAN[n](completions)."""
+    CALLS["hostile"] += 1
+    action = PLAN.get(CALLS["hostile"])
+    if action is not None:
+        out = action(completions)
+        if out is not None:
+            return out
+    return short(completions, prompts)

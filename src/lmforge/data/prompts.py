@@ -7,9 +7,11 @@ generation prompt) plus the fields a reward reads. Two sources:
   signature and docstring, "write the body"), same split as SFT and pretraining; each record
   carries `module`, `qualname`, `signature` (what the static and doctest rewards read) and
   `reference` (the real body, never shown to the model).
-- a JSONL or Parquet file of records {"prompt": text} or {"messages": [{role, content}, ...]}
-  (TRL's standard and conversational prompt forms), with any extra fields, handed to a reward
-  of your own as keyword arguments (TRL's convention).
+- a JSONL or Parquet file of records {"prompt": text}, {"prompt": [{role, content}, ...]} or
+  {"messages": [{role, content}, ...]} (TRL's standard and conversational prompt forms; a list
+  of messages ends with the user's turn), with any extra fields, handed to a reward of your own
+  as keyword arguments (TRL's convention). The fields lmforge's own rewards read (`READ_FIELDS`:
+  signature, module, qualname, reference) are strings where a record has them.
 
 `PromptStream` deals prompt indices as `RowStream` deals rows (a seeded shuffle per epoch, ranks
 taking their share of one global order, `state_dict` for exact resume), and says where in that
@@ -20,6 +22,8 @@ completions whatever the number of ranks.
 from __future__ import annotations
 
 import json
+import os
+import stat
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -29,10 +33,15 @@ from lmforge.data.conversations import validate_messages
 from lmforge.data.packing import RowStream
 from lmforge.data.records import check_text, content_key, read_items, short
 from lmforge.errors import DataError
+from lmforge.fileio import shown_path
 
 #: What a prompt record may look like (for error messages).
-PROMPT_FORMS = ('one JSON object per line: {"prompt": "text"} or {"messages": [{"role": "user", "content": '
-                '"..."}]}, plus any fields your reward reads')
+PROMPT_FORMS = ('one JSON object per line: {"prompt": "text"}, {"prompt": [{"role": "user", "content": "..."}]} '
+                'or {"messages": [{"role": "user", "content": "..."}]}, plus any fields your reward reads')
+
+#: The fields lmforge's own rewards and validation read (the static check reads "signature"
+#: wherever a prompt has one): a string where a record has them.
+READ_FIELDS = ("signature", "module", "qualname", "reference")
 
 
 @dataclass
@@ -53,17 +62,26 @@ def prompt_from_record(record: object, where: str) -> Prompt:
         raise DataError(f"{where}: expected a JSON object, got {short(record)}; {PROMPT_FORMS}.")
     if "prompt" in record and "messages" in record:
         raise DataError(f"{where}: both \"prompt\" and \"messages\"; give one of them.")
-    if "prompt" in record:
+    if "prompt" in record and isinstance(record["prompt"], list):  # TRL's conversational form
+        if not record["prompt"]:
+            raise DataError(f"{where}: \"prompt\" is an empty list; expected a string, or a list of messages "
+                            f"ending with the user's turn ([{{\"role\": \"user\", \"content\": \"...\"}}]).")
+        messages = _user_last(validate_messages(record["prompt"], where, require_reply=False), where)
+    elif "prompt" in record:
+        if not isinstance(record["prompt"], str):
+            raise DataError(f"{where}: prompt is {short(record['prompt'])}; expected a string or a list of messages "
+                            f"([{{\"role\": \"user\", \"content\": \"...\"}}]). Fix or remove the record.")
         text = check_text(record["prompt"], where, "prompt")
         messages = [{"role": "user", "content": text}]
     elif "messages" in record:
-        messages = list(validate_messages(record["messages"], where, require_reply=False))
-        if messages[-1]["role"] != "user":
-            raise DataError(f"{where}: the last message is {messages[-1]['role']!r}: a prompt ends with the user's "
-                            f"turn (the model writes the next one).")
+        messages = _user_last(validate_messages(record["messages"], where, require_reply=False), where)
     else:
         raise DataError(f"{where}: no \"prompt\" or \"messages\" field (keys {sorted(record)}); {PROMPT_FORMS}.")
     extra = {k: v for k, v in record.items() if k not in ("prompt", "messages")}
+    for name in READ_FIELDS:
+        if name in extra and not isinstance(extra[name], str):
+            raise DataError(f"{where}: \"{name}\" is {short(extra[name])}; expected a string (lmforge's rewards read "
+                            f"it: {_READ_BY[name]}). Fix the record, or name your field otherwise.")
     try:
         json.dumps(extra)
     except (TypeError, ValueError):
@@ -71,8 +89,37 @@ def prompt_from_record(record: object, where: str) -> Prompt:
     return Prompt(messages, where, content_key([[m["role"], m["content"]] for m in messages]), extra)
 
 
+def _user_last(messages: Sequence[dict], where: str) -> list[dict]:
+    if messages[-1]["role"] != "user":
+        raise DataError(f"{where}: the last message is {messages[-1]['role']!r}: a prompt ends with the user's "
+                        f"turn (the model writes the next one).")
+    return list(messages)
+
+
+_READ_BY = {"signature": "the static check, and the doctests and behaviour rewards",
+            "module": "the static check's names, the doctests and behaviour rewards",
+            "qualname": "the doctests and behaviour rewards", "reference": "the behaviour reward"}
+
+_KINDS = ((stat.S_ISFIFO, "a FIFO (a named pipe)"), (stat.S_ISSOCK, "a socket"),
+          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+
+
 def read_prompts(path) -> list[Prompt]:
-    """Every prompt of a `.jsonl` or `.parquet` file, validated, in file order (data.records.read_items)."""
+    """Every prompt of a `.jsonl` or `.parquet` file, validated, in file order (data.records.read_items).
+
+    Raises:
+        DataError: `path` is not a regular file (a FIFO is never opened: without a writer that
+        would wait forever), or a record is malformed (naming the file and line).
+    """
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        mode = None  # missing or unreadable: read_items says which
+    for test, kind in _KINDS:
+        if mode is not None and test(mode):
+            raise DataError(f"rl.data = {shown_path(path)!r} is {kind}, not a regular file; expected a .jsonl or "
+                            f".parquet file of prompts (or \"stdlib\"). Write the prompts to a file and point "
+                            f"rl.data at it.")
     return read_items(path, "rl.data", "prompts", prompt_from_record, PROMPT_FORMS)
 
 
@@ -134,5 +181,5 @@ def split_prompts(prompts: Sequence[Prompt], val_fraction: float) -> dict[str, l
     return out
 
 
-__all__ = ["PROMPT_FORMS", "Prompt", "PromptDraw", "PromptStream", "prompt_from_record", "read_prompts",
-           "split_prompts", "stdlib_prompts"]
+__all__ = ["PROMPT_FORMS", "READ_FIELDS", "Prompt", "PromptDraw", "PromptStream", "prompt_from_record",
+           "read_prompts", "split_prompts", "stdlib_prompts"]

@@ -89,8 +89,12 @@ def rl_stage(cfg: Config, out: str | Path, resume: bool = False, dry_run: bool =
         ConfigError: rl.init not set; lora.dropout > 0; rl.max_new_tokens leaving no room in
         data.seq_len; a reward that cannot be imported; a config that does not fit the checkpoint.
         CheckpointError / ContractError: rl.init is not a checkpoint, or has another tokenizer.
-        DataError: bad prompts (naming file and line), or nothing left to train on.
-        RewardError: a reward function of yours raised or returned something else than rewards.
+        DataError: bad prompts (naming file and line), rl.data not a regular file, or nothing left to
+        train on.
+        RewardError: a reward function of yours raised, called sys.exit, changed the working folder,
+        ran past rl.reward_timeout_s per completion or returned something else than rewards.
+        Interrupted: SIGINT/SIGTERM before training (in it, the run stops after the step, with a
+        checkpoint: a signal while a reward of yours runs included, lmforge.scorers.rewards).
     """
     if not cfg.rl.init:
         raise ConfigError("rl.init is empty: set the checkpoint to train, e.g. --set rl.init=runs/sft (an SFT run "
