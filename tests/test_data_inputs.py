@@ -2,7 +2,8 @@
 compressed JSONL, Parquet shards, a `datasets` save_to_disk folder, a text field of the user's
 choosing — each prepared into the same bytes as the same documents in one JSONL file.
 
-D1 the same documents as one JSONL, a .jsonl.gz, a .jsonl.zst, a glob of Parquet shards, a
+D1 the same documents as one JSONL, a .jsonl.gz, a .jsonl.zst (one frame, or several with a skippable
+   one between), a .jsonl.bz2, a .jsonl.xz (two streams each), a glob of Parquet shards, a
    folder of JSONL shards and a save_to_disk folder give byte-identical train/val .bin/.idx
    (records are split by content, so the split is the same too); a text folder and a glob of its
    files give the same shards (text files are split by their path from the source).
@@ -65,6 +66,19 @@ def test_every_record_format_gives_the_same_shards(tiny_corpus, tiny_tokenizer, 
     zstd = pytest.importorskip("zstandard")
     (tmp_path / "all.jsonl.zst").write_bytes(zstd.ZstdCompressor(level=3).compress((tmp_path / "all.jsonl").read_bytes()))
     sources["jsonl.zst"] = tmp_path / "all.jsonl.zst"
+    import bz2
+    import lzma
+    import struct
+
+    body = (tmp_path / "all.jsonl").read_bytes()
+    half = body.index(b"\n", len(body) // 2) + 1
+    (tmp_path / "all.jsonl.bz2").write_bytes(bz2.compress(body[:half]) + bz2.compress(body[half:]))  # two streams
+    (tmp_path / "all.jsonl.xz").write_bytes(lzma.compress(body[:half]) + lzma.compress(body[half:]))
+    skippable = struct.pack("<II", 0x184D2A50, 4) + b"skip"  # a frame readers pass over
+    (tmp_path / "frames.jsonl.zst").write_bytes(zstd.ZstdCompressor().compress(body[:half]) + skippable
+                                                + zstd.ZstdCompressor().compress(body[half:]))
+    sources.update({"jsonl.bz2": tmp_path / "all.jsonl.bz2", "jsonl.xz": tmp_path / "all.jsonl.xz",
+                    "zst frames": tmp_path / "frames.jsonl.zst"})
     parts = [texts[:13], texts[13:27], texts[27:]]
     (tmp_path / "pq").mkdir()
     for i, part in enumerate(parts):  # shard names sort in document order
@@ -122,6 +136,30 @@ def test_a_damaged_compressed_file_is_named_with_the_last_good_line(tiny_corpus,
     (tmp_path / "cut.jsonl.gz").write_bytes(raw[: len(raw) // 2])
     with pytest.raises(DataError, match=r"cut\.jsonl\.gz: damaged or cut short after line \d+"):
         list(iter_documents(str(tmp_path / "cut.jsonl.gz")))
+
+
+@pytest.mark.parametrize("kind", [".jsonl.gz", ".jsonl.zst", ".jsonl.bz2", ".jsonl.xz"])
+def test_a_compressed_file_cut_anywhere_is_an_error_never_fewer_documents(tmp_path, kind):
+    """Cut at any byte (a frame or stream boundary of a multi-frame file included), a compressed
+    JSONL file gives every document or a DataError naming it: never a silent part of it."""
+    import bz2
+    import lzma
+
+    zstandard = pytest.importorskip("zstandard") if kind == ".jsonl.zst" else None
+    compress = {".jsonl.gz": gzip.compress, ".jsonl.bz2": bz2.compress, ".jsonl.xz": lzma.compress,
+                ".jsonl.zst": lambda b: zstandard.ZstdCompressor().compress(b)}[kind]
+    bodies = [("".join(json.dumps({"text": f"part {p} document {i} " * 5}) + "\n" for i in range(150))).encode()
+              for p in range(2)]
+    first, second = compress(bodies[0]), compress(bodies[1])
+    whole = first + second
+    path = tmp_path / f"c{kind}"
+    for keep in sorted({1, 8, len(first) // 2, len(first) - 1, len(first) + 1, len(first) + 10,
+                        len(whole) - len(second) // 2, len(whole) - 1}):
+        path.write_bytes(whole[:keep])
+        with pytest.raises(DataError, match=rf"c{kind.replace('.', '[.]')}: damaged or cut short after line \d+"):
+            list(iter_documents(str(path)))
+    path.write_bytes(whole)
+    assert len(list(iter_documents(str(path)))) == 300
 
 
 @pytest.mark.parametrize("kind", [".jsonl", ".jsonl.gz", ".jsonl.zst", ".parquet"])

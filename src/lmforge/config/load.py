@@ -4,8 +4,10 @@
 from __future__ import annotations
 
 import dataclasses
+import errno
 import math
 import os
+import re
 import sys
 import tomllib
 import typing
@@ -159,22 +161,27 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
                 f"config file {path} {gone}. Pass an existing recipe, "
                 f"for example --config configs/stdlib-tiny.toml."
             )
+        text = read_config_text(path, f"config file {path}")  # a regular file, capped: never a hang
         try:
-            raw = tomllib.loads(path.read_text(encoding="utf-8"))
+            raw = tomllib.loads(text)
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"{path}: not valid TOML: {exc}. Fix the syntax.") from None
         except RecursionError:
             raise ConfigError(f"{path}: nested too deeply to read (Python's recursion limit); a recipe is sections "
                               f"of plain keys. Fix the file.") from None
-        except UnicodeDecodeError as exc:
-            raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start}: {exc.reason}); a TOML file is UTF-8. "
-                              f"Re-save it as UTF-8.") from None
-        except OSError as exc:
-            raise ConfigError(f"config file {path}: cannot be read ({exc.strerror}); {os_advice(exc)}.") from None
         cfg = from_dict(raw, where=str(path))
     cfg = apply_overrides(cfg, overrides)
-    cfg = apply_overlay(cfg, os.environ.get(OVERLAY_ENV))
-    return cfg.validate()
+    overlay = os.environ.get(OVERLAY_ENV)
+    if not overlay:
+        return cfg.validate()
+    layered, keys = _overlaid(cfg, overlay)
+    try:
+        return layered.validate()
+    except ConfigError as exc:  # the overlay's values are checked here: the error names it
+        where = f"{OVERLAY_ENV}={overlay}"
+        if any(re.search(rf"(?<![\w.]){re.escape(k)}(?![\w])", str(exc)) for k in keys):
+            raise ConfigError(f"{where} sets {', '.join(keys)}: {exc}") from None
+        raise ConfigError(f"{exc} ({where} was applied over --config and --set: it sets {', '.join(keys)}.)") from None
 
 
 #: An environment variable naming a TOML file whose keys are applied after `--config` and
@@ -183,33 +190,85 @@ OVERLAY_ENV = "LMFORGE_CONFIG_OVERLAY"
 _overlay_said: set[str] = set()
 
 
+#: The largest config file read (--config or the overlay): a recipe is a few KB; anything past this
+#: is not a recipe (and a device such as /dev/zero would never end).
+MAX_CONFIG_BYTES = 1 << 20
+
+
+def read_config_text(path: str | Path, what: str) -> str:
+    """The UTF-8 text of the config file `path`, read only from a regular file of at most
+    MAX_CONFIG_BYTES (a FIFO would block, a device never end). `what` starts every message
+    ("config file X", "LMFORGE_CONFIG_OVERLAY=X").
+
+    Raises:
+        ConfigError: missing, not a regular file, unreadable, too large or not UTF-8.
+    """
+    import stat
+
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO opens at once, and is refused below
+    except (OSError, ValueError) as exc:  # ValueError: a NUL in the path
+        if isinstance(exc, FileNotFoundError) or (isinstance(exc, OSError) and exc.errno == errno.ELOOP):
+            gone = "is a link to nothing or a symbolic link loop" if Path(path).is_symlink() else "does not exist"
+            raise ConfigError(f"{what} {gone}. Point it at a TOML file.") from None
+        reason = exc.strerror if isinstance(exc, OSError) else str(exc)
+        advice = os_advice(exc) if isinstance(exc, OSError) else "give a path without it"
+        raise ConfigError(f"{what}: cannot be read ({reason}); {advice}.") from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        kind = ("a folder" if stat.S_ISDIR(mode) else "a FIFO (named pipe)" if stat.S_ISFIFO(mode)
+                else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "a socket")
+        raise ConfigError(f"{what} is {kind}, not a regular file; a config is a TOML file. Point it at one.")
+    with os.fdopen(fd, "rb") as f:
+        try:
+            data = f.read(MAX_CONFIG_BYTES + 1)
+        except OSError as exc:
+            raise ConfigError(f"{what}: cannot be read ({exc.strerror}); {os_advice(exc)}.") from None
+    if len(data) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"{what}: larger than {MAX_CONFIG_BYTES:,} bytes; a config is a TOML file of a few "
+                          f"sections. Point it at one.")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{what}: not UTF-8 text (byte {exc.start}: {exc.reason}); a TOML file is UTF-8. "
+                          f"Re-save it as UTF-8.") from None
+
+
 def apply_overlay(cfg: Config, path: str | None) -> Config:
     """`cfg` with the keys of the TOML file `path` (the `LMFORGE_CONFIG_OVERLAY` environment
     variable) replaced; None or "" changes nothing. One line on stderr names the file and its keys
-    (once per process), so a run never takes them silently.
+    (once per process), so a run never takes them silently. Every error names the variable and
+    the file.
 
     Raises:
-        ConfigError: the file is missing, not TOML, or holds an unknown key or a wrong type.
+        ConfigError: the file is missing, not a regular file, too large, not TOML, or holds an
+        unknown key or a wrong type.
     """
-    if not path:
-        return cfg
+    return _overlaid(cfg, path)[0] if path else cfg
+
+
+def _overlaid(cfg: Config, path: str) -> tuple[Config, list[str]]:
+    """`apply_overlay` and the keys the overlay sets ("section.key")."""
+    where = f"{OVERLAY_ENV}={path}"
+    text = read_config_text(path, where)
     try:
-        raw = tomllib.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError, RecursionError) as exc:
-        raise ConfigError(f"{OVERLAY_ENV}={path}: cannot be read as a TOML file ({type(exc).__name__}: {exc}). Point it at a TOML "
-                          f"file or unset it.") from None
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{where}: not valid TOML: {exc}. Fix the syntax, or unset {OVERLAY_ENV}.") from None
+    except RecursionError:
+        raise ConfigError(f"{where}: nested too deeply to read (Python's recursion limit). Fix the file, or unset "
+                          f"{OVERLAY_ENV}.") from None
     merged = cfg.to_dict()
     keys = []
     for section, values in raw.items():
         if not isinstance(values, dict) or section not in merged:
-            raise ConfigError(f"{OVERLAY_ENV}={path}: [{section}] is not a config section.{suggest(section, list(merged))}")
+            raise ConfigError(f"{where}: [{section}] is not a config section.{suggest(section, list(merged))}")
         merged[section].update(values)
         keys += [f"{section}.{k}" for k in values]
-    out = from_dict(merged, where=f"{OVERLAY_ENV}={path}")
+    out = from_dict(merged, where=where)
     out.set_keys = cfg.set_keys
     if path not in _overlay_said:
         _overlay_said.add(path)
-        print(f"config: {OVERLAY_ENV}={path} sets {', '.join(keys)} (over --config and --set)", file=sys.stderr)
-    return out
-
-
+        print(f"config: {where} sets {', '.join(keys)} (over --config and --set)", file=sys.stderr)
+    return out, keys

@@ -11,17 +11,20 @@ deeply, a damaged or truncated Parquet file, a file that vanished or is not a re
 from __future__ import annotations
 
 import hashlib
+import io
 import json
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TypeVar
 
 from lmforge.errors import DataError, require_package
-from lmforge.fileio import shown_path
+from lmforge.fileio import shown_path, special_kind
 
-#: The record files lmforge reads, by the end of their name: JSONL (plain, gzip, Zstandard),
-#: Parquet, and Arrow (the files of a `datasets` save_to_disk folder, IPC stream or file format).
-RECORD_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".parquet", ".arrow")
+#: The record files lmforge reads, by the end of their name: JSONL (plain, gzip, Zstandard, bzip2,
+#: xz), Parquet, and Arrow (the files of a `datasets` save_to_disk folder, IPC stream or file format).
+RECORD_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".jsonl.bz2", ".jsonl.xz", ".parquet", ".arrow")
+JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".jsonl.bz2", ".jsonl.xz")
 T = TypeVar("T")
 
 
@@ -77,8 +80,8 @@ def read_items(path: str | Path, key: str, items: str, make: Callable[[object, s
     """
     path = Path(path)
     if not path.is_file():
-        raise DataError(f"{key} = {str(path)!r} {'is a folder' if path.is_dir() else 'does not exist'}. Use "
-                        f"\"stdlib\" or a .jsonl / .parquet file of {items}.")
+        what = "is a folder" if path.is_dir() else _not_regular(path) or "does not exist"
+        raise DataError(f"{key} = {str(path)!r} {what}. Use \"stdlib\" or a .jsonl / .parquet file of {items}.")
     if record_suffix(path) is None:
         raise DataError(f"{key} = {str(path)!r}: unsupported file type {path.suffix!r}; expected one of "
                         f"{', '.join(RECORD_SUFFIXES)} (or \"stdlib\").")
@@ -86,6 +89,13 @@ def read_items(path: str | Path, key: str, items: str, make: Callable[[object, s
     if not out:
         raise DataError(f"{path}: the file holds no {items} (it is empty); {empty_help}.")
     return out
+
+
+def _not_regular(path: Path) -> str | None:
+    """"is a FIFO (named pipe), not a regular file" and the like, or None (absent, a regular file
+    or a folder): a special file is never read (a FIFO would block, a device never end)."""
+    kind = special_kind(path)
+    return f"is {kind}, not a regular file (never read)" if kind else None
 
 
 def iter_records(path: str | Path, columns: list[str] | None = None,
@@ -102,11 +112,11 @@ def iter_records(path: str | Path, columns: list[str] | None = None,
     """
     path = Path(path)
     if not path.is_file():
-        what = "is a folder" if path.is_dir() else "does not exist (it was listed: did it move?)"
+        what = "is a folder" if path.is_dir() else _not_regular(path) or "does not exist (it was listed: did it move?)"
         raise DataError(f"{shown_path(path)} {what}; expected one of {', '.join(RECORD_SUFFIXES)}.")
     kind = record_suffix(path)
     on_open = on_open or (lambda position: None)
-    if kind in (".jsonl", ".jsonl.gz", ".jsonl.zst"):
+    if kind in JSONL_SUFFIXES:
         yield from _jsonl(path, kind, on_open)
     elif kind == ".parquet":
         yield from _parquet(path, columns, on_open)
@@ -116,31 +126,129 @@ def iter_records(path: str | Path, columns: list[str] | None = None,
         raise DataError(f"{path}: unsupported file type {path.suffix!r}; expected one of {RECORD_SUFFIXES}.")
 
 
+class _ZstdFrames(io.RawIOBase):
+    """The decompressed bytes of every Zstandard frame of `raw`, one after another (`zstd -T0`,
+    pzstd and `cat a.zst b.zst` write several; skippable frames give nothing). A file that ends
+    inside a frame raises EOFError, as gzip, bz2 and lzma do: zstandard's own stream reader
+    returns what it has and stops without a word. Input goes in small pieces, so one read's
+    output stays bounded whatever the compression ratio."""
+
+    PIECE = 1024  # at most ~32 MiB out per piece (Zstandard's largest ratio is about 32,000)
+
+    def __init__(self, raw, zstd):
+        super().__init__()
+        self.raw, self.zstd = raw, zstd
+        self.dobj = zstd.ZstdDecompressor().decompressobj()
+        self.fed = 0  # compressed bytes given to the current frame's decompressor
+        self.pending, self.at = b"", 0  # output not handed out yet: pending[at:]
+        self.done = False
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        while self.at >= len(self.pending) and not self.done:
+            self.pending, self.at = self._fill(), 0
+        n = min(len(buffer), len(self.pending) - self.at)
+        buffer[:n] = memoryview(self.pending)[self.at: self.at + n]
+        self.at += n
+        return n
+
+    def _fill(self) -> bytes:
+        """The output of the next piece of input (maybe empty); at the end of the file, b"" and
+        `done`, or EOFError when the last frame is not complete."""
+        data = self.raw.read(self.PIECE)
+        if not data:
+            if self.fed and not self.dobj.eof:
+                raise EOFError("the file ends inside a Zstandard frame: it was cut short")
+            self.done = True
+            return b""
+        out = []
+        while data:
+            self.fed += len(data)
+            out.append(self.dobj.decompress(data))
+            if not self.dobj.eof:
+                break
+            data = self.dobj.unused_data  # the next frame's first bytes
+            self.dobj = self.zstd.ZstdDecompressor().decompressobj()
+            self.fed = 0
+        return b"".join(out)
+
+    def close(self) -> None:
+        try:
+            self.raw.close()
+        finally:
+            super().close()
+
+
+#: The compressed JSONL suffixes and their stdlib modules (each raises EOFError on a stream cut short).
+_STDLIB_CODECS = {".jsonl.gz": "gzip", ".jsonl.bz2": "bz2", ".jsonl.xz": "lzma"}
+
+
 def _open_lines(path: Path, kind: str):
-    """(a binary file object over the decompressed bytes of `path` (plain, gzip or Zstandard),
-    a function giving the position in the file on disk)."""
+    """(a binary file object over the decompressed bytes of `path` (plain, gzip, bzip2, xz or
+    Zstandard, every stream / member / frame of it), a function giving the position in the file
+    on disk). A stream or frame cut short raises EOFError while it is read."""
+    raw = open(path, "rb")
+    try:
+        if kind in _STDLIB_CODECS:
+            return _Closing(_stdlib_reader(kind, raw), raw), raw.tell
+        if kind == ".jsonl.zst":
+            zstd = require_package("zstandard", "zstandard", f"{shown_path(path)}: reading Zstandard", DataError)
+            return io.BufferedReader(_ZstdFrames(raw, zstd), 1 << 20), raw.tell
+    except BaseException:
+        raw.close()
+        raise
+    return raw, raw.tell
+
+
+def _stdlib_reader(kind: str, raw):
+    """gzip's, bz2's or lzma's reader of the open file `raw` (every member / stream of it)."""
     if kind == ".jsonl.gz":
         import gzip
 
-        f = gzip.open(path, "rb")
-        return f, f.fileobj.tell
-    if kind == ".jsonl.zst":
-        import io
+        return gzip.GzipFile(fileobj=raw, mode="rb")
+    if kind == ".jsonl.bz2":
+        import bz2
 
-        zstd = require_package("zstandard", "zstandard", f"{shown_path(path)}: reading Zstandard", DataError)
-        raw = open(path, "rb")
-        return io.BufferedReader(zstd.ZstdDecompressor().stream_reader(raw, closefd=True), 1 << 20), raw.tell
-    f = open(path, "rb")
-    return f, f.tell
+        return bz2.BZ2File(raw)
+    import lzma
+
+    return lzma.LZMAFile(raw)
+
+
+class _Closing:
+    """A decompressing file object that closes the file on disk it reads when it is closed
+    (gzip, bz2 and lzma leave a `fileobj` they were given open)."""
+
+    def __init__(self, f, raw):
+        self.f, self.raw = f, raw
+
+    def __iter__(self):
+        return iter(self.f)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        try:
+            self.f.close()
+        finally:
+            self.raw.close()
 
 
 def _damage_errors(kind: str) -> tuple[type[BaseException], ...]:
     """What a damaged file of `kind` raises while it is read (gzip: EOFError, BadGzipFile, an
-    OSError; Zstandard: ZstdError)."""
+    OSError; bz2 and lzma: EOFError, OSError, LZMAError; Zstandard: EOFError, ZstdError)."""
+    errors: tuple[type[BaseException], ...] = (EOFError, OSError)
+    if kind == ".jsonl.xz":
+        import lzma
+
+        errors += (lzma.LZMAError,)
     if kind == ".jsonl.zst":
         zstd = require_package("zstandard", "zstandard", "reading Zstandard", DataError)
-        return (EOFError, OSError, zstd.ZstdError)
-    return (EOFError, OSError)
+        errors += (zstd.ZstdError,)
+    return errors
 
 
 def _jsonl(path: Path, kind: str, on_open: Callable) -> Iterator[tuple[str, object]]:
@@ -159,7 +267,8 @@ def _jsonl(path: Path, kind: str, on_open: Callable) -> Iterator[tuple[str, obje
                 return
             except _damage_errors(kind) as exc:
                 raise DataError(f"{shown_path(path)}: damaged or cut short after line {lineno} ({_first_line(exc)}). "
-                                f"Re-write the file.") from None
+                                f"Its documents after that line would be lost: re-write the file (or restore it "
+                                f"from its source).") from None
             lineno += 1
             if not raw.strip():
                 continue
@@ -196,7 +305,7 @@ def _arrow(path: Path, columns: list[str] | None, on_open: Callable) -> Iterator
     try:
         try:
             reader = ipc.open_stream(source)
-            batches, total = iter(reader), 0  # a stream does not say its rows up front
+            batches, total = _ended_stream(path, reader), 0  # a stream does not say its rows up front
         except pa.ArrowInvalid:
             reader = ipc.open_file(source)
             batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
@@ -209,6 +318,21 @@ def _arrow(path: Path, columns: list[str] | None, on_open: Callable) -> Iterator
     if columns:
         batches = (batch.select(columns) for batch in batches)  # selected as each is read
     return _rows(path, batches, total, on_open)
+
+
+#: The end of an Arrow IPC stream (a continuation marker and a length of 0): every writer puts it
+#: last when it closes the stream (datasets' ArrowWriter included).
+ARROW_STREAM_END = b"\xff\xff\xff\xff\x00\x00\x00\x00"
+
+
+def _ended_stream(path: Path, reader) -> Iterator:
+    """The record batches of an Arrow IPC stream; a stream without its end marker was cut short
+    (at a batch boundary pyarrow stops without a word, its later batches lost): an error."""
+    yield from reader
+    with open(path, "rb") as f:
+        f.seek(max(0, os.fstat(f.fileno()).st_size - len(ARROW_STREAM_END)))
+        if f.read() != ARROW_STREAM_END:
+            raise EOFError("the stream ends without its end-of-stream marker: it was cut short")
 
 
 def _check_columns(path: Path, names: list[str], columns: list[str] | None) -> None:
@@ -230,15 +354,19 @@ def _rows(path: Path, batches, total: int, on_open: Callable) -> Iterator[tuple[
         except StopIteration:
             return
         except Exception as exc:  # pyarrow raises ArrowInvalid, OSError, ... for a damaged file
-            raise DataError(f"{shown_path(path)}: damaged after row {row} ({_first_line(exc)}). Re-write the "
-                            f"file.") from None
+            raise DataError(f"{shown_path(path)}: damaged or cut short after row {row} ({_first_line(exc)}). Its "
+                            f"rows after that one would be lost: re-write the file.") from None
         for record in records:
             row += 1
             yield f"{shown_path(path)} row {row}", record
 
 
 def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
+    """The first line of a library's message, its own "error:" words left out (the command's one
+    `error:` line is lmforge's: "zstd decompress error: ..." would make a second)."""
+    import re
+
+    text = re.sub(r"(?i)\berror:\s*", "", str(exc).strip())
     return text.splitlines()[0][:160] if text else type(exc).__name__
 
 

@@ -29,7 +29,7 @@ from tqdm import tqdm
 from lmforge.contract import CONTRACT_FILE, Contract, check_match
 from lmforge.data.fast_encode import batch_encoder
 from lmforge.data.reports import DataReport
-from lmforge.data.sources import SPLITS, SourceStats, iter_documents
+from lmforge.data.sources import SPLITS, SourceStats, iter_documents, source_path
 from lmforge.errors import DataError, os_error
 from lmforge.fileio import atomic_dir, shown_path
 from lmforge.tokenizer import Tokenizer
@@ -71,7 +71,7 @@ def prepare(
         OutputError: `out_dir` holds something else (a run, a tokenizer, a file...).
     """
     out = Path(out_dir)
-    with atomic_dir(out, PREPARE_OUTPUT, what="`lmforge prepare`") as tmp:
+    with atomic_dir(out, PREPARE_OUTPUT, what="`lmforge prepare`", inputs=[("data.source", source_path(source))]) as tmp:
         meta = prepare_into(tmp, source, tokenizer, val_fraction, include_tests, on_bad_utf8, progress, seq_len,
                             text_field)
         for name, text in (extra_files or {}).items():
@@ -130,6 +130,7 @@ def prepare_into(tmp: Path, source: str, tokenizer: Tokenizer, val_fraction: flo
     files = {s: open(tmp / f"{s}.bin", "wb") for s in SPLITS}
     idx_files = {s: open(tmp / f"{s}.idx", "wb") for s in SPLITS}
     hash_files = {s: open(tmp / f"{s}{HASHES_SUFFIX}", "wb") for s in SPLITS}
+    bar = None
     try:
         ends = {s: 0 for s in SPLITS}
         for s in SPLITS:
@@ -189,7 +190,10 @@ def prepare_into(tmp: Path, source: str, tokenizer: Tokenizer, val_fraction: flo
         if total == 0:
             raise DataError(
                 f"data.source = {source!r} yielded no documents (all empty or skipped: "
-                f"{stats.bad_utf8} not UTF-8, {stats.empty} empty). Point data.source at real text."
+                f"{stats.bad_utf8} not UTF-8, {stats.empty} empty, {stats.not_regular} not regular files, "
+                f"{stats.other} files of other types" + (f": {', '.join(stats.skipped_names[:3])}"
+                                                          if stats.skipped_names else "")
+                + "). Point data.source at real text."
             )
         for s in SPLITS:
             if split_meta[s]["documents"] == 0:
@@ -203,6 +207,7 @@ def prepare_into(tmp: Path, source: str, tokenizer: Tokenizer, val_fraction: flo
         meta["skipped_bad_utf8"] = stats.bad_utf8
         meta["skipped_empty"] = stats.empty
         meta["skipped_not_regular"] = stats.not_regular
+        meta["skipped_other"] = stats.other
         meta["skipped_names"] = stats.skipped_names[:20]
         meta["skipped_duplicates"] = duplicates
         meta["seconds"] = round(time.perf_counter() - t0, 2)
@@ -211,6 +216,8 @@ def prepare_into(tmp: Path, source: str, tokenizer: Tokenizer, val_fraction: flo
         (tmp / REPORT_FILE).write_text(json.dumps(data_report, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
         contract.save(tmp)
     finally:
+        if bar is not None:  # its last state ends with a newline before any error line (stderr not a terminal)
+            bar.close()
         for f in (*files.values(), *idx_files.values(), *hash_files.values()):
             f.close()
     return {**meta, "report": data_report}

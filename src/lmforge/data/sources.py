@@ -23,6 +23,8 @@ from lmforge.fileio import shown_path
 
 TEXT_SUFFIXES = (".txt", ".md", ".py")
 SPLITS = ("train", "val")
+#: Names of skipped files kept at most (the counts are complete).
+SKIPPED_NAMES = 100
 
 
 @dataclass(frozen=True)
@@ -41,13 +43,21 @@ class SourceStats:
     empty: int = 0
     not_regular: int = 0
     """Files with a corpus suffix that are not regular files (a FIFO, a device, a link to one): never read."""
+    other: int = 0
+    """What a folder (or a glob) holds that is not read: a file of another type (a compressed text file
+    or a format lmforge does not read included), a link to a folder (never followed), a hidden folder."""
     skipped_names: list[str] = field(default_factory=list)
+    """The first SKIPPED_NAMES of every file or folder skipped (each kind above), in listing order."""
     input_bytes: int = 0
     """Bytes on disk of every file the source lists (known once the first document is read)."""
     input_done: int = 0
     """Bytes on disk of the files read to their end."""
     position: Callable[[], int] | None = None
     """Bytes on disk of the file being read that are read so far (None: not known within the file)."""
+
+    def skip(self, name: str) -> None:
+        if len(self.skipped_names) < SKIPPED_NAMES:
+            self.skipped_names.append(name)
 
     def input_read(self) -> int:
         """Bytes on disk read so far, for progress: whole files, and the part of the current one."""
@@ -91,13 +101,31 @@ def _unlistable(exc: OSError) -> None:
     raise os_error(exc, doing="list", what="Its files would be missing from the corpus.")
 
 
-def _walk(root: Path, suffixes: tuple[str, ...], skip_dirs: set[str], stats: "SourceStats | None" = None
-          ) -> Iterator[Path]:
+def _walk(root: Path, suffixes: tuple[str, ...], skip_dirs: set[str], stats: "SourceStats | None" = None,
+          name_others: bool = False) -> Iterator[Path]:
+    """The files under `root` whose names end in `suffixes`, in sorted order, never in `skip_dirs`
+    or a hidden folder. `name_others` (a user's corpus folder): every other file, every hidden
+    folder and every link to a folder (os.walk never follows one) is counted and named in `stats`,
+    so a folder never loses a file without a word."""
     for dirpath, dirnames, filenames in os.walk(root, onerror=_unlistable):
-        dirnames[:] = sorted(d for d in dirnames if d not in skip_dirs and not d.startswith("."))
+        kept = []
+        for d in sorted(dirnames):
+            if d in skip_dirs:
+                continue
+            linked = os.path.islink(os.path.join(dirpath, d))
+            if d.startswith(".") or linked:
+                if name_others and stats is not None:
+                    stats.other += 1
+                    stats.skip(shown_path(Path(dirpath) / d))
+                continue
+            kept.append(d)
+        dirnames[:] = kept
         for name in sorted(filenames):
             path = Path(dirpath) / name
             if not name.endswith(suffixes):
+                if name_others and stats is not None:
+                    stats.other += 1
+                    stats.skip(shown_path(path))
                 continue
             # regular files only, never read otherwise: a FIFO, a device or a link to one named *.txt would
             # block the read forever or never end (/dev/zero); each is counted and named in the report
@@ -109,7 +137,7 @@ def _walk(root: Path, suffixes: tuple[str, ...], skip_dirs: set[str], stats: "So
                 yield path
             elif stats is not None:
                 stats.not_regular += 1
-                stats.skipped_names.append(shown_path(path))
+                stats.skip(shown_path(path))
 
 
 def _read_text(path: Path, stats: SourceStats, on_bad_utf8: str) -> str | None:
@@ -129,7 +157,7 @@ def _read_text(path: Path, stats: SourceStats, on_bad_utf8: str) -> str | None:
                 f"remove it, or set data.on_bad_utf8=\"skip\" to skip such files with a count."
             ) from None
         stats.bad_utf8 += 1
-        stats.skipped_names.append(shown_path(path))
+        stats.skip(shown_path(path))
         return None
 
 
@@ -223,6 +251,16 @@ def hf_snapshot(source: str) -> str:
     return str(Path(folder) / path) if path else str(folder)
 
 
+def source_path(source: str) -> str | None:
+    """The file or folder a data.source reads from, for the check that no output is one of the
+    inputs: itself, or a glob's leading folder; None for "stdlib" and a Hugging Face cache name."""
+    if not source or source == "stdlib" or source.startswith(HF_PREFIX):
+        return None
+    if is_glob(source) and not Path(source).exists():
+        return str(_glob_base(source))
+    return source
+
+
 def is_glob(source: str) -> bool:
     return any(c in source for c in "*?[")
 
@@ -274,7 +312,13 @@ def list_inputs(source: str, include_tests: bool = False, stats: SourceStats | N
     if is_glob(source) and not path.exists():
         import glob
 
-        files = sorted(Path(f) for f in glob.glob(source, recursive=True) if _corpus_kind(Path(f)) is not None)
+        matches = sorted(Path(f) for f in glob.glob(source, recursive=True))
+        files = [f for f in matches if _corpus_kind(f) is not None]
+        if stats is not None:  # a match that is not a corpus file is named, never dropped without a word
+            for f in matches:
+                if _corpus_kind(f) is None and not f.is_dir():
+                    stats.other += 1
+                    stats.skip(shown_path(f))
         if not files:
             raise DataError(f"data.source = {source!r} matches no {'/'.join(TEXT_SUFFIXES)} file or record shard "
                             f"({', '.join(RECORD_SUFFIXES)}). {SOURCE_HELP}.")
@@ -287,10 +331,12 @@ def list_inputs(source: str, include_tests: bool = False, stats: SourceStats | N
         if arrow is not None:
             return [_listed(f, f.name, "records") for f in arrow]
         files = [_listed(f, _relative(f, path), _corpus_kind(f))
-                 for f in _walk(path, TEXT_SUFFIXES + RECORD_SUFFIXES, {"__pycache__"}, stats)]
+                 for f in _walk(path, TEXT_SUFFIXES + RECORD_SUFFIXES, {"__pycache__"}, stats, name_others=True)]
         if not files:
+            held = f" (it holds {stats.other} other: {', '.join(stats.skipped_names[:3])})" \
+                if stats is not None and stats.other else ""
             raise DataError(f"data.source folder {path} holds no {'/'.join(TEXT_SUFFIXES)} files and no record "
-                            f"shards ({', '.join(RECORD_SUFFIXES)}). Add some, or point data.source elsewhere.")
+                            f"shards ({', '.join(RECORD_SUFFIXES)}){held}. Add some, or point data.source elsewhere.")
         return files
     if _corpus_kind(path) is None:
         raise DataError(f"data.source = {source!r}: unsupported file type {path.suffix!r}. {SOURCE_HELP}.")

@@ -43,14 +43,33 @@ def task_names(spec: str | list[str], generation: bool = True) -> list[str]:
     return expanded
 
 
-def resolve_tasks(spec: str | list[str], cfg, seed: int, limit: int, tok=None) -> list:
+def task_files(spec: str | list[str]) -> list[str]:
+    """The files of your own a spec names (its .jsonl / .parquet entries), in the order given."""
+    names = spec.split(",") if isinstance(spec, str) else [str(n) for n in spec]
+    return [n.strip() for n in names if n.strip().endswith((".jsonl", ".parquet"))]
+
+
+def spec_key(spec: str | list[str], key: str | None = None) -> str:
+    """What a spec is called in messages: `key`, else "--tasks" for the command line's text and
+    "train.eval_tasks" for the config's list."""
+    return key or ("--tasks" if isinstance(spec, str) else "train.eval_tasks")
+
+
+def _named(exc: DataError, key: str, name: str) -> DataError:
+    """`exc` of a task file that a config key names, said with the key first (the file and line stay)."""
+    return DataError(f"{key} names {name}: {exc}") if key != "--tasks" and not str(exc).startswith(key) else exc
+
+
+def resolve_tasks(spec: str | list[str], cfg, seed: int, limit: int, tok=None, key: str | None = None) -> list:
     """The tasks `spec` names (comma-separated: built-in names, "builtin" for all of them, or
-    .jsonl / .parquet files of your own), in the order given.
+    .jsonl / .parquet files of your own), in the order given. `key` names the spec in errors
+    (default `spec_key`: "--tasks", or "train.eval_tasks" for a list).
 
     Raises:
         ConfigError: an unknown name, naming the choices.
-        DataError: a task file that cannot be read (file and line).
+        DataError: a task file that cannot be read (the key, the file and line).
     """
+    key = spec_key(spec, key)
     expanded = task_names(spec)
     wanted = [n for n in expanded if n in BUILTIN_TASKS]
     built = {t.name: t for t in builtin_tasks(wanted, cfg.data.val_fraction, cfg.data.include_tests, seed, limit,
@@ -63,16 +82,40 @@ def resolve_tasks(spec: str | list[str], cfg, seed: int, limit: int, tok=None) -
         if n in built:
             tasks.append(built[n])
             continue
-        task = read_task_file(n)
+        try:
+            task = read_task_file(n, key)
+        except DataError as exc:
+            raise _named(exc, key, n) from None
         task.items = cap_examples(task.items, limit, lambda x: x.where)
         tasks.append(task)
     return tasks
 
 
-def fit_tasks(tasks: list, tok, max_seq_len: int) -> list:
+def check_task_files(spec: list[str], tok, max_seq_len: int, key: str = "train.eval_tasks") -> None:
+    """Read and fit every task file `spec` (a config key's list) names, as the run will: a training
+    stage calls it before it claims its run folder, so a bad file leaves nothing behind. Built-in
+    tasks are not built here (they are made from the standard library, never refused).
+
+    Raises:
+        ConfigError / DataError: naming `key`, the file and the line.
+    """
+    files = task_files(spec)
+    if not files:
+        return
+    task_names(spec, generation=False)
+    tasks = []
+    for n in files:
+        try:
+            tasks.append(read_task_file(n, key))
+        except DataError as exc:
+            raise _named(exc, key, n) from None
+    fit_tasks(tasks, tok, max_seq_len, key)
+
+
+def fit_tasks(tasks: list, tok, max_seq_len: int, key: str = "--tasks") -> list:
     """Every item's continuations must be shorter than the model's context (a context is cut from
     the left, as lm-evaluation-harness does): a built-in task leaves such items out (counted in
-    `too_long`), a file of yours is refused naming the item.
+    `too_long`), a file of yours is refused naming the item (and `key`, when a config key names it).
 
     Raises:
         DataError: an item of a file of yours, or a built-in task left with no item.
@@ -86,8 +129,9 @@ def fit_tasks(tasks: list, tok, max_seq_len: int) -> list:
             if longest < max_seq_len:
                 kept.append(item)
             elif task.name not in BUILTIN_TASKS:
-                raise DataError(f"{item.where}: a continuation of {longest} tokens does not fit the model's context "
-                                f"of {max_seq_len} tokens. Shorten it, or leave the item out.")
+                raise _named(DataError(f"{item.where}: a continuation of {longest} tokens does not fit the model's "
+                                       f"context of {max_seq_len} tokens. Shorten it, or leave the item out."),
+                             key, task.about.removeprefix("your file "))
         task.too_long, task.items = len(task.items) - len(kept), kept
         if not kept:
             raise DataError(f"task {task.name!r}: none of its items fits the model's context of {max_seq_len} tokens "
@@ -95,4 +139,4 @@ def fit_tasks(tasks: list, tok, max_seq_len: int) -> list:
     return tasks
 
 
-__all__ = ["ALL_BUILTIN", "fit_tasks", "resolve_tasks", "task_names"]
+__all__ = ["ALL_BUILTIN", "check_task_files", "fit_tasks", "resolve_tasks", "spec_key", "task_files", "task_names"]

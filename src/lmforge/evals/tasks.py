@@ -22,6 +22,9 @@ from pathlib import Path
 from lmforge.data.records import read_items, short
 from lmforge.errors import DataError
 
+#: The keys of each form of item (TASK_FORMS); a record with keys of both is refused.
+CHOICE_KEYS = ("query", "choices", "gold")
+CONTINUATION_KEYS = ("context", "continuation")
 TASK_FORMS = ('one JSON object per line: {"query": "...", "choices": ["...", "..."], "gold": 0} (multiple choice) '
               'or {"context": "...", "continuation": "..."} (the continuation predicted greedily)')
 
@@ -79,7 +82,13 @@ def item_from_record(record: object, where: str) -> Choice | Continuation:
     """One item from one record (TASK_FORMS). Raises DataError naming `where` and the field."""
     if not isinstance(record, dict):
         raise DataError(f"{where}: expected a JSON object, got {short(record)}; {TASK_FORMS}.")
-    if "choices" in record or "query" in record or "gold" in record:
+    choice_keys = [k for k in CHOICE_KEYS if k in record]
+    continuation_keys = [k for k in CONTINUATION_KEYS if k in record]
+    if choice_keys and continuation_keys:  # neither form may win: the item would be scored as one it may not be
+        mc, cont = ", ".join(map(repr, choice_keys)), ", ".join(map(repr, continuation_keys))
+        raise DataError(f"{where}: the item holds keys of both forms, multiple choice ({mc}) and continuation "
+                        f"({cont}); an item is one of them: {TASK_FORMS}. Remove the other form's keys.")
+    if choice_keys:
         missing = [k for k in ("query", "choices", "gold") if k not in record]
         if missing:
             raise DataError(f"{where}: a multiple-choice item needs \"query\", \"choices\" and \"gold\"; "
@@ -96,7 +105,7 @@ def item_from_record(record: object, where: str) -> Choice | Continuation:
             raise DataError(f"{where}: \"gold\" is {short(gold)}: expected the index of the right choice, an integer "
                             f"from 0 to {len(choices) - 1}.")
         return Choice(query, tuple(choices), gold, where)
-    if "context" in record or "continuation" in record:
+    if continuation_keys:
         missing = [k for k in ("context", "continuation") if k not in record]
         if missing:
             raise DataError(f"{where}: a continuation item needs \"context\" and \"continuation\"; "
@@ -107,14 +116,15 @@ def item_from_record(record: object, where: str) -> Choice | Continuation:
                     f"{TASK_FORMS}.")
 
 
-def read_task_file(path: str | Path) -> Task:
-    """A task from a .jsonl / .parquet file (named after the file's stem).
+def read_task_file(path: str | Path, key: str = "--tasks") -> Task:
+    """A task from a .jsonl / .parquet file (named after the file's stem); `key` is what named the
+    file ("--tasks", "train.eval_tasks"), for the errors.
 
     Raises:
         DataError: a missing or empty file, a malformed item (file and line), or items of both kinds.
     """
     path = Path(path)
-    items = read_items(path, "--tasks", "task items", item_from_record, TASK_FORMS)
+    items = read_items(path, key, "task items", item_from_record, TASK_FORMS)
     kinds = {type(x) for x in items}
     if len(kinds) > 1:
         first = next(x for x in items if type(x) is not type(items[0]))

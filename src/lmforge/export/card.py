@@ -102,19 +102,26 @@ def training_chain(checkpoint: str | Path) -> list[Stage]:
     return chain[::-1]
 
 
+#: The largest evaluation JSON read (a results file of thousands of tasks is a few MB).
+MAX_EVALUATION_BYTES = 64 << 20
+
+
 def read_evaluation(path: str | Path, checkpoint: str | Path) -> dict:
-    """The results JSON of `lmforge eval --tasks --out FILE`, checked to be this checkpoint's.
+    """The results JSON of `lmforge eval --tasks --out FILE`, checked to be this checkpoint's and
+    to hold what the card prints: every figure a finite number (`check_results`).
 
     Raises:
-        ExportError: the file is missing or not such a JSON, or records another checkpoint.
+        ExportError: the file is missing, not a regular file, too large, not such a JSON, holds a
+        figure that is not a finite number (naming the file and the key), or records another checkpoint.
     """
     from lmforge.export.options import ExportError
 
     path = Path(path)
-    res = _read_json(path)
+    res = _read_results(path, ExportError)
     if not isinstance(res.get("tasks"), dict) or "suite" not in res:
-        raise ExportError(f"--evaluation {path}: {'no such file' if not path.is_file() else 'not a results JSON'} "
-                          f"of `lmforge eval --tasks ... --out FILE` (it has \"tasks\" and \"suite\").")
+        raise ExportError(f"--evaluation {path}: not a results JSON of `lmforge eval --tasks ... --out FILE` (it has "
+                          f"\"tasks\" and \"suite\").")
+    check_results(res, f"--evaluation {path}", ExportError)
     theirs, ours = Path(str(res.get("checkpoint", ""))), Path(checkpoint)
     if _run_folder(theirs).resolve() != _run_folder(ours).resolve() or (
             theirs.name.startswith("step_") and ours.name.startswith("step_") and theirs.name != ours.name):
@@ -122,6 +129,91 @@ def read_evaluation(path: str | Path, checkpoint: str | Path) -> dict:
                           f"another model. Evaluate this one (lmforge eval --checkpoint {ours} --tasks builtin --out "
                           f"FILE) and pass that file.")
     return res
+
+
+def _read_results(path: Path, error: type[Exception]) -> dict:
+    """The JSON object of `path`, read only from a regular file of at most MAX_EVALUATION_BYTES (a
+    FIFO would block the export, a device never end)."""
+    import os
+    import stat
+
+    from lmforge.fileio import loads_json, shown_path
+
+    where = f"--evaluation {shown_path(path)}"
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError as exc:
+        what = "no such file" if not (path.exists() or path.is_symlink()) else f"cannot be read ({exc.strerror})"
+        raise error(f"{where}: {what}; give the results JSON `lmforge eval --tasks ... --out FILE` wrote.") from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        kind = "a folder" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else "a device or socket"
+        raise error(f"{where} is {kind}, not a regular file; give the results JSON `lmforge eval --tasks ... --out "
+                    f"FILE` wrote.")
+    with os.fdopen(fd, "rb") as f:
+        try:
+            data = f.read(MAX_EVALUATION_BYTES + 1)
+        except OSError as exc:
+            raise error(f"{where}: cannot be read ({exc.strerror}).") from None
+    if len(data) > MAX_EVALUATION_BYTES:
+        raise error(f"{where}: larger than {MAX_EVALUATION_BYTES >> 20} MiB; a results JSON of `lmforge eval "
+                    f"--tasks` is far smaller. Give that file.")
+    try:
+        res = loads_json(data.decode("utf-8"))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise error(f"{where}: not a results JSON of `lmforge eval --tasks ... --out FILE` (not readable JSON: "
+                    f"{str(exc)[:120]}).") from None
+    if not isinstance(res, dict):
+        raise error(f"{where}: not a results JSON of `lmforge eval --tasks ... --out FILE` (a JSON "
+                    f"{type(res).__name__}, not an object).")
+    return res
+
+
+def _finite(value) -> bool:
+    import math
+
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def check_results(res: dict, where: str, error: type[Exception]) -> None:
+    """Every figure of an evaluation's results that the card prints is a finite number (a count
+    a non-negative integer), else `error` naming `where`, the key and the value: text would stop
+    the export with a traceback, NaN would be printed as "nan%"."""
+    from lmforge.data.records import short
+
+    def bad(key: str, value, expected: str):
+        return error(f"{where}: {key} = {short(value)}: expected {expected}. The file is not what `lmforge eval "
+                     f"--tasks ... --out FILE` writes: evaluate again and pass that file.")
+
+    if not _finite(res["suite"]):
+        raise bad("suite", res["suite"], "a finite number (the mean centred score)")
+    for name, r in res["tasks"].items():
+        key = f"tasks.{name}"
+        if not isinstance(r, dict):
+            raise bad(key, r, "an object of the task's figures")
+        if not isinstance(r.get("kind"), str):
+            raise bad(f"{key}.kind", r.get("kind"), "\"choice\" or \"continuation\"")
+        n = r.get("n")
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise bad(f"{key}.n", n, "the number of items, an integer >= 0")
+        for field in ("accuracy", "baseline", "centred", *(("accuracy_sum",) if "accuracy_sum" in r else ())):
+            if not _finite(r.get(field)):
+                raise bad(f"{key}.{field}", r.get(field), "a finite number")
+        interval = r.get("interval")
+        if not (isinstance(interval, list) and len(interval) == 2 and all(_finite(x) for x in interval)):
+            raise bad(f"{key}.interval", interval, "[low, high], two finite numbers")
+        if r.get("pass@k"):
+            if not isinstance(r["pass@k"], dict):
+                raise bad(f"{key}.pass@k", r["pass@k"], "an object {k: rate}")
+            for k, v in r["pass@k"].items():
+                if not _finite(v):
+                    raise bad(f"{key}.pass@k.{k}", v, "a finite number")
+            samples = r.get("samples")
+            if isinstance(samples, bool) or not isinstance(samples, int) or samples < 0:
+                raise bad(f"{key}.samples", samples, "the number of samples, an integer >= 0")
+            if not _finite(r.get("temperature")):
+                raise bad(f"{key}.temperature", r.get("temperature"), "a finite number")
 
 
 def _num(v, fmt: str) -> str:
@@ -196,4 +288,5 @@ def gguf_facts(checkpoint: str | Path) -> dict:
 
 MODEL_CARD_FILE = "README.md"
 
-__all__ = ["MODEL_CARD_FILE", "Stage", "chain_facts", "gguf_facts", "model_card", "read_evaluation", "training_chain"]
+__all__ = ["MODEL_CARD_FILE", "Stage", "chain_facts", "check_results", "gguf_facts", "model_card", "read_evaluation",
+           "training_chain"]

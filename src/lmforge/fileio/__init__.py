@@ -4,7 +4,8 @@ Rules (docs/design.md, "Outputs and errors"), enforced here for every command; e
 states the rules it keeps:
 
     ownership   the marker (`MARKER_FILE`): an output folder is written only if it is absent,
-                empty, or the same command's earlier output (`check_output`, `describe`)
+                empty, or the same command's earlier output (`check_output`, `describe`); no
+                output is, holds or lies inside one of its command's inputs (`check_not_input`)
     locking     one writer per output: the `.NAME.lock` beside it (`output_lock`)
     durable     fsync, and moving a complete folder into place (`replace_dir`)
     failures    what the operating system refused, as a `FileSystemError` (`write_failure`)
@@ -21,8 +22,8 @@ name patches it in the module whose code reads it (`fileio.writers.write_marker`
 
 from lmforge.fileio.paths import (FS_BYTES_PREFIX, check_path_text, check_readable, loads_json, path_from_text,
                                   path_text, shown_path)
-from lmforge.fileio.ownership import (KINDS, MARKER_FILE, NESTING, OutputError, check_not_inside_output, check_output,
-                                      describe, read_marker, special_kind)
+from lmforge.fileio.ownership import (KINDS, MARKER_FILE, NESTING, OutputError, check_not_input,
+                                      check_not_inside_output, check_output, describe, read_marker, special_kind)
 from lmforge.fileio.locking import make_parent, output_lock
 from lmforge.fileio.durable import _exchange, check_removable, fsync_path, fsync_tree, replace_dir
 from lmforge.fileio.failures import _NEARLY_FULL, write_failure
@@ -32,7 +33,7 @@ from lmforge.fileio.native import (load_hf_tokenizer, load_safetensors, safetens
                                    save_safetensors)
 
 __all__ = ["MARKER_FILE", "OutputError", "AppendFile", "open_append", "copy_file", "check_path_text", "check_readable", "make_folder", "special_kind",
-           "write_failure", "atomic_dir", "atomic_file", "check_output", "check_not_inside_output",
+           "write_failure", "atomic_dir", "atomic_file", "check_output", "check_not_input", "check_not_inside_output",
            "check_user_file", "describe", "make_parent", "open_run_dir", "user_file",
            "output_lock", "read_marker", "replace_dir", "write_json", "write_marker", "write_text", "fsync_tree"]
 #: Also reached as `fileio.X` when it was one module: path text and input checks, the native readers

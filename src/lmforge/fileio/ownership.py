@@ -112,16 +112,21 @@ def _is_cwd_or_parent(path: Path) -> bool:
     return target == here or target in here.parents
 
 
-def check_output(out: Path, command: str, what: str | None = None, replace_whole: bool = False) -> None:
+def check_output(out: Path, command: str, what: str | None = None, replace_whole: bool = False,
+                 inputs=()) -> None:
     """Raise OutputError unless `command` may write the folder `out`: absent, empty, or
-    carrying `command`'s own marker.
+    carrying `command`'s own marker, and none of its `inputs` ((name, path) pairs: `check_not_input`).
 
     Raises:
         OutputError: `out` is a file, `.`, a parent of the current folder, another
-        command's output, a checkpoint, or a folder lmforge did not write.
+        command's output, a checkpoint, a folder lmforge did not write, or one of `inputs`.
     """
-    out = Path(out)
-    what = what or f"`lmforge {command}`"
+    _check_owner(Path(out), command, what or f"`lmforge {command}`", replace_whole)
+    check_not_input(out, inputs)
+
+
+def _check_owner(out: Path, command: str, what: str, replace_whole: bool) -> None:
+    """`check_output` without the inputs."""
     if not str(out):
         raise OutputError(f"--out is empty; {what} needs a folder to write. Give a path.")
     if _is_cwd_or_parent(out):
@@ -188,3 +193,77 @@ def check_not_inside_output(path: Path) -> None:
         if marker is not None and marker["command"] not in NESTING:
             raise OutputError(f"{path} is inside {parent}, {describe(parent)}, which lmforge replaces whole; "
                               f"anything written there would be lost. Choose a path outside it.")
+
+
+def check_not_input(out: str | Path, inputs, flag: str = "--out", own_check=None) -> None:
+    """Refuse an output path that is, holds, or lies inside one of the command's inputs, with or
+    without --force: writing it would destroy the input, or make the output part of it.
+
+    `inputs`: (name, path) pairs, `name` how the input was given ("--tasks", "data.source", or
+    words such as "the Hugging Face folder"); an empty or None path is skipped. Refused:
+
+    - `out` is the input: the same path once both are resolved (`./x/../t.jsonl`, a symbolic link
+      to it, a link in a parent), or, both existing, the same file (`os.path.samefile`: a hard link);
+    - the input is inside `out` (an output folder is replaced whole);
+    - `out` is inside an input folder (a corpus, a Hugging Face folder), except a run folder of a
+      command whose outputs hold others by design (NESTING: a run's evaluation results).
+
+    `own_check`, when given, is the output's own check (the writer's, `check_output` or
+    `check_user_file`): called first where `out` is refused here, so a refusal it makes too is said
+    in its words.
+
+    Raises:
+        OutputError: naming `flag`, the output, the input and what to do.
+    """
+    refusal = _input_refusal(Path(out), inputs, flag)
+    if refusal is not None:
+        if own_check is not None:
+            own_check()
+        raise refusal
+
+
+def _input_refusal(out: Path, inputs, flag: str) -> "OutputError | None":
+    try:
+        out_res = out.resolve()
+    except (OSError, RuntimeError, ValueError):  # a link loop, a NUL: the writer's own checks say so
+        return None
+    for name, value in inputs:
+        if value is None or not str(value):
+            continue
+        path = Path(value)
+        if name.startswith("-"):
+            given = f"{name} {value}"
+        elif " " in name:
+            given = f"{value} ({name})"
+        else:
+            given = f"{name} = {str(value)!r}"
+        try:
+            res = path.resolve()
+        except (OSError, RuntimeError, ValueError):
+            continue
+        same = res == out_res
+        if not same:
+            try:
+                same = os.path.samefile(out, path)  # a hard link (or a link the resolution missed)
+            except (OSError, ValueError):
+                same = False
+        if same:
+            how = "" if res == out_res else " (the same file under another name: a hard link)"
+            return OutputError(f"{flag} {out} is {given}{how}, an input of this command: writing it would destroy "
+                               f"that input, --force or not. Choose another {flag}.")
+        if out_res in res.parents:
+            return OutputError(f"{flag} {out} holds {given}, an input of this command: replacing {out} would "
+                               f"delete it. Choose another {flag}, outside it.")
+        if res in out_res.parents and _is_dir(res):
+            marker = read_marker(res)
+            if marker is None or marker["command"] not in NESTING:
+                return OutputError(f"{flag} {out} is inside {given}, a folder this command reads: the output would "
+                                   f"become part of its input. Choose another {flag}, outside it.")
+    return None
+
+
+def _is_dir(path: Path) -> bool:
+    try:
+        return path.is_dir()
+    except OSError:
+        return False

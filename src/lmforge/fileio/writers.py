@@ -28,8 +28,8 @@ from lmforge.errors import FileSystemError, os_advice, os_error
 from lmforge.fileio.durable import check_removable, fsync_path, fsync_tree, replace_dir
 from lmforge.fileio.failures import _failure_or_none
 from lmforge.fileio.locking import make_parent, output_lock
-from lmforge.fileio.ownership import (MARKER_FILE, OutputError, _manifest, check_not_inside_output, check_output,
-                                      describe, read_marker, special_kind)
+from lmforge.fileio.ownership import (MARKER_FILE, OutputError, _manifest, check_not_input, check_not_inside_output,
+                                      check_output, describe, read_marker, special_kind)
 
 
 # -- the writers ---------------------------------------------------------------------------------
@@ -40,13 +40,14 @@ def write_marker(folder: Path, command: str, **extra) -> None:
 
 @contextlib.contextmanager
 def atomic_dir(out: str | Path, command: str, fsync: bool = False, what: str | None = None,
-               check: bool = True) -> Iterator[Path]:
+               check: bool = True, inputs=()) -> Iterator[Path]:
     """Build the folder `out` in a unique temporary sibling, yielded to the caller; on
     success it is marked as `command`'s output and moved into place, on any error (or
     Ctrl-C) it is removed and `out` is left as it was.
 
     `check=False` is for a folder inside one the caller already owns and holds locked (a
-    checkpoint inside its run folder): no output check and no lock of its own.
+    checkpoint inside its run folder): no output check and no lock of its own. `inputs`: the
+    command's inputs ((name, path) pairs), none of which `out` may be, hold or lie inside.
 
     Raises:
         OutputError: `out` may not be written by `command` (see `check_output`), or another
@@ -54,7 +55,7 @@ def atomic_dir(out: str | Path, command: str, fsync: bool = False, what: str | N
     """
     out = Path(out)
     if check:
-        check_output(out, command, what, replace_whole=True)
+        check_output(out, command, what, replace_whole=True, inputs=inputs)
         if out.is_dir():
             try:
                 check_removable(out)  # a read-only earlier output: refused before any work
@@ -151,26 +152,27 @@ def atomic_file(path: str | Path, fsync: bool = False, replace: bool = True) -> 
 
 
 @contextlib.contextmanager
-def user_file(path: str | Path, force: bool = False) -> Iterator[Path]:
+def user_file(path: str | Path, force: bool = False, inputs=()) -> Iterator[Path]:
     """`atomic_file` for a command's `--out FILE` (eval results, a GGUF file): refused inside
     a folder lmforge replaces whole, an existing file or link only replaced with `force`,
-    and one writer at a time.
+    never one of the command's `inputs` ((name, path) pairs), and one writer at a time.
 
     Raises:
-        OutputError: see `atomic_file`, `check_not_inside_output`, `output_lock`.
+        OutputError: see `atomic_file`, `check_not_inside_output`, `check_not_input`, `output_lock`.
     """
     path = Path(path)
-    check_user_file(path, force)
+    check_user_file(path, force, inputs)
     with output_lock(path), atomic_file(path, replace=force) as tmp:
         yield tmp
 
 
-def check_user_file(path: str | Path, force: bool = False) -> None:
+def check_user_file(path: str | Path, force: bool = False, inputs=()) -> None:
     """What `user_file` refuses, checked before any work (nothing is written).
 
     Raises:
-        OutputError: an empty path, a folder, a file inside an lmforge output, an existing
-        file or link without `force`, or a file that belongs to an lmforge output.
+        OutputError: an empty path, a folder, a file inside an lmforge output, one of the
+        command's `inputs` (`check_not_input`: the same file, a link to it, with `force` or
+        not), an existing file or link without `force`, or a file that belongs to an lmforge output.
     """
     path = Path(path)
     if not str(path):
@@ -188,6 +190,7 @@ def check_user_file(path: str | Path, force: bool = False) -> None:
                           f"a link (never what it points to), --force or not. It is left untouched: give another "
                           f"file path.")
     check_not_inside_output(path)
+    check_not_input(path, inputs)
     if exists and read_marker(path.parent) is not None:
         raise OutputError(f"{path} belongs to {describe(path.parent)}; it is never replaced by another command's "
                           f"output. Choose another file name.")

@@ -405,6 +405,10 @@ def run_training(session: TrainingSession, contract_dir: Path, model: Transforme
     cfg, out, info = session.cfg, session.out, session.info
     objective = objective or TokenObjective()
     session.check_run()  # refused here, a dry run and a run say the same words
+    if cfg.train.eval_tasks:  # a bad task file is refused before the run folder is claimed, named by its key
+        from lmforge.evals.resolve import check_task_files
+
+        check_task_files(cfg.train.eval_tasks, Tokenizer.load(Path(contract_dir)), model.config.max_seq_len)
     fingerprints = data_fingerprints(inputs or {})
     if resume:
         check_same_inputs(out, fingerprints)
@@ -476,7 +480,10 @@ def dry_run_step(model: Transformer, stream, runtime: Runtime, objective: TokenO
     model.zero_grad(set_to_none=True)
     out = {"loss": loss, "dry_run": True}
     if cfg is not None:
-        trainer = Trainer(cfg, Path("."), Path("."), model, stream, None, info or DistInfo(), False, log,
+        # the measuring trainer has no contract folder: train.eval_tasks were checked by run_training
+        # (check_task_files); built here they would load a tokenizer from "." and blame it
+        measured = replace(cfg, train=replace(cfg.train, eval_tasks=[]))
+        trainer = Trainer(measured, Path("."), Path("."), model, stream, None, info or DistInfo(), False, log,
                           runtime=runtime, objective=objective)
         out["plan"] = make_plan(trainer, measure=True, steps=steps)
         if (info or DistInfo()).is_main:

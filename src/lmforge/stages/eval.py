@@ -28,8 +28,9 @@ def eval_stage(checkpoint: str | Path, data_dir: str | Path | None = None, split
         another tokenizer, damaged shards, or a split with no token to predict (all checked
         before any forward pass).
     """
-    if out is not None:  # refused before any work: a folder, an existing file without --force, inside an output
-        check_user_file(out, force)
+    inputs = [("--checkpoint", checkpoint), ("--data", data_dir)]
+    if out is not None:  # refused before any work: a folder, an input, an existing file without --force, ...
+        check_user_file(out, force, inputs)
     model, tok, cfg, path = load_checkpoint(checkpoint)
     data_dir = Path(data_dir or cfg.data.dir)
     preflight(data_dir, tok.contract, path / CONTRACT_FILE)  # contract, ids < vocab, eos ends: before any forward
@@ -43,7 +44,7 @@ def eval_stage(checkpoint: str | Path, data_dir: str | Path | None = None, split
                          cfg.data.document_masking)
     res.update(checkpoint=str(path), data=str(data_dir), split=split)
     if out is not None:
-        with user_file(out, force) as tmp:
+        with user_file(out, force, inputs) as tmp:
             tmp.write_text(json.dumps(res, indent=2) + "\n", encoding="utf-8")
     return res
 
@@ -57,7 +58,8 @@ def eval_tasks_stage(checkpoint: str | Path, tasks: str, limit: int = 300, seed:
     `temperature` and the pass@k `ks`). The same checkpoint and arguments give a byte-identical JSON.
 
     Raises:
-        ConfigError: an unknown task name; an existing `out` without `force`; a k above `samples`.
+        ConfigError: an unknown task name; a k above `samples`.
+        OutputError: an existing `out` without `force`; `out` one of the inputs (a task file).
         DataError: a bad task file (file and line), an item longer than the model allows.
         CheckpointError / ContractError: a bad checkpoint.
     """
@@ -67,7 +69,7 @@ def eval_tasks_stage(checkpoint: str | Path, tasks: str, limit: int = 300, seed:
 
     from lmforge.errors import ConfigError
     from lmforge.evals.generation import function_prompts, functions_task
-    from lmforge.evals.resolve import fit_tasks, resolve_tasks
+    from lmforge.evals.resolve import fit_tasks, resolve_tasks, task_files
     from lmforge.evals.suite import score_task
     from lmforge.runtime import decode_runtime
 
@@ -76,8 +78,9 @@ def eval_tasks_stage(checkpoint: str | Path, tasks: str, limit: int = 300, seed:
     if samples < 0 or (samples and any(not 1 <= k <= samples for k in ks)) or any(k < 1 for k in ks):
         raise ConfigError(f"--samples {samples} --k {','.join(map(str, ks))}: pass@k needs samples >= 0 and "
                           f"1 <= k <= samples. Lower k or draw more samples.")
-    if out is not None:
-        check_user_file(out, force)
+    inputs = [("--checkpoint", checkpoint), *(("--tasks", f) for f in task_files(tasks))]
+    if out is not None:  # refused before any work: never one of the task files (--force or not)
+        check_user_file(out, force, inputs)
     model, tok, cfg, path = load_checkpoint(checkpoint)
     task_list = fit_tasks(resolve_tasks(tasks, cfg, seed, limit, tok), tok, model.config.max_seq_len)
     device = training_runtime("fp32").device
@@ -97,6 +100,6 @@ def eval_tasks_stage(checkpoint: str | Path, tasks: str, limit: int = 300, seed:
     suite = statistics.mean(r["centred"] for r in results.values())
     res = {"checkpoint": str(path), "seed": seed, "limit": limit, "tasks": results, "suite": suite}
     if out is not None:
-        with user_file(out, force) as tmp:
+        with user_file(out, force, inputs) as tmp:
             tmp.write_text(json.dumps(res, indent=2) + "\n", encoding="utf-8")
     return res

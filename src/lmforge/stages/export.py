@@ -5,6 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from lmforge.export import check_export_options, export_gguf, export_hf, export_peft, import_gguf, import_hf
+from lmforge.export.hf import EXPORT_OUTPUT, IMPORT_OUTPUT
+from lmforge.export.peft import PEFT_OUTPUT
+from lmforge.fileio import check_not_input, check_output, check_user_file
 from lmforge.stages.common import log
 
 
@@ -26,6 +29,10 @@ def export_stage(checkpoint: str | Path, out: str | Path, fmt: str = "hf", dtype
             from lmforge.export import ExportError
 
             raise ExportError(f"--evaluation applies to --format hf (the model card); --format {fmt} has no card.")
+    # never an input, --force or not: the checkpoint's files, the evaluation JSON the card reads
+    check_not_input(out, [("--checkpoint", checkpoint), ("--evaluation", evaluation)],
+                    own_check=_export_output(fmt, out, force))
+    if evaluation is not None:
         return export_hf(checkpoint, out, dtype=dtype, verify=verify, force=force, evaluation=evaluation)
     return writers[fmt](checkpoint, out, dtype=dtype, verify=verify, force=force)
 
@@ -33,9 +40,24 @@ def export_stage(checkpoint: str | Path, out: str | Path, fmt: str = "hf", dtype
 def import_hf_stage(folder: str | Path, out: str | Path, eos_token: str = "") -> Path:
     """A Hugging Face Llama-family folder -> an lmforge checkpoint folder (`eos_token`: the
     setting tokenizer.eos_token, the document terminator where the folder's is not found)."""
+    check_not_input(out, [("the Hugging Face folder", folder)], own_check=_import_output(out))  # never inside it
     return import_hf(folder, out, log=lambda msg: log(f"import-hf: {msg}"), eos_token=eos_token)
 
 
 def import_gguf_stage(path: str | Path, out: str | Path, eos_token: str = "") -> Path:
     """A GGUF file (llama, qwen2, qwen3) -> an lmforge checkpoint folder (through import-hf's checks)."""
+    check_not_input(out, [("the GGUF file", path)], own_check=_import_output(out))
     return import_gguf(path, out, log=lambda msg: log(f"import-gguf: {msg}"), eos_token=eos_token)
+
+
+def _export_output(fmt: str, out: str | Path, force: bool):
+    """The export writer's own check of `out` (it runs it again before any work)."""
+    if fmt == "gguf":
+        return lambda: check_user_file(out, force)
+    command, what = {"hf": (EXPORT_OUTPUT, "`lmforge export`"), "peft": (PEFT_OUTPUT, "`lmforge export --format peft`")}[fmt]
+    return lambda: check_output(Path(out), command, what, replace_whole=True)
+
+
+def _import_output(out: str | Path):
+    """import-hf's own check of `out` (it runs it again before any write)."""
+    return lambda: check_output(Path(out), IMPORT_OUTPUT, "`lmforge import-hf`", replace_whole=True)

@@ -8,7 +8,9 @@ from pathlib import Path
 from lmforge.config import CONFIG_FILE, Config
 from lmforge.data.mixture import mixture_sources, prepare_mixture
 from lmforge.data.reports import data_report_lines
-from lmforge.data.shards import prepare
+from lmforge.data.shards import PREPARE_OUTPUT, prepare
+from lmforge.data.sources import source_path
+from lmforge.fileio import check_not_input, check_output
 from lmforge.stages.common import log
 from lmforge.tokenizer import Tokenizer
 
@@ -20,6 +22,15 @@ def prepare_stage(cfg: Config, out: str | Path | None = None, progress: bool = T
     out = Path(out or cfg.data.dir)
     tok = Tokenizer.load(cfg.tokenizer.dir)
     d = cfg.data
+    # never an input: not the corpus, not inside a corpus folder, never holding one (the folder is replaced whole)
+    inputs = [("tokenizer.dir", cfg.tokenizer.dir)]
+    if d.sources:
+        inputs += [(f"data.sources[{i}].source", source_path(e.get("source")))
+                   for i, e in enumerate(d.sources) if isinstance(e, dict) and isinstance(e.get("source"), str)]
+    else:
+        inputs.append(("data.source", source_path(d.source)))
+    check_not_input(out, inputs, own_check=lambda: check_output(out, PREPARE_OUTPUT, "`lmforge prepare`",
+                                                                replace_whole=True))
     extra = {CONFIG_FILE: cfg.to_toml()}
     if d.sources:
         sources = mixture_sources(d.sources)
@@ -40,8 +51,8 @@ def _summary(meta: dict, prefix: str) -> None:
     for split, m in meta["splits"].items():
         log(f"{prefix}{split}: {m['documents']} documents, {m['tokens']:,} tokens, {m['bytes']:,} bytes "
             f"({m['bytes'] / max(1, m['tokens'] - 2 * m['documents']):.2f} bytes/token)")
-    skipped = {k: meta[k] for k in ("skipped_bad_utf8", "skipped_empty", "skipped_duplicates", "skipped_not_regular")
-               if meta.get(k)}
+    skipped = {k: meta[k] for k in ("skipped_bad_utf8", "skipped_empty", "skipped_duplicates", "skipped_not_regular",
+                                    "skipped_other") if meta.get(k)}
     if skipped:
         names = meta.get("skipped_names") or []
         log(f"{prefix}skipped {skipped}" + (f" (files: {', '.join(names[:3])}{', ...' if len(names) > 3 else ''}; "

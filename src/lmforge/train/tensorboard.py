@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from lmforge.errors import require_package
+from lmforge.errors import os_error, require_package
 
 TENSORBOARD_DIR = "tensorboard"
 
@@ -19,10 +19,14 @@ class TensorBoard:
 
     Raises:
         LmforgeError: the tensorboard package is not installed (naming the pip command).
+        FileSystemError: the folder cannot be made or written (read-only, full...): checked here,
+            before SummaryWriter starts its writer thread, whose failure would print the thread's
+            traceback before the error.
     """
 
     def __init__(self, folder: Path, purge_step: int | None = None):
         require_package("tensorboard", "tensorboard", "train.tensorboard = true")
+        check_writable(Path(folder))
         from torch.utils.tensorboard import SummaryWriter
 
         self.writer = SummaryWriter(log_dir=str(folder), purge_step=purge_step)
@@ -43,4 +47,24 @@ class TensorBoard:
         self.writer.close()
 
 
-__all__ = ["TENSORBOARD_DIR", "TensorBoard"]
+def check_writable(folder: Path) -> None:
+    """Make `folder` (if absent) and create and remove a file in it.
+
+    Raises:
+        FileSystemError: naming the folder, the system's reason and what to do.
+    """
+    import os
+    import tempfile
+
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".lmforge-probe-", dir=folder)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise os_error(OSError(exc.errno, exc.strerror, str(folder)), doing="write in",
+                       what="(train.tensorboard writes its events there.) Make it writable, or set "
+                            "train.tensorboard = false.") from None
+
+
+__all__ = ["TENSORBOARD_DIR", "TensorBoard", "check_writable"]
