@@ -519,7 +519,7 @@ def test_cuda_packed_logits_and_gradients_equal_documents_alone(backend):
 
 @cuda
 @pytest.mark.slow
-@pytest.mark.parametrize("B, H, KV, T", [(1, 4, 2, 1), (3, 8, 2, 1), (2, 4, 1, 200)])
+@pytest.mark.parametrize("B, H, KV, T", [(1, 4, 2, 1), (3, 8, 2, 1), (2, 4, 1, 200), (9, 4, 2, 81)])
 def test_cuda_flex_matches_sdpa_for_single_tokens_and_gqa(B, H, KV, T):
     torch.backends.cuda.matmul.allow_tf32 = False
     gen = torch.Generator().manual_seed(T)
@@ -531,3 +531,20 @@ def test_cuda_flex_matches_sdpa_for_single_tokens_and_gqa(B, H, KV, T):
     grads = torch.autograd.grad(out.sum(), (q, k, v))
     ref_grads = torch.autograd.grad(ref.sum(), (q, k, v))
     assert all(max_abs(a, b) <= 1e-5 for a, b in zip(grads, ref_grads))
+
+
+@pytest.mark.parametrize("T", [1, 81, 128, 130])
+@pytest.mark.parametrize("with_docs", [True, False])
+def test_flex_padded_to_its_block_equals_sdpa(monkeypatch, T, with_docs):
+    """On CUDA FlexAttention runs rows padded to a multiple of FLEX_BLOCK (`flex_width`: an 81-token
+    RL row failed to compile on an H200): the padding forced here on a CPU gives sdpa's output for
+    the real T queries, document masks and GQA included, with the padded slots a segment of their own."""
+    monkeypatch.setattr(A, "flex_width", lambda T, device: -(-T // A.FLEX_BLOCK) * A.FLEX_BLOCK)
+    gen = torch.Generator().manual_seed(T)
+    q, k, v = (torch.randn(2, h, T, 16, generator=gen) for h in (4, 2, 2))
+    docs = random_document_ids(2, T, gen) if with_docs else None
+    mask = A.prepare_mask("flex", T, torch.device("cpu"), q.dtype, docs)
+    assert mask.block_mask.seq_lengths[0] == -(-T // 128) * 128
+    out = A.flex_attend(q, k, v, mask)
+    assert out.shape == (2, 4, T, 16)
+    torch.testing.assert_close(out, A.sdpa_attention(q, k, v, docs), rtol=0, atol=1e-5)

@@ -200,6 +200,7 @@ def test_t12_pair_logps_do_not_depend_on_padding_or_batch_order(tiny_run, packin
 
 
 @pytest.mark.slow
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (FlexAttention backward)")
 def test_cuda_flex_packed_pair_logps_and_gradients_equal_each_pair_alone(tiny_run):
     """On CUDA, fp32 without TF32, the path `attention = "auto"` takes there: FlexAttention over

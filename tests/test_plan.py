@@ -100,6 +100,7 @@ def test_auto_micro_batch_keeps_the_global_batch_and_records_it(tiny_run, tmp_pa
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-4)
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_the_plan_on_cuda_measures_allocated_memory(tiny_run, tmp_path, monkeypatch):
     from lmforge.stages import pretrain_stage

@@ -118,9 +118,12 @@ def prepare_mask(backend: str, T: int, device: torch.device, dtype: torch.dtype,
             return AttentionMask()  # one query sees all S keys
         return AttentionMask(attn_mask=cache_mask(T, cache_offset, key_mask, S, device))
     if backend == "flex":
-        if document_ids is None:
-            return AttentionMask(block_mask=_causal_block_mask(T, device))
-        return AttentionMask(block_mask=document_block_mask(document_ids, T, device))
+        width = flex_width(T, torch.device(device))
+        if document_ids is None:  # causal: the padded queries come after every real one
+            return AttentionMask(block_mask=_causal_block_mask(width, device))
+        if width != T:  # padded slots are a segment of their own: no real query sees them
+            document_ids = F.pad(document_ids, (0, width - T), value=-1)
+        return AttentionMask(block_mask=document_block_mask(document_ids, width, device))
     if document_ids is None or (not _one_training_graph(device, dtype, document_ids, n_heads)
                                 and one_segment_per_row(document_ids)):
         return AttentionMask(is_causal=True)
@@ -262,6 +265,19 @@ def sdpa_attention(
 
 
 # -- flex ----------------------------------------------------------------------------------------
+#: FlexAttention's kernels tile the sequence in blocks of this many tokens. On CUDA a row is padded
+#: to a multiple of it: a packed RL row of 81 tokens failed to compile there ("NoValidChoicesError:
+#: No choices to select" lowering flex_attention; torch 2.11, H200, 2026-11-27, bench/gpu_check.py),
+#: and rows of varying widths would compile one kernel each (`_compiled_flex` is dynamic=False).
+FLEX_BLOCK = 128
+
+
+def flex_width(T: int, device: torch.device) -> int:
+    """The width FlexAttention runs T tokens at: T rounded up to a multiple of FLEX_BLOCK on
+    CUDA (the compiled kernel), T elsewhere (the eager reference needs no padding)."""
+    return -(-T // FLEX_BLOCK) * FLEX_BLOCK if device.type == "cuda" else T
+
+
 @functools.lru_cache(maxsize=1)
 def _compiled_flex():
     from torch.nn.attention.flex_attention import flex_attention
@@ -303,6 +319,10 @@ def flex_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Attenti
     from torch.nn.attention.flex_attention import flex_attention as flex
 
     gqa = q.shape[1] != k.shape[1]
+    T, width = q.shape[-2], mask.block_mask.seq_lengths[0]
+    if width > T:  # `flex_width`: zero rows after the real ones, masked off by the block mask, sliced off after
+        q, k, v = (F.pad(x, (0, 0, 0, width - T)) for x in (q, k, v))
+        return flex_attend(q, k, v, mask)[..., :T, :]
     if q.is_cuda:
         return _compiled_flex()(q, k, v, block_mask=mask.block_mask, enable_gqa=gqa)
     with warnings.catch_warnings():  # eager flex is the documented CPU path: no compile warning
