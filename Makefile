@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 OUT ?= runs/speedrun
 
-.PHONY: eval-interop setup speedrun test test-fast interop test-browser bench clean help
+.PHONY: eval-interop setup speedrun test test-fast interop test-browser bench gpu-check clean help
 
 help:
 	@echo "make speedrun   train tokenizer, prepare, pretrain and sample on the Python standard library ($(OUT))"
@@ -13,6 +13,7 @@ help:
 	@echo "make interop    build llama.cpp (llama-cpp-python, several minutes once) and prove the GGUF export in it"
 	@echo "make test-browser  install Chromium (apt) and Playwright, run the chat-page tests"
 	@echo "make bench      run the benchmarks in bench/ and append to bench/RESULTS.md"
+	@echo "make gpu-check  the CUDA path in one table on one H100/H200, under 8 minutes (bench/gpu_check.py)"
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -49,6 +50,10 @@ test-browser: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/run_all.py
+
+# CUDA tests, compiled = eager gradients, flex = sdpa, the step vs transformers, a 60 s speedrun (bench/README.md)
+gpu-check: $(STAMP)
+	$(PY) bench/gpu_check.py $(if $(JSON),--json $(JSON),)
 
 clean:
 	rm -rf runs .pytest_cache

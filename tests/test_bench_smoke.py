@@ -104,6 +104,47 @@ def check_quality(out: str) -> None:
 CHECKS = {"decode": check_decode, "train": check_train, "gguf": check_gguf, "quality": check_quality}
 
 
+@pytest.mark.slow
+def test_gpu_check_smoke_runs_its_rows_on_a_cpu_and_a_failing_row_is_a_row(tmp_path):
+    """bench/gpu_check.py (issue 48: the GPU path in one prepared check), --smoke on a CPU: rows 2a-2d
+    (compiled with aot_eager against eager gradients of pretraining, SFT, DPO and RL), 3 (flex against
+    sdpa, forward only here) and 4 (the step against transformers' LlamaForCausalLM) pass, 1 and 5 say
+    skipped, one table, the JSON holds each row's figures, nothing is left where it ran. Then a row
+    that raises (an unknown compile backend) is a FAIL row with the error's last line in the table,
+    and the exit status is 1. About 40 s on 2 quiet cores (75 s when others load them)."""
+    import json
+
+    cwd, report = tmp_path / "cwd", tmp_path / "gpu_check.json"
+    cwd.mkdir()
+    script = str(BENCH / "gpu_check.py")
+    res = subprocess.run([sys.executable, script, "--smoke", "--json", str(report)], capture_output=True, text=True,
+                         timeout=300, cwd=cwd, env=smoke_env())
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
+    assert len(TABLE.findall(res.stdout)) == 1 and "SMOKE RUN" in res.stdout
+    rows = {r["row"]: r for r in json.loads(report.read_text())["rows"]}
+    grads = ["grads-pretrain", "grads-sft", "grads-dpo", "grads-rl"]
+    assert {k: r["status"] for k, r in rows.items()} == {
+        "pytest": "SKIP", **{g: "PASS" for g in grads}, "flex": "PASS", "step": "PASS", "speedrun": "SKIP"}, res.stdout
+    for g in grads:
+        groups = rows[g]["figures"]["groups"]
+        assert {"embedding", "attention", "mlp", "norms", "head", "all"} <= set(groups), (g, groups)
+        assert groups["all"]["norm"] > 0 and groups["all"]["norm_rel"] < 0.02, (g, groups["all"])
+    assert rows["flex"]["figures"]["attention"]["fp32"]["out"] < 1e-4
+    step = rows["step"]["figures"]
+    assert step["reference"] == "LlamaForCausalLM" and step["matmul_peak_flops"] > 0
+    sides = step["sides"]
+    assert all(sides[s]["tokens_per_s"]["median"] > 0 and 0 < sides[s]["mfu"] for s in sides)
+    assert abs(sides["lmforge"]["first_loss"] - sides["transformers"]["first_loss"]) < 5e-3, sides
+    assert list(cwd.iterdir()) == []
+
+    res = subprocess.run([sys.executable, script, "--smoke", "--only", "pretrain", "--compile-backend",
+                          "no-such-backend"], capture_output=True, text=True, timeout=300, cwd=cwd, env=smoke_env())
+    assert res.returncode == 1, res.stdout[-4000:] + res.stderr[-4000:]
+    failed = r"^\| 2a +\| [^|]+\| FAIL +\| InvalidBackend: .*'no-such-backend'.*\| \d+ +\|$"
+    assert re.search(failed, res.stdout, re.M), res.stdout
+    assert "1 of 1 rows failed" in res.stdout and "the end of its log" in res.stdout
+
+
 # -- children that crash ------------------------------------------------------------------------
 @pytest.mark.parametrize("how, status", [
     ("os.kill(os.getpid(), signal.SIGSEGV)", "crashed: SIGSEGV"),
