@@ -1,12 +1,14 @@
 """The behaviour reward (lmforge.scorers.behaviour) and the sandbox's pool of pre-started
 interpreters: differential testing against the real standard-library function, on inputs from
 its doctests, their mutations and typed pools; reward hacks score 0 (R6); a function whose
-results hang on the process is dropped; the pool gives run_job's verdicts and leaves nothing."""
+results hang on the process is dropped; the pool gives run_job's verdicts and leaves nothing;
+each with and without bubblewrap."""
 
 from __future__ import annotations
 
 import glob
 import os
+import shutil
 import tempfile
 
 import pytest
@@ -39,9 +41,12 @@ def _prompt(module="difflib", qualname="IS_CHARACTER_JUNK", signature=SIG, doc=D
                   {"module": module, "qualname": qualname, "signature": signature, "reference": reference})
 
 
-@pytest.fixture(scope="module")
-def pool():
-    with Pool(workers=2) as p:
+@pytest.fixture(scope="module", params=["process", "bubblewrap"])
+def pool(request):
+    """A pool of each isolation (bubblewrap where it is installed)."""
+    if request.param == "bubblewrap" and shutil.which("bwrap") is None:
+        pytest.skip("bubblewrap is not installed here")
+    with Pool(workers=2, isolation=request.param) as p:
         yield p
 
 
@@ -121,17 +126,20 @@ def test_rewards_average_what_applies_and_a_users_none_is_allowed(pool, tmp_path
         rw.close()
 
 
-def test_the_pool_gives_run_jobs_verdicts_in_order_and_leaves_no_folder():
+@pytest.mark.parametrize("isolation", ["process", "bubblewrap"])
+def test_the_pool_gives_run_jobs_verdicts_in_order_and_leaves_no_folder(isolation):
+    if isolation == "bubblewrap" and shutil.which("bwrap") is None:
+        pytest.skip("bubblewrap is not installed here")
     before = set(glob.glob(os.path.join(tempfile.gettempdir(), "lmforge-sandbox-*")))
     job = {"kind": "cases", "module": "", "function": "f", "source": "def f(a, b):\n    return a // b\n"}
     jobs = [{**job, "cases": [[f"({i}, 2)", repr(i // 2)]]} for i in range(8)]
     jobs[3] = {**job, "cases": [["(1, 2)", "7"]]}
     jobs[5] = {**job, "source": "def f(a, b):\n    while True: pass\n", "cases": [["(1, 2)", "0"]]}
-    with Pool(workers=2, timeout=1.5) as p:
+    with Pool(workers=2, timeout=1.5, isolation=isolation) as p:
         got = [r.verdict for r in p.map(jobs)]
         again = [r.verdict for r in p.map(jobs[:2])]
     assert got == ["PASS"] * 3 + ["FAIL", "PASS", "TIMEOUT", "PASS", "PASS"]
-    assert got == [run_job(j, timeout=1.5).verdict for j in jobs]
+    assert got == [run_job(j, timeout=1.5, isolation=isolation).verdict for j in jobs]
     assert again == ["PASS", "PASS"]
     assert set(glob.glob(os.path.join(tempfile.gettempdir(), "lmforge-sandbox-*"))) == before
     with pytest.raises(RuntimeError, match="closed"):

@@ -10,6 +10,9 @@ function (the reference, imported from the running interpreter's standard librar
 on each input twice in the sandbox (`sandbox` job kind "probe"); an input is kept when both
 calls return the same thing (not an exception, no memory address in its text), compared as the
 repr of the value returned and of the arguments after the call (so in-place functions count).
+A candidate's job carries the inputs only: the sandbox reports what the body returned and
+lmforge compares it with the kept results in its own process, so a body cannot learn them or
+forge the comparison.
 A function is *runnable* when at least MIN_CASES inputs survive with at least two different
 results (a constant cannot pass) and its reference body, run exactly as a candidate is, passes
 all of them (a result tied to the process, like `os.getcwd()`, fails there and drops the
@@ -259,8 +262,8 @@ class Behaviour:
 
     def score(self, prompts: Sequence, bodies: Sequence[str], run: Sequence[bool]) -> tuple[list[float | None], list[Result]]:
         """Per completion: None (no cases for its prompt), 0.0 (not run: `run[i]` False, the static
-        check refused it or it was cut off) or 1.0 / 0.0 by its sandbox verdict on every case; and
-        the sandbox results."""
+        check refused it or it was cut off) or 1.0 / 0.0 by its sandbox verdict on every case (a
+        body with text after the function is a FAIL, never run); and the sandbox results."""
         self.prepare(prompts)
         out: list[float | None] = []
         jobs, where = [], []

@@ -5,8 +5,13 @@ Many standard-library docstrings carry `>>>` examples. For a held-out top-level 
 whose reference body passes its own docstring's examples, the generated body is placed
 under the signature, executed in a copy of the real module's namespace, and the same
 examples are run against it in `lmforge.sandbox` (a generated body may loop forever, touch
-the process or print a forged verdict). Methods and functions whose examples fail
-with the reference body are not scored.
+the process or try to forge its verdict): the sandbox reports each example's output and
+lmforge compares it with the docstring's, in its own process. Methods and functions whose
+examples fail with the reference body are not scored.
+
+The examples are the function's published ones: a body can read them (the standard library's
+sources are readable) and answer from a table; the behaviour reward's unseen inputs cannot be
+read that way.
 """
 
 from __future__ import annotations
@@ -17,17 +22,22 @@ from lmforge.sandbox import TIMEOUT_S, Pool, run_job
 
 
 def doctest_job(module: str, function: str, source: str) -> dict:
-    """The sandbox job that runs `module.function`'s docstring examples against `source` (a module
-    defining `function`, which replaces the reference in `module`): for `run_job` or a `Pool`."""
+    """The sandbox job that runs `module.function`'s docstring examples against `source` (exactly
+    one definition of `function`, which replaces the reference in `module`; anything after it is
+    a FAIL): for `run_job` or a `Pool`, which check it (TypeError / ValueError) before running."""
     return {"kind": "doctest", "module": module, "function": function, "source": source}
 
 
 def run_doctests(module: str, function: str, source: str, timeout: float = TIMEOUT_S) -> str:
-    """"PASS", "FAIL" (wrong, raised, did not compile, did something the sandbox refuses), "TIMEOUT",
-    "OOM", "NODOC" (the reference's docstring has no examples) or "ERROR" (the sandbox's own
-    fault): `source` (defining `function`) replaces the reference in `module` and runs the
-    reference's docstring examples, in `lmforge.sandbox` (the verdict cannot be printed by the
-    body: it travels on a private pipe)."""
+    """"PASS", "FAIL" (wrong, raised, did not compile, text after the function, did something the
+    sandbox refuses), "TIMEOUT", "OOM", "NODOC" (the reference's docstring has no examples) or
+    "ERROR" (the sandbox's own fault): `source` (defining `function`) replaces the reference in
+    `module` and runs the reference's docstring examples in `lmforge.sandbox`, which reports
+    their outputs; the verdict is decided here, out of the body's reach.
+
+    Raises:
+        TypeError, ValueError: names that are not str / identifiers, a timeout outside (0, 3600].
+    """
     return run_job(doctest_job(module, function, source), timeout=timeout).verdict
 
 

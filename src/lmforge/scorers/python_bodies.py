@@ -1,10 +1,10 @@
 """Generated Python function bodies, scored: whether a body the model wrote for a held-out
-standard-library prompt parses under its signature and ends its turn (the speedrun's SFT
-figure; a reward a reinforcement-learning objective can use)."""
+standard-library prompt parses under its signature (as that one function: text after its body
+does not count) and ends its turn (the speedrun's SFT figure; a reward a reinforcement-learning
+objective can use)."""
 
 from __future__ import annotations
 
-import ast
 import json
 from collections.abc import Sequence
 from dataclasses import replace
@@ -12,9 +12,9 @@ from pathlib import Path
 
 from lmforge.config import SamplingConfig
 from lmforge.data.conversations import cap_examples
-from lmforge.data.stdlib_functions import place_body
 from lmforge.generate import generate
 from lmforge.runtime import Runtime
+from lmforge.scorers.static import parse_body
 from lmforge.tokenizer import Tokenizer
 
 
@@ -22,7 +22,8 @@ def body_parse_rate(model, tok: Tokenizer, items: Sequence[dict], max_new_tokens
                     batch_size: int = 8, runtime: Runtime | None = None,
                     sampling: SamplingConfig | None = None) -> dict:
     """Greedy bodies for held-out stdlib prompts; the fraction that parse with `ast.parse`
-    when placed under their signature. A body counts only if the model also ended its turn
+    when placed under their signature, as that function and nothing after it
+    (`scorers.static.parse_body`). A body counts only if the model also ended its turn
     (<|im_end|> or <|eos|>) within `max_new_tokens`: a reply cut off by the budget is not a
     body, even when the cut happens to leave valid Python.
 
@@ -42,11 +43,7 @@ def body_parse_rate(model, tok: Tokenizer, items: Sequence[dict], max_new_tokens
         for r, ids in zip(chunk, outs):
             stopped = bool(ids) and ids[-1] in (tok.im_end_id, tok.eos_id)
             body = tok.decode(ids[:-1] if stopped else ids)
-            try:
-                ast.parse(place_body(r["signature"], body))
-                ok = stopped
-            except (SyntaxError, ValueError):
-                ok = False
+            ok = stopped and parse_body(r["signature"], body)[0] is not None
             results.append({"name": r["name"], "body": body, "stopped": stopped, "parses": ok,
                             "im_end": bool(ids) and ids[-1] == tok.im_end_id})
     parsed = sum(r["parses"] for r in results)

@@ -1,6 +1,10 @@
 """A generated function body judged without running it (the reward ladder's V1: cheap, in
-process, for every function): it parses under its signature, ends its turn, is not trivial and
-every name it loads resolves.
+process, for every function): it parses under its signature as that one function and nothing
+else, ends its turn, is not trivial and every name it loads resolves.
+
+Only the function: text after its body (a statement at module level, another definition, a
+decorator, a class) would run when the module is executed, before and outside the function the
+check judged; it is refused here ("text after the function") and never run by the sandbox.
 
 Trivial (reward hacking's first moves, allenai/open-instruct PR #659): only `pass`, `...`,
 `raise NotImplementedError`, a docstring, or returns of constants only (`return None`,
@@ -29,8 +33,8 @@ _BUILTINS = frozenset(dir(builtins)) | {"__name__", "__file__", "__doc__", "__cl
 @dataclass(frozen=True)
 class StaticVerdict:
     """`ok`: the body passes every check; `reason`: the first check it failed ("" when ok):
-    "cut off" (no end of turn), "does not parse", "trivial", "reads no parameter",
-    "unresolved name NAME"."""
+    "cut off" (no end of turn), "does not parse", "text after the function", "trivial", "reads
+    no parameter", "unresolved name NAME"."""
 
     ok: bool
     reason: str = ""
@@ -149,19 +153,32 @@ def _trivial(fn: ast.FunctionDef, params: set[str]) -> bool:
     return False
 
 
+def parse_body(signature: str, body: str) -> tuple[ast.FunctionDef | ast.AsyncFunctionDef | None, str]:
+    """The function `body` placed under `signature` defines and ""; or None and why not: "does
+    not parse" (the text, or a signature that defines no function), "text after the function"
+    (anything else at module level: a statement, another definition, a decorator, a class).
+    Raises nothing."""
+    try:
+        tree = ast.parse(place_body(signature, body))
+    except (SyntaxError, ValueError, MemoryError, RecursionError):
+        return None, "does not parse"
+    defs = [n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    if not defs:
+        return None, "does not parse"
+    if len(tree.body) != 1:
+        return None, "text after the function"
+    return defs[0], ""
+
+
 def static_verdict(signature: str, body: str, stopped: bool = True, module: str = "") -> StaticVerdict:
     """Judge `body` (the generated text under `signature`, without the end-of-turn token) for the
     function of `module` (its top-level names resolve; "" = builtins only). `stopped`: the model
     ended its turn (a body cut off by the token budget scores nothing)."""
     if not stopped:
         return StaticVerdict(False, "cut off")
-    try:
-        tree = ast.parse(place_body(signature, body))
-    except (SyntaxError, ValueError, MemoryError, RecursionError):
-        return StaticVerdict(False, "does not parse")
-    fn = next((n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))), None)
+    fn, why = parse_body(signature, body)
     if fn is None:
-        return StaticVerdict(False, "does not parse")
+        return StaticVerdict(False, why)
     a = fn.args
     params = {x.arg for x in (*a.posonlyargs, *a.args, *a.kwonlyargs, a.vararg, a.kwarg) if x is not None}
     if _trivial(fn, params):
@@ -188,4 +205,4 @@ def static_reward(signature: str, body: str, stopped: bool = True, module: str =
     return 1.0 if static_verdict(signature, body, stopped, module).ok else 0.0
 
 
-__all__ = ["StaticVerdict", "module_names", "static_reward", "static_verdict"]
+__all__ = ["StaticVerdict", "module_names", "parse_body", "static_reward", "static_verdict"]

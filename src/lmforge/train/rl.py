@@ -301,7 +301,8 @@ class RLObjective(TokenObjective):
             n += len(rows)
             reward += sum(scored.total)
             static += sum(s and not why for s, why in zip(stopped, scored.reasons))
-            parse_end += sum(s and why not in ("does not parse",) for s, why in zip(stopped, scored.reasons))
+            parse_end += sum(s and why not in ("does not parse", "text after the function")
+                             for s, why in zip(stopped, scored.reasons))
             trivial += sum(why == "trivial" for why in scored.reasons)
             behaviour, results = scored.each.get("behaviour"), scored.results
             if behaviour is None and all(Behaviour.key(r) for r in recs):
