@@ -28,10 +28,10 @@ speedrun: $(STAMP)
 	$(VENV)/bin/lmforge speedrun --config configs/stdlib-tiny.toml --out $(OUT) $(if $(wildcard $(OUT)),--resume,)
 
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n auto  # pytest-xdist: a worker per core (tests are independent; each worker one torch thread)
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -n auto -m "not slow"
 
 # llama.cpp is built from source by pip (several minutes, once); tests/interop/ skip without it.
 interop: $(STAMP)

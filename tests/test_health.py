@@ -9,6 +9,8 @@ detector rightly fired on it.
 
 from __future__ import annotations
 
+import re
+
 import json
 import math
 from dataclasses import replace
@@ -135,14 +137,16 @@ def test_a_tiny_run_is_healthy_and_says_so(tiny_run, tmp_path, capsys):
 
 def test_a_learning_rate_far_too_high_is_flagged(tiny_run, tmp_path, capsys):
     last, metrics = run(tiny_run, tmp_path, "hot", optimizer="adamw", lr=0.5)  # clipping on (1.0)
-    assert set(last["health"]["warnings"]) - {"slow_steps"} == {"lr_band", "update_ratio"}, last["health"]
+    # a rate this hot may also set off a gradient-norm spike (which step depends on the schedule's decay)
+    assert {"lr_band", "update_ratio"} <= set(last["health"]["warnings"]) <= {"lr_band", "update_ratio", "slow_steps",
+                                                                           "grad_norm_spike"}, last["health"]
     flagged = {w["kind"]: w for m in metrics for w in m.get("health", ())}
     assert flagged["lr_band"]["step"] == 5 and flagged["lr_band"]["figure"] == 0.5  # the end of warm-up
     assert flagged["update_ratio"]["figure"] > 3e-2 and flagged["update_ratio"]["step"] % 25 == 0
     assert all(w["message"] for m in metrics for w in m.get("health", ()))
     err = capsys.readouterr().err
     assert "health: step 5: the peak learning rate 0.5 is outside [1e-06, 0.03] (the usual peak" in err
-    assert "health: 2 warning(s)" in err or "slow_steps" in err
+    assert re.search(r"health: [23] warning\(s\)", err) or "slow_steps" in err
 
 
 def test_gradient_clipping_off_is_flagged(tiny_run, tmp_path):
