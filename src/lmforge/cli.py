@@ -496,9 +496,11 @@ def main(argv: list[str] | None = None) -> int:
             code = run(args)
         except LmforgeError as exc:
             code = 2
+            _end_progress_lines()
             print(f"error: {exc}", file=sys.stderr)
         except OSError as exc:  # the last resort: a refusal no reader or writer explained
             code = 2
+            _end_progress_lines()
             print(f"error: {os_error(exc, doing='access')}", file=sys.stderr)
         except (Interrupted, KeyboardInterrupt, Exception) as exc:
             if not isinstance(exc, (Interrupted, KeyboardInterrupt)):
@@ -522,6 +524,21 @@ def main(argv: list[str] | None = None) -> int:
         if interrupted:
             _keyboard_interrupt_handled()
     return code
+
+
+def _end_progress_lines() -> None:
+    """A safety net for the `error:` line: a progress bar still open (the traceback of the error
+    holds it; each stage closes its own) has left its line without a newline. End that line,
+    so the error starts one of its own, and stop the bar: it draws nothing after the error.
+    tqdm's bars only (its registry of open bars); a bar of the Rust tokenizers library draws
+    only on a terminal and ends its line itself."""
+    from tqdm import tqdm
+
+    open_bars = [bar for bar in list(getattr(tqdm, "_instances", ())) if not getattr(bar, "disable", True)]
+    for bar in open_bars:
+        bar.disable = True  # its close(), when the traceback lets it go, then writes nothing
+    if open_bars:
+        sys.stderr.write("\n")
 
 
 def _keyboard_interrupt_handled() -> None:

@@ -10,6 +10,8 @@ Sources (`sft.data`):
     Alpaca    {"instruction": str, "input": str (optional), "output": str}
               -> user: instruction, plus "\\n\\n" + input when input is not empty;
                  assistant: output
+  A record with the keys of more than one shape ("messages" and "conversations", or either
+  with Alpaca's "instruction"/"output") is refused: no shape is taken over another in silence.
   A conversation must end on an assistant turn. Bad input is a `DataError` naming the
   file and line (JSONL) or row (Parquet, 1-based), the value seen and the value expected.
 - "stdlib": the embedded default set (`lmforge.data.stdlib_functions`).
@@ -53,6 +55,11 @@ SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "a
 SHAPES_HELP = ('expected one of: {"messages": [{"role", "content"}, ...]} (OpenAI), '
                '{"conversations": [{"from", "value"}, ...]} (ShareGPT), '
                '{"instruction", "input", "output"} (Alpaca)')
+
+#: The keys of each shape, for the refusal of a record of several: a shape is present when one of
+#: its keys but Alpaca's optional "input" is (`shapes_of`).
+SHAPE_KEYS = (("OpenAI", ("messages",)), ("ShareGPT", ("conversations",)),
+              ("Alpaca", ("instruction", "input", "output")))
 
 
 @dataclass(frozen=True)
@@ -117,6 +124,11 @@ def conversation_from_record(record: object, where: str) -> Conversation:
     """
     if not isinstance(record, dict):
         raise DataError(f"{where}: expected a JSON object, got {type(record).__name__}; {SHAPES_HELP}.")
+    shapes = shapes_of(record)
+    if len(shapes) > 1:  # none may win: the record would be trained as a conversation it may not be
+        held = ", ".join(f"{name} ({', '.join(map(repr, keys))})" for name, keys in shapes)
+        raise DataError(f"{where}: the record holds keys of more than one form: {held}; a record is one of them, "
+                        f"{SHAPES_HELP}. Remove the other form's keys.")
     if "messages" in record:
         messages = validate_messages(record["messages"], where)
     elif "conversations" in record:
@@ -144,6 +156,17 @@ def conversation_from_record(record: object, where: str) -> Conversation:
     else:
         raise DataError(f"{where}: unknown record shape with keys {sorted(record)}; {SHAPES_HELP}.")
     return Conversation(messages, where, content_key([[m["role"], m["content"]] for m in messages]))
+
+
+def shapes_of(record: dict) -> list[tuple[str, list[str]]]:
+    """The shapes (SHAPE_KEYS) whose keys `record` holds, each with the keys it holds; Alpaca's
+    "input" alone (beside "messages", say) makes no Alpaca record."""
+    out = []
+    for name, keys in SHAPE_KEYS:
+        held = [k for k in keys if k in record]
+        if held and held != ["input"]:
+            out.append((name, held))
+    return out
 
 
 def read_conversations(path: str | Path) -> list[Conversation]:

@@ -22,7 +22,7 @@ from lmforge.evaluate import shard_batches
 from lmforge.model import lora
 from lmforge.model import Transformer, resolve_model_config
 from lmforge.stages.common import log, run_training, startup_report, training_session
-from lmforge.stages.tuning import start_from_checkpoint
+from lmforge.stages.tuning import check_run_inputs, start_from_checkpoint
 from lmforge.tokenizer import Tokenizer
 
 
@@ -36,7 +36,10 @@ def pretrain_stage(cfg: Config, out: str | Path, resume: bool = False, dry_run: 
         ConfigError: lora.rank > 0 without train.init (adapters need a trained base).
         CheckpointError / ContractError: train.init is not a checkpoint, or has another tokenizer
         than tokenizer.dir.
+        OutputError: `out` is, holds or lies inside tokenizer.dir, data.dir, train.init or a
+        train.eval_tasks file (`stages.tuning.check_run_inputs`).
     """
+    check_run_inputs(cfg, out, "train", "pretrain")  # before any work: the run folder never one of its inputs
     init = None
     if cfg.train.init:  # its [model] is the run's; its contract must be tokenizer.dir's (checked at load)
         start = start_from_checkpoint(cfg, out, resume, "train", cfg.tokenizer.dir)

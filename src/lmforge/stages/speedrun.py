@@ -24,11 +24,13 @@ from pathlib import Path
 from lmforge.config import Config, SamplingConfig
 from lmforge.contract import CONTRACT_FILE
 from lmforge.data.shards import Shard
+from lmforge.data.sources import source_path
 from lmforge.evals.suite import results_table
 from lmforge.scorers import body_parse_rate, doctest_pass_rate, held_out_prompts
 from lmforge.errors import ConfigError, Interrupted
 from lmforge.evaluate import evaluate_shard, split_texts, xz_bits_per_byte
-from lmforge.fileio import atomic_file, open_run_dir, read_marker, write_json, write_text
+from lmforge.fileio import (atomic_file, check_not_input, check_output, open_run_dir, read_marker, write_json,
+                            write_text)
 from lmforge.loading import load_checkpoint
 from lmforge.runtime import Runtime, decode_runtime, training_runtime
 from lmforge.stages.common import log
@@ -84,12 +86,18 @@ def speedrun_stage(cfg: Config, out: str | Path, resume: bool = False, progress:
 
     Raises:
         ConfigError: data.sources set (the speedrun scores the held-out split of one corpus).
+        OutputError: `out` is, holds or lies inside data.source or a train.eval_tasks file (it
+            writes its tokenizer, data and runs there), or is another command's output.
     """
     if cfg.data.sources:
         raise ConfigError(f"data.sources lists {len(cfg.data.sources)} sources, but the speedrun scores the "
                           f"held-out split of one corpus (data.source) in its summary. Run a mixture with "
                           f"`lmforge prepare` and `lmforge pretrain` (README: Your own corpus), or remove "
                           f"data.sources.")
+    # never an input: not inside the corpus (its stages' folders would join it), never holding it or a task file
+    inputs = [("data.source", source_path(cfg.data.source)),
+              *(("train.eval_tasks", str(t)) for t in cfg.train.eval_tasks if str(t).endswith((".jsonl", ".parquet")))]
+    check_not_input(out, inputs, own_check=lambda: check_output(Path(out), SPEEDRUN_OUTPUT))
     # absent, empty, or an earlier speedrun (which needs --resume once a stage wrote into it): nothing else is touched
     out = open_run_dir(out, SPEEDRUN_OUTPUT, resume, has_stage_output)
     cfg = replace(cfg, tokenizer=replace(cfg.tokenizer, dir=str(out / "tokenizer")),

@@ -11,10 +11,12 @@ from pathlib import Path
 from lmforge.config import CONFIG_FILE, Config
 from lmforge.data.mixture import mixture_documents, mixture_sources
 from lmforge.data.reports import SAMPLE_BYTES, report_lines, sample, tokenizer_report
-from lmforge.data.sources import SourceStats, capped, iter_documents
+from lmforge.data.sources import SourceStats, capped, iter_documents, source_path
 from lmforge.errors import LmforgeError
+from lmforge.fileio import check_not_input, check_output
 from lmforge.stages.common import log
 from lmforge.tokenizer import Tokenizer, import_tokenizer, train_tokenizer
+from lmforge.tokenizer.train import TOKENIZER_OUTPUT
 
 REPORT_FILE = "report.json"
 
@@ -24,9 +26,16 @@ def train_tokenizer_stage(cfg: Config, out: str | Path | None = None, progress: 
 
     The folder's config.toml records the vocabulary actually trained: a corpus too small for
     `tokenizer.vocab_size` yields fewer tokens, and that is said.
+
+    Raises:
+        OutputError: `out` is, holds or lies inside data.source (or a data.sources entry), with or
+        without --force (`fileio.check_not_input`), or may not be written (`check_output`).
     """
     out = Path(out or cfg.tokenizer.dir)
     d = cfg.data
+    # never an input: not the corpus, not inside a corpus folder, never holding one (the folder is replaced whole)
+    check_not_input(out, source_inputs(d), own_check=lambda: check_output(out, TOKENIZER_OUTPUT, "the tokenizer stage",
+                                                                          replace_whole=True))
     stats = SourceStats()
     budget = cfg.tokenizer.max_train_bytes
 
@@ -47,10 +56,21 @@ def train_tokenizer_stage(cfg: Config, out: str | Path | None = None, progress: 
         f"{stats.documents} documents in {time.perf_counter() - t0:.1f}s -> {out}"
         + (f" ({stats.bad_utf8} non-UTF-8 files skipped)" if stats.bad_utf8 else "")
         + (f" ({stats.not_regular} files that are not regular files skipped, never read)" if stats.not_regular else "")
+        + (f" ({stats.empty} empty documents skipped)" if stats.empty else "")
+        + (f" ({stats.other} other files or folders not read (skipped_other))" if stats.other else "")
         + (f"; skipped: {', '.join(stats.skipped_names[:3])}{', ...' if len(stats.skipped_names) > 3 else ''}"
            if stats.skipped_names else ""))
     log(report_lines(report))
     return tok
+
+
+def source_inputs(d) -> list[tuple[str, str | None]]:
+    """The corpus a [data] section reads, as `fileio.check_not_input`'s (name, path) pairs: data.source,
+    or each data.sources entry's source (a glob's leading folder; none for "stdlib" or a Hugging Face name)."""
+    if d.sources:
+        return [(f"data.sources[{i}].source", source_path(e.get("source")))
+                for i, e in enumerate(d.sources) if isinstance(e, dict) and isinstance(e.get("source"), str)]
+    return [("data.source", source_path(d.source))]
 
 
 def corpus_documents(d, split: str, stats: SourceStats, on_bad_utf8: str, max_bytes: int = 0):
@@ -84,11 +104,13 @@ def _report(cfg: Config, into: dict):
 
 
 def import_tokenizer_stage(cfg: Config, src: str | Path, out: str | Path | None = None) -> Tokenizer:
-    """Derive lmforge's contract from a Hugging Face tokenizer folder into `out` (or tokenizer.dir)."""
+    """Derive lmforge's contract from a Hugging Face tokenizer folder into `out` (or tokenizer.dir).
+    `out` is never the --from folder, inside it or holding it, nor inside the corpus the report
+    samples (data.source)."""
     out = Path(out or cfg.tokenizer.dir)
     report: dict = {}
     tok = import_tokenizer(src, out, log=lambda m: log(f"import-tokenizer: {m}"), eos_token=cfg.tokenizer.eos_token,
-                           extra_files={REPORT_FILE: _report(cfg, report)})
+                           extra_files={REPORT_FILE: _report(cfg, report)}, inputs=source_inputs(cfg.data))
     log(f"import-tokenizer: {tok.vocab_size} tokens (model vocab {tok.contract.model_vocab_size}), special ids "
         + ", ".join(f"{k}={v} {tok.spellings[k]!r}" for k, v in tok.contract.special_tokens.items()) + f" -> {out}")
     log(report_lines(report))

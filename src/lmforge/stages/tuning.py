@@ -1,7 +1,8 @@
 """The start of every run that begins from a checkpoint — continued pretraining
 (`train.init`), SFT (`sft.init`), DPO (`dpo.init`) and the stages to come — in one place:
 resolve the init, refuse it as `--out`, on `--resume` require the same init and (LoRA) the same
-base weights, load it with its tokenizer, inject the adapters and record the base's path and
+base weights, refuse a run folder that is, holds or lies inside one of the run's inputs
+(`check_run_inputs`), load it with its tokenizer, inject the adapters and record the base's path and
 hash, take its [model] section (`config.model_from_init`). A fine-tuning section ([sft], [dpo])
 supplies the run's steps, batch shape, learning rate and warm-up (`tuning_config`). Each stage
 keeps only what is its own: its data, its objective, its report lines.
@@ -17,7 +18,7 @@ from pathlib import Path
 from lmforge.config import Config, model_from_init
 from lmforge.contract import TOKENIZER_FILE
 from lmforge.errors import CheckpointError, ConfigError, DataError, LmforgeError
-from lmforge.fileio import check_output, path_text
+from lmforge.fileio import check_not_input, check_output, path_text
 from lmforge.loading import load_checkpoint
 from lmforge.model import Transformer, lora
 from lmforge.model.io import MODEL_FILE, latest_checkpoint, read_checkpoint_meta, resolve_checkpoint
@@ -53,6 +54,8 @@ def start_from_checkpoint(cfg: Config, out: str | Path, resume: bool, key: str,
     init_arg = getattr(cfg, key).init
     init = resolve_checkpoint(init_arg)
     refuse_init_as_out(Path(out), Path(init_arg), init, key)
+    if Path(out) != Path("."):  # a hard link, a mount of it, or --out inside a folder of yours that holds it
+        check_not_input(out, [(f"{key}.init", init_arg), (f"{key}.init", str(init))])
     if resume:
         check_same_init(Path(out), init, key)
     model, tok, init_cfg, _ = load_checkpoint(init, tokenizer_dir)
@@ -89,9 +92,43 @@ def start_tuning(cfg: Config, out: str | Path, resume: bool, key: str) -> Start:
         see `start_from_checkpoint`, `tuning_config` and `fileio.check_output`.
     """
     check_output(Path(out), key)
+    check_run_inputs(cfg, out, key)
     start = start_from_checkpoint(cfg, out, resume, key, own_tokenizer_dir(cfg))
     cfg = replace(start.cfg, tokenizer=replace(cfg.tokenizer, dir=str(start.tok.folder)))
     return replace(start, cfg=tuning_config(cfg, start.cfg.model, key))
+
+
+def run_inputs(cfg: Config, key: str) -> list[tuple[str, str]]:
+    """What a training run reads, besides its init checkpoint, as `fileio.check_not_input`'s
+    (name, path) pairs: pretraining (`key` "train") tokenizer.dir and data.dir; a fine-tuning run
+    (`key` "sft", "dpo", "rl") KEY.data (a file of yours, not "stdlib") and tokenizer.dir where
+    that folder holds the tokenizer it loads; every run its train.eval_tasks files."""
+    if key == "train":
+        inputs = [("tokenizer.dir", cfg.tokenizer.dir), ("data.dir", cfg.data.dir)]
+    else:
+        data = getattr(cfg, key).data
+        inputs = [(f"{key}.data", data)] if data and data != "stdlib" else []
+        if own_tokenizer_dir(cfg) is not None:
+            inputs.append(("tokenizer.dir", cfg.tokenizer.dir))
+    inputs += [("train.eval_tasks", str(t)) for t in cfg.train.eval_tasks if str(t).endswith((".jsonl", ".parquet"))]
+    return inputs
+
+
+def check_run_inputs(cfg: Config, out: str | Path, key: str, command: str | None = None) -> None:
+    """Refuse a run folder `out` that is one of the run's inputs (`run_inputs`: the same folder,
+    under any name), holds one (a run prunes and rewrites its folder: an input there would be
+    lost or changed under the run), or lies inside an input folder that is not an lmforge run
+    (the run would write into the data it reads), `--resume` or not (`fileio.check_not_input`).
+    A run folder beside its data, or inside a pretraining run, is no overlap. `command` (default
+    `key`) is the run folder's marker: its own check (`check_output`) speaks first where it
+    refuses `out` too. A dry run without --out (Path(".")) names no folder.
+
+    Raises:
+        OutputError: naming --out, the key and its value, and what to do.
+    """
+    if Path(out) == Path("."):
+        return
+    check_not_input(out, run_inputs(cfg, key), own_check=lambda: check_output(Path(out), command or key))
 
 
 def require_training(splits: dict[str, list], cfg: Config, key: str, what: str) -> None:
@@ -182,5 +219,6 @@ def refuse_init_as_out(out: Path, init_arg: Path, init: Path, section: str = "sf
                           f"{out}-{section}.")
 
 
-__all__ = ["Start", "start_from_checkpoint", "tuning_config", "lora_line", "own_tokenizer_dir", "chat_template_line",
+__all__ = ["Start", "start_from_checkpoint", "tuning_config", "run_inputs", "check_run_inputs", "lora_line",
+           "own_tokenizer_dir", "chat_template_line",
            "check_same_init", "check_same_base", "refuse_init_as_out", "TUNING_TRAIN_KEYS"]

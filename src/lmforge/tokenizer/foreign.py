@@ -10,8 +10,8 @@ from pathlib import Path
 from tokenizers import AddedToken
 
 from lmforge.contract import TOKENIZER_CONFIG_FILE, TOKENIZER_FILE
-from lmforge.errors import ContractError, DataError, LmforgeError
-from lmforge.fileio import check_output, load_hf_tokenizer
+from lmforge.errors import ContractError, DataError
+from lmforge.fileio import OutputError, check_not_input, check_output, load_hf_tokenizer
 from lmforge.tokenizer.chat import ChatTemplate
 from lmforge.tokenizer.hf_json import (
     _prefix_space_settings,
@@ -48,7 +48,7 @@ def _foreign_config(src: Path) -> dict:
 
 def import_tokenizer(src_dir: str | Path, out_dir: str | Path,
                      log: Callable[[str], None] | None = None, eos_token: str = "",
-                     extra_files: dict | None = None) -> "Tokenizer":
+                     extra_files: dict | None = None, inputs=()) -> "Tokenizer":
     """Bring your own tokenizer: derive lmforge's contract from a Hugging Face tokenizer folder.
 
     `src_dir` holds `tokenizer.json` and `tokenizer_config.json` as `transformers`'
@@ -78,13 +78,16 @@ def import_tokenizer(src_dir: str | Path, out_dir: str | Path,
 
     Args:
         log: called with a line per change made (added tokens, dropped template).
+        inputs: the command's other inputs ((name, path) pairs: the corpus its report samples),
+            none of which `out_dir` may be, hold or lie inside (as `src_dir`).
     Returns:
         the imported Tokenizer (loaded back from `out_dir`).
     Raises:
         ContractError: no tokenizer.json; no (or an unknown) eos_token; a declared special
             token that is not in the vocab; add_prefix_space disagreeing between the two
             files; a tokenizer that does not round-trip text exactly (ROUND_TRIP_PROBES).
-        LmforgeError: `out_dir` is `src_dir`, or holds files that are not a tokenizer's.
+        OutputError: `out_dir` is `src_dir` (any name for it), holds it or lies inside it
+            (`fileio.check_not_input`), or holds files that are not a tokenizer's.
     """
     say = log or (lambda _msg: None)
     src, out = Path(src_dir), Path(out_dir)
@@ -97,7 +100,10 @@ def import_tokenizer(src_dir: str | Path, out_dir: str | Path,
             f"{TOKENIZER_CONFIG_FILE}); save the tokenizer that way first."
         )
     if out.resolve() == src.resolve():
-        raise LmforgeError(f"--out {out} is the --from folder; the source is never modified. Choose another --out.")
+        raise OutputError(f"--out {out} is the --from folder; the source is never modified. Choose another --out.")
+    # nor the same folder under another name (a mount), inside it, or holding it (`fileio.check_not_input`)
+    check_not_input(out, [("--from", src), *inputs],
+                    own_check=lambda: check_output(out, TOKENIZER_OUTPUT, "import-tokenizer", replace_whole=True))
     check_output(out, TOKENIZER_OUTPUT, "import-tokenizer", replace_whole=True)  # before any work
     try:
         hf = load_hf_tokenizer(path)

@@ -52,9 +52,8 @@ from lmforge.train.optim import build_optimizer
 from lmforge.train.objective import TokenObjective
 from lmforge.train.resume import (METRICS_FILE, check_optimizer_state, check_resume_config, check_rng_state,
                                  check_training_state, truncate_metrics)
-from lmforge.train.tensorboard import TENSORBOARD_DIR, TensorBoard
+from lmforge.train.tensorboard import TENSORBOARD_DIR, GuardedBoard, TensorBoard
 from lmforge.train.schedule import lr_at
-
 
 
 @dataclass
@@ -398,8 +397,8 @@ class Trainer:
             bar.close()
             if metrics_file:
                 metrics_file.close()
-            if board is not None:
-                board.close()
+            if board is not None:  # its failure is said here unless another error is on its way out
+                board.close(quiet=sys.exc_info()[1] is not None)
             self._restore_signal_handlers(old_handlers)
         last["steps_run"] = self.step - start_step
         last["health"] = self.health.verdict()
@@ -427,14 +426,18 @@ class Trainer:
                        file=sys.stderr)
         return self.cfg.train
 
-    def _tensorboard(self) -> "TensorBoard | None":
+    def _tensorboard(self) -> "GuardedBoard | None":
         if not self.cfg.train.tensorboard:
             return None
-        board = TensorBoard(self.run_dir / TENSORBOARD_DIR, purge_step=self.step + 1 if self.step else None)
-        board.text("config", "```\n" + self.cfg.to_toml() + "```")
-        plan = self.run_dir / "plan.json"
-        if plan.is_file():
-            board.text("plan", "```\n" + plan.read_text(encoding="utf-8", errors="replace") + "\n```")
+        board = GuardedBoard(self.run_dir / TENSORBOARD_DIR, purge_step=self.step + 1 if self.step else None)
+        try:
+            board.text("config", "```\n" + self.cfg.to_toml() + "```")
+            plan = self.run_dir / "plan.json"
+            if plan.is_file():
+                board.text("plan", "```\n" + plan.read_text(encoding="utf-8", errors="replace") + "\n```")
+        except BaseException:
+            board.close(quiet=True)
+            raise
         return board
 
     def _agree_to_stop(self, out_of_time: bool) -> tuple[bool, bool]:
