@@ -16,7 +16,10 @@ symmetric, parseable mutation; held-out pairs from the held-out modules only):
   against the SFT model, and the DPO training seconds. `--seeds N` repeats every arm with N
   training seeds (mean and min-max).
 
-Run: `python bench/bench_dpo.py [--checkpoint DIR] [--steps 150] [--seeds 1]`. Skipped (a
+Every arm is `lmforge dpo --set dpo.init=CKPT` as the README types it (its defaults: AdamW, cosine,
+`dpo.steps`, `dpo.lr`); a benchmark changes only `train.seed` (`arm_config`).
+
+Run: `python bench/bench_dpo.py [--checkpoint DIR] [--seeds 3] [--arms full,lora,shuffled]`. Skipped (a
 note, exit 0) when the checkpoint is absent: `make speedrun` writes it.
 `--smoke`: a tiny model trained in seconds (figures mean nothing; proves the benchmark runs).
 """
@@ -36,7 +39,6 @@ from pathlib import Path
 import common  # noqa: F401  (puts src/ on the path)
 import torch
 
-from lmforge.config import LoRAConfig
 from lmforge.data.preferences import pair_batches, pair_from_record, render_pairs
 from lmforge.data.stdlib_pairs import PairStats, stdlib_preference_pairs
 from lmforge.loading import load_checkpoint
@@ -46,6 +48,22 @@ from lmforge.stages.dpo import dpo_stage
 from lmforge.train.dpo import sequence_logps
 
 DEFAULT_CHECKPOINT = common.ROOT / "runs" / "speedrun" / "sft"
+#: arm -> (the --set overrides of the README's command for it, labels shuffled): every arm is
+#: `lmforge dpo --set dpo.init=CKPT` as the README types it, plus only these and the seed.
+ARMS = {"full": ([], False), "lora": (["lora.rank=16"], False), "shuffled": ([], True)}
+#: --smoke: the tiny checkpoint's rows, a few steps (figures mean nothing).
+SMOKE_SETS = ["data.seq_len=128", "dpo.steps=3", "dpo.max_examples=60", "dpo.val_examples=8", "dpo.warmup_steps=1"]
+
+
+def arm_config(ckpt: Path, kind: str, seed: int, data: Path | None = None, smoke: bool = False):
+    """The config `lmforge dpo --set dpo.init=CKPT [the arm's --set] --set train.seed=SEED` trains
+    with (no --config: the command's own defaults, loaded as the CLI loads them); the control arm
+    trains on `data`, the same pairs with half the labels swapped. tests/test_bench_configs.py
+    holds it equal to the command's."""
+    from lmforge.config import load_config
+
+    sets = [f"dpo.init={ckpt}", *ARMS[kind][0], f"train.seed={seed}"] + ([f"dpo.data={data}"] if data else [])
+    return load_config(None, sets + (SMOKE_SETS if smoke else []))
 
 
 @torch.no_grad()
@@ -107,18 +125,14 @@ def smoke_checkpoint(tmp: Path) -> Path:
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--checkpoint", type=Path, default=None, help=f"SFT checkpoint (default {DEFAULT_CHECKPOINT})")
-    ap.add_argument("--steps", type=int, default=150)
-    ap.add_argument("--lr", type=float, default=1e-5, help="full fine-tuning's learning rate (AdamW)")
-    ap.add_argument("--lora-lr", type=float, default=1e-4)
-    ap.add_argument("--beta", type=float, default=0.1)
-    ap.add_argument("--seeds", type=int, default=1)
+    ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--arms", default="full,lora,shuffled")
     common.smoke_flag(ap)
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="lmforge-bench-dpo-") as tmp:
         tmp = Path(tmp)
         if args.smoke:
-            ckpt, args.steps, args.seeds = smoke_checkpoint(tmp), 3, 1
+            ckpt, args.seeds = smoke_checkpoint(tmp), 1
         else:
             ckpt = args.checkpoint or DEFAULT_CHECKPOINT
             if not ckpt.exists():
@@ -143,20 +157,13 @@ def run(ckpt: Path, args, tmp: Path) -> dict:
     print(f"pairs: {stats.as_dict()['pairs']}; held-out kinds {stats.as_dict()['kinds']['val']}; "
           f"{stats.no_site} functions without a site, {stats.unbalanced} skipped for balance")
     base = score(sft, sft, val, d.seq_len, tok.pad_id, runtime, kinds)
-    arms = {"full": dict(lora=0, lr=args.lr, shuffled=False), "lora": dict(lora=16, lr=args.lora_lr, shuffled=False),
-            "shuffled": dict(lora=0, lr=args.lr, shuffled=True)}
     results: dict[str, list[dict]] = {}
     for name in [a for a in args.arms.split(",") if a]:
-        arm = arms[name]
         for seed in range(args.seeds):
-            data = write_pairs(tmp / f"{name}-{seed}.jsonl", records["train"], 1000 + seed if arm["shuffled"] else None)
-            cfg = replace(base_cfg, data=replace(d, val_fraction=0.0),
-                          dpo=replace(base_cfg.dpo, init=str(ckpt), data=str(data), steps=args.steps, lr=arm["lr"],
-                                      beta=args.beta, micro_batch_size=8, warmup_steps=min(10, args.steps // 10),
-                                      max_examples=0, val_examples=0),
-                          train=replace(base_cfg.train, seed=base_cfg.train.seed + seed, optimizer="adamw",
-                                        checkpoint_every=0, keep_last=1, eval_every=0, schedule="cosine"),
-                          lora=LoRAConfig(rank=arm["lora"]) if arm["lora"] else LoRAConfig())
+            data = None
+            if ARMS[name][1]:  # the control: the same training pairs, chosen and rejected swapped in half
+                data = write_pairs(tmp / f"{name}-{seed}.jsonl", records["train"], 1000 + seed)
+            cfg = arm_config(ckpt, name, base_cfg.train.seed + seed, data, args.smoke)
             t0 = time.perf_counter()
             last = dpo_stage(cfg, tmp / f"run-{name}-{seed}", progress=False)
             seconds = time.perf_counter() - t0
@@ -165,7 +172,7 @@ def run(ckpt: Path, args, tmp: Path) -> dict:
             r.update(seconds=seconds, train_loss=last["loss"], train_reward_accuracy=last["rewards/accuracies"])
             results.setdefault(name, []).append(r)
     print_table(base, results, kinds, args)
-    return {"checkpoint": str(ckpt), "steps": args.steps, "baseline": base, "arms": results,
+    return {"checkpoint": str(ckpt), "baseline": base, "arms": results,
             "machine": common.machine_line()}
 
 
@@ -185,7 +192,7 @@ def print_table(base: dict, results: dict, kinds: list[str], args) -> None:
         rows.append([f"DPO {name}", _mean(rs, "pairwise_accuracy"), _mean(rs, "reward_accuracy"),
                      f"{loss:.4f} ({loss / base['chosen_nats_per_token'] - 1:+.1%})",
                      f"{statistics.mean(r['seconds'] for r in rs):.0f}"] + [_mean(rs, "per_kind", k) for k in kinds])
-    print(common.table(headers, rows, title=f"DPO on the default pairs: {args.steps} steps x 8 pairs, beta {args.beta}, "
+    print(common.table(headers, rows, title=f"lmforge dpo --set dpo.init=CKPT as the README types it (the default pairs), "
                                             f"{args.seeds} seed(s); held-out pairs per kind "
                                             f"{ {k: base['per_kind_n'][k] for k in kinds} }"
                                             + (" (SMOKE RUN: figures mean nothing)" if args.smoke else "")))

@@ -87,3 +87,15 @@ def test_the_tuning_stages_train_with_the_optimizer_and_schedule_their_figures_w
         assert (train.optimizer, train.schedule) == (optimizer, schedule), key
     mine = load_config(None, ["rl.optimizer=muon", "rl.schedule=wsd"])
     assert tuning_config(mine, mine.model, "rl").train.optimizer == "muon"
+
+
+def test_bench_dpo_runs_the_readme_dpo_command_changing_only_the_seed(tmp_path):
+    import bench_dpo
+
+    argv = readme_command("lmforge dpo --set dpo.init=runs/speedrun/sft --out runs/dpo")
+    ckpt = "/tmp/some/sft"
+    readme = command_config(argv, ("runs/speedrun/sft", ckpt))
+    for kind, extra in (("full", set()), ("lora", {"lora.rank"}), ("shuffled", {"dpo.data"})):
+        data = tmp_path / "shuffled.jsonl" if kind == "shuffled" else None
+        bench = bench_dpo.arm_config(Path(ckpt), kind, seed=7, data=data)
+        assert differences(bench, readme) - SEED_AND_TIME == extra, (kind, differences(bench, readme))
