@@ -5,9 +5,11 @@ summary, evaluation and (later) reinforcement-learning rewards share one impleme
                     turn (`body_parse_rate`), and the held-out prompts it is asked for
     doctests        the function's own docstring examples run against the generated body in
                     lmforge.sandbox (`run_doctests`, `doctest_pass_rate`)
-    static          the static check (parses, ends its turn, not trivial, names resolve)
+    static          the static check (parses, no text after the function, ends its turn, not
+                    trivial, names resolve)
     behaviour       differential testing against the real function (the behaviour reward)
     rewards         the `rl.rewards` functions
+    user_rewards    a reward of yours, imported and called guarded
 """
 
 from lmforge.scorers.doctests import doctest_pass_rate, run_doctests
