@@ -301,3 +301,21 @@ def test_the_reference_under_another_name_is_the_candidate_too(name, source, why
     real = ("def commonprefix(m):\n    if not m:\n        return ''\n    s1, s2 = min(m), max(m)\n"
             "    for i, c in enumerate(s1):\n        if c != s2[i]:\n            return s1[:i]\n    return s1\n")
     assert run_job({**job, "source": real}).verdict == "PASS"
+
+
+def test_a_prompts_module_name_never_imports_a_package_in_lmforges_process(tmp_path, monkeypatch):
+    """The static check reads a module's names from its source (`static.module_names`); a prompt
+    file's "module" naming a submodule of an installed package must not run that package's
+    `__init__` in lmforge's own process (`importlib.util.find_spec("a.b")` imports `a`)."""
+    import sys
+
+    from lmforge.scorers import static
+
+    canary = tmp_path / "canary"
+    pkg = tmp_path / "site" / "lmforge_forgery_pkg"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text(f"open({str(canary)!r}, 'w').write('imported')\n", encoding="utf-8")
+    (pkg / "sub.py").write_text("VALUE = 1\ndef helper():\n    return VALUE\n", encoding="utf-8")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    assert static.module_names("lmforge_forgery_pkg.sub") == {"VALUE", "helper"}
+    assert not canary.exists() and "lmforge_forgery_pkg" not in sys.modules

@@ -20,7 +20,7 @@ from __future__ import annotations
 import ast
 import builtins
 import functools
-import importlib.util
+import importlib.machinery
 import os
 import sysconfig
 from dataclasses import dataclass
@@ -49,13 +49,29 @@ class StaticVerdict:
 ANY = frozenset({"*"})
 
 
+def _find_spec(module: str):
+    """`module`'s spec found on sys.path by the path finder alone, package by package, never
+    importing anything: `importlib.util.find_spec("a.b")` imports the package `a` (its
+    `__init__` would run in lmforge's process, and a prompt file names the module)."""
+    spec, path = None, None
+    parts = module.split(".")
+    for i in range(len(parts)):
+        if i and path is None:  # not a package: it has no submodules
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(".".join(parts[: i + 1]), path)
+        if spec is None:
+            return None
+        path = spec.submodule_search_locations
+    return spec
+
+
 @functools.lru_cache(maxsize=4096)
 def module_names(module: str) -> frozenset[str]:
     """The top-level names the module `module` binds, read from its source with `ast` (never
     imported), star imports followed; empty when its source cannot be found; ANY when a star
     import's names cannot be read (then every name resolves)."""
     try:
-        spec = importlib.util.find_spec(module)
+        spec = _find_spec(module)
     except (ImportError, ValueError):
         return frozenset()
     origin = getattr(spec, "origin", None) if spec else None
