@@ -62,7 +62,7 @@ DEFAULT_CHECKPOINT = common.ROOT / "runs" / "speedrun" / "sft"
 EVAL_PROMPTS, EVAL_NEW_TOKENS = 64, 160
 #: arm -> (the --set overrides of the README's command for it, rewards shuffled): every arm is
 #: `lmforge rl --set rl.init=CKPT` as the README types it, plus only these, the seed and the time.
-ARMS = {"full": ([], False), "lora": (["lora.rank=16"], False), "shuffled": ([], True)}
+ARMS = {"full": ([], False), "lora": (["lora.rank=16", "rl.lr=2e-4"], False), "shuffled": ([], True)}
 #: --smoke: the tiny checkpoint's short rows, tiny rollouts (figures mean nothing).
 SMOKE_SETS = ["data.seq_len=512", "rl.max_new_tokens=8", "rl.group_size=2", "rl.micro_batch_size=2",
               "rl.max_examples=8", "rl.steps=2"]

@@ -67,10 +67,12 @@ def test_bench_rl_runs_the_readme_rl_command_changing_only_seed_and_time(minutes
     bench = bench_rl.arm_config(Path(ckpt), "full", list(readme.rl.rewards), seed=7, minutes=minutes)
     assert differences(bench, readme) <= SEED_AND_TIME, differences(bench, readme) - SEED_AND_TIME
     assert bench.train.seed == 7 and bench.train.time_limit_s == minutes * 60
-    # the LoRA arm is that command with the README's `--set lora.rank=16`, and nothing else
+    # the LoRA arm is that command with the README's LoRA settings (its second rl command), and nothing else
     lora = bench_rl.arm_config(Path(ckpt), "lora", list(readme.rl.rewards), seed=7, minutes=minutes)
-    assert differences(lora, readme) - SEED_AND_TIME == {"lora.rank"} and lora.lora.rank == 16
-    assert "--set lora.rank=16" in (ROOT / "README.md").read_text(encoding="utf-8")
+    assert differences(lora, readme) - SEED_AND_TIME == {"lora.rank", "rl.lr"}
+    mine = command_config(readme_command("lmforge rl --set rl.init=runs/speedrun/sft --set rl.data=my_prompts.jsonl"),
+                          ("runs/speedrun/sft", ckpt))
+    assert (lora.lora.rank, lora.rl.lr) == (mine.lora.rank, mine.rl.lr)
 
 
 def test_the_tuning_stages_train_with_the_optimizer_and_schedule_their_figures_were_measured_with():
