@@ -185,11 +185,13 @@ class RLConfig(TuningConfig):
     lr: float = again(TuningConfig, "lr", 3e-5)
     """RL's learning rate. On the speedrun's SFT model (AdamW, static reward) 1e-4 lifted the held-out
     figure as far in 1 minute but cost 10% on the SFT loss; 3e-5 cost 2.5% in 2 minutes
-    (bench/bench_rl.py, bench/RESULTS.md 2026-11-26)."""
+    (bench/bench_rl.py, bench/RESULTS.md 2026-11-26). LoRA needs more: rank 16 at 3e-5 moved nothing
+    in 60 steps, 2e-4 lifted the held-out figure 43% -> 64% at +1.0% on the SFT loss, 5e-4 to 100%
+    at +27% (bench/RESULTS.md 2026-11-27)."""
     optimizer: str = again(TuningConfig, "optimizer", "adamw")
-    """AdamW at a constant rate: the settings RL's figures were measured with. Muon at AdamW's 3e-5
-    (the [train] default before) left the held-out parse rate at 33% after 60 steps, against 98%
-    (bench/RESULTS.md, 2026-11-27)."""
+    """AdamW at a constant rate: the settings RL's figures are measured with. Muon and wsd from [train]
+    at AdamW's 3e-5 (what the command took before) left the held-out parse rate at 33% after 60
+    steps; AdamW at a constant rate reached 97% (3 seeds, bench/RESULTS.md 2026-11-27)."""
     schedule: str = again(TuningConfig, "schedule", "constant")
     warmup_steps: int = again(TuningConfig, "warmup_steps", 0)
     max_examples: int = again(TuningConfig, "max_examples", 2000)
