@@ -113,3 +113,25 @@ def test_the_compute_dtype_is_read_in_one_place():
     asking = sorted(str(p.relative_to(src)) for p in src.rglob("*.py")
                     if "get_autocast_dtype" in p.read_text(encoding="utf-8"))
     assert asking == ["runtime.py"], asking
+
+
+def test_inductor_caches_are_kept_one_folder_per_cpu_isa(monkeypatch, tmp_path):
+    """Inductor does not key its caches by the ISA its kernels are built for (kernels built for
+    AVX512 read under ATEN_CPU_CAPABILITY=avx2 gave wrong numbers): unless the user chose a
+    folder, each ISA gets its own; the user's own folder is kept."""
+    import os
+
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    from lmforge.runtime import isolate_compile_cache
+
+    folders = {}
+    for isa in ("AVX512", "AVX2"):
+        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda isa=isa: isa)
+        monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+        folders[isa] = isolate_compile_cache()
+        monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())  # torch writes its default back
+        assert isolate_compile_cache() == folders[isa]
+    assert folders["AVX512"] != folders["AVX2"] and folders["AVX2"].endswith("lmforge-avx2")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    assert isolate_compile_cache() == str(tmp_path / "mine") == os.environ["TORCHINDUCTOR_CACHE_DIR"]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -111,6 +112,7 @@ def compiler_available(device: torch.device, log: Callable[[str], None] | None =
     """`setting` (train.compile, generate.compile) on `device`: on CPU, torch.compile's inductor
     builds C++ kernels and needs a C++ compiler (`$CXX`, g++, c++ or clang++ on PATH); without one
     the work runs eagerly and says so in one line, instead of failing deep inside torch."""
+    isolate_compile_cache()
     if device.type != "cpu":
         return True
     found = [c for c in (os.environ.get("CXX"), "g++", "c++", "clang++") if c and shutil.which(c)]
@@ -120,7 +122,27 @@ def compiler_available(device: torch.device, log: Callable[[str], None] | None =
     return bool(found)
 
 
-__all__ = ["CPU_FP32", "Runtime", "autocast", "bf16_supported", "compiler_available", "compute_dtype", "decode_runtime",
+def isolate_compile_cache() -> str:
+    """Keep inductor's on-disk caches one folder per CPU vector ISA; returns the folder.
+
+    Inductor's caches (`TORCHINDUCTOR_CACHE_DIR`, default /tmp/torchinductor_USER) are not keyed by
+    the ISA its C++ kernels are built for: kernels written under one (`ATEN_CPU_CAPABILITY=avx2`,
+    or another machine sharing the folder) and read under another computed wrong numbers (a
+    compiled cross-entropy off by 11.6) or corrupted the heap (torch 2.13, 2026-11-27, AMD EPYC;
+    with a folder each, both ISAs give eager's numbers). Unless the user chose a folder of their
+    own, lmforge uses `<default>/lmforge-<isa>` (`torch.backends.cpu.get_cpu_capability()`).
+    Call it before the first compile of the process (`compiler_available` does)."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    default = os.path.abspath(default_cache_dir())
+    chosen = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if chosen is None or os.path.abspath(chosen) == default:  # unset, or torch's own default (it writes it back)
+        isa = re.sub(r"[^a-z0-9_]", "_", torch.backends.cpu.get_cpu_capability().lower())
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(default, f"lmforge-{isa}")
+    return os.environ["TORCHINDUCTOR_CACHE_DIR"]
+
+
+__all__ = ["CPU_FP32", "Runtime", "autocast", "isolate_compile_cache", "bf16_supported", "compiler_available", "compute_dtype", "decode_runtime",
            "default_device",
            "resolve_precision", "seed_everything", "training_runtime"]
 
