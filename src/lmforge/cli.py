@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 from collections.abc import Callable
@@ -523,7 +524,32 @@ def main(argv: list[str] | None = None) -> int:
             signal.signal(s, signal.SIG_IGN if interrupted and argv is None and s != signal.SIGXFSZ else handler)
         if interrupted:
             _keyboard_interrupt_handled()
+    if argv is None:
+        _exit_past_gloo_teardown(code)
     return code
+
+
+def _exit_past_gloo_teardown(code: int) -> None:
+    """A process of a multi-rank run (torchrun: WORLD_SIZE > 1) that initialised torch.distributed
+    ends here with os._exit, its output flushed, after every file of its run is closed (the stages
+    write through lmforge.fileio) and its process group destroyed: at interpreter finalization gloo's
+    C++ teardown aborted a finished rank now and then ("terminate called without an active
+    exception", SIGABRT; torch 2.13, a 2-core CPU under load, 2026-11-27: torchrun then reported the
+    run failed; pytorch/pytorch#179291 describes gloo's worker threads holding tensors past
+    finalization). Single-process commands and calls from Python return as usual."""
+    import torch.distributed as dist
+
+    if os.environ.get("WORLD_SIZE", "1") in ("", "1") or not dist.is_available() or not _distributed_used():
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _distributed_used() -> bool:
+    from lmforge.train import distributed
+
+    return distributed.initialised_this_process()
 
 
 def _end_progress_lines() -> None:

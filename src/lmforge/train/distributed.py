@@ -56,7 +56,9 @@ def init_distributed(cfg=None) -> DistInfo:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if world > 1 and not dist.is_initialized():
+        global _INITIALISED
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+        _INITIALISED = True
     return DistInfo(rank, world, local, device)
 
 
@@ -114,6 +116,15 @@ def wrap_model(model: torch.nn.Module, mode: str, info: DistInfo) -> torch.nn.Mo
 def barrier(info: DistInfo) -> None:
     if info.distributed:
         dist.barrier()
+
+
+#: Set once this process has called init_process_group (cli's exit past gloo's teardown reads it).
+_INITIALISED = False
+
+
+def initialised_this_process() -> bool:
+    """Whether this process initialised a process group (it may be destroyed by now)."""
+    return _INITIALISED
 
 
 def shutdown(info: DistInfo, together: bool = False) -> None:
