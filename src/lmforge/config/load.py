@@ -203,10 +203,12 @@ def read_config_text(path: str | Path, what: str) -> str:
     Raises:
         ConfigError: missing, not a regular file, unreadable, too large or not UTF-8.
     """
-    import stat
+    from lmforge.fileio import SpecialFile, read_capped
 
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO opens at once, and is refused below
+        data = read_capped(path, MAX_CONFIG_BYTES)
+    except SpecialFile as exc:
+        raise ConfigError(f"{what} is {exc.kind}, not a regular file; a config is a TOML file. Point it at one.") from None
     except (OSError, ValueError) as exc:  # ValueError: a NUL in the path
         if isinstance(exc, FileNotFoundError) or (isinstance(exc, OSError) and exc.errno == errno.ELOOP):
             gone = "is a link to nothing or a symbolic link loop" if Path(path).is_symlink() else "does not exist"
@@ -214,17 +216,6 @@ def read_config_text(path: str | Path, what: str) -> str:
         reason = exc.strerror if isinstance(exc, OSError) else str(exc)
         advice = os_advice(exc) if isinstance(exc, OSError) else "give a path without it"
         raise ConfigError(f"{what}: cannot be read ({reason}); {advice}.") from None
-    mode = os.fstat(fd).st_mode
-    if not stat.S_ISREG(mode):
-        os.close(fd)
-        kind = ("a folder" if stat.S_ISDIR(mode) else "a FIFO (named pipe)" if stat.S_ISFIFO(mode)
-                else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "a socket")
-        raise ConfigError(f"{what} is {kind}, not a regular file; a config is a TOML file. Point it at one.")
-    with os.fdopen(fd, "rb") as f:
-        try:
-            data = f.read(MAX_CONFIG_BYTES + 1)
-        except OSError as exc:
-            raise ConfigError(f"{what}: cannot be read ({exc.strerror}); {os_advice(exc)}.") from None
     if len(data) > MAX_CONFIG_BYTES:
         raise ConfigError(f"{what}: larger than {MAX_CONFIG_BYTES:,} bytes; a config is a TOML file of a few "
                           f"sections. Point it at one.")

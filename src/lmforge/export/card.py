@@ -134,28 +134,17 @@ def read_evaluation(path: str | Path, checkpoint: str | Path) -> dict:
 def _read_results(path: Path, error: type[Exception]) -> dict:
     """The JSON object of `path`, read only from a regular file of at most MAX_EVALUATION_BYTES (a
     FIFO would block the export, a device never end)."""
-    import os
-    import stat
-
-    from lmforge.fileio import loads_json, shown_path
+    from lmforge.fileio import SpecialFile, loads_json, read_capped, shown_path
 
     where = f"--evaluation {shown_path(path)}"
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        data = read_capped(path, MAX_EVALUATION_BYTES)
+    except SpecialFile as exc:
+        raise error(f"{where} is {exc.kind}, not a regular file; give the results JSON `lmforge eval --tasks ... "
+                    f"--out FILE` wrote.") from None
     except OSError as exc:
         what = "no such file" if not (path.exists() or path.is_symlink()) else f"cannot be read ({exc.strerror})"
         raise error(f"{where}: {what}; give the results JSON `lmforge eval --tasks ... --out FILE` wrote.") from None
-    mode = os.fstat(fd).st_mode
-    if not stat.S_ISREG(mode):
-        os.close(fd)
-        kind = "a folder" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else "a device or socket"
-        raise error(f"{where} is {kind}, not a regular file; give the results JSON `lmforge eval --tasks ... --out "
-                    f"FILE` wrote.")
-    with os.fdopen(fd, "rb") as f:
-        try:
-            data = f.read(MAX_EVALUATION_BYTES + 1)
-        except OSError as exc:
-            raise error(f"{where}: cannot be read ({exc.strerror}).") from None
     if len(data) > MAX_EVALUATION_BYTES:
         raise error(f"{where}: larger than {MAX_EVALUATION_BYTES >> 20} MiB; a results JSON of `lmforge eval "
                     f"--tasks` is far smaller. Give that file.")

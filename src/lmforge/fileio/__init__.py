@@ -23,7 +23,8 @@ name patches it in the module whose code reads it (`fileio.writers.write_marker`
 from lmforge.fileio.paths import (FS_BYTES_PREFIX, check_path_text, check_readable, loads_json, path_from_text,
                                   path_text, shown_path)
 from lmforge.fileio.ownership import (KINDS, MARKER_FILE, NESTING, OutputError, check_not_input,
-                                      check_not_inside_output, check_output, describe, read_marker, special_kind)
+                                      check_not_inside_output, check_output, describe, mode_kind, read_capped,
+                                      read_marker, special_kind, SpecialFile)
 from lmforge.fileio.locking import make_parent, output_lock
 from lmforge.fileio.durable import _exchange, check_removable, fsync_path, fsync_tree, replace_dir
 from lmforge.fileio.failures import _NEARLY_FULL, write_failure
@@ -32,7 +33,7 @@ from lmforge.fileio.writers import (AppendFile, atomic_dir, atomic_file, check_u
 from lmforge.fileio.native import (load_hf_tokenizer, load_safetensors, safetensors_metadata, save_hf_tokenizer,
                                    save_safetensors)
 
-__all__ = ["MARKER_FILE", "OutputError", "AppendFile", "open_append", "copy_file", "check_path_text", "check_readable", "make_folder", "special_kind",
+__all__ = ["MARKER_FILE", "OutputError", "AppendFile", "open_append", "copy_file", "check_path_text", "check_readable", "make_folder", "special_kind", "mode_kind", "read_capped", "SpecialFile",
            "write_failure", "atomic_dir", "atomic_file", "check_output", "check_not_input", "check_not_inside_output",
            "check_user_file", "describe", "make_parent", "open_run_dir", "user_file",
            "output_lock", "read_marker", "replace_dir", "write_json", "write_marker", "write_text", "fsync_tree"]

@@ -77,13 +77,46 @@ def special_kind(path: Path) -> str | None:
         return "a symbolic link loop" if exc.errno == errno.ELOOP else None
     except ValueError:
         return None
+    return mode_kind(mode) if not stat.S_ISDIR(mode) else None
+
+
+def mode_kind(mode: int) -> str | None:
+    """'a folder', 'a FIFO (named pipe)', 'a device', 'a socket' for an `st_mode` that is not a
+    regular file's; None for a regular file."""
+    if stat.S_ISREG(mode):
+        return None
+    if stat.S_ISDIR(mode):
+        return "a folder"
     if stat.S_ISFIFO(mode):
         return "a FIFO (named pipe)"
     if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
         return "a device"
-    if stat.S_ISSOCK(mode):
-        return "a socket"
-    return None
+    return "a socket"
+
+
+class SpecialFile(Exception):
+    """`read_capped` met something other than a regular file: `kind` says what (`mode_kind`)."""
+
+    def __init__(self, kind: str):
+        super().__init__(kind)
+        self.kind = kind
+
+
+def read_capped(path: str | Path, max_bytes: int) -> bytes:
+    """At most `max_bytes` + 1 bytes of the regular file `path` (the caller refuses more), opened
+    non-blocking and checked before reading: a FIFO would block, a device never end.
+
+    Raises:
+        OSError (or ValueError, a NUL in the path): from opening or reading, for the caller to word.
+        SpecialFile: `path` is not a regular file.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    kind = mode_kind(os.fstat(fd).st_mode)
+    if kind is not None:
+        os.close(fd)
+        raise SpecialFile(kind)
+    with os.fdopen(fd, "rb") as f:
+        return f.read(max_bytes + 1)
 
 
 def describe(path: Path) -> str:
