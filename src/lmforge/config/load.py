@@ -162,13 +162,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
                 f"for example --config configs/stdlib-tiny.toml."
             )
         text = read_config_text(path, f"config file {path}")  # a regular file, capped: never a hang
-        try:
-            raw = tomllib.loads(text)
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"{path}: not valid TOML: {exc}. Fix the syntax.") from None
-        except RecursionError:
-            raise ConfigError(f"{path}: nested too deeply to read (Python's recursion limit); a recipe is sections "
-                              f"of plain keys. Fix the file.") from None
+        raw = parse_toml(text, str(path), "Fix the file")
         cfg = from_dict(raw, where=str(path))
     cfg = apply_overrides(cfg, overrides)
     overlay = os.environ.get(OVERLAY_ENV)
@@ -193,6 +187,22 @@ _overlay_said: set[str] = set()
 #: The largest config file read (--config or the overlay): a recipe is a few KB; anything past this
 #: is not a recipe (and a device such as /dev/zero would never end).
 MAX_CONFIG_BYTES = 1 << 20
+
+
+def parse_toml(text: str, where: str, fix: str) -> dict:
+    """The TOML document `text` of the config file `where` as a dict.
+
+    Raises:
+        ConfigError: not valid TOML, or nested past Python's recursion limit; the message starts
+        with `where` and ends with `fix` ("Fix the file", ...).
+    """
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{where}: not valid TOML: {exc}. {fix}.") from None
+    except RecursionError:
+        raise ConfigError(f"{where}: nested too deeply to read (Python's recursion limit); a config is sections of "
+                          f"plain keys. {fix}.") from None
 
 
 def read_config_text(path: str | Path, what: str) -> str:
@@ -243,13 +253,7 @@ def _overlaid(cfg: Config, path: str) -> tuple[Config, list[str]]:
     """`apply_overlay` and the keys the overlay sets ("section.key")."""
     where = f"{OVERLAY_ENV}={path}"
     text = read_config_text(path, where)
-    try:
-        raw = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"{where}: not valid TOML: {exc}. Fix the syntax, or unset {OVERLAY_ENV}.") from None
-    except RecursionError:
-        raise ConfigError(f"{where}: nested too deeply to read (Python's recursion limit). Fix the file, or unset "
-                          f"{OVERLAY_ENV}.") from None
+    raw = parse_toml(text, where, f"Fix the file, or unset {OVERLAY_ENV}")
     merged = cfg.to_dict()
     keys = []
     for section, values in raw.items():
