@@ -160,12 +160,28 @@ class DataConfig:
     """A file that is not UTF-8: "skip" (counted and reported) or "error"."""
 
 
+#: model.layer_types' entries.
+LAYER_TYPES = ("full", "sliding")
+
+
+def _check_layer_types(name: str, value) -> None:
+    if not isinstance(value, list) or any(t not in LAYER_TYPES for t in value):
+        raise ConfigError(f"{name} = {value!r}: expected a list of {' / '.join(map(repr, LAYER_TYPES))}, one per "
+                          f"layer, or [] (every layer full).")
+
+
+def _check_layer_indices(name: str, value) -> None:
+    if not isinstance(value, list) or any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in value) \
+            or len(set(value)) != len(value):
+        raise ConfigError(f"{name} = {value!r}: expected a list of distinct layer indices (integers >= 0).")
+
+
 @dataclass
 class ModelConfig:
     dim: int = num(256, 1, 1 << 16, ARCH)  # Llama 3 405B: 16384
     n_layers: int = num(4, 1, 1024, ARCH)  # Llama 3 405B: 126
     n_heads: int = num(4, 1, 1 << 12, ARCH)
-    """Query heads (head_dim = dim / n_heads). The recipe's 4 (head_dim 64) against 8 (head_dim 32):
+    """Query heads (head_dim = dim / n_heads unless model.head_dim is set). The recipe's 4 (head_dim 64) against 8 (head_dim 32):
     -0.066 bits/byte at equal wall clock (mean of 3 seeds, every seed lower), 13-15% faster steps
     (bench/RESULTS.md)."""
     n_kv_heads: int = num(2, 1, 1 << 12, ARCH)
@@ -192,13 +208,54 @@ class ModelConfig:
     rope_high_freq_factor: float = num(4.0, 0.0, 1e6, ARCH, low_open=True)  # Llama 3.1: 4
     rope_original_max_seq_len: int = num(8192, 1, MAX_SEQ_LEN, ARCH)
     """llama3 scaling: the context length the model was first trained for."""
-    attention: str = choice("auto", ("auto", "sdpa", "flex"), refused(
+    attention: str = choice("auto", ("auto", "sdpa", "flex", "eager"), refused(
         BOTH, "the attention backends agree within float tolerance, not bit for bit"))
-    """"auto" (flex on CUDA, sdpa elsewhere), "sdpa" or "flex"."""
+    """"auto" (flex on CUDA, sdpa elsewhere; eager for an attention soft-cap on CPU), "sdpa",
+    "flex" or "eager" (the scores as a matrix: computes every mechanism, the slowest)."""
 
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
+    # -- mechanisms of imported families (Gemma 3/2, OLMo 2, Mistral); each has one code site in
+    # lmforge/model and one parity test against transformers (tests/test_families.py). The defaults
+    # are the Llama layout lmforge trains from scratch.
+    head_dim: int = num(0, 0, 1 << 12, ARCH)
+    """Size of each attention head; 0 = dim / n_heads (Gemma 3 270M: 256 with dim 640, 4 heads)."""
+    norm_offset: float = num(0.0, 0.0, 1.0, ARCH)
+    """RMSNorm's output is x_hat * (norm_offset + weight), computed in float32 when the offset is
+    not 0 (Gemma's `(1 + w)` form: weights stored around 0)."""
+    norm_placement: str = choice("pre", ("pre", "sandwich", "post"), ARCH)
+    """Where each block's norms sit: "pre" (Llama: before attention and before the MLP),
+    "sandwich" (Gemma 2/3: also after each, before the residual add), "post" (OLMo 2: only after
+    each, before the residual add)."""
+    qk_norm_scope: str = choice("head", ("head", "projection"), ARCH)
+    """With qk_norm: RMSNorm over each head's q and k (Qwen3, Gemma 3) or over the whole q and k
+    projections before they are split into heads (OLMo 2)."""
+    mlp_activation: str = choice("silu", ("silu", "gelu_tanh"), ARCH)
+    """The gated MLP's activation: SwiGLU's silu, or GELU with the tanh approximation (GeGLU; Gemma)."""
+    embed_scale: float = num(1.0, 0.0, 1e4, ARCH, low_open=True)
+    """The token embeddings are multiplied by this (Gemma: sqrt(dim))."""
+    attn_scale: float = num(0.0, 0.0, 1e4, ARCH)
+    """The attention scores' scale; 0 = 1 / sqrt(head_dim) (Gemma: query_pre_attn_scalar ** -0.5)."""
+    attn_softcap: float = num(0.0, 0.0, 1e6, ARCH)
+    """Attention scores soft-capped to c * tanh(s / c) after scaling, before the mask; 0 = none
+    (Gemma 2: 50). sdpa cannot: "auto" picks eager on CPU, flex on CUDA."""
+    final_softcap: float = num(0.0, 0.0, 1e6, ARCH)
+    """Logits soft-capped to c * tanh(z / c), in the loss too; 0 = none (Gemma 2: 30)."""
+    layer_types: list[str] = items((), ARCH, check=lambda name, v: _check_layer_types(name, v))
+    """Each layer's attention, "full" or "sliding" (the last sliding_window keys); [] = every layer full."""
+    sliding_window: int = num(0, 0, MAX_SEQ_LEN, ARCH)
+    """Keys a "sliding" layer sees, the query's own included (query i sees keys j with
+    0 <= i - j < sliding_window; transformers' and llama.cpp's rule)."""
+    rope_theta_sliding: float = num(0.0, 0.0, 1e12, ARCH)
+    """RoPE base of the "sliding" layers; 0 = rope_theta (Gemma 3: 1e4 local, 1e6 global).
+    rope_scaling applies to the full layers only, as in transformers' Gemma 3."""
+    nope_layers: list[int] = items((), ARCH, check=lambda name, v: _check_layer_indices(name, v))
+    """Layers that skip the rotary embedding (NoPE, Kazemnejad et al. 2023; SmolLM3's every 4th)."""
+
+    def resolved_head_dim(self) -> int:
+        return self.head_dim or self.dim // self.n_heads
+
+    def is_sliding(self, layer: int) -> bool:
+        """Whether `layer` attends through the sliding window."""
+        return bool(self.layer_types) and self.layer_types[layer] == "sliding"
 
     def resolved_ffn_dim(self) -> int:
         if self.ffn_dim:

@@ -111,15 +111,25 @@ def check_field(cls: type, key: str, value: Any, name: str) -> None:
 
 def _check_model_shape(m: ModelConfig) -> None:
     """The [model] fields against each other: heads divide dim, KV heads divide heads, an even head size."""
-    if m.dim % m.n_heads:
+    if m.dim % m.n_heads and not m.head_dim:
         raise ConfigError(f"model.dim = {m.dim} is not divisible by model.n_heads = {m.n_heads}. Choose n_heads "
                           f"dividing dim (for example {_divisor_near(m.dim, m.n_heads)}).")
     if m.n_heads % m.n_kv_heads:
         raise ConfigError(f"model.n_heads = {m.n_heads} is not divisible by model.n_kv_heads = {m.n_kv_heads} "
                           f"(grouped-query attention shares each KV head among n_heads / n_kv_heads query heads). "
                           f"Choose n_kv_heads dividing n_heads (for example {_divisor_near(m.n_heads, m.n_kv_heads)}).")
-    if m.head_dim % 2:
-        raise ConfigError(f"model.dim / model.n_heads = {m.head_dim} is odd; rotary embeddings need an even head size.")
+    if m.resolved_head_dim() % 2:
+        raise ConfigError(f"the head size (model.head_dim, or model.dim / model.n_heads) = {m.resolved_head_dim()} is "
+                          f"odd; rotary embeddings need an even head size.")
+    if m.layer_types and len(m.layer_types) != m.n_layers:
+        raise ConfigError(f"model.layer_types has {len(m.layer_types)} entries for model.n_layers = {m.n_layers}: "
+                          f"give one per layer, or [] (every layer full).")
+    if "sliding" in m.layer_types and not m.sliding_window:
+        raise ConfigError("model.layer_types has \"sliding\" layers but model.sliding_window = 0: set the window "
+                          "(keys each sliding layer sees, its own included).")
+    if m.nope_layers and max(m.nope_layers) >= m.n_layers:
+        raise ConfigError(f"model.nope_layers = {m.nope_layers} names a layer past model.n_layers = {m.n_layers} "
+                          f"(layers count from 0).")
     if m.rope_scaling == "llama3" and not m.rope_high_freq_factor > m.rope_low_freq_factor:
         raise ConfigError(f"model.rope_high_freq_factor = {m.rope_high_freq_factor} must exceed "
                           f"model.rope_low_freq_factor = {m.rope_low_freq_factor} (llama3 rope scaling).")

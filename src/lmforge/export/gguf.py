@@ -491,7 +491,7 @@ def llama3_rope_factors(model: ModelConfig) -> np.ndarray:
     lmforge.model's `llama3_inv_freq`); `LlamaModel.generate_extra_tensors` in llama.cpp's converter."""
     from lmforge.model.transformer import llama3_inv_freq
 
-    hd = model.head_dim
+    hd = model.resolved_head_dim()
     inv = 1.0 / (model.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
     scaled = llama3_inv_freq(inv, model.rope_factor, model.rope_low_freq_factor, model.rope_high_freq_factor,
                              model.rope_original_max_seq_len)
@@ -628,9 +628,9 @@ def write_gguf(out: str | Path, model: ModelConfig, contract: Contract, state: d
     w.add_feed_forward_length(model.resolved_ffn_dim())
     w.add_head_count(model.n_heads)
     w.add_head_count_kv(model.n_kv_heads)
-    w.add_key_length(model.head_dim)
-    w.add_value_length(model.head_dim)
-    w.add_rope_dimension_count(model.head_dim)
+    w.add_key_length(model.resolved_head_dim())
+    w.add_value_length(model.resolved_head_dim())
+    w.add_rope_dimension_count(model.resolved_head_dim())
     w.add_rope_freq_base(float(model.rope_theta))
     w.add_layer_norm_rms_eps(float(model.norm_eps))
     w.add_vocab_size(contract.vocab_size)

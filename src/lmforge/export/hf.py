@@ -205,7 +205,7 @@ def hf_config(model: ModelConfig, contract: Contract, dtype: torch.dtype = torch
         "num_hidden_layers": model.n_layers,
         "num_attention_heads": model.n_heads,
         "num_key_value_heads": model.n_kv_heads,
-        "head_dim": model.head_dim,
+        "head_dim": model.resolved_head_dim(),
         "intermediate_size": model.resolved_ffn_dim(),
         "hidden_act": "silu",
         "rms_norm_eps": model.norm_eps,

@@ -1,4 +1,4 @@
-"""Attention backends: `sdpa` and `flex`, equal within float tolerance on the same inputs.
+"""Attention backends: `sdpa`, `flex` and `eager`, equal within float tolerance on the same inputs.
 
 Both take q: (B, H, T, hd), k, v: (B, KV, S, hd) with H a multiple of KV (grouped-query
 attention) and return (B, H, T, hd). Masking rules (P2, P5, P7):
@@ -25,6 +25,12 @@ its layers) and handed to every layer: one single-segment test, one float mask o
 `create_block_mask` per forward instead of one per layer (on CUDA, one host sync).
 `sdpa_attention` / `flex_attention` are the one-call forms (prepare, then attend).
 
+Sliding layers (`window` W > 0, Gemma 2/3, Mistral): query i also sees only keys j with
+0 <= i - j < W (transformers' `sliding_window_overlay`, llama.cpp's `is_masked_swa`), ANDed with
+the rules above: within a packed row, index distance is position distance inside a document.
+Every backend takes the scores' `scale` (None: 1/sqrt(hd)); `softcap` (Gemma 2's c tanh(s/c)
+after scaling, before the mask) is computed by `eager` and `flex` and refused by `sdpa`.
+
 Every path handles T = 1 (the single-token decode step), batch 1 and padded rows.
 """
 
@@ -41,21 +47,31 @@ import torch.nn.functional as F
 from lmforge.errors import ConfigError
 
 
-def document_mask(document_ids: torch.Tensor) -> torch.Tensor:
+def window_mask(T: int, S: int, offset: int, window: int, device) -> torch.Tensor:
+    """(T, S) bool for queries at slots offset..offset+T-1 over S key slots: causal (j <= i),
+    and with `window` W > 0 also i - j < W (the query's own key counts: W keys in all)."""
+    q = torch.arange(offset, offset + T, device=device)[:, None]  # (T, 1)
+    k = torch.arange(S, device=device)[None, :]  # (1, S)
+    allowed = k <= q
+    return allowed & (q - k < window) if window else allowed
+
+
+def document_mask(document_ids: torch.Tensor, window: int = 0) -> torch.Tensor:
     """(B, T) int -> (B, 1, T, T) bool: True where query i may attend key j
-    (same segment and j <= i). Every query may attend at least to itself."""
+    (same segment and j <= i, and i - j < window when it is > 0). Every query may attend at
+    least to itself."""
     T = document_ids.shape[-1]
     # block-diagonal by segment: query i and key j in the same document; segments are
     # contiguous runs in a packed row, so "same id" is "same block"
     same = document_ids[:, :, None] == document_ids[:, None, :]  # (B, T, 1) == (B, 1, T) -> (B, T, T)
-    causal = torch.ones(T, T, dtype=torch.bool, device=document_ids.device).tril()  # (T, T): j <= i
+    causal = window_mask(T, T, 0, window, document_ids.device)  # (T, T): j <= i (and within the window)
     return (same & causal)[:, None]  # (B, 1, T, T): broadcast over heads
 
 
-def additive_document_mask(document_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def additive_document_mask(document_ids: torch.Tensor, dtype: torch.dtype, window: int = 0) -> torch.Tensor:
     """(B, T) int -> (B, 1, T, T) `dtype`: 0 where `document_mask` is True, -inf elsewhere.
     The same numbers sdpa makes from a bool mask, made once instead of once per layer."""
-    allowed = document_mask(document_ids)
+    allowed = document_mask(document_ids, window)
     return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
 
 
@@ -77,11 +93,10 @@ def _one_training_graph(device: torch.device, dtype: torch.dtype, document_ids: 
     return _cpu_attention_applies(device, dtype, B * n_heads * T * T)
 
 
-def cache_mask(T: int, offset: int, key_mask: torch.Tensor | None, S: int, device) -> torch.Tensor:
-    """(B or 1, 1, T, S) bool for queries at slots offset..offset+T-1 over S cache slots."""
-    q = torch.arange(offset, offset + T, device=device)[:, None]  # (T, 1): cache slot of each query
-    k = torch.arange(S, device=device)[None, :]  # (1, S)
-    mask = (k <= q)[None, None]  # (1, 1, T, S): causal over the cache
+def cache_mask(T: int, offset: int, key_mask: torch.Tensor | None, S: int, device, window: int = 0) -> torch.Tensor:
+    """(B or 1, 1, T, S) bool for queries at slots offset..offset+T-1 over S cache slots (a
+    row's real tokens fill consecutive slots, so slot distance is position distance)."""
+    mask = window_mask(T, S, offset, window, device)[None, None]  # (1, 1, T, S): causal over the cache
     if key_mask is not None:  # left padding: pad slots are never keys (P5)
         mask = mask & key_mask[:, None, None, :S]  # (B, 1, T, S)
     return mask
@@ -102,28 +117,39 @@ class AttentionMask:
 def prepare_mask(backend: str, T: int, device: torch.device, dtype: torch.dtype,
                  document_ids: torch.Tensor | None = None, cache_offset: int | None = None,
                  key_mask: torch.Tensor | None = None, S: int | None = None,
-                 n_heads: int = 1) -> AttentionMask:
+                 n_heads: int = 1, window: int = 0) -> AttentionMask:
     """The mask of one forward, for T queries.
 
     Args:
-        backend: "sdpa" or "flex".
+        backend: "sdpa", "flex" or "eager" (eager takes sdpa's masks).
         dtype: the dtype of q (the additive mask's dtype).
         document_ids: (B, T) segment ids (no cache only); None: one segment.
         cache_offset, key_mask, S: with a KV cache, the slots already filled, the (B, S) valid
             slots (left padding) and the number of keys after this step's update.
         n_heads: the query heads (the `cpu_attention` path's size cap).
+        window: a sliding layer's W (keys within i - j < W only); 0 = full attention.
     """
     if cache_offset is not None:
-        if key_mask is None and T == 1:
+        if window >= S:  # every key is within the window
+            window = 0
+        if key_mask is None and T == 1 and not window:
             return AttentionMask()  # one query sees all S keys
-        return AttentionMask(attn_mask=cache_mask(T, cache_offset, key_mask, S, device))
+        return AttentionMask(attn_mask=cache_mask(T, cache_offset, key_mask, S, device, window))
+    if window >= T:  # no query is further than T - 1 from a key: the window never slides
+        window = 0
     if backend == "flex":
         width = flex_width(T, torch.device(device))
-        if document_ids is None:  # causal: the padded queries come after every real one
+        if document_ids is None and not window:  # causal: the padded queries come after every real one
             return AttentionMask(block_mask=_causal_block_mask(width, device))
+        if document_ids is None:
+            document_ids = torch.zeros(1, T, dtype=torch.long, device=device)
         if width != T:  # padded slots are a segment of their own: no real query sees them
             document_ids = F.pad(document_ids, (0, width - T), value=-1)
-        return AttentionMask(block_mask=document_block_mask(document_ids, width, device))
+        return AttentionMask(block_mask=document_block_mask(document_ids, width, device, window))
+    if window:
+        if document_ids is None:
+            return AttentionMask(attn_mask=window_mask(T, T, 0, window, device)[None, None])
+        return AttentionMask(attn_mask=additive_document_mask(document_ids.to(device), dtype, window))
     if document_ids is None or (not _one_training_graph(device, dtype, document_ids, n_heads)
                                 and one_segment_per_row(document_ids)):
         return AttentionMask(is_causal=True)
@@ -131,15 +157,43 @@ def prepare_mask(backend: str, T: int, device: torch.device, dtype: torch.dtype,
 
 
 # -- sdpa ----------------------------------------------------------------------------------------
-def sdpa_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask) -> torch.Tensor:
-    """q: (B, H, T, hd), k, v: (B, KV, S, hd) -> (B, H, T, hd) with a prepared mask.
+def sdpa_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask,
+                scale: float | None = None, softcap: float = 0.0) -> torch.Tensor:
+    """q: (B, H, T, hd), k, v: (B, KV, S, hd) -> (B, H, T, hd) with a prepared mask; `scale`
+    None: 1/sqrt(hd).
 
     Compiled bf16 training on CPU takes `cpu_attention` (the same forward kernel, a faster
-    backward); everything else `F.scaled_dot_product_attention`."""
+    backward); everything else `F.scaled_dot_product_attention`.
+
+    Raises:
+        ConfigError: a soft-cap, which sdpa cannot compute (`resolve_backend` says so first)."""
+    if softcap:
+        raise ConfigError(f"model.attention = \"sdpa\" cannot soft-cap attention scores (model.attn_softcap = "
+                          f"{softcap}). Set model.attention=\"auto\" (eager on CPU, flex on CUDA).")
     if _takes_cpu_attention(q, k, v, mask):
-        return cpu_attention(q, k, v, mask.attn_mask)
+        return cpu_attention(q, k, v, mask.attn_mask, scale)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.attn_mask, is_causal=mask.is_causal,
-                                          enable_gqa=q.shape[1] != k.shape[1])
+                                          enable_gqa=q.shape[1] != k.shape[1], scale=scale)
+
+
+def eager_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask,
+                 scale: float | None = None, softcap: float = 0.0) -> torch.Tensor:
+    """Attention with its scores as a matrix (transformers' `eager_attention_forward`): every
+    mechanism (soft-cap included), any device, forward and backward; (B, H, T, S) float32
+    scores per layer. Arguments and result as `sdpa_attend`."""
+    B, H, T, hd = q.shape
+    KV, S = k.shape[1], k.shape[2]
+    if KV != H:
+        k, v = k.repeat_interleave(H // KV, 1), v.repeat_interleave(H // KV, 1)
+    scores = (q @ k.transpose(-1, -2)).float() * (hd ** -0.5 if scale is None else scale)  # (B, H, T, S)
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    if mask.is_causal:
+        scores = scores.masked_fill(~window_mask(T, S, S - T, 0, q.device), float("-inf"))
+    elif mask.attn_mask is not None:
+        m = mask.attn_mask
+        scores = scores.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else scores + m.float()
+    return scores.softmax(-1).to(q.dtype) @ v
 
 
 # -- CPU training: sdpa's forward, a backward from batched matrix products ----------------------------
@@ -193,18 +247,19 @@ class _CpuAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, attn_mask):
+    def forward(ctx, q, k, v, attn_mask, scale=None):
         group = q.shape[1] // k.shape[1]
         ke, ve = (k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)) if group > 1 else (k, v)
         flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
         additive = None
         if attn_mask is None:
-            out, lse = flash(q, ke, ve, is_causal=True)
+            out, lse = flash(q, ke, ve, is_causal=True, scale=scale)
         else:  # the kernel takes an additive mask of q's dtype; the backward reuses it
             additive = (torch.zeros((), dtype=q.dtype, device=q.device).masked_fill(~attn_mask, float("-inf"))
                         if attn_mask.dtype == torch.bool else attn_mask.to(q.dtype))
-            out, lse = flash(q, ke, ve, attn_mask=additive)
+            out, lse = flash(q, ke, ve, attn_mask=additive, scale=scale)
         ctx.save_for_backward(q, k, v, out, lse, additive)
+        ctx.scale = scale
         return out
 
     @staticmethod
@@ -213,7 +268,7 @@ class _CpuAttention(torch.autograd.Function):
         B, H, T, D = q.shape
         KV, S = k.shape[1], k.shape[2]
         G = H // KV
-        scale = D ** -0.5
+        scale = D ** -0.5 if ctx.scale is None else ctx.scale
         qg = q.reshape(B, KV, G * T, D)  # each KV head's G query heads as one (G*T, D) matrix
         # P again: float32 scores minus the forward's log-sum-exp, masked
         x = ((qg.float() * scale) @ k.float().mT).view(B, KV, G, T, S) - lse.view(B, KV, G, T, 1)
@@ -232,16 +287,16 @@ class _CpuAttention(torch.autograd.Function):
         ds = (p * dp_minus_delta.float()).to(q.dtype).view(B, KV, G * T, S)
         dq = (ds @ k).view(B, H, T, D) * scale
         dk = (ds.mT @ qg) * scale
-        return dq, dk, dv, None
+        return dq, dk, dv, None, None
 
 
 def cpu_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+                  attn_mask: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
     """Causal attention for training on CPU (`_CpuAttention`): q (B, H, T, hd), k, v
     (B, KV, T, hd) bf16, H a multiple of KV; `attn_mask` None (plain causal) or (B or 1, 1,
     T, T), bool or additive float. Returns (B, H, T, hd) bf16, equal to
     F.scaled_dot_product_attention's forward; the gradients agree within bf16 rounding."""
-    return _CpuAttention.apply(q, k, v, attn_mask)
+    return _CpuAttention.apply(q, k, v, attn_mask, scale)
 
 
 def sdpa_attention(
@@ -290,7 +345,7 @@ def _causal(b, h, q_idx, kv_idx):
 
 
 @torch.compiler.disable
-def document_block_mask(document_ids: torch.Tensor | None, T: int, device: torch.device):
+def document_block_mask(document_ids: torch.Tensor | None, T: int, device: torch.device, window: int = 0):
     """A FlexAttention `BlockMask` for T queries over T keys: causal within each segment of
     `document_ids` (B, T), or plain causal (broadcast over the batch) when it is None.
 
@@ -305,29 +360,41 @@ def document_block_mask(document_ids: torch.Tensor | None, T: int, device: torch
     docs = document_ids.to(device)
 
     def same_document_causal(b, h, q_idx, kv_idx):
-        return (q_idx >= kv_idx) & (docs[b, q_idx] == docs[b, kv_idx])
+        allowed = (q_idx >= kv_idx) & (docs[b, q_idx] == docs[b, kv_idx])
+        return allowed & (q_idx - kv_idx < window) if window else allowed
 
     return create_block_mask(same_document_causal, docs.shape[0], None, T, T, device=device)
 
 
-def flex_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask) -> torch.Tensor:
+def flex_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask,
+                scale: float | None = None, softcap: float = 0.0) -> torch.Tensor:
     """FlexAttention with a prepared BlockMask (compiled on CUDA; the unfused eager
     implementation elsewhere, forward only on CPU). Cache steps (no block mask) go through
     sdpa: a block mask buys nothing for decoding."""
     if mask.block_mask is None:
-        return sdpa_attend(q, k, v, mask)
+        return (eager_attend if softcap else sdpa_attend)(q, k, v, mask, scale, softcap)
     from torch.nn.attention.flex_attention import flex_attention as flex
 
     gqa = q.shape[1] != k.shape[1]
     T, width = q.shape[-2], mask.block_mask.seq_lengths[0]
     if width > T:  # `flex_width`: zero rows after the real ones, masked off by the block mask, sliced off after
         q, k, v = (F.pad(x, (0, 0, 0, width - T)) for x in (q, k, v))
-        return flex_attend(q, k, v, mask)[..., :T, :]
+        return flex_attend(q, k, v, mask, scale, softcap)[..., :T, :]
+    kwargs = dict(block_mask=mask.block_mask, enable_gqa=gqa, scale=scale,
+                  score_mod=_softcap_score(softcap) if softcap else None)
     if q.is_cuda:
-        return _compiled_flex()(q, k, v, block_mask=mask.block_mask, enable_gqa=gqa)
+        return _compiled_flex()(q, k, v, **kwargs)
     with warnings.catch_warnings():  # eager flex is the documented CPU path: no compile warning
         warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile")
-        return flex(q, k, v, block_mask=mask.block_mask, enable_gqa=gqa)
+        return flex(q, k, v, **kwargs)
+
+
+@functools.lru_cache(maxsize=4)
+def _softcap_score(cap: float):
+    """A FlexAttention score_mod: cap * tanh(score / cap) (applied after scaling, before the mask)."""
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return torch.tanh(score / cap) * cap
+    return score_mod
 
 
 def flex_attention(
@@ -353,8 +420,8 @@ def _causal_block_mask_cached(T: int, device: str):
     return document_block_mask(None, T, torch.device(device))
 
 
-#: backend name -> attend(q, k, v, AttentionMask)
-BACKENDS = {"sdpa": sdpa_attend, "flex": flex_attend}
+#: backend name -> attend(q, k, v, AttentionMask, scale, softcap)
+BACKENDS = {"sdpa": sdpa_attend, "flex": flex_attend, "eager": eager_attend}
 
 
 #: FlexAttention's compiled kernel needs a head dimension of at least 16 (inductor: "NYI:
@@ -364,23 +431,29 @@ FLEX_MIN_HEAD_DIM = 16
 
 
 def resolve_backend(name: str, device: torch.device | str, training: bool = True,
-                    head_dim: int | None = None) -> str:
+                    head_dim: int | None = None, softcap: float = 0.0) -> str:
     """The backend for `model.attention` on `device`: "auto" -> "flex" on CUDA (sdpa for a
-    head_dim below FLEX_MIN_HEAD_DIM), "sdpa" elsewhere; "sdpa" and "flex" as given.
+    head_dim below FLEX_MIN_HEAD_DIM), "sdpa" elsewhere, "eager" where that cannot soft-cap
+    (`softcap`, model.attn_softcap, off CUDA); "sdpa", "flex" and "eager" as given.
 
     Raises:
         ConfigError: an unknown name, an explicit "flex" for training on a device other
             than CUDA (torch 2.13's FlexAttention has no backward pass on CPU), or an explicit
-            "flex" for a model whose head_dim (dim / n_heads) is below 16. Stages call this
-            before any work, so the error comes at config time.
+            "flex" for a model whose head_dim (dim / n_heads) is below 16, an explicit "sdpa"
+            with a soft-cap. Stages call this before any work, so the error comes at config time.
     """
     device = torch.device(device)
     if name not in ("auto", *BACKENDS):
-        raise ConfigError(f"model.attention = {name!r}: expected one of 'auto', 'sdpa', 'flex'. "
+        raise ConfigError(f"model.attention = {name!r}: expected one of 'auto', {', '.join(map(repr, BACKENDS))}. "
                           f"Set model.attention=\"auto\".")
     small = head_dim is not None and head_dim < FLEX_MIN_HEAD_DIM
     if name == "auto":
-        return "flex" if device.type == "cuda" and not small else "sdpa"
+        if device.type == "cuda" and not small:
+            return "flex"
+        return "eager" if softcap else "sdpa"
+    if name == "sdpa" and softcap:
+        raise ConfigError(f"model.attention = \"sdpa\" cannot soft-cap attention scores (model.attn_softcap = "
+                          f"{softcap}): expected \"auto\", \"eager\" or \"flex\" (CUDA). Set model.attention=\"auto\".")
     if name == "flex" and training and device.type != "cuda":
         raise ConfigError(
             f"model.attention = \"flex\" cannot train on {device.type}: FlexAttention has no backward "

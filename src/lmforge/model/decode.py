@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from lmforge.runtime import compute_dtype
 from lmforge.model import lora
+from lmforge.model.functional import ACTIVATIONS, softcap
 
 # `model` below is a `lmforge.model.Transformer`; this module does not import it (the model
 # imports this module: one direction only).
@@ -98,28 +99,43 @@ class DecodeWeights:
             raise ValueError(f"{live[0]} has an unmerged LoRA adapter, which the fused decode step would ignore: "
                              f"merge it first (lmforge.model.lora.merge), or load the checkpoint with load_model, "
                              f"which merges")
+        c = model.config
+        off = c.norm_offset
+
+        def gain(norm):  # a norm's effective weight (offset + w), float32 when there is an offset
+            return norm.weight.float() + off if off else norm.weight
+
         with torch.no_grad():
             self.layers = []
             for b in model.layers:
                 a, f = b.attention, b.feed_forward
-                self.layers.append((t(a.wq.weight, a.wk.weight, a.wv.weight, norm=b.attention_norm.weight),
-                                    t(a.wo.weight), t(f.w1.weight, f.w3.weight, norm=b.ffn_norm.weight),
+                self.layers.append((t(a.wq.weight, a.wk.weight, a.wv.weight, norm=gain(b.attention_norm) if b.pre else None),
+                                    t(a.wo.weight), t(f.w1.weight, f.w3.weight, norm=gain(b.ffn_norm) if b.pre else None),
                                     t(f.w2.weight)))
-            self.norm = model.norm.weight
+            self.norm = gain(model.norm)
+            self.pre = c.norm_placement != "post"  # the pre-norms are folded into wqkv and w13 (else none)
+            # sandwich / post placement: each layer's (after-attention, after-MLP) norm weights
+            self.post_norms = [(gain(b.attention_post_norm), gain(b.ffn_post_norm)) for b in model.layers] \
+                if c.norm_placement != "pre" else None
+            self.rope = [b.rope for b in model.layers]  # "full", "sliding" or None (NoPE) per layer
+            self.windows = [b.window for b in model.layers]
             # Qwen2's q/k/v biases: each layer's cat(bq, bk, bv) (H*hd + 2*KV*hd,), added after the norm scale
             self.qkv_bias = [torch.cat((b.attention.wq.bias, b.attention.wk.bias, b.attention.wv.bias)).to(dtype)
                              for b in model.layers] if model.config.qkv_bias else None
             # QK-norm (Qwen3): each layer's (q_norm, k_norm) weights, (hd,) each, in the compute dtype
-            self.qk_norm = [(b.attention.q_norm.weight.to(dtype), b.attention.k_norm.weight.to(dtype))
+            self.qk_norm = [(gain(b.attention.q_norm).to(dtype), gain(b.attention.k_norm).to(dtype))
                             for b in model.layers] if model.config.qk_norm else None
             w = model.output.weight[: model.vocab_size]
             self.head_t = w.numel() * dtype.itemsize <= self.HEAD_COPY_LIMIT
             self.head = t(w) if self.head_t else w.to(dtype)
-            half = model.config.head_dim // 2
-            sign = torch.ones(model.config.head_dim, device=w.device)
+            half = model.config.resolved_head_dim() // 2
+            sign = torch.ones(model.config.resolved_head_dim(), device=w.device)
             sign[:half] = -1
             self.cos = model.rope_cos.to(dtype)  # (max_seq_len, hd)
             self.sin_signed = (model.rope_sin * sign).to(dtype)
+            if hasattr(model, "rope_cos_sliding"):  # the sliding layers' own RoPE base
+                self.cos_sliding = model.rope_cos_sliding.to(dtype)
+                self.sin_signed_sliding = (model.rope_sin_sliding * sign).to(dtype)
             self.dtype = dtype
             self.packed = self.packed_head = None
             if w.device.type == "cpu" and dtype == torch.float32 and self.head_t:
@@ -158,7 +174,7 @@ def new_cache(model: "Transformer", batch: int, max_len: int, key_mask: torch.Te
     p = model.output.weight
     dtype = compute_dtype(p.device, p.dtype)
     c = model.config
-    return KVCache(c.n_layers, batch, c.n_kv_heads, max_len, c.head_dim, dtype, p.device, key_mask)
+    return KVCache(c.n_layers, batch, c.n_kv_heads, max_len, c.resolved_head_dim(), dtype, p.device, key_mask)
 
 
 
@@ -211,26 +227,34 @@ def decode_step(model: "Transformer", tokens: torch.Tensor, positions: torch.Ten
     w = _cache_weights(model, cache, tokens.device)
     dev, dtype = tokens.device, w.dtype
     c = model.config
-    B, H, KV, hd = tokens.shape[0], c.n_heads, c.n_kv_heads, c.head_dim
-    G, eps, scale = H // KV, c.norm_eps, 1.0 / math.sqrt(hd)
-    cos = w.cos[positions][:, None]  # (B, 1, hd), broadcast over heads
-    sin = w.sin_signed[positions][:, None]
+    B, H, KV, hd = tokens.shape[0], c.n_heads, c.n_kv_heads, c.resolved_head_dim()
+    G, eps, scale = H // KV, c.norm_eps, c.attn_scale or 1.0 / math.sqrt(hd)
+    ropes = {"full": (w.cos[positions][:, None], w.sin_signed[positions][:, None])}  # (B, 1, hd), over heads
+    if hasattr(w, "cos_sliding"):
+        ropes["sliding"] = (w.cos_sliding[positions][:, None], w.sin_signed_sliding[positions][:, None])
     if slots is None:
         at = cache.length
         S = at + 1
-        bias = None
-        if cache.key_mask is not None:  # (B, 1, S): 0 where attended, -inf at padding
-            bias = torch.zeros(B, 1, S, dtype=dtype, device=dev).masked_fill_(
-                ~cache.key_mask[:, None, :S], float("-inf"))
+        allowed = None if cache.key_mask is None else cache.key_mask[:, :S]  # (B, S): left padding
+        current = torch.full((1, 1), at, device=dev)  # the query's slot
     else:
         S = cache.max_len
         rows = torch.arange(B, device=dev)
         allowed = torch.arange(S, device=dev)[None] <= slots[:, None]  # (B, S)
         if cache.key_mask is not None:  # left padding of a batch (compiled_decode_step)
             allowed = allowed & cache.key_mask[:, :S]
-        bias = torch.zeros(B, 1, S, dtype=dtype, device=dev).masked_fill_(~allowed[:, None], float("-inf"))
-    if bias is not None:
-        bias = bias.repeat_interleave(KV, 0)  # (B*KV, 1, S), the layout of the scores below
+        current = slots[:, None]
+
+    def bias_of(allowed):  # (B or 1, S) bool -> (B*KV or 1, 1, S): 0 where attended, -inf elsewhere
+        if allowed is None:  # (the layout of the scores below)
+            return None
+        bias = torch.zeros(allowed.shape[0], 1, S, dtype=dtype, device=dev).masked_fill_(~allowed[:, None], float("-inf"))
+        return bias.repeat_interleave(KV, 0) if bias.shape[0] == B else bias
+
+    biases = {0: bias_of(allowed)}
+    for window in set(w.windows) - {0}:  # a sliding layer also sees only its last `window` slots
+        within = torch.arange(S, device=dev)[None] > current - window  # (B or 1, S)
+        biases[window] = bias_of(within if allowed is None else allowed & within)
     # under torch.compile (compiled_decode_step) inductor picks its own matmuls: the prepacked
     # weights are oneDNN's opaque layout, which it takes only as frozen constants
     if w.packed is not None and (B > 1 or batch_invariant) and not torch.compiler.is_compiling():
@@ -238,20 +262,35 @@ def decode_step(model: "Transformer", tokens: torch.Tensor, positions: torch.Ten
     else:
         layers, head, mm = w.layers, w.head, torch.matmul
     x = model.tok_embeddings(tokens)  # (B, dim); the residual stays in the parameters' dtype
+    if c.embed_scale != 1.0:
+        x = x * c.embed_scale
+    act = ACTIVATIONS[c.mlp_activation]
+
     def inv_rms(x):  # (B, dim) -> (B, 1): 1 / rms(x), RMSNorm without its weight
         return torch.rsqrt(x.pow(2).mean(-1, keepdim=True).add_(eps))
 
+    def pre(y, x):  # the pre-norm's 1 / rms(x) (its weight is folded into the matrix), or none
+        return y.mul_(inv_rms(x)) if w.pre else y
+
+    def post(y, weight):  # sandwich / post placement: RMSNorm of a branch before the residual add
+        return F.rms_norm(y.float(), (y.shape[-1],), weight.float(), eps).to(y.dtype)
+
     for layer, (wqkv, wo, w13, w2) in enumerate(layers):
-        qkv = mm(x, wqkv).mul_(inv_rms(x))
+        qkv = pre(mm(x, wqkv), x)
         if w.qkv_bias is not None:
             qkv = qkv.add_(w.qkv_bias[layer])
+        if w.qk_norm is not None and c.qk_norm_scope == "projection":  # over all of q, all of k (OLMo 2)
+            qn, kn = w.qk_norm[layer]
+            qkv = torch.cat((F.rms_norm(qkv[:, :H * hd], (H * hd,), qn, eps),
+                             F.rms_norm(qkv[:, H * hd:(H + KV) * hd], (KV * hd,), kn, eps), qkv[:, (H + KV) * hd:]), 1)
         qkv = qkv.view(B, H + 2 * KV, hd)
         qk = qkv[:, : H + KV]
-        if w.qk_norm is not None:  # RMSNorm per head of q and of k, before the rotary embedding
+        if w.qk_norm is not None and c.qk_norm_scope == "head":  # per head of q and of k, before the rotary embedding
             qn, kn = w.qk_norm[layer]
             qk = torch.cat((F.rms_norm(qk[:, :H], (hd,), qn, eps), F.rms_norm(qk[:, H:], (hd,), kn, eps)), 1)
-        # rotary on q and k at once: x cos + rotate_half(x) sin
-        qk = torch.addcmul(qk * cos, qk.roll(hd // 2, -1), sin)  # (B, H + KV, hd)
+        if w.rope[layer] is not None:  # rotary on q and k at once: x cos + rotate_half(x) sin
+            cos, sin = ropes[w.rope[layer]]
+            qk = torch.addcmul(qk * cos, qk.roll(hd // 2, -1), sin)  # (B, H + KV, hd)
         k, v = qk[:, H:], qkv[:, H + KV:]  # (B, KV, hd)
         ck, cv = cache.k[layer], cache.v[layer]  # (B, KV, max_len, hd)
         if slots is None:
@@ -261,16 +300,24 @@ def decode_step(model: "Transformer", tokens: torch.Tensor, positions: torch.Ten
         # grouped-query attention of one query: (B*KV, G, hd) @ (B*KV, hd, S); no K/V repeat
         q = qk[:, :H].reshape(B * KV, G, hd)
         keys = ck[:, :, :S].reshape(B * KV, S, hd)
-        scores = (torch.baddbmm(bias, q, keys.transpose(1, 2), alpha=scale) if bias is not None
-                  else torch.bmm(q, keys.transpose(1, 2)).mul_(scale))  # (B*KV, G, S)
+        bias = biases[w.windows[layer]]
+        if c.attn_softcap:  # Gemma 2: c tanh(s / c) after scaling, before the mask
+            scores = softcap(torch.bmm(q, keys.transpose(1, 2)).mul_(scale), c.attn_softcap)
+            scores = scores if bias is None else scores + bias
+        else:
+            scores = (torch.baddbmm(bias, q, keys.transpose(1, 2), alpha=scale) if bias is not None
+                      else torch.bmm(q, keys.transpose(1, 2)).mul_(scale))  # (B*KV, G, S)
         y = torch.bmm(scores.softmax(-1), cv[:, :, :S].reshape(B * KV, S, hd))  # (B*KV, G, hd)
-        x = x + mm(y.view(B, H * hd), wo)
-        gate, up = mm(x, w13).mul_(inv_rms(x)).chunk(2, -1)  # (B, ffn) each
-        x = x + mm(F.silu(gate).mul_(up), w2)
+        y = mm(y.view(B, H * hd), wo)
+        x = x + (post(y, w.post_norms[layer][0]) if w.post_norms else y)
+        gate, up = pre(mm(x, w13), x).chunk(2, -1)  # (B, ffn) each
+        y = mm(act(gate).mul_(up), w2)
+        x = x + (post(y, w.post_norms[layer][1]) if w.post_norms else y)
     if slots is None:
         cache.length += 1
-    h = x * inv_rms(x) * w.norm
-    return mm(h, head) if w.head_t else F.linear(h, w.head)
+    h = post(x, w.norm) if c.norm_offset else x * inv_rms(x) * w.norm  # Gemma's final norm in float32
+    logits = mm(h, head) if w.head_t else F.linear(h, w.head)
+    return softcap(logits, c.final_softcap)
 
 
 def compiled_decode_step(model: "Transformer"):

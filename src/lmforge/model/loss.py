@@ -51,7 +51,7 @@ class _LinearCrossEntropySum(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, compute_dtype, chunk_rows, groups=None, n_groups=0):
+    def forward(ctx, hidden, weight, labels, compute_dtype, chunk_rows, groups=None, n_groups=0, softcap=0.0):
         h = hidden.to(compute_dtype)  # (N, D)
         w = weight.to(compute_dtype)  # (V, D)
         n = h.shape[0]
@@ -69,6 +69,9 @@ class _LinearCrossEntropySum(torch.autograd.Function):
         for s in range(0, n, chunk_rows):  # chunk_rows rows of float32 logits at a time stay in cache
             e = min(n, s + chunk_rows)
             logits = torch.mm(h[s:e], w.t()).float()  # (rows, V), float32 for the log-sum-exp
+            if softcap:  # Gemma 2's final soft-cap: the loss is of c tanh(z / c), its gradient times 1 - tanh^2
+                tanh = torch.tanh(logits / softcap)
+                logits, dcap = tanh * softcap, 1.0 - tanh * tanh
             lab = labels[s:e]  # (rows,)
             valid = lab != IGNORE_INDEX  # (rows,) bool: supervised rows
             safe = torch.where(valid, lab, 0)[:, None]  # (rows, 1): any in-range index for ignored rows
@@ -81,6 +84,8 @@ class _LinearCrossEntropySum(torch.autograd.Function):
             if traced:
                 sums.append(ce.sum() if groups is None else torch.zeros_like(total).index_add(0, groups[s:e], ce))
                 probs = torch.exp(logits - lse[:, None]).scatter_add(1, safe, one_hot)
+                if softcap:
+                    probs = probs * dcap
                 parts.append((probs * valid[:, None]).to(compute_dtype))
             else:
                 if groups is None:
@@ -90,6 +95,8 @@ class _LinearCrossEntropySum(torch.autograd.Function):
                 probs = logits.sub_(lse[:, None]).exp_()  # in the logits buffer
                 probs.scatter_add_(1, safe, one_hot)
                 probs.mul_(valid[:, None])
+                if softcap:
+                    probs.mul_(dcap)
                 grad_logits[s:e] = probs
         if traced:
             grad_logits = torch.cat(parts) if parts else torch.zeros(0, w.shape[0], dtype=compute_dtype, device=h.device)
@@ -108,12 +115,13 @@ class _LinearCrossEntropySum(torch.autograd.Function):
         g = grad_logits * scale.to(grad_logits.dtype)  # (N, V)
         grad_hidden = torch.mm(g, w).to(ctx.dtypes[0])  # (N, V) @ (V, D) -> (N, D)
         grad_weight = torch.mm(g.t(), h).to(ctx.dtypes[1])  # (V, N) @ (N, D) -> (V, D)
-        return grad_hidden, grad_weight, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None
 
 
 def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                              loss_mask: torch.Tensor, chunk_rows: int = LOSS_CHUNK_ROWS,
-                             groups: torch.Tensor | None = None, n_groups: int = 0) -> torch.Tensor:
+                             groups: torch.Tensor | None = None, n_groups: int = 0,
+                             softcap: float = 0.0) -> torch.Tensor:
     """`cross_entropy_sum(hidden @ weight.T, targets, loss_mask)`, without materialising the
     float32 logits: the training and evaluation loss of lmforge's model.
 
@@ -125,6 +133,7 @@ def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, targets
         groups: None, or (B, T) / (N,) int64 in [0, n_groups): sum each group's positions
             apart (a row, or one document of a packed row: DPO's sequence log-probabilities).
             Positions outside the loss mask add nothing to any group.
+        softcap: c > 0: the logits are c * tanh(z / c) (the model's final_softcap); 0: z.
     Returns:
         0-dim float32 tensor: summed nats over supervised positions (0.0 when none); with
         `groups`, (n_groups,) float32, one sum per group (0.0 for a group with none).
@@ -138,7 +147,7 @@ def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, targets
     if groups is not None:
         groups = groups.reshape(-1).to(device=h.device, dtype=torch.int64)
     with torch.autocast(h.device.type, enabled=False):
-        return _LinearCrossEntropySum.apply(h, weight, labels, dtype, chunk_rows, groups, n_groups)
+        return _LinearCrossEntropySum.apply(h, weight, labels, dtype, chunk_rows, groups, n_groups, softcap)
 
 
 #: The preference losses by `dpo.loss` (`config.DPO_LOSSES`): `dpo_loss` compares with a reference

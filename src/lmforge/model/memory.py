@@ -17,7 +17,7 @@ from lmforge.errors import ConfigError
 
 def parameter_count(cfg: ModelConfig) -> int:
     """Parameters of the model `cfg` describes (vocab padded to 64, an untied head counted)."""
-    V, d, hd = padded_vocab_size(max(cfg.vocab_size, 1)), cfg.dim, cfg.head_dim
+    V, d, hd = padded_vocab_size(max(cfg.vocab_size, 1)), cfg.dim, cfg.resolved_head_dim()
     attention = d * cfg.n_heads * hd + 2 * d * cfg.n_kv_heads * hd + cfg.n_heads * hd * d
     per_layer = attention + 3 * d * cfg.resolved_ffn_dim() + 2 * d + (2 * hd if getattr(cfg, "qk_norm", False) else 0)
     per_layer += (cfg.n_heads + 2 * cfg.n_kv_heads) * hd if getattr(cfg, "qkv_bias", False) else 0
@@ -67,7 +67,7 @@ def memory_need(cfg: ModelConfig, training: bool = True) -> tuple[int, int]:
     moments), rotary tables and, when training, the loss's chunk; per token the activations of
     `activation_bytes` in float32."""
     weights = 4 * parameter_count(cfg) * (4 if training else 1)
-    rope = 8 * cfg.max_seq_len * cfg.head_dim
+    rope = 8 * cfg.max_seq_len * cfg.resolved_head_dim()
     if not training:
         return weights + rope, 0
     chunk = activation_bytes(cfg, 0)

@@ -1,11 +1,21 @@
-"""One Llama-style decoder-only Transformer.
+"""One decoder-only Transformer: Llama's layout by default, and the mechanisms of the families
+lmforge imports (Gemma 3/2, OLMo 2, Mistral, Qwen2/3) as named `ModelConfig` fields, each with one
+code site here (or in attention.py / decode.py / loss.py) and one parity test against transformers
+(tests/test_families.py). The family names themselves live at the edges (lmforge.export.families).
 
-Architecture choices:
-- RMSNorm before attention and before the MLP, and once more before the output;
+Architecture choices (the defaults):
+- RMSNorm before attention and before the MLP, and once more before the output
+  (`norm_placement`: "sandwich" adds one after each, "post" keeps only those; `norm_offset`: the
+  `(offset + w)` form, computed in float32);
 - rotary position embeddings on q and k, in the half-split ("rotate_half") layout that
   Hugging Face's Llama uses, with positions given per token (they reset per document);
-- grouped-query attention (n_kv_heads <= n_heads), backends in `attention.py`;
-- SwiGLU MLP (w2(silu(w1 x) * w3 x)), ffn_dim = 8/3 dim rounded up to 64 unless set;
+- grouped-query attention (n_kv_heads <= n_heads), backends in `attention.py`, scaled by
+  1/sqrt(head_dim) (`attn_scale`), optionally soft-capped (`attn_softcap`), each layer full or
+  sliding (`layer_types`, `sliding_window`) with its own RoPE base (`rope_theta_sliding`) or none
+  (`nope_layers`); QK-norm per head or over the projection (`qk_norm`, `qk_norm_scope`);
+- SwiGLU MLP (w2(silu(w1 x) * w3 x)), ffn_dim = 8/3 dim rounded up to 64 unless set
+  (`mlp_activation = "gelu_tanh"`: GeGLU);
+- embeddings times `embed_scale`; logits optionally soft-capped (`final_softcap`);
 - no biases (except Qwen2-style q/k/v biases, `qkv_bias`, for imported models); optional tied
   input/output embeddings; optional Llama 3.1 RoPE frequency scaling (`rope_scaling`);
 - the vocabulary is the tokenizer's, padded to a multiple of 64 for the embedding (P6):
@@ -17,6 +27,7 @@ ffn_dim, norm_eps, rope_theta, max_seq_len); Hugging Face names live in export.p
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import replace
 
@@ -28,8 +39,9 @@ from lmforge.config import ModelConfig
 from lmforge.contract import Contract, padded_vocab_size
 from lmforge.errors import ConfigError, ContractError
 from lmforge.model import decode
-from lmforge.model.attention import BACKENDS, AttentionMask, prepare_mask
+from lmforge.model.attention import BACKENDS, AttentionMask, prepare_mask, resolve_backend
 from lmforge.model.decode import KVCache
+from lmforge.model.functional import ACTIVATIONS, softcap
 from lmforge.model.loss import linear_cross_entropy_sum
 from lmforge.runtime import compute_dtype
 
@@ -56,12 +68,19 @@ def resolve_model_config(model: ModelConfig, contract: Contract, where: str = "m
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    """x / rms(x) * (offset + weight) over the last dimension (Zhang & Sennrich 2019).
+
+    offset 0: Llama's form, in x's dtype. offset 1: Gemma's `(1 + w)` form, computed in float32
+    and cast after the multiply (transformers' `Gemma3RMSNorm`); its weights start at 0."""
+
+    def __init__(self, dim: int, eps: float, offset: float = 0.0):
         super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps, self.offset = eps, offset
+        self.weight = nn.Parameter(torch.full((dim,), 1.0 - offset))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.offset:  # Gemma: float32 throughout, one cast at the end
+            return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float() + self.offset, self.eps).to(x.dtype)
         # bf16 q/k under autocast (qk_norm): the weight in x's dtype keeps the fused kernel
         w = self.weight if self.weight.dtype == x.dtype else self.weight.to(x.dtype)
         return F.rms_norm(x, (x.shape[-1],), w, self.eps)
@@ -111,29 +130,40 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.layer = layer
-        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.resolved_head_dim()
+        self.scale = cfg.attn_scale or None  # None: sdpa's 1/sqrt(head_dim)
+        self.softcap = cfg.attn_softcap
         bias = cfg.qkv_bias  # Qwen2's layout: biases on q, k and v only
         self.wq = nn.Linear(cfg.dim, cfg.n_heads * self.head_dim, bias=bias)
         self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=bias)
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=bias)
         self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=False)
-        if cfg.qk_norm:  # Qwen3: RMSNorm over each head's q and k, before the rotary embedding
-            self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps)
-        self.qk_norm = cfg.qk_norm
+        # QK-norm before the rotary embedding: over each head (Qwen3, Gemma 3) or over the whole
+        # q and k projections before the split into heads (OLMo 2)
+        self.qk_norm = cfg.qk_norm and cfg.qk_norm_scope
+        if cfg.qk_norm:
+            whole = cfg.qk_norm_scope == "projection"
+            self.q_norm = RMSNorm(self.head_dim * (cfg.n_heads if whole else 1), cfg.norm_eps, cfg.norm_offset)
+            self.k_norm = RMSNorm(self.head_dim * (cfg.n_kv_heads if whole else 1), cfg.norm_eps, cfg.norm_offset)
         self.backend = "sdpa"
 
-    def forward(self, x, cos, sin, mask: AttentionMask, cache: KVCache | None = None):
+    def forward(self, x, rope: tuple[torch.Tensor, torch.Tensor] | None, mask: AttentionMask,
+                cache: KVCache | None = None):
+        """x: (B, T, dim); rope: (cos, sin) (B, 1, T, hd) each, or None (a NoPE layer)."""
         B, T, _ = x.shape
-        q = self.wq(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, hd)
-        k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, KV, T, hd)
-        v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, KV, T, hd)
-        if self.qk_norm:
+        q, k, v = self.wq(x), self.wk(x), self.wv(x)  # (B, T, H*hd), (B, T, KV*hd) x 2
+        if self.qk_norm == "projection":
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, hd)
+        k = k.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, KV, T, hd)
+        v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, KV, T, hd)
+        if self.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         if cache is not None:
             k, v = cache.update(self.layer, k, v)  # (B, KV, offset + T, hd)
-        y = BACKENDS[self.backend](q, k, v, mask)  # (B, H, T, hd)
+        y = BACKENDS[self.backend](q, k, v, mask, scale=self.scale, softcap=self.softcap)  # (B, H, T, hd)
         y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)  # (B, T, dim)
         return self.wo(y)
 
@@ -145,22 +175,40 @@ class FeedForward(nn.Module):
         self.w1 = nn.Linear(cfg.dim, hidden, bias=False)
         self.w3 = nn.Linear(cfg.dim, hidden, bias=False)
         self.w2 = nn.Linear(hidden, cfg.dim, bias=False)
+        self.act = ACTIVATIONS[cfg.mlp_activation]
 
     def forward(self, x):
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(self.act(self.w1(x)) * self.w3(x))
 
 
 class Block(nn.Module):
+    """One layer. Norms by `norm_placement`: "pre" (x + f(norm(x))), "sandwich" (x +
+    post_norm(f(norm(x))), Gemma 2/3), "post" (x + post_norm(f(x)), OLMo 2)."""
+
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
-        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        norm = functools.partial(RMSNorm, cfg.dim, cfg.norm_eps, cfg.norm_offset)
+        self.pre = cfg.norm_placement in ("pre", "sandwich")
+        self.post = cfg.norm_placement in ("sandwich", "post")
+        if self.pre:
+            self.attention_norm = norm()
         self.attention = Attention(cfg, layer)
-        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        if self.post:
+            self.attention_post_norm = norm()
+        if self.pre:
+            self.ffn_norm = norm()
         self.feed_forward = FeedForward(cfg)
+        if self.post:
+            self.ffn_post_norm = norm()
+        # which of the forward's rotary tables and masks this layer takes
+        self.rope = None if layer in cfg.nope_layers else "sliding" if cfg.is_sliding(layer) else "full"
+        self.window = cfg.sliding_window if cfg.is_sliding(layer) else 0
 
-    def forward(self, x, cos, sin, mask: AttentionMask, cache=None):
-        x = x + self.attention(self.attention_norm(x), cos, sin, mask, cache)
-        return x + self.feed_forward(self.ffn_norm(x))
+    def forward(self, x, ropes: dict, masks: dict, cache=None):
+        h = self.attention(self.attention_norm(x) if self.pre else x, ropes.get(self.rope), masks[self.window], cache)
+        x = x + (self.attention_post_norm(h) if self.post else h)
+        h = self.feed_forward(self.ffn_norm(x) if self.pre else x)
+        return x + (self.ffn_post_norm(h) if self.post else h)
 
 
 class Transformer(nn.Module):
@@ -179,20 +227,29 @@ class Transformer(nn.Module):
         self.model_vocab_size = padded_vocab_size(config.vocab_size)
         self.tok_embeddings = nn.Embedding(self.model_vocab_size, config.dim)
         self.layers = nn.ModuleList(Block(config, i) for i in range(config.n_layers))
-        self.norm = RMSNorm(config.dim, config.norm_eps)
+        self.norm = RMSNorm(config.dim, config.norm_eps, config.norm_offset)
         self.output = nn.Linear(config.dim, self.model_vocab_size, bias=False)
         if config.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
-        cos, sin = rope_tables(config.head_dim, config.max_seq_len, config.rope_theta, config)
+        hd = config.resolved_head_dim()
+        cos, sin = rope_tables(hd, config.max_seq_len, config.rope_theta, config)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
-        self.set_attention("sdpa")
+        if any(b.rope == "sliding" for b in self.layers):  # sliding layers' own base, never scaled (Gemma 3)
+            cos, sin = rope_tables(hd, config.max_seq_len, config.rope_theta_sliding or config.rope_theta)
+            self.register_buffer("rope_cos_sliding", cos, persistent=False)
+            self.register_buffer("rope_sin_sliding", sin, persistent=False)
+        self.set_attention("eager" if config.attn_softcap else "sdpa")  # sdpa cannot soft-cap
         self.reset_parameters()
 
     def set_attention(self, backend: str) -> None:
-        """Choose the attention backend ("sdpa" or "flex"; resolve "auto" first)."""
+        """Choose the attention backend ("sdpa", "flex" or "eager"; resolve "auto" first).
+
+        Raises:
+            ConfigError: an unknown backend, or "sdpa" for a model with attn_softcap."""
         if backend not in BACKENDS:
             raise ConfigError(f"attention backend {backend!r}: expected one of {sorted(BACKENDS)}.")
+        resolve_backend(backend, "cpu", training=False, softcap=self.config.attn_softcap)  # sdpa + soft-cap refused
         for block in self.layers:
             block.attention.backend = backend
 
@@ -209,7 +266,7 @@ class Transformer(nn.Module):
             if name.endswith((".lora_a", ".lora_b")):  # LoRA adapters keep their own values (model/lora.py)
                 continue
             if name.endswith("norm.weight"):
-                p.fill_(1.0)
+                p.fill_(1.0 - self.config.norm_offset)  # a gain of 1 in either form
             elif name.endswith(".bias"):
                 p.zero_()
             elif zero_init and name.endswith(zeroed):
@@ -236,24 +293,34 @@ class Transformer(nn.Module):
             positions = torch.arange(start, start + T, device=tokens.device).expand(B, T)
         device = tokens.device
         dtype = compute_dtype(device, self.output.weight.dtype)  # the compute dtype of q, k, v
-        cos = self.rope_cos[positions][:, None].to(dtype)  # (B, 1, T, hd)
-        sin = self.rope_sin[positions][:, None].to(dtype)
-        # One mask for all layers (the block-diagonal document mask, or the cache's mask).
+        ropes = {}  # rotary tables by layer kind: (B, 1, T, hd) cos and sin
+        for kind in {b.rope for b in self.layers} - {None}:
+            suffix = "_sliding" if kind == "sliding" else ""
+            ropes[kind] = tuple(getattr(self, f"rope_{f}{suffix}")[positions][:, None].to(dtype) for f in ("cos", "sin"))
+        # One mask per window for all layers (the block-diagonal document mask, or the cache's
+        # mask; a sliding layer's also keeps keys within its window): 0 = full attention.
         backend = self.layers[0].attention.backend
-        if cache is None:
-            mask = prepare_mask(backend, T, device, dtype, document_ids, n_heads=self.config.n_heads)
-        else:
-            mask = prepare_mask(backend, T, device, dtype, None, cache.length, cache.key_mask, cache.length + T)
+        masks = {}
+        for window in {b.window for b in self.layers}:
+            if cache is None:
+                masks[window] = prepare_mask(backend, T, device, dtype, document_ids, n_heads=self.config.n_heads,
+                                             window=window)
+            else:
+                masks[window] = prepare_mask(backend, T, device, dtype, None, cache.length, cache.key_mask,
+                                             cache.length + T, window=window)
         x = self.tok_embeddings(tokens)  # (B, T, dim)
+        if self.config.embed_scale != 1.0:  # Gemma: sqrt(dim), in float32 (transformers: in the weights' dtype)
+            x = x * self.config.embed_scale
         for block in self.layers:
-            x = block(x, cos, sin, mask, cache)
+            x = block(x, ropes, masks, cache)
         if cache is not None:
             cache.length += T
         return self.norm(x)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """(..., dim) -> (..., vocab_size): the padding rows of the output never take part."""
-        return F.linear(h, self.output.weight[: self.vocab_size])
+        """(..., dim) -> (..., vocab_size): the padding rows of the output never take part;
+        soft-capped with `final_softcap`."""
+        return softcap(F.linear(h, self.output.weight[: self.vocab_size]), self.config.final_softcap)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
                 document_ids: torch.Tensor | None = None, cache: KVCache | None = None,
@@ -283,7 +350,8 @@ class Transformer(nn.Module):
         if loss_mask is None:
             loss_mask = torch.ones_like(targets, dtype=torch.bool)
         weight = self.output.weight[: self.vocab_size]
-        return linear_cross_entropy_sum(h, weight, targets, loss_mask, groups=groups, n_groups=n_groups)
+        return linear_cross_entropy_sum(h, weight, targets, loss_mask, groups=groups, n_groups=n_groups,
+                                        softcap=self.config.final_softcap)
 
     # -- the decode path (lmforge.model.decode): delegates, for the callers of these methods --
     def new_cache(self, batch: int, max_len: int, key_mask: torch.Tensor | None = None) -> KVCache:

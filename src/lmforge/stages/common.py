@@ -63,7 +63,8 @@ class TrainingSession:
             ConfigError: see `resolve_backend`.
         """
         self.backend = resolve_backend(self.cfg.model.attention, self.info.device, training=True,
-                                       head_dim=model.config.head_dim)
+                                       head_dim=model.config.resolved_head_dim(),
+                                       softcap=model.config.attn_softcap)
         model.set_attention(self.backend)
         return model.to(self.runtime.device).train()
 
@@ -121,7 +122,7 @@ def training_session(cfg: Config, out: str | Path, command: str, resume: bool, d
         check_fits_in_memory(replace(cfg.model, vocab_size=cfg.model.vocab_size or cfg.tokenizer.vocab_size),
                              cfg.train.micro_batch_size * cfg.data.seq_len)
         backend = resolve_backend(cfg.model.attention, info.device, training=True,
-                                  head_dim=cfg.model.head_dim)
+                                  head_dim=cfg.model.resolved_head_dim(), softcap=cfg.model.attn_softcap)
         runtime = training_runtime(cfg.train.precision, info.device)
         with contextlib.ExitStack() as stack:
             seed_everything(cfg.train.seed)
