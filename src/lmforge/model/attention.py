@@ -188,11 +188,12 @@ def eager_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Attent
     scores = (q @ k.transpose(-1, -2)).float() * (hd ** -0.5 if scale is None else scale)  # (B, H, T, S)
     if softcap:
         scores = torch.tanh(scores / softcap) * softcap
-    if mask.is_causal:
-        scores = scores.masked_fill(~window_mask(T, S, S - T, 0, q.device), float("-inf"))
-    elif mask.attn_mask is not None:
-        m = mask.attn_mask
-        scores = scores.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else scores + m.float()
+    allowed = window_mask(T, S, S - T, 0, q.device) if mask.is_causal else mask.attn_mask
+    if allowed is not None:  # lmforge's float masks are 0 / -inf
+        allowed = allowed if allowed.dtype == torch.bool else allowed == 0
+        # the lowest finite score, not -inf: a query with no key (a left-pad row) gets finite
+        # numbers nobody reads, where -inf would make NaN that 0-weighted cache reads spread
+        scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
     return scores.softmax(-1).to(q.dtype) @ v
 
 
