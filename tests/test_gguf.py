@@ -57,8 +57,8 @@ def test_every_key_and_tensor(ckpt, tiny_tokenizer, tmp_path):
         "general.quantization_version": gguf.GGML_QUANT_VERSION,
         "llama.context_length": m.max_seq_len, "llama.embedding_length": m.dim, "llama.block_count": m.n_layers,
         "llama.feed_forward_length": m.resolved_ffn_dim(), "llama.attention.head_count": m.n_heads,
-        "llama.attention.head_count_kv": m.n_kv_heads, "llama.attention.key_length": m.head_dim,
-        "llama.attention.value_length": m.head_dim, "llama.rope.dimension_count": m.head_dim,
+        "llama.attention.head_count_kv": m.n_kv_heads, "llama.attention.key_length": m.resolved_head_dim(),
+        "llama.attention.value_length": m.resolved_head_dim(), "llama.rope.dimension_count": m.resolved_head_dim(),
         "llama.rope.freq_base": pytest.approx(5000.0), "llama.attention.layer_norm_rms_epsilon": pytest.approx(1e-6),
         "llama.vocab_size": V,
         "tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "qwen2",
@@ -131,7 +131,7 @@ def test_qk_norm_maps_to_qwen3(ckpt, tmp_path):
     model, cfg, contract, path = load_model(ckpt)
     m = dataclasses.replace(model.config, qk_norm=True)
     state = model_state(model)
-    hd = m.head_dim
+    hd = m.resolved_head_dim()
     for i in range(m.n_layers):
         state[f"layers.{i}.attention.q_norm.weight"] = torch.full((hd,), 1.5)
         state[f"layers.{i}.attention.k_norm.weight"] = torch.full((hd,), 0.5)

@@ -86,7 +86,7 @@ def test_t2_each_target_changes_the_output(target):
     diff = float((model(x) - base(x)).detach().abs().max())
     assert diff > 1e-3, target
     if target in ("wk", "wv"):  # GQA: k and v have n_kv_heads x head_dim rows, and are adapted
-        assert getattr(model.layers[1].attention, target).lora_b.shape == (MODEL.n_kv_heads * MODEL.head_dim, 4)
+        assert getattr(model.layers[1].attention, target).lora_b.shape == (MODEL.n_kv_heads * MODEL.resolved_head_dim(), 4)
 
 
 # -- T3, T5 -------------------------------------------------------------------------------------------

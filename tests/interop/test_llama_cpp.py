@@ -351,8 +351,8 @@ def test_qk_norm_as_qwen3(exported, tmp_path):
         for k, v in state.items():
             own[k].copy_(v)
         for block in model.layers:
-            block.attention.q_norm.weight.copy_(1 + 0.3 * torch.randn(model.config.head_dim, generator=gen))
-            block.attention.k_norm.weight.copy_(1 + 0.3 * torch.randn(model.config.head_dim, generator=gen))
+            block.attention.q_norm.weight.copy_(1 + 0.3 * torch.randn(model.config.resolved_head_dim(), generator=gen))
+            block.attention.k_norm.weight.copy_(1 + 0.3 * torch.randn(model.config.resolved_head_dim(), generator=gen))
     ids = lmforge_prompt(tok, held_out_texts()[9][:2000])[:150]
     with torch.inference_mode():
         assert float((model(torch.tensor([ids])) - plain(torch.tensor([ids]))).abs().max()) > 1.0  # it matters
