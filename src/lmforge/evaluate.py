@@ -33,6 +33,7 @@ def evaluate_batches(model: torch.nn.Module, batches: Iterable[Batch], runtime: 
     """(sum of nats, supervised targets) over `batches`, with the training loss function, on
     `runtime.device` under `runtime.autocast()` (the command's `training_runtime`). The
     model's train/eval mode is restored."""
+    runtime.check_model(model)  # no float16 compute for (offset + w) norms
     was_training = model.training
     model.eval()
     total, count = torch.zeros((), dtype=torch.float64), 0

@@ -216,6 +216,7 @@ def generate(
         LmforgeError: see `check_prompts` and `SamplingConfig.validate`.
     """
     runtime = runtime or decode_runtime(model.output.weight.device)
+    runtime.check_model(model)  # no float16 compute for (offset + w) norms
     logprobs: list[torch.Tensor] | None = [] if return_logprobs else None
     with runtime.autocast(), torch.inference_mode():
         ids = _generate(model, prompts, stop_ids, cfg, pad_id, truncate, generator, logprobs)

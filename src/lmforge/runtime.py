@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from lmforge.errors import ConfigError
+
 
 def default_device(index: int | None = None) -> torch.device:
     """CUDA when there is a CUDA device (`index`: which one, e.g. torchrun's LOCAL_RANK), else the CPU."""
@@ -78,9 +80,55 @@ class Runtime:
     def label(self) -> str:
         return f"{self.device}, {'bf16 autocast' if self.dtype else 'fp32'}"
 
+    def check_model(self, model: torch.nn.Module) -> None:
+        """Refuse to run `model` here when it would compute in float16 and its norms carry an
+        offset (`check_float16_compute`): called by the trainer, evaluation, generation and the
+        server where a model meets its runtime.
+
+        Raises:
+            ConfigError: see `check_float16_compute`.
+        """
+        config = getattr(model, "config", None)
+        if not getattr(config, "norm_offset", 0.0):
+            return
+        if self.dtype == torch.float16:
+            check_float16_compute(config, "the runtime's autocast dtype (train.precision)")
+        half = next((n for n, p in model.named_parameters() if p.dtype == torch.float16), None)
+        if half is not None:
+            check_float16_compute(config, f"the model's weights ({half} is float16; no autocast widens the "
+                                          f"residual stream)")
+
 
 #: fp32 on the CPU: the default of library functions that take a Runtime (commands decide theirs).
 CPU_FP32 = Runtime(torch.device("cpu"), None)
+
+
+def check_float16_compute(model, what: str) -> None:
+    """Refuse float16 compute for a model whose RMSNorm multiplies by (norm_offset + w)
+    (`model.norm_offset` != 0: Gemma 2 and 3). Such models overflow float16 (|x| <= 65504) in their
+    residual stream, their sandwich norms' large weights and the GeGLU gate: users see NaN or empty
+    output and loss 0 (MODEL-FAMILIES.md §2.3: transformers#36822, LlamaFactory#7755; vLLM refuses
+    float16 for Gemma 3). Decided by the mechanism, never the family's name. Only compute is
+    refused: float16 *weights* in an export (`lmforge export --dtype float16`) stay allowed.
+
+    lmforge itself never chooses float16 compute (`train.precision` is auto, bf16 or fp32, and
+    `decode_runtime` is fp32 or bf16); this guards a Runtime or a model built by hand.
+
+    Args:
+        model: a ModelConfig (or anything with `norm_offset`).
+        what: where the float16 comes from, for the message.
+    Raises:
+        ConfigError: naming model.norm_offset, the float16 seen, bf16 / fp32 expected, the fix.
+    """
+    offset = getattr(model, "norm_offset", 0.0)
+    if not offset:
+        return
+    raise ConfigError(
+        f"model.norm_offset = {offset:g} ((offset + w) norms, as Gemma 2/3 have) cannot compute in float16, "
+        f"but {what} is float16: such models overflow float16's range (|x| <= 65504) and give NaN or empty "
+        f"output. Expected bfloat16 or float32 compute: set train.precision = \"bf16\" or \"fp32\" (a Runtime "
+        f"with dtype torch.bfloat16 or None) and keep the weights float32 or bfloat16 (model.float()). "
+        f"Exporting float16 weights (--dtype float16) stays allowed.")
 
 
 def training_runtime(precision: str, device: torch.device | str | None = None) -> Runtime:
@@ -142,7 +190,8 @@ def isolate_compile_cache() -> str:
     return os.environ["TORCHINDUCTOR_CACHE_DIR"]
 
 
-__all__ = ["CPU_FP32", "Runtime", "autocast", "isolate_compile_cache", "bf16_supported", "compiler_available", "compute_dtype", "decode_runtime",
+__all__ = ["CPU_FP32", "Runtime", "autocast", "isolate_compile_cache", "bf16_supported", "check_float16_compute",
+           "compiler_available", "compute_dtype", "decode_runtime",
            "default_device",
            "resolve_precision", "seed_everything", "training_runtime"]
 

@@ -8,6 +8,10 @@ exported with `lmforge export --format hf`:
                                and `lora_b` (out, rank) -> `...q_proj.lora_B.weight`, float32
     adapter_config.json        peft_type LORA, r, lora_alpha, lora_dropout, target_modules (HF names),
                                use_rslora; the scale is the same (alpha / r, or alpha / sqrt(r)).
+The names are the model family's (`export.families`: the family `export --format hf` writes the
+base as, `family_of`), so the adapters of an imported Gemma, OLMo 2 or Qwen land on that family's
+q_proj ... down_proj. The embedding and the head are never adapted (`config.check_lora`): a tied
+head stays tied in PEFT, as in the base.
 PEFT loads a file whose names it does not expect as a silent no-op (it warns of missing
 adapter keys); tests/test_lora.py turns that warning into a failure and compares logits.
 """
@@ -15,10 +19,13 @@ adapter keys); tests/test_lora.py turns that warning into a failure and compares
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import torch
 
+from lmforge.config import LORA_TARGETS
+from lmforge.export.families import Family, family_of
 from lmforge.export.hf import map_name
 from lmforge.export.options import ExportError, check_export_options
 from lmforge.fileio import atomic_dir, check_output, save_safetensors
@@ -35,12 +42,32 @@ _SIDE = {"lora_a": "lora_A", "lora_b": "lora_B"}
 PEFT_OUTPUT = "export-peft"
 
 
-def peft_name(name: str) -> str:
-    """lmforge adapter name -> PEFT's saved name ("layers.0.attention.wq.lora_a" ->
+def _hf_weight_name(name: str, family: Family | None) -> str:
+    """An lmforge weight name in the family's Hugging Face names (`Family.hf_names`); without a
+    family, Llama's (`map_name`)."""
+    if family is None:
+        return map_name(name)
+    for ours, theirs in family.hf_names:
+        m = re.fullmatch(re.escape(ours).replace(re.escape("{i}"), r"(\d+)"), name)
+        if m:
+            return theirs.replace("{i}", m.group(1)) if m.groups() else theirs
+    raise ExportError(f"weight {name!r} has no name in the {family.model_type} family's Hugging Face layout "
+                      f"(known: {', '.join(o for o, _ in family.hf_names)}); lora.targets may only name the "
+                      f"blocks' linear layers.")
+
+
+def peft_name(name: str, family: Family | None = None) -> str:
+    """lmforge adapter name -> PEFT's saved name in `family`'s layout ("layers.0.attention.wq.lora_a" ->
     "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight")."""
     stem, _, side = name.rpartition(".")
-    hf = map_name(f"{stem}.weight").removesuffix(".weight")
+    hf = _hf_weight_name(f"{stem}.weight", family).removesuffix(".weight")
     return f"base_model.model.{hf}.{_SIDE[side]}.weight"
+
+
+def target_module(target: str, family: Family | None = None) -> str:
+    """A `lora.targets` entry (wq ... w3) as PEFT's target_modules name in `family`'s layout (q_proj ...)."""
+    where = "attention" if target in LORA_TARGETS[:4] else "feed_forward"
+    return _hf_weight_name(f"layers.0.{where}.{target}.weight", family).split(".")[-2]
 
 
 def export_peft(checkpoint: str | Path, out: str | Path, dtype: str = "float32", verify: bool = False,
@@ -65,13 +92,13 @@ def export_peft(checkpoint: str | Path, out: str | Path, dtype: str = "float32",
     base, sha256 = lora_base(path)
     check_lora_base(path, base, sha256)
     model = lora.inject(Transformer(resolve_model_config(cfg.model, contract)), lo)
+    family = family_of(model.config)  # the layout `export --format hf` writes the base in
     adapters = read_weights(model, path / MODEL_FILE)  # names, shapes and finite values checked
-    tensors = {peft_name(k): v.to(torch.float32).contiguous() for k, v in sorted(adapters.items())}
+    tensors = {peft_name(k, family): v.to(torch.float32).contiguous() for k, v in sorted(adapters.items())}
     config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lo.rank, "lora_alpha": lo.alpha,
         "lora_dropout": lo.dropout, "use_rslora": lo.use_rslora, "bias": "none", "fan_in_fan_out": False,
-        "target_modules": sorted(map_name(f"layers.0.{'attention' if t in ('wq', 'wk', 'wv', 'wo') else 'feed_forward'}"
-                                          f".{t}.weight").split(".")[-2] for t in lo.targets),
+        "target_modules": sorted(target_module(t, family) for t in lo.targets),
         "modules_to_save": None, "init_lora_weights": True, "inference_mode": True,
         "base_model_name_or_path": None,
     }
@@ -81,4 +108,4 @@ def export_peft(checkpoint: str | Path, out: str | Path, dtype: str = "float32",
     return out
 
 
-__all__ = ["export_peft", "peft_name", "PEFT_WEIGHTS_FILE", "PEFT_CONFIG_FILE"]
+__all__ = ["export_peft", "peft_name", "target_module", "PEFT_WEIGHTS_FILE", "PEFT_CONFIG_FILE"]

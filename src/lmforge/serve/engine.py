@@ -106,6 +106,7 @@ class Engine:
                  stop_ids: Sequence[int] | None = None, runtime: Runtime | None = None):
         self.model, self.tok = model.eval(), tok
         self.runtime = runtime if runtime is not None else decode_runtime(model.output.weight.device)
+        self.runtime.check_model(model)  # no float16 compute for (offset + w) norms
         self.max_batch, self.max_queue = max_batch, max_queue
         self.stop_ids = frozenset(stop_ids if stop_ids is not None else (tok.im_end_id, tok.eos_id))
         self.context = model.config.max_seq_len

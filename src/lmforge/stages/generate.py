@@ -26,7 +26,10 @@ def generate_text(model, tok: Tokenizer, prompt: str, sampling: SamplingConfig, 
     """Complete `prompt` (a document start: the contract's BOS is prepended where the model has
     one, `Tokenizer.encode_prompt`); stops at the EOS. Decodes under `runtime` (see `generate`)."""
     gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed) if seed is not None else None
-    ids = generate(model, [tok.encode_prompt(prompt)], [tok.eos_id], sampling, tok.pad_id,
+    prompt_ids = tok.encode_prompt(prompt)
+    if truncate:  # its last tokens, behind its BOS (generate's own cut would drop the BOS)
+        prompt_ids = tok.fit_prompt(prompt_ids, model.config.max_seq_len - sampling.max_new_tokens)
+    ids = generate(model, [prompt_ids], [tok.eos_id], sampling, tok.pad_id,
                    truncate=truncate, generator=gen, runtime=runtime)[0]
     if ids and ids[-1] == tok.eos_id:
         ids = ids[:-1]
@@ -46,7 +49,7 @@ def generate_stage(cfg: Config, checkpoint: str | Path, prompt: str, sampling: S
 def chat_prompt(tok: Tokenizer, messages: Sequence[dict], budget: int) -> list[int]:
     """The history rendered with the template plus the assistant header, within `budget`
     tokens: while it is too long, the oldest exchange after a system message is dropped
-    (the caller's generate(truncate=True) cuts what still does not fit)."""
+    (then its last tokens, behind its BOS: `Tokenizer.fit_prompt`)."""
     messages = list(messages)
     first = 1 if messages and messages[0]["role"] == "system" else 0
     ids = tok.render_chat(messages, add_generation_prompt=True).ids
@@ -55,7 +58,7 @@ def chat_prompt(tok: Tokenizer, messages: Sequence[dict], budget: int) -> list[i
         while len(messages) - first > 1 and messages[first]["role"] != "user":
             del messages[first]
         ids = tok.render_chat(messages, add_generation_prompt=True).ids
-    return ids
+    return tok.fit_prompt(ids, budget)
 
 
 def chat_reply(model, tok: Tokenizer, messages: Sequence[dict], sampling: SamplingConfig,

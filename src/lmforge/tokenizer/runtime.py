@@ -9,7 +9,7 @@ from pathlib import Path
 from tokenizers import Tokenizer as HFTokenizer
 
 from lmforge.contract import CONTRACT_FILE, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, Contract, check_tokenizer_hash
-from lmforge.errors import ContractError
+from lmforge.errors import ContractError, DataError
 from lmforge.fileio import load_hf_tokenizer
 from lmforge.tokenizer.chat import ChatRendering, ChatTemplate
 from lmforge.tokenizer.hf_json import _read_json, _template_vars, _token_text, check_prefix_space
@@ -145,6 +145,19 @@ class Tokenizer:
         """A completion prompt: a document start (the contract's `document_start`) + encode(text)."""
         return [*self.contract.document_start, *self.encode(text)]
 
+    def fit_prompt(self, ids: Sequence[int], budget: int) -> list[int]:
+        """A prompt (`encode_prompt`, or a chat rendered with the generation prompt) cut to its
+        last `budget` tokens, keeping its document start: a prompt that starts with the
+        contract's BOS keeps it in front (a Gemma model without its BOS is catastrophically
+        worse: lambada perplexity 5.9e9 instead of 3.46, MODEL-FAMILIES.md §2.3). Shorter
+        prompts, and a budget with no room beside the BOS, are left as they are (generate's own
+        check then cuts or refuses them)."""
+        ids = list(ids)
+        start = self.contract.document_start
+        if len(ids) <= budget or not start or ids[: len(start)] != start or budget <= len(start):
+            return ids
+        return [*start, *ids[len(ids) - (budget - len(start)):]]
+
     @property
     def chat_template(self) -> "ChatTemplate":
         """The contract's chat template, compiled (lmforge's ChatML, or an imported model's own)."""
@@ -158,6 +171,25 @@ class Tokenizer:
         special-token strings (bos_token, eos_token, unk_token, pad_token), where set."""
         path = self.folder / TOKENIZER_CONFIG_FILE
         return _template_vars(_read_json(path) if path.is_file() else {})
+
+    def _check_one_bos(self, ids: Sequence[int]) -> None:
+        """A chat rendering never starts with two BOS tokens (the double-BOS pitfall: a template
+        that writes `{{ bos_token }}` and a tokenizer that prepends one more). lmforge tokenizes a
+        rendered template as transformers does, without adding special tokens, so the BOS is
+        the template's own: exactly one when it writes `{{ bos_token }}` once (Gemma, Llama 3,
+        Mistral), none when it writes none (the rows every stage builds, SFT, DPO, RL prompts
+        and chat prompts, are these renderings).
+
+        Raises:
+            DataError: the rendering starts with the BOS twice, naming the template.
+        """
+        bos = self.contract.bos_id
+        if bos is not None and len(ids) >= 2 and ids[0] == bos and ids[1] == bos:
+            raise DataError(
+                f"{self.chat_template.name} renders a conversation starting with two BOS tokens "
+                f"({self.spellings['bos']!r} twice); expected one: the template writes the BOS, and lmforge adds none "
+                f"to a rendered chat (as transformers' apply_chat_template). A model trained or prompted with a double "
+                f"BOS sees text it was never trained on. Fix the template to write {{{{ bos_token }}}} once.")
 
     def render_chat(self, messages: Sequence[dict], add_generation_prompt: bool = False) -> ChatRendering:
         """The conversation's ids and the assistant-only loss mask, rendered with the contract's
@@ -174,7 +206,9 @@ class Tokenizer:
             template's own error (e.g. roles that do not alternate), naming the template.
         """
         if self.contract.chat_template != CHAT_TEMPLATE:
-            return self.chat_template.render_ids(self, messages, add_generation_prompt)
+            rendering = self.chat_template.render_ids(self, messages, add_generation_prompt)
+            self._check_one_bos(rendering.ids)
+            return rendering
         ids: list[int] = []
         mask: list[int] = []
         # Text between two special tokens is encoded as one piece, as transformers does

@@ -88,6 +88,7 @@ class Trainer:
     def __post_init__(self):
         self.run_dir = Path(self.run_dir)
         self.runtime = self.runtime or training_runtime(self.cfg.train.precision, self.dist.device)
+        self.runtime.check_model(self.model)  # no float16 compute for (offset + w) norms
         self.device = self.runtime.device
         self.raw_model = self.model.to(self.device)
         self.model = wrap_model(self.raw_model, self.cfg.train.data_parallel, self.dist)
