@@ -119,7 +119,8 @@ def register():
                 greedy = not gen.get("do_sample", False) or temperature == 0.0
                 sampling = SamplingConfig(max_new_tokens=n, greedy=greedy, temperature=temperature or 1.0, top_k=0,
                                           top_p=1.0, repetition_penalty=1.0)
-                ids = [self.prefix_token_id, *self.tok_encode(context)][-(self.max_length - n):]
+                budget = self.max_length - n  # the context's last tokens, its BOS kept in front (fit_prompt)
+                ids = self.tok.fit_prompt([self.prefix_token_id, *self.tok_encode(context)], budget)[-budget:]
                 gen_ids = generate(self.model, [ids], [self.tok.eos_id], sampling, self.tok.pad_id, truncate=True,
                                    runtime=runtime)[0]
                 text = self.tok.decode([t for t in gen_ids if t != self.tok.eos_id])
