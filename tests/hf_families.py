@@ -1,7 +1,8 @@
 """Tiny Hugging Face folders of the Llama family, built locally as `transformers` saves them.
 
 Each family: the config class of `transformers` with tiny sizes and random weights
-(`save_pretrained`), and a byte-level BPE trained here with HF `tokenizers`, wrapped in
+(`save_pretrained`), and a BPE trained here with HF `tokenizers` (byte-level; Gemma's
+SentencePiece-style), wrapped in
 `PreTrainedTokenizerFast` with the family's real special tokens, its BOS convention
 (tokenizer.json's post-processor) and its real public chat template:
 
@@ -13,6 +14,22 @@ Each family: the config class of `transformers` with tiny sizes and random weigh
     qwen2    Qwen2ForCausalLM (q/k/v biases), embedding rows past the tokenizer's vocab;
              Qwen2.5's ChatML with its default system prompt, eos_token <|im_end|>, no BOS
     qwen3    Qwen3ForCausalLM (QK-norm); the same Qwen2.5 ChatML template
+    gemma3   Gemma3ForCausalLM (model_type gemma3_text): 7 layers (sliding x5, full, sliding),
+             window 6, head_dim 48 != 64/2, query_pre_attn_scalar 40, RoPE bases 1e6 full / 1e4
+             sliding, tied head; SentencePiece-style BPE (byte fallback, "▁", no dummy prefix)
+             with Gemma's specials <pad> <eos> <bos> <unk> <start_of_turn> <end_of_turn>, <bos>
+             prepended, eos_token <eos>, Gemma 3's public chat template
+    gemma2   Gemma2ForCausalLM: 4 layers alternating sliding/full, window 6, head_dim 48,
+             attention soft-cap 2.0 and logit soft-cap 3.0 (small: tanh far from linear); Gemma's
+             tokenizer and template
+    olmo2    Olmo2ForCausalLM (norms after attention and MLP, QK-norm over the projections);
+             byte-level BPE with <|endoftext|> (bos and eos, not prepended) and <|pad|>, Tülu 3's
+             template as OLMo 2 Instruct ships it
+    mistral_sliding  MistralForCausalLM with sliding_window 6 (< max_position_embeddings):
+             the window slides; Mistral's tokenizer and template
+
+Every model is built with attn_implementation="eager" and every norm weight is random (Gemma's
+zero-initialised (1 + w) norms would hide offset and placement bugs).
 
 Nothing is downloaded: the templates are the public texts, written out below.
 """
@@ -92,6 +109,41 @@ QWEN3_THINKING_TEMPLATE = (
     "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 
+#: Gemma 3's public chat template (google/gemma-3-*-it tokenizer_config.json), as written there
+GEMMA3_TEMPLATE = (
+    "{{ bos_token }}\n{%- if messages[0]['role'] == 'system' -%}\n    {%- if messages[0]['content'] is string -%}\n"
+    "        {%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}\n    {%- else -%}\n"
+    "        {%- set first_user_prefix = messages[0]['content'][0]['text'] + '\n\n' -%}\n    {%- endif -%}\n"
+    "    {%- set loop_messages = messages[1:] -%}\n{%- else -%}\n    {%- set first_user_prefix = \"\" -%}\n"
+    "    {%- set loop_messages = messages -%}\n{%- endif -%}\n{%- for message in loop_messages -%}\n"
+    "    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}\n"
+    "        {{ raise_exception(\"Conversation roles must alternate user/assistant/user/assistant/...\") }}\n"
+    "    {%- endif -%}\n    {%- if (message['role'] == 'assistant') -%}\n        {%- set role = \"model\" -%}\n"
+    "    {%- else -%}\n        {%- set role = message['role'] -%}\n    {%- endif -%}\n"
+    "    {{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else \"\") }}\n"
+    "    {%- if message['content'] is string -%}\n        {{ message['content'] | trim }}\n"
+    "    {%- elif message['content'] is iterable -%}\n        {%- for item in message['content'] -%}\n"
+    "            {%- if item['type'] == 'image' -%}\n                {{ '<start_of_image>' }}\n"
+    "            {%- elif item['type'] == 'text' -%}\n                {{ item['text'] | trim }}\n"
+    "            {%- endif -%}\n        {%- endfor -%}\n    {%- else -%}\n"
+    "        {{ raise_exception(\"Invalid content type\") }}\n    {%- endif -%}\n    {{ '<end_of_turn>\n' }}\n"
+    "{%- endfor -%}\n{%- if add_generation_prompt -%}\n    {{'<start_of_turn>model\n'}}\n{%- endif -%}\n"
+)
+
+#: OLMo 2 Instruct's template (Tülu 3's): <|user|> / <|assistant|> blocks, the reply closed by EOS
+OLMO2_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}{% if message['role'] == 'system' %}"
+    "{{ '<|system|>\n' + message['content'] + '\n' }}{% elif message['role'] == 'user' %}"
+    "{{ '<|user|>\n' + message['content'] + '\n' }}{% elif message['role'] == 'assistant' %}"
+    "{% if not loop.last %}{{ '<|assistant|>\n'  + message['content'] + eos_token + '\n' }}"
+    "{% else %}{{ '<|assistant|>\n'  + message['content'] + eos_token }}{% endif %}{% endif %}"
+    "{% if loop.last and add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}{% endfor %}"
+)
+
+GEMMA_SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
+_GEMMA_TOKENIZER = (GEMMA_SPECIALS, dict(bos_token="<bos>", eos_token="<eos>", unk_token="<unk>", pad_token="<pad>"),
+                    "<bos>", GEMMA3_TEMPLATE)
+
 #: family -> (special tokens in id order, tokenizer kwargs, BOS prepended by the post-processor, template)
 TOKENIZERS = {
     "smollm": (["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
@@ -105,7 +157,16 @@ TOKENIZERS = {
               dict(eos_token="<|im_end|>", pad_token="<|endoftext|>"), None, QWEN25_TEMPLATE),
     "qwen3": (["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
               dict(eos_token="<|im_end|>", pad_token="<|endoftext|>"), None, QWEN25_TEMPLATE),
+    "gemma3": _GEMMA_TOKENIZER,
+    "gemma2": _GEMMA_TOKENIZER,
+    "olmo2": (["<|endoftext|>", "<|pad|>"],
+              dict(bos_token="<|endoftext|>", eos_token="<|endoftext|>", pad_token="<|pad|>"), None, OLMO2_TEMPLATE),
+    "mistral_sliding": (["<unk>", "<s>", "</s>"], dict(bos_token="<s>", eos_token="</s>", unk_token="<unk>"), "<s>",
+                        MISTRAL_TEMPLATE),
 }
+
+#: families whose tokenizer is SentencePiece-style BPE (Gemma's), not byte-level
+SPM_FAMILIES = ("gemma3", "gemma2")
 
 TEXT = ("def add(a, b):\n    return a + b\n\nHello, world! The quick brown fox jumps over the lazy dog.\n"
         "You are a helpful assistant. Hi there, how can I help you today? 12345 café\n")
@@ -117,6 +178,9 @@ def build_tokenizer(family: str, folder: Path, template: str | None = "family"):
     from transformers import PreTrainedTokenizerFast
 
     specials, kwargs, bos, own_template = TOKENIZERS[family]
+    chat = own_template if template == "family" else template
+    if family in SPM_FAMILIES:
+        return _gemma_tokenizer(folder, specials, kwargs, bos, chat)
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -128,14 +192,37 @@ def build_tokenizer(family: str, folder: Path, template: str | None = "family"):
                                                            special_tokens=[(bos, tok.token_to_id(bos))])
     else:
         tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    chat = own_template if template == "family" else template
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, chat_template=chat, **kwargs)
     fast.save_pretrained(str(folder))
     return fast
 
 
+def _gemma_tokenizer(folder: Path, specials: list[str], kwargs: dict, bos: str, chat: str | None):
+    """Gemma's tokenizer.json layout: SentencePiece BPE with byte fallback (<0xNN> tokens), " " as
+    "▁" and no dummy prefix (Gemma's normalizer only replaces spaces; the decoder strips nothing),
+    <unk> at id 3, `bos` prepended by the post-processor; saved into `folder`."""
+    import json
+
+    from gguf_helpers import _spm_tokenizer
+    from tokenizers import Tokenizer, processors
+    from transformers import PreTrainedTokenizerFast
+
+    spec = json.loads(_spm_tokenizer([TEXT] * 20, 330, specials).to_str())
+    spec["model"]["unk_token"] = kwargs["unk_token"]
+    spec["normalizer"] = {"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"}
+    spec["decoder"]["decoders"] = [d for d in spec["decoder"]["decoders"] if d["type"] != "Strip"]
+    tok = Tokenizer.from_str(json.dumps(spec))
+    tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
+                                                       special_tokens=[(bos, tok.token_to_id(bos))])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, chat_template=chat, add_bos_token=True,
+                                   add_eos_token=False, clean_up_tokenization_spaces=False, **kwargs)
+    fast.save_pretrained(str(folder))
+    return fast
+
+
 def build_model(family: str, vocab_size: int, seed: int = 0, **overrides):
-    """A tiny random model of `family` (dim 64, 2 layers, 4/2 heads), every weight random."""
+    """A tiny random model of `family` (dim 64; 2 layers, 4/2 heads unless the family's sketch in
+    the module docstring says otherwise), every weight random, attn_implementation "eager"."""
     import transformers
 
     common = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -148,19 +235,45 @@ def build_model(family: str, vocab_size: int, seed: int = 0, **overrides):
                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
     elif family == "mistral":
         cls, cfg = transformers.MistralForCausalLM, transformers.MistralConfig(**common, sliding_window=None)
+    elif family == "mistral_sliding":
+        cls, cfg = transformers.MistralForCausalLM, transformers.MistralConfig(**common, sliding_window=6)
     elif family == "qwen2":
         common.pop("head_dim")
         cls, cfg = transformers.Qwen2ForCausalLM, transformers.Qwen2Config(**common)
-    else:
+    elif family == "qwen3":
         cls, cfg = transformers.Qwen3ForCausalLM, transformers.Qwen3Config(**common)
+    elif family == "gemma3":
+        cls = transformers.Gemma3ForCausalLM
+        cfg = transformers.Gemma3TextConfig(
+            vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=7, num_attention_heads=2,
+            num_key_value_heads=1, head_dim=48, query_pre_attn_scalar=40, sliding_window=6, rms_norm_eps=1e-6,
+            max_position_embeddings=256, tie_word_embeddings=True, pad_token_id=0, eos_token_id=1, bos_token_id=2,
+            rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                             "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
+    elif family == "gemma2":
+        cls = transformers.Gemma2ForCausalLM
+        cfg = transformers.Gemma2Config(
+            vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=2,
+            num_key_value_heads=1, head_dim=48, query_pre_attn_scalar=40, sliding_window=6, rms_norm_eps=1e-6,
+            max_position_embeddings=256, attn_logit_softcapping=2.0, final_logit_softcapping=3.0,
+            tie_word_embeddings=True, pad_token_id=0, eos_token_id=1, bos_token_id=2,
+            rope_parameters={"rope_type": "default", "rope_theta": 1e4})
+    elif family == "olmo2":
+        common.pop("head_dim")
+        cls, cfg = transformers.Olmo2ForCausalLM, transformers.Olmo2Config(
+            **common, tie_word_embeddings=False, eos_token_id=0, pad_token_id=1, bos_token_id=None)
+    else:
+        raise ValueError(f"no tiny model for family {family!r}; one of {sorted(TOKENIZERS)}")
     for key, value in overrides.items():
         setattr(cfg, key, value)
+    cfg._attn_implementation = "eager"
     torch.manual_seed(seed)
     model = cls(cfg).float().eval()
+    gemma = family in ("gemma3", "gemma2")
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.3 * torch.randn_like(p))
+            if name.endswith("norm.weight"):  # Gemma's (1 + w): w itself random around 0
+                p.copy_(0.5 * torch.randn_like(p) if gemma else 1.0 + 0.3 * torch.randn_like(p))
             else:
                 p.copy_(0.08 * torch.randn_like(p))
     return model

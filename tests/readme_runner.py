@@ -14,7 +14,7 @@ Directives are HTML comments on the lines right before the fence (invisible when
     needs="PROG ..."          commands whose program is PROG run only where PROG is on PATH
                               (else listed as skipped: "needs PROG")
     fixture="PATH:KIND ..."   files the test makes before the block, standing in for the user's
-                              own (KIND: hf-smollm2, chats, pairs, prompts, tasks, texts, parquet-shards,
+                              own (KIND: hf-smollm2, hf-gemma3, chats, pairs, prompts, tasks, texts, parquet-shards,
                               jsonl-zst, previous-block)
     background="PREFIX"       commands that start with PREFIX are servers: started in the
     ready="URL"               background, ready when URL answers 200, stopped (SIGINT) before
@@ -257,6 +257,11 @@ def make_fixture(kind: str, path: Path, block: Block) -> None:
         from hf_families import build_folder
 
         build_folder("smollm", path, max_position_embeddings=2048)
+    elif kind == "hf-gemma3":  # a folder transformers saves: Gemma 3's text model, tokenizer and template
+        sys.path.insert(0, str(ROOT / "tests"))
+        from hf_families import build_folder
+
+        build_folder("gemma3", path)
     elif kind == "chats":
         rows = [{"messages": [{"role": "user", "content": f"What is {a} plus {b}?"},
                               {"role": "assistant", "content": f"{a} plus {b} is {a + b}."}]}

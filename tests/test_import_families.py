@@ -163,13 +163,18 @@ def test_refusals_name_the_field(tmp_path, llama_folder, changes, message):
     assert tree_hash(src) == before and not (tmp_path / "out").exists()
 
 
-def test_mistral_sliding_window_refused_only_when_it_slides(tmp_path):
+def test_mistral_sliding_window_imports_as_sliding_layers_only_when_it_slides(tmp_path):
+    """A window below max_position_embeddings slides in every layer (tests/test_families_hf.py
+    proves the logits); one at least as long never slides and is full attention."""
     build_folder("mistral", tmp_path / "hf")
-    src = edited(tmp_path / "hf", tmp_path / "slides", sliding_window=128)
-    with pytest.raises(ExportError, match="sliding_window = 128 is below max_position_embeddings = 256"):
-        import_hf(src, tmp_path / "out")
-    import_hf(edited(tmp_path / "hf", tmp_path / "wide", sliding_window=256), tmp_path / "out")
-    assert (tmp_path / "out" / "model.safetensors").is_file()
+    lines: list[str] = []
+    import_hf(edited(tmp_path / "hf", tmp_path / "slides", sliding_window=128), tmp_path / "out", log=lines.append)
+    model = load_model(tmp_path / "out")[0].config
+    assert model.layer_types == ["sliding", "sliding"] and model.sliding_window == 128
+    assert any("sliding_window = 128 < max_position_embeddings = 256" in x for x in lines)
+    import_hf(edited(tmp_path / "hf", tmp_path / "wide", sliding_window=256), tmp_path / "out2")
+    model = load_model(tmp_path / "out2")[0].config
+    assert model.layer_types == [] and model.sliding_window == 0
 
 
 @pytest.mark.parametrize("rope", [

@@ -1,23 +1,26 @@
 """Hugging Face format out (`lmforge export`); in (`lmforge import-hf`) is `hf_in`.
 
-An exported folder is what `transformers` writes for a `LlamaForCausalLM`:
+An exported folder is what `transformers` writes for the model's family:
 
-    config.json              LlamaForCausalLM; vocab_size = the tokenizer's (P6)
-    model.safetensors        HF names; the embedding's padding rows sliced off
+    config.json              the family's class and every key it reads; vocab_size = the tokenizer's (P6)
+    model.safetensors        the family's names; the embedding's padding rows sliced off
     tokenizer.json           the lmforge tokenizer, byte for byte
-    tokenizer_config.json    with the ChatML chat template and the special tokens
+    tokenizer_config.json    with the chat template and the special tokens
     generation_config.json   eos_token_id = every stop id (<|eos|>, <|im_end|>), pad_token_id
 
-A model with `model.qk_norm` is written as a `Qwen3ForCausalLM` instead (Llama's layout plus
-q_norm / k_norm), which transformers and llama.cpp (arch qwen3) both run.
+The family is `families.family_of(model)`: the first record of `export/families.py` (one per
+family) that carries every mechanism the model sets. A plain model is a `LlamaForCausalLM`;
+`model.qk_norm` makes it a `Qwen3ForCausalLM`, `model.qkv_bias` a `Qwen2ForCausalLM`, a window
+sliding in every layer a `MistralForCausalLM`; an imported Gemma 3 (`Gemma3ForCausalLM`, model_type
+gemma3_text), Gemma 2 or OLMo 2 is written back as itself. A model no family carries is refused.
+Llama 3.1 RoPE scaling (`model.rope_scaling = "llama3"`) is config.json's `rope_scaling`.
 
-lmforge's rotary embeddings use the half-split ("rotate_half") layout that HF's Llama
-uses, so q/k weights map without a permutation (tests/test_export.py proves it by
-logit parity with `LlamaForCausalLM`). Hugging Face names appear in this module and `hf_in`
-only, and every lmforge <-> HF weight name goes through one function, `map_name`, both ways.
-
-A model with `model.qkv_bias` is written as a `Qwen2ForCausalLM`, and Llama 3.1 RoPE scaling
-(`model.rope_scaling = "llama3"`) as config.json's `rope_scaling`.
+lmforge's rotary embeddings use the half-split ("rotate_half") layout that HF's models use, so
+q/k weights map without a permutation (tests/test_export.py, tests/test_families_hf.py prove it
+by logit parity). Hugging Face names appear in this module, `hf_in` and `families` only, and every
+lmforge <-> HF weight name goes through one function, `map_name`, both ways, in the family's
+names (`Family.hf_names`: `post_attention_layernorm` is Llama's norm before the MLP but Gemma's
+and OLMo 2's norm after attention).
 
 The weight names (`map_name`, `to_hf_state`, `from_hf_state`), the config builders, FAMILIES and
 the file names are shared by both directions and live here.
@@ -28,9 +31,9 @@ Neither direction needs `transformers`; only `export_hf(..., verify=True)` (the
 
 from __future__ import annotations
 
+import functools
 import json
 import re
-from dataclasses import replace
 import shutil
 from pathlib import Path
 
@@ -39,6 +42,7 @@ import torch
 from lmforge.config import ModelConfig
 from lmforge.contract import Contract, padded_vocab_size
 from lmforge.errors import require_package
+from lmforge.export import families
 from lmforge.export.options import ExportError, check_dtype_range, check_export_options
 from lmforge.export.card import MODEL_CARD_FILE, model_card, read_evaluation
 from lmforge.fileio import atomic_dir, check_output, loads_json, save_safetensors
@@ -55,60 +59,63 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 # -- names: the one place lmforge and Hugging Face names meet --------------------------
-#: (lmforge name, HF name) with "{i}" for the layer index.
-_NAME_PAIRS = (
-    ("tok_embeddings.weight", "model.embed_tokens.weight"),
-    ("layers.{i}.attention_norm.weight", "model.layers.{i}.input_layernorm.weight"),
-    ("layers.{i}.attention.wq.weight", "model.layers.{i}.self_attn.q_proj.weight"),
-    ("layers.{i}.attention.wk.weight", "model.layers.{i}.self_attn.k_proj.weight"),
-    ("layers.{i}.attention.wv.weight", "model.layers.{i}.self_attn.v_proj.weight"),
-    ("layers.{i}.attention.wo.weight", "model.layers.{i}.self_attn.o_proj.weight"),
-    ("layers.{i}.attention.wq.bias", "model.layers.{i}.self_attn.q_proj.bias"),  # qkv_bias: Qwen2
-    ("layers.{i}.attention.wk.bias", "model.layers.{i}.self_attn.k_proj.bias"),
-    ("layers.{i}.attention.wv.bias", "model.layers.{i}.self_attn.v_proj.bias"),
-    ("layers.{i}.attention.q_norm.weight", "model.layers.{i}.self_attn.q_norm.weight"),  # qk_norm: Qwen3
-    ("layers.{i}.attention.k_norm.weight", "model.layers.{i}.self_attn.k_norm.weight"),
-    ("layers.{i}.ffn_norm.weight", "model.layers.{i}.post_attention_layernorm.weight"),
-    ("layers.{i}.feed_forward.w1.weight", "model.layers.{i}.mlp.gate_proj.weight"),
-    ("layers.{i}.feed_forward.w3.weight", "model.layers.{i}.mlp.up_proj.weight"),
-    ("layers.{i}.feed_forward.w2.weight", "model.layers.{i}.mlp.down_proj.weight"),
-    ("norm.weight", "model.norm.weight"),
-    ("output.weight", "lm_head.weight"),
-)
+#: Without a family: Llama's layout with Qwen2's q/k/v biases and Qwen3's QK-norm (what
+#: `map_name` has always taken; the PEFT export's names).
+_LLAMA_LAYOUT = tuple(dict.fromkeys(pair for name in ("llama", "qwen2", "qwen3")
+                                    for pair in families.FAMILIES[name].hf_names))
 
 
 def _pattern(template: str) -> re.Pattern:
     return re.compile("^" + re.escape(template).replace(re.escape("{i}"), r"(\d+)") + "$")
 
 
-_TO_HF = [(_pattern(a), b) for a, b in _NAME_PAIRS]
-_TO_LMFORGE = [(_pattern(b), a) for a, b in _NAME_PAIRS]
+@functools.lru_cache(maxsize=None)
+def _name_maps(model_type: str | None) -> tuple[tuple, list, list]:
+    """(pairs, lmforge -> HF patterns, HF -> lmforge patterns) of a family (None: `_LLAMA_LAYOUT`)."""
+    pairs = _LLAMA_LAYOUT if model_type is None else families.FAMILIES[model_type].hf_names
+    return pairs, [(_pattern(a), b) for a, b in pairs], [(_pattern(b), a) for a, b in pairs]
 
 
-def map_name(name: str, to_hf: bool = True) -> str:
-    """Map one weight name: lmforge -> Hugging Face Llama (`to_hf`), or back.
+def map_name(name: str, to_hf: bool = True, family: families.Family | str | None = None) -> str:
+    """Map one weight name: lmforge -> Hugging Face (`to_hf`), or back, in `family`'s names
+    (`families.Family.hf_names`; a Family or its model_type). Without a family: Llama's layout
+    (with Qwen2's q/k/v biases and Qwen3's q_norm / k_norm).
 
-    "layers.3.attention.wq.weight" <-> "model.layers.3.self_attn.q_proj.weight".
-    Shapes are the same on both sides (no permutation: both use half-split RoPE).
+    "layers.3.attention.wq.weight" <-> "model.layers.3.self_attn.q_proj.weight"; in Gemma 2/3
+    "layers.3.attention_post_norm.weight" <-> "model.layers.3.post_attention_layernorm.weight",
+    which is Llama's "layers.3.ffn_norm.weight". Shapes are the same on both sides (no
+    permutation: both use half-split RoPE).
 
     Raises:
-        ExportError: a name with no counterpart (for example a bias, which lmforge lacks).
+        ExportError: a name with no counterpart in the family (for example an o_proj bias).
     """
-    for pattern, target in _TO_HF if to_hf else _TO_LMFORGE:
+    model_type = family.model_type if isinstance(family, families.Family) else family
+    if model_type is not None and model_type not in families.FAMILIES:
+        raise ExportError(f"model family {model_type!r}: expected one of {', '.join(families.FAMILIES)}.")
+    pairs, to_theirs, to_ours = _name_maps(model_type)
+    for pattern, target in to_theirs if to_hf else to_ours:
         m = pattern.match(name)
         if m:
             return target.replace("{i}", m.group(1)) if m.groups() else target
-    side = "lmforge" if to_hf else "Hugging Face Llama"
+    known = ", ".join(p[0 if to_hf else 1] for p in pairs)
+    if model_type is None:
+        side = "lmforge" if to_hf else "Hugging Face Llama"
+        raise ExportError(
+            f"weight {name!r} is not a {side} weight lmforge knows how to map (known: {known}). lmforge's model "
+            f"has no other parameters (biases on q, k and v only); this folder holds a model lmforge cannot represent."
+        )
+    arch = families.FAMILIES[model_type].architecture
+    side = "an lmforge" if to_hf else f"a Hugging Face {arch}"
     raise ExportError(
-        f"weight {name!r} is not a {side} weight lmforge knows how to map (known: "
-        f"{', '.join(p[0 if to_hf else 1] for p in _NAME_PAIRS)}). lmforge's model has no other parameters "
-        f"(biases on q, k and v only); this folder holds a model lmforge cannot represent."
+        f"weight {name!r} is not {side} weight lmforge maps for {arch} (known: {known}). lmforge's {arch} has no "
+        f"other parameters; this model holds one lmforge cannot represent."
     )
 
 
 def to_hf_state(state: dict[str, torch.Tensor], vocab_size: int, tie_embeddings: bool,
-                dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """lmforge state dict -> HF Llama state dict.
+                dtype: torch.dtype | None = None,
+                family: families.Family | str | None = None) -> dict[str, torch.Tensor]:
+    """lmforge state dict -> HF state dict, in `family`'s names (None: Llama's layout; see `map_name`).
 
     Args:
         state: lmforge weights (`train.checkpoint.model_state`: a tied output weight is absent);
@@ -130,13 +137,15 @@ def to_hf_state(state: dict[str, torch.Tensor], vocab_size: int, tie_embeddings:
         if dtype is not None and t.is_floating_point():
             check_dtype_range(name, t, str(dtype).removeprefix("torch."))  # never an infinity in the file
             t = t.to(dtype)
-        out[map_name(name, to_hf=True)] = t.detach().contiguous().cpu()
+        out[map_name(name, to_hf=True, family=family)] = t.detach().contiguous().cpu()
     return out
 
 
 def from_hf_state(state: dict[str, torch.Tensor], vocab_size: int, tie_embeddings: bool,
-                  where: str = "the weights") -> dict[str, torch.Tensor]:
-    """HF Llama state dict -> lmforge state dict (float32), as `model_state` stores it.
+                  where: str = "the weights",
+                  family: families.Family | str | None = None) -> dict[str, torch.Tensor]:
+    """HF state dict in `family`'s names (None: Llama's layout; see `map_name`) -> lmforge state
+    dict (float32), as `model_state` stores it.
 
     Embedding/output rows are cut to `vocab_size` (the tokenizer's; rows past it are
     unreachable by the tokenizer) and zero-padded to the multiple of 64 (P6). With
@@ -160,7 +169,7 @@ def from_hf_state(state: dict[str, torch.Tensor], vocab_size: int, tie_embedding
                     f"model.embed_tokens.weight. Fix tie_word_embeddings in config.json."
                 )
             continue
-        ours = map_name(name, to_hf=False)
+        ours = map_name(name, to_hf=False, family=family)
         t = t.detach().to(torch.float32)
         if ours in ("tok_embeddings.weight", "output.weight"):
             if t.shape[0] < vocab_size:
@@ -172,7 +181,8 @@ def from_hf_state(state: dict[str, torch.Tensor], vocab_size: int, tie_embedding
             t = torch.cat([t[:vocab_size], t.new_zeros(padded - vocab_size, t.shape[1])])
         out[ours] = t.contiguous()
     if "tok_embeddings.weight" not in out:
-        raise ExportError(f"{where}: no model.embed_tokens.weight; this is not a Llama causal LM's weights.")
+        raise ExportError(f"{where}: no model.embed_tokens.weight; this is not the weights of a causal LM "
+                          f"lmforge imports.")
     if not tie_embeddings and "output.weight" not in out:
         raise ExportError(
             f"{where}: no lm_head.weight and config.json says tie_word_embeddings = false. "
@@ -182,42 +192,46 @@ def from_hf_state(state: dict[str, torch.Tensor], vocab_size: int, tie_embedding
 
 
 # -- config ------------------------------------------------------------------------------
+#: lmforge's layer kinds <-> transformers' `layer_types` entries
+HF_LAYER_TYPES = {"full": "full_attention", "sliding": "sliding_attention"}
+#: transformers' name of GELU with the tanh approximation (Gemma's `hidden_activation`)
+GELU_TANH = "gelu_pytorch_tanh"
+
+
 def hf_config(model: ModelConfig, contract: Contract, dtype: torch.dtype = torch.float32) -> dict:
-    """The `config.json` of a `LlamaForCausalLM` equal to `model` (vocab = the tokenizer's);
-    with `model.qk_norm`, of a `Qwen3ForCausalLM` (Llama's layout plus an RMSNorm over each
-    head's q and k before the rotary embedding, which is what lmforge's qk_norm computes)."""
-    if model.qk_norm and model.qkv_bias:
-        raise ExportError("model.qk_norm with model.qkv_bias is no Hugging Face architecture (Qwen3 has QK-norm and no "
-                          "biases, Qwen2 biases and no QK-norm); this model cannot be exported.")
-    if model.qk_norm:
-        return qwen3_config(model, contract, dtype)
-    if model.qkv_bias:
-        return qwen2_config(model, contract, dtype)
-    rope_scaling = None
-    if model.rope_scaling == "llama3":
-        rope_scaling = {"rope_type": "llama3", "factor": model.rope_factor, "low_freq_factor": model.rope_low_freq_factor,
-                        "high_freq_factor": model.rope_high_freq_factor,
-                        "original_max_position_embeddings": model.rope_original_max_seq_len}
+    """The `config.json` of the Hugging Face model equal to `model` (vocab = the tokenizer's), in
+    the family `families.family_of(model)` picks: LlamaForCausalLM, MistralForCausalLM (a window
+    sliding in every layer), Qwen2ForCausalLM (q/k/v biases), Qwen3ForCausalLM (QK-norm per
+    head), Gemma3ForCausalLM (model_type gemma3_text), Gemma2ForCausalLM, Olmo2ForCausalLM.
+    Every key transformers' config class of the family reads is written.
+
+    Raises:
+        ExportError: no family carries the model's mechanisms (`family_of`), or its family's
+        transformers class cannot hold a value it has (Mistral with some layers full and some
+        sliding, a Gemma embedding scale other than sqrt(dim), RoPE scaling on Gemma) — naming
+        the field.
+    """
+    family = families.family_of(model)
+    return _CONFIGS[family.model_type](model, contract, dtype)
+
+
+def _common_config(model: ModelConfig, contract: Contract, dtype: torch.dtype, family: str) -> dict:
+    """The keys every family's config.json shares (Llama's shape, the tokenizer's ids)."""
+    f = families.FAMILIES[family]
     return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [f.architecture],
+        "model_type": f.model_type,
         "hidden_size": model.dim,
         "num_hidden_layers": model.n_layers,
         "num_attention_heads": model.n_heads,
         "num_key_value_heads": model.n_kv_heads,
-        "head_dim": model.resolved_head_dim(),
         "intermediate_size": model.resolved_ffn_dim(),
-        "hidden_act": "silu",
         "rms_norm_eps": model.norm_eps,
-        "rope_theta": model.rope_theta,
-        "rope_scaling": rope_scaling,
         "max_position_embeddings": model.max_seq_len,
         "vocab_size": contract.vocab_size,
         "tie_word_embeddings": model.tie_embeddings,
         "attention_bias": False,
         "attention_dropout": 0.0,
-        "mlp_bias": False,
-        "pretraining_tp": 1,
         "initializer_range": 0.02,
         "use_cache": True,
         "bos_token_id": contract.bos_id,
@@ -227,40 +241,137 @@ def hf_config(model: ModelConfig, contract: Contract, dtype: torch.dtype = torch
     }
 
 
+def _plain_rope(model: ModelConfig) -> dict:
+    """rope_theta and rope_scaling (null, or Llama 3.1's four numbers), as every transformers
+    version reads them."""
+    rope_scaling = None
+    if model.rope_scaling == "llama3":
+        rope_scaling = {"rope_type": "llama3", "factor": model.rope_factor,
+                        "low_freq_factor": model.rope_low_freq_factor, "high_freq_factor": model.rope_high_freq_factor,
+                        "original_max_position_embeddings": model.rope_original_max_seq_len}
+    return {"rope_theta": model.rope_theta, "rope_scaling": rope_scaling}
+
+
+def llama_config(model: ModelConfig, contract: Contract, dtype: torch.dtype = torch.float32) -> dict:
+    """`config.json` of a LlamaForCausalLM equal to `model` (Llama's layout)."""
+    return {**_common_config(model, contract, dtype, "llama"), "head_dim": model.resolved_head_dim(),
+            "hidden_act": "silu", **_plain_rope(model), "mlp_bias": False, "pretraining_tp": 1}
+
+
+def mistral_config(model: ModelConfig, contract: Contract, dtype: torch.dtype = torch.float32) -> dict:
+    """`config.json` of a MistralForCausalLM: Llama's layout with `sliding_window` keys in every
+    layer (null: full attention). transformers' Mistral has no per-layer choice (a `layer_types`
+    key would make it Ministral), so the model's layers must be all sliding or all full.
+
+    Raises:
+        ExportError: some layers sliding and some full.
+    """
+    kinds = set(model.layer_types)
+    if "sliding" in kinds and "full" in kinds:
+        raise ExportError(f"model.layer_types = {model.layer_types}: MistralForCausalLM slides the window in every "
+                          f"layer or in none (expected every entry \"sliding\", or every entry \"full\"); this model "
+                          f"cannot be exported.")
+    window = model.sliding_window if "sliding" in kinds else None
+    return {**_common_config(model, contract, dtype, "mistral"), "head_dim": model.resolved_head_dim(),
+            "hidden_act": "silu", **_plain_rope(model), "sliding_window": window}
+
+
 def qwen3_config(model: ModelConfig, contract: Contract, dtype: torch.dtype = torch.float32) -> dict:
     """`config.json` of a Qwen3ForCausalLM equal to a qk_norm `model` (llama.cpp: arch qwen3)."""
-    cfg = hf_config(replace(model, qk_norm=False), contract, dtype)
-    for key in ("pretraining_tp", "mlp_bias"):
-        del cfg[key]
-    cfg.update(architectures=["Qwen3ForCausalLM"], model_type="qwen3", use_sliding_window=False, sliding_window=None,
-               max_window_layers=model.n_layers)
-    return cfg
+    return {**_common_config(model, contract, dtype, "qwen3"), "head_dim": model.resolved_head_dim(),
+            "hidden_act": "silu", **_plain_rope(model), "use_sliding_window": False, "sliding_window": None,
+            "max_window_layers": model.n_layers}
 
 
 def qwen2_config(model: ModelConfig, contract: Contract, dtype: torch.dtype = torch.float32) -> dict:
     """`config.json` of a Qwen2ForCausalLM equal to a qkv_bias `model` (Llama's layout plus
-    biases on q, k and v; Qwen2 has no key for them)."""
-    cfg = hf_config(replace(model, qkv_bias=False), contract, dtype)
-    for key in ("pretraining_tp", "mlp_bias", "attention_bias", "head_dim"):
-        del cfg[key]
-    cfg.update(architectures=["Qwen2ForCausalLM"], model_type="qwen2", use_sliding_window=False, sliding_window=None,
-               max_window_layers=model.n_layers)
+    biases on q, k and v; Qwen2 has no key for them, nor for head_dim)."""
+    cfg = {**_common_config(model, contract, dtype, "qwen2"), "hidden_act": "silu", **_plain_rope(model),
+           "use_sliding_window": False, "sliding_window": None, "max_window_layers": model.n_layers}
+    del cfg["attention_bias"]
     return cfg
 
 
-#: The architectures import-hf reads: (model_type, architectures[0]) -> what they add to Llama.
-FAMILIES = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",  # Llama's layout with a sliding window (accepted when it never slides)
-    "qwen2": "Qwen2ForCausalLM",  # Llama's layout with q/k/v biases
-    "qwen3": "Qwen3ForCausalLM",  # Llama's layout with QK-norm
-}
+def olmo2_config(model: ModelConfig, contract: Contract, dtype: torch.dtype = torch.float32) -> dict:
+    """`config.json` of an Olmo2ForCausalLM: norms after attention and after the MLP only, and
+    QK-norm over the whole q and k projections (no head_dim key: hidden_size / heads)."""
+    return {**_common_config(model, contract, dtype, "olmo2"), "hidden_act": "silu", **_plain_rope(model)}
+
+
+def query_pre_attn_scalar(model: ModelConfig) -> float | int:
+    """Gemma's `query_pre_attn_scalar` q with q ** -0.5 = the model's attention scale (an integer
+    where one gives the scale exactly, as every Gemma config has; head_dim for the default)."""
+    if not model.attn_scale:
+        return model.resolved_head_dim()
+    q = model.attn_scale ** -2
+    return round(q) if round(q) > 0 and round(q) ** -0.5 == model.attn_scale else q
+
+
+def _gemma_common(model: ModelConfig, contract: Contract, dtype: torch.dtype, family: str) -> dict:
+    """The keys Gemma 2 and Gemma 3 share: head_dim, GeGLU, the attention scale, the layer kinds
+    and window, the final soft-cap.
+
+    Raises:
+        ExportError: an embedding scale other than sqrt(hidden_size) (what transformers' Gemma
+        multiplies by), or RoPE scaling.
+    """
+    if model.embed_scale != model.dim ** 0.5:
+        raise ExportError(f"model.embed_scale = {model.embed_scale!r}: transformers' Gemma multiplies the embeddings "
+                          f"by sqrt(hidden_size) = {model.dim ** 0.5!r} (expected that); this model cannot be exported "
+                          f"as {families.FAMILIES[family].architecture}.")
+    if model.rope_scaling != "none":
+        raise ExportError(f"model.rope_scaling = {model.rope_scaling!r}: lmforge exports Gemma with plain RoPE only "
+                          f"(expected \"none\"); this model cannot be exported.")
+    kinds = model.layer_types or ["full"] * model.n_layers
+    return {
+        **_common_config(model, contract, dtype, family),
+        "head_dim": model.resolved_head_dim(),
+        "hidden_activation": GELU_TANH,
+        "query_pre_attn_scalar": query_pre_attn_scalar(model),
+        # no sliding layer: transformers still builds a sliding mask; a window as long as the context never slides
+        "sliding_window": model.sliding_window if "sliding" in kinds else model.max_seq_len,
+        "layer_types": [HF_LAYER_TYPES[k] for k in kinds],
+        "final_logit_softcapping": model.final_softcap or None,
+        "use_bidirectional_attention": False,
+    }
+
+
+def gemma3_config(model: ModelConfig, contract: Contract, dtype: torch.dtype = torch.float32) -> dict:
+    """`config.json` of a Gemma3ForCausalLM (model_type gemma3_text): (1 + w) sandwich norms,
+    QK-norm, GeGLU, sqrt(hidden) embedding scale, `query_pre_attn_scalar`, per-layer
+    `layer_types`, RoPE per layer type (transformers 5's `rope_parameters`, and older versions'
+    `rope_theta` + `rope_local_base_freq`). transformers' Gemma 3 applies no attention soft-cap."""
+    sliding_theta = model.rope_theta_sliding or model.rope_theta
+    return {
+        **_gemma_common(model, contract, dtype, "gemma3_text"),
+        "attn_logit_softcapping": None,
+        "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": model.rope_theta},
+                            "sliding_attention": {"rope_type": "default", "rope_theta": sliding_theta}},
+        "rope_theta": model.rope_theta,
+        "rope_local_base_freq": sliding_theta,
+    }
+
+
+def gemma2_config(model: ModelConfig, contract: Contract, dtype: torch.dtype = torch.float32) -> dict:
+    """`config.json` of a Gemma2ForCausalLM: Gemma 3's layout without QK-norm, one RoPE base,
+    soft-capped attention scores (`attn_logit_softcapping`) and logits (null: none)."""
+    return {**_gemma_common(model, contract, dtype, "gemma2"), "attn_logit_softcapping": model.attn_softcap or None,
+            **_plain_rope(model)}
+
+
+_CONFIGS = {"llama": llama_config, "mistral": mistral_config, "qwen2": qwen2_config, "qwen3": qwen3_config,
+            "gemma3_text": gemma3_config, "gemma2": gemma2_config, "olmo2": olmo2_config}
+
+#: The architectures import-hf reads and export writes: model_type -> architectures[0]
+#: (`families.FAMILIES`, one record each).
+FAMILIES = {name: f.architecture for name, f in families.FAMILIES.items()}
 
 
 # -- export ------------------------------------------------------------------------------
 def export_hf(checkpoint: str | Path, out: str | Path, dtype: str = "float32", verify: bool = False,
               force: bool = False, evaluation: str | Path | None = None) -> Path:
-    """Write a checkpoint as a Hugging Face `LlamaForCausalLM` folder (atomically).
+    """Write a checkpoint as a Hugging Face folder (atomically), in the family `families.family_of`
+    picks for its model (LlamaForCausalLM unless its mechanisms are another family's; see `hf_config`).
 
     Args:
         checkpoint: a checkpoint folder, or a run folder (its newest checkpoint is used).
@@ -276,7 +387,8 @@ def export_hf(checkpoint: str | Path, out: str | Path, dtype: str = "float32", v
     Raises:
         CheckpointError / ContractError: the checkpoint is incomplete or inconsistent.
         ExportError: an option that does not apply (`check_export_options`), `out` holds other
-            files, a weight beyond the dtype's range (`check_dtype_range`), or verification failed.
+            files, a model no family carries (`hf_config`), a weight beyond the dtype's range
+            (`check_dtype_range`), or verification failed.
     """
     check_export_options("hf", dtype, verify, force)
     out = Path(out)
@@ -285,10 +397,11 @@ def export_hf(checkpoint: str | Path, out: str | Path, dtype: str = "float32", v
     results = read_evaluation(evaluation, path) if evaluation is not None else None  # before a write
     contract = tok.contract
     torch_dtype = DTYPES[dtype]
-    hf = to_hf_state(model_state(model), contract.vocab_size, cfg.model.tie_embeddings, torch_dtype)  # before a write
+    family = families.family_of(model.config)  # before a write: a model no family carries is refused
+    config = hf_config(model.config, contract, torch_dtype)
+    hf = to_hf_state(model_state(model), contract.vocab_size, cfg.model.tie_embeddings, torch_dtype, family)
     with atomic_dir(out, EXPORT_OUTPUT, what="`lmforge export`") as tmp:
         save_safetensors(hf, tmp / WEIGHTS_FILE, metadata={"format": "pt"})
-        config = hf_config(model.config, contract, torch_dtype)
         _write_json(tmp / HF_CONFIG_FILE, config)
         shutil.copy2(path / TOKENIZER_FILE, tmp / TOKENIZER_FILE)
         _write_json(tmp / TOKENIZER_CONFIG_FILE, _tokenizer_config(tok, cfg.model.max_seq_len))
@@ -350,8 +463,10 @@ def require_transformers():
 
 
 def verify_export(model: torch.nn.Module, folder: str | Path, tol: float | None = 1e-4, seq_len: int = 64) -> float:
-    """Load `folder` with `transformers`' LlamaForCausalLM and compare its logits with
-    `model`'s on a fixed random batch (2, min(seq_len, max_seq_len)), in float32.
+    """Load `folder` with `transformers` (AutoModelForCausalLM: the family its config.json names,
+    with eager attention, transformers' reference that computes every mechanism, soft-caps
+    included) and compare its logits with `model`'s on a fixed random batch
+    (2, min(seq_len, max_seq_len)), in float32.
     `tol` None (for bfloat16/float16 weights): 5% of the largest logit magnitude.
 
     Returns:
@@ -360,7 +475,7 @@ def verify_export(model: torch.nn.Module, folder: str | Path, tol: float | None 
         LmforgeError: transformers missing. ExportError: the difference exceeds `tol`.
     """
     transformers = require_transformers()
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(folder)).float().eval()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(folder), attn_implementation="eager").float().eval()
     T = min(seq_len, model.config.max_seq_len)
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, model.vocab_size, (2, T), generator=gen)

@@ -139,10 +139,8 @@ def prepare_mask(backend: str, T: int, device: torch.device, dtype: torch.dtype,
         window = 0
     if backend == "flex":
         width = flex_width(T, torch.device(device))
-        if document_ids is None and not window:  # causal: the padded queries come after every real one
-            return AttentionMask(block_mask=_causal_block_mask(width, device))
-        if document_ids is None:
-            document_ids = torch.zeros(1, T, dtype=torch.long, device=device)
+        if document_ids is None:  # causal (in the window): the padded queries come after every real one
+            return AttentionMask(block_mask=_causal_block_mask(width, device, window))
         if width != T:  # padded slots are a segment of their own: no real query sees them
             document_ids = F.pad(document_ids, (0, width - T), value=-1)
         return AttentionMask(block_mask=document_block_mask(document_ids, width, device, window))
@@ -357,7 +355,7 @@ def document_block_mask(document_ids: torch.Tensor | None, T: int, device: torch
     from torch.nn.attention.flex_attention import create_block_mask
 
     if document_ids is None:
-        return create_block_mask(_causal, None, None, T, T, device=device)
+        return create_block_mask(_causal if not window else _causal_window(window), None, None, T, T, device=device)
     docs = document_ids.to(device)
 
     def same_document_causal(b, h, q_idx, kv_idx):
@@ -410,15 +408,23 @@ def flex_attention(
     return flex_attend(q, k, v, mask)
 
 
-def _causal_block_mask(T: int, device: torch.device):
+def _causal_block_mask(T: int, device: torch.device, window: int = 0):
     if torch.compiler.is_compiling():
-        return document_block_mask(None, T, device)
-    return _causal_block_mask_cached(T, str(device))
+        return document_block_mask(None, T, device, window)
+    return _causal_block_mask_cached(T, str(device), window)
 
 
 @functools.lru_cache(maxsize=8)
-def _causal_block_mask_cached(T: int, device: str):
-    return document_block_mask(None, T, torch.device(device))
+def _causal_block_mask_cached(T: int, device: str, window: int = 0):
+    return document_block_mask(None, T, torch.device(device), window)
+
+
+@functools.lru_cache(maxsize=8)
+def _causal_window(window: int):
+    """A mask_mod: causal, and keys within the last `window` positions (a sliding layer)."""
+    def causal_window(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (q_idx - kv_idx < window)
+    return causal_window
 
 
 #: backend name -> attend(q, k, v, AttentionMask, scale, softcap)

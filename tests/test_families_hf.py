@@ -1,0 +1,330 @@
+"""Gemma 3 (text), Gemma 2, OLMo 2 and Mistral with a window that slides, through `lmforge
+import-hf` and `lmforge export`, against `transformers` itself (eager attention, fp32, CPU).
+
+The tiny models of `hf_families` (every norm weight random; Gemma 3: 7 layers, 5 sliding : 1
+full, window W = 6, head_dim 48 != 64 / 2, query_pre_attn_scalar 40 != head_dim, RoPE bases 1e6 /
+1e4; Gemma 2: soft-caps 2 and 3, alternating layers) are imported and compared:
+
+- F1 logits equal transformers' within 1e-5 at T = 3W + 5 (the window slides), batch 2, for
+  each lmforge attention backend ("sdpa", "eager", and "flex" forward-only on CPU); Gemma 2
+  with "sdpa" (no soft-cap) is refused;
+- F2 two documents packed in one row (positions restarting, `document_ids`) equal each
+  document alone through transformers, one of them longer than W;
+- F4 greedy decoding through the KV cache and the fused decode step equals transformers'
+  `generate(do_sample=False)` for 2W + 8 new tokens (the window slides during decode);
+- F6 import -> export -> the exported tensors are bit-identical to transformers' originals,
+  config.json carries the family's keys, `AutoModelForCausalLM` loads it as the family with
+  equal logits, and its re-import is the same lmforge model.
+
+Refusals (Gemma 3's image-text model, RoPE scaling on Gemma, ...) name the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from hf_families import build_folder  # noqa: E402
+
+from lmforge.config import ModelConfig  # noqa: E402
+from lmforge.errors import ConfigError  # noqa: E402
+from lmforge.export import ExportError, export_hf, hf_config, import_hf, map_name  # noqa: E402
+from lmforge.export.families import FAMILIES as RECORDS  # noqa: E402
+from lmforge.fileio import load_safetensors  # noqa: E402
+from lmforge.model import load_model  # noqa: E402
+
+FAMILIES = ["gemma3", "gemma2", "olmo2", "mistral_sliding"]
+#: hf_families' family -> (model_type, architecture)
+NAMES = {"gemma3": ("gemma3_text", "Gemma3ForCausalLM"), "gemma2": ("gemma2", "Gemma2ForCausalLM"),
+         "olmo2": ("olmo2", "Olmo2ForCausalLM"), "mistral_sliding": ("mistral", "MistralForCausalLM")}
+W = 6  # hf_families' sliding window (OLMo 2 has none: its T is the others')
+T1 = 3 * W + 5
+def hf_logits(model, tokens: torch.Tensor, **kwargs) -> torch.Tensor:
+    with torch.inference_mode():
+        return model(tokens, **kwargs).logits
+
+
+def edited(src: Path, dst: Path, **changes) -> Path:
+    """A copy of `src` with config.json keys changed (None: removed)."""
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    for key, value in changes.items():
+        if value is None:
+            cfg.pop(key, None)
+        else:
+            cfg[key] = value
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def imported(request, tmp_path_factory):
+    """(family, HF model (eager), HF tokenizer, HF folder, lmforge checkpoint, import log lines)."""
+    family = request.param
+    tmp = tmp_path_factory.mktemp(family)
+    model, fast = build_folder(family, tmp / "hf")
+    lines: list[str] = []
+    import_hf(tmp / "hf", tmp / "ckpt", log=lines.append)
+    return family, model, fast, tmp / "hf", tmp / "ckpt", lines
+
+
+def random_tokens(n_vocab: int, B: int, T: int, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, n_vocab, (B, T), generator=torch.Generator().manual_seed(seed))
+
+
+# -- the config: each mechanism mapped ------------------------------------------------------------
+def test_config_maps_every_mechanism(imported):
+    family, hf, _, _, ckpt, lines = imported
+    m = load_model(ckpt)[0].config
+    c = hf.config
+    kinds = {"full_attention": "full", "sliding_attention": "sliding"}
+    hf_types = [kinds[t] for t in getattr(c, "layer_types", None) or ["full_attention"] * c.num_hidden_layers]
+    if family == "mistral_sliding":  # transformers' Mistral: the window in every layer
+        hf_types = ["sliding"] * c.num_hidden_layers
+    assert (m.layer_types or ["full"] * m.n_layers) == hf_types
+    assert m.resolved_head_dim() == getattr(c, "head_dim", c.hidden_size // c.num_attention_heads)
+    if family in ("gemma3", "gemma2"):
+        assert (m.norm_offset, m.norm_placement, m.mlp_activation) == (1.0, "sandwich", "gelu_tanh")
+        assert m.embed_scale == 64 ** 0.5 and m.attn_scale == 40 ** -0.5 and m.head_dim == 48
+        assert m.sliding_window == W and m.tie_embeddings
+    if family == "gemma3":
+        assert hf_types == ["sliding"] * 5 + ["full", "sliding"]
+        assert (m.rope_theta, m.rope_theta_sliding) == (1e6, 1e4)
+        assert m.qk_norm and m.qk_norm_scope == "head" and (m.attn_softcap, m.final_softcap) == (0.0, 0.0)
+    if family == "gemma2":
+        assert hf_types == ["sliding", "full"] * 2 and not m.qk_norm
+        assert (m.attn_softcap, m.final_softcap) == (2.0, 3.0)
+    if family == "olmo2":
+        assert m.norm_placement == "post" and m.qk_norm and m.qk_norm_scope == "projection" and not m.layer_types
+    if family == "mistral_sliding":
+        assert m.sliding_window == W and any("every layer attends to its last 6 keys" in x for x in lines)
+
+
+# -- F1: logits ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("backend", ["sdpa", "eager", "flex"])
+def test_f1_logits_equal_transformers_eager(imported, backend):
+    """T = 3W + 5, batch 2: every position of every layer kind, the window sliding."""
+    family, hf, fast, _, ckpt, _ = imported
+    ours = load_model(ckpt)[0]
+    if backend == "sdpa" and ours.config.attn_softcap:  # Gemma 2: sdpa cannot soft-cap, and says so
+        with pytest.raises(ConfigError, match='"sdpa" cannot soft-cap attention scores'):
+            ours.set_attention(backend)
+        return
+    ours.set_attention(backend)
+    tokens = random_tokens(len(fast), 2, T1)
+    want = hf_logits(hf, tokens)[..., : len(fast)]
+    with torch.inference_mode():
+        got = ours(tokens)[..., : len(fast)]
+    diff = float((got - want).abs().max())
+    assert diff <= 1e-5, (family, backend, diff)
+    assert float(want.abs().max()) > 0.5  # logits far from zero: the comparison means something
+    if family == "gemma2":
+        assert float(want.abs().max()) < 3.0  # the final soft-cap bounds them
+
+
+# -- F2: packed documents -------------------------------------------------------------------------
+@pytest.mark.parametrize("backend", ["sdpa", "eager", "flex"])
+def test_f2_packed_documents_equal_each_alone(imported, backend):
+    """Two documents in one row (positions restart, document_ids): each equals transformers on
+    that document alone; the first is longer than the window."""
+    family, hf, fast, _, ckpt, _ = imported
+    ours = load_model(ckpt)[0]
+    if backend == "sdpa" and ours.config.attn_softcap:
+        pytest.skip("sdpa cannot soft-cap (test_f1 checks the refusal)")
+    ours.set_attention(backend)
+    lengths = (2 * W + 3, W + 1)
+    docs = [random_tokens(len(fast), 1, n, seed=10 + i) for i, n in enumerate(lengths)]
+    tokens = torch.cat(docs, 1)
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    document_ids = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])[None]
+    with torch.inference_mode():
+        got = ours(tokens, positions=positions, document_ids=document_ids)[..., : len(fast)]
+    start = 0
+    for doc, n in zip(docs, lengths):
+        want = hf_logits(hf, doc)[..., : len(fast)]
+        diff = float((got[:, start:start + n] - want).abs().max())
+        assert diff <= 1e-5, (family, backend, n, diff)
+        start += n
+
+
+# -- F4: greedy decoding ----------------------------------------------------------------------------
+def hf_generate(hf, ids: list[int], n: int) -> list[int]:
+    """transformers' greedy `generate` for exactly n tokens (no stop id; its own KV cache)."""
+    x = torch.tensor([ids])
+    with torch.inference_mode():
+        out = hf.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=n,
+                          eos_token_id=None, pad_token_id=0, top_k=None, top_p=None, temperature=None)
+    return out[0, len(ids):].tolist()
+
+
+def test_f4_greedy_decode_equals_transformers_generate(imported):
+    """2W + 8 new tokens through lmforge's KV cache and fused decode step: the window slides
+    during decoding; two prompts of different lengths in one batch (left padding) too."""
+    from lmforge.generate import SamplingConfig, generate
+
+    family, hf, fast, _, ckpt, _ = imported
+    ours, _, contract, _ = load_model(ckpt)
+    n = 2 * W + 8
+    prompts = [fast("Hello world, the quick")["input_ids"], fast("def add(a, b):")["input_ids"][:4]]
+    want = [hf_generate(hf, p, n) for p in prompts]
+    assert all(len(w) == n for w in want)
+    cfg = SamplingConfig(max_new_tokens=n, greedy=True)
+    for p, w in zip(prompts, want):
+        assert generate(ours, [p], [], cfg, contract.pad_id)[0] == w, family
+    assert generate(ours, prompts, [], cfg, contract.pad_id) == want, family
+
+
+# -- F6: the round trip -------------------------------------------------------------------------------
+#: config.json keys the exported folder must carry with the original's values
+FAMILY_KEYS = {
+    "gemma3": ["head_dim", "layer_types", "rope_parameters", "query_pre_attn_scalar", "hidden_activation",
+               "tie_word_embeddings", "sliding_window", "final_logit_softcapping", "rms_norm_eps"],
+    "gemma2": ["head_dim", "layer_types", "query_pre_attn_scalar", "hidden_activation", "tie_word_embeddings",
+               "sliding_window", "attn_logit_softcapping", "final_logit_softcapping", "rms_norm_eps"],
+    "olmo2": ["hidden_act", "tie_word_embeddings", "rms_norm_eps"],
+    "mistral_sliding": ["sliding_window", "head_dim", "hidden_act", "tie_word_embeddings", "rms_norm_eps"],
+}
+COMMON_KEYS = ["hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+               "max_position_embeddings"]
+
+
+def test_f6_round_trip(imported, tmp_path):
+    family, hf, fast, src, ckpt, _ = imported
+    model_type, arch = NAMES[family]
+    out = export_hf(ckpt, tmp_path / "out", verify=True)  # verify: transformers' eager logits within 1e-4
+    # tensors: bit-identical to transformers' own, under transformers' names
+    theirs, ours = load_safetensors(src / "model.safetensors"), load_safetensors(out / "model.safetensors")
+    assert set(ours) == set(theirs), set(ours) ^ set(theirs)
+    for name, t in theirs.items():
+        got = ours[name]
+        if name in ("model.embed_tokens.weight", "lm_head.weight") and got.shape[0] > t.shape[0]:
+            got = got[: t.shape[0]]  # rows lmforge added for its own tokens (a pad)
+        assert got.dtype == t.dtype and torch.equal(got, t), name
+    # config.json: the family and its keys
+    cfg = json.loads((out / "config.json").read_text())
+    orig = json.loads((src / "config.json").read_text())
+    assert cfg["model_type"] == model_type and cfg["architectures"] == [arch]
+    for key in COMMON_KEYS + FAMILY_KEYS[family]:
+        assert cfg[key] == orig[key], (key, cfg[key], orig[key])
+    if family == "gemma3":
+        assert cfg["hidden_activation"] == "gelu_pytorch_tanh" and cfg["tie_word_embeddings"] is True
+        assert set(cfg["rope_parameters"]) == {"full_attention", "sliding_attention"}
+        assert cfg["query_pre_attn_scalar"] == 40 and cfg["head_dim"] == 48
+    # transformers loads it as the family, with equal logits
+    again = transformers.AutoModelForCausalLM.from_pretrained(str(out), attn_implementation="eager").float().eval()
+    assert type(again).__name__ == arch
+    tokens = random_tokens(len(fast), 2, T1, seed=3)
+    diff = float((hf_logits(again, tokens)[..., : len(fast)] - hf_logits(hf, tokens)[..., : len(fast)]).abs().max())
+    assert diff <= 1e-6, (family, diff)
+    # and imports back to the same lmforge model
+    import_hf(out, tmp_path / "again")
+    first, second = load_model(ckpt)[0].config, load_model(tmp_path / "again")[0].config
+    assert dataclasses.replace(second, vocab_size=0) == dataclasses.replace(first, vocab_size=0)
+
+
+def test_f6_names_are_the_familys_own():
+    """`post_attention_layernorm` is Llama's norm before the MLP but Gemma's (and OLMo 2's) after
+    attention; OLMo 2 has no norm before attention."""
+    hf_name = "model.layers.2.post_attention_layernorm.weight"
+    assert map_name("layers.2.ffn_norm.weight", family="llama") == hf_name
+    assert map_name("layers.2.attention_post_norm.weight", family="gemma3_text") == hf_name
+    assert map_name(hf_name, to_hf=False, family=RECORDS["olmo2"]) == "layers.2.attention_post_norm.weight"
+    assert map_name("model.layers.2.pre_feedforward_layernorm.weight", to_hf=False, family="gemma2") == \
+        "layers.2.ffn_norm.weight"
+    with pytest.raises(ExportError, match="Olmo2ForCausalLM"):
+        map_name("layers.0.attention_norm.weight", family="olmo2")
+    with pytest.raises(ExportError, match="Gemma2ForCausalLM"):
+        map_name("model.layers.0.self_attn.q_norm.weight", to_hf=False, family="gemma2")
+
+
+# -- what import reads and refuses ---------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def gemma3_folder(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("gemma3_src") / "hf"
+    build_folder("gemma3", folder)
+    return folder
+
+
+def test_older_gemma3_config_spelling_imports_to_the_same_model(gemma3_folder, tmp_path):
+    """transformers 4.5x's Gemma 3 config: rope_theta + rope_local_base_freq and
+    sliding_window_pattern instead of rope_parameters and layer_types."""
+    import_hf(gemma3_folder, tmp_path / "new")
+    old = edited(gemma3_folder, tmp_path / "old", rope_parameters=None, layer_types=None, _sliding_window_pattern=None,
+                 rope_theta=1e6, rope_local_base_freq=1e4, sliding_window_pattern=6, rope_scaling=None)
+    lines: list[str] = []
+    import_hf(old, tmp_path / "out", log=lines.append)
+    assert load_model(tmp_path / "out")[0].config == load_model(tmp_path / "new")[0].config
+    assert any("sliding_window_pattern = 6" in x for x in lines)
+
+
+def test_gemma3_softcaps_as_transformers_applies_them(gemma3_folder, tmp_path):
+    """transformers' Gemma 3 never passes attn_logit_softcapping to its attention, and applies
+    final_logit_softcapping: the import matches what transformers computes, and says so."""
+    src = edited(gemma3_folder, tmp_path / "src", attn_logit_softcapping=1.0, final_logit_softcapping=2.5)
+    lines: list[str] = []
+    import_hf(src, tmp_path / "out", log=lines.append)
+    ours = load_model(tmp_path / "out")[0]
+    assert (ours.config.attn_softcap, ours.config.final_softcap) == (0.0, 2.5)
+    assert any("attn_logit_softcapping = 1.0 is not applied" in x for x in lines)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(src), attn_implementation="eager").float().eval()
+    tokens = random_tokens(ours.vocab_size, 2, T1)
+    with torch.inference_mode():
+        diff = float((ours(tokens) - hf(tokens).logits[..., : ours.vocab_size]).abs().max())
+    assert diff <= 1e-5
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"]},
+     "model_type = 'gemma3'.*import the text model: Gemma3ForCausalLM"),
+    ({"architectures": ["Gemma3ForConditionalGeneration"]},
+     r"architectures = \['Gemma3ForConditionalGeneration'\].*import the text model: Gemma3ForCausalLM"),
+    ({"rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                          "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}},
+     "rope_parameters.full_attention.rope_type = 'linear'"),
+    ({"rope_parameters": None, "rope_theta": 1e6, "rope_local_base_freq": 1e4,
+      "rope_scaling": {"rope_type": "linear", "factor": 8.0}}, "rope_scaling.rope_type = 'linear'"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}, "rope_parameters = .*per layer type"),
+    ({"hidden_activation": "gelu"}, "hidden_activation = 'gelu', expected 'gelu_pytorch_tanh'"),
+    ({"layer_types": ["sliding_attention"] * 3}, "layer_types = .*7 entries"),
+    ({"use_bidirectional_attention": True}, "use_bidirectional_attention = True"),
+    ({"query_pre_attn_scalar": -4}, "query_pre_attn_scalar = -4"),
+])
+def test_gemma3_refusals_name_the_field(gemma3_folder, tmp_path, changes, message):
+    src = edited(gemma3_folder, tmp_path / "src", **changes)
+    with pytest.raises(ExportError, match=message):
+        import_hf(src, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_gemma2_and_olmo2_rope_scaling_is_refused(tmp_path):
+    build_folder("gemma2", tmp_path / "hf")
+    scaled = {"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0, "low_freq_factor": 1.0,
+              "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    src = edited(tmp_path / "hf", tmp_path / "src", rope_parameters=scaled)
+    with pytest.raises(ExportError, match="rope_type = 'llama3'.*Gemma2ForCausalLM with plain RoPE"):
+        import_hf(src, tmp_path / "out")
+
+
+# -- what export refuses ---------------------------------------------------------------------------------
+def test_export_refuses_what_no_family_carries(gemma3_folder, tmp_path):
+    import_hf(gemma3_folder, tmp_path / "ckpt")
+    model, _, contract, _ = load_model(tmp_path / "ckpt")
+    cfg = model.config
+    with pytest.raises(ExportError, match="no model family lmforge exports carries"):
+        hf_config(dataclasses.replace(cfg, attn_softcap=5.0, qk_norm=True), contract)  # Gemma 3 has no attention cap
+    with pytest.raises(ExportError, match="model.embed_scale = 2.0.*sqrt\\(hidden_size\\) = 8.0"):
+        hf_config(dataclasses.replace(cfg, embed_scale=2.0), contract)
+    with pytest.raises(ExportError, match="model.rope_scaling = 'llama3'"):
+        hf_config(dataclasses.replace(cfg, rope_scaling="llama3"), contract)
+    mistral = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, qk_norm=False, layer_types=["sliding", "full"],
+                          sliding_window=W)
+    with pytest.raises(ExportError, match="MistralForCausalLM slides the window in every layer or in none"):
+        hf_config(mistral, contract)
+    assert hf_config(dataclasses.replace(mistral, layer_types=["sliding"] * 2), contract)["sliding_window"] == W
