@@ -442,3 +442,31 @@ def test_packed_and_padded_rl_runs_take_the_same_steps(tiny_run, init_ckpt, tmp_
     wa = load_file(str(latest_checkpoint(tmp_path / "False") / MODEL_FILE))
     wb = load_file(str(latest_checkpoint(tmp_path / "True") / MODEL_FILE))
     assert max((wa[k] - wb[k]).abs().max().item() for k in wa) < 1e-5
+
+
+@pytest.mark.parametrize("softcap", [0.0, 3.0])
+def test_fused_token_logps_equal_log_softmax_of_the_logits_with_their_gradients(softcap):
+    """RL's log-probabilities through the fused loss (one group per position: no (R, T, V) logits)
+    equal `token_logps` of the model's logits at the sampler's temperature, values and gradients;
+    a position without a target (negative) reads 0."""
+    from lmforge.config import ModelConfig
+    from lmforge.model import Transformer
+    from lmforge.train.rl import fused_token_logps
+
+    m = Transformer(ModelConfig(dim=32, n_layers=2, n_heads=2, n_kv_heads=1, vocab_size=90, max_seq_len=32,
+                                final_softcap=softcap))
+    m.reset_parameters(seed=3)
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 90, (3, 12), generator=g)
+    targets = torch.roll(tokens, -1, 1)
+    targets[0, :4] = -1
+    positions = torch.arange(12).expand(3, 12)
+    T = 0.7
+    fused = fused_token_logps(m, tokens, positions, None, targets, T)
+    gf = torch.autograd.grad(fused[targets >= 0].sum(), list(m.parameters()))
+    ref = token_logps(m(tokens, positions), targets, T)
+    gr = torch.autograd.grad(ref[targets >= 0].sum(), list(m.parameters()))
+    torch.testing.assert_close(fused[targets >= 0], ref[targets >= 0], rtol=1e-5, atol=1e-5)
+    assert bool((fused[targets < 0] == 0).all())
+    for a, b in zip(gf, gr):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)

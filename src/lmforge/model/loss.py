@@ -51,7 +51,8 @@ class _LinearCrossEntropySum(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, compute_dtype, chunk_rows, groups=None, n_groups=0, softcap=0.0):
+    def forward(ctx, hidden, weight, labels, compute_dtype, chunk_rows, groups=None, n_groups=0, softcap=0.0,
+                temperature=1.0):
         h = hidden.to(compute_dtype)  # (N, D)
         w = weight.to(compute_dtype)  # (V, D)
         n = h.shape[0]
@@ -62,16 +63,25 @@ class _LinearCrossEntropySum(torch.autograd.Function):
         # the in-place writes into the saved buffer (every gradient 0, a frozen run; session 13),
         # and inductor fuses the out-of-place form as well (0.8-0.9x the in-place time here).
         traced = torch.compiler.is_compiling()
-        grad_logits = None if traced else torch.empty(n, w.shape[0], dtype=compute_dtype, device=h.device)
+        # no gradient wanted (evaluation, a reference model): the loss only, no (N, V) buffer
+        # (traced: always, as the compiled training step has been measured)
+        wants_grad = traced or ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        grad_logits = None if traced or not wants_grad else torch.empty(n, w.shape[0], dtype=compute_dtype,
+                                                                        device=h.device)
         # one sum, or one per group (groups: (N,) int64 in [0, n_groups))
         total = torch.zeros(() if groups is None else (n_groups,), dtype=torch.float32, device=h.device)
         parts, sums = [], [total]
         for s in range(0, n, chunk_rows):  # chunk_rows rows of float32 logits at a time stay in cache
             e = min(n, s + chunk_rows)
             logits = torch.mm(h[s:e], w.t()).float()  # (rows, V), float32 for the log-sum-exp
+            # the chain factor of dCE/dlogits from what is applied to the matmul's output
+            chain = None
             if softcap:  # Gemma 2's final soft-cap: the loss is of c tanh(z / c), its gradient times 1 - tanh^2
                 tanh = torch.tanh(logits / softcap)
-                logits, dcap = tanh * softcap, 1.0 - tanh * tanh
+                logits, chain = tanh * softcap, 1.0 - tanh * tanh
+            if temperature != 1.0:  # the sampler's temperature (RL's log-probabilities): z / t, gradient / t
+                logits = logits / temperature
+                chain = 1.0 / temperature if chain is None else chain / temperature
             lab = labels[s:e]  # (rows,)
             valid = lab != IGNORE_INDEX  # (rows,) bool: supervised rows
             safe = torch.where(valid, lab, 0)[:, None]  # (rows, 1): any in-range index for ignored rows
@@ -83,23 +93,29 @@ class _LinearCrossEntropySum(torch.autograd.Function):
             one_hot = -valid[:, None].to(torch.float32)  # (rows, 1)
             if traced:
                 sums.append(ce.sum() if groups is None else torch.zeros_like(total).index_add(0, groups[s:e], ce))
+                if not wants_grad:
+                    continue
                 probs = torch.exp(logits - lse[:, None]).scatter_add(1, safe, one_hot)
-                if softcap:
-                    probs = probs * dcap
+                if chain is not None:
+                    probs = probs * chain
                 parts.append((probs * valid[:, None]).to(compute_dtype))
             else:
                 if groups is None:
                     total += ce.sum()
                 else:
                     total.index_add_(0, groups[s:e], ce)
+                if not wants_grad:
+                    continue
                 probs = logits.sub_(lse[:, None]).exp_()  # in the logits buffer
                 probs.scatter_add_(1, safe, one_hot)
                 probs.mul_(valid[:, None])
-                if softcap:
-                    probs.mul_(dcap)
+                if chain is not None:
+                    probs.mul_(chain)
                 grad_logits[s:e] = probs
         if traced:
-            grad_logits = torch.cat(parts) if parts else torch.zeros(0, w.shape[0], dtype=compute_dtype, device=h.device)
+            if wants_grad:
+                grad_logits = torch.cat(parts) if parts else torch.zeros(0, w.shape[0], dtype=compute_dtype,
+                                                                         device=h.device)
             total = torch.stack(sums).sum(0)
         ctx.save_for_backward(h, w, grad_logits, groups)
         ctx.dtypes = (hidden.dtype, weight.dtype)
@@ -115,13 +131,13 @@ class _LinearCrossEntropySum(torch.autograd.Function):
         g = grad_logits * scale.to(grad_logits.dtype)  # (N, V)
         grad_hidden = torch.mm(g, w).to(ctx.dtypes[0])  # (N, V) @ (V, D) -> (N, D)
         grad_weight = torch.mm(g.t(), h).to(ctx.dtypes[1])  # (V, N) @ (N, D) -> (V, D)
-        return grad_hidden, grad_weight, None, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None, None
 
 
 def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                              loss_mask: torch.Tensor, chunk_rows: int = LOSS_CHUNK_ROWS,
                              groups: torch.Tensor | None = None, n_groups: int = 0,
-                             softcap: float = 0.0) -> torch.Tensor:
+                             softcap: float = 0.0, temperature: float = 1.0) -> torch.Tensor:
     """`cross_entropy_sum(hidden @ weight.T, targets, loss_mask)`, without materialising the
     float32 logits: the training and evaluation loss of lmforge's model.
 
@@ -134,6 +150,7 @@ def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, targets
             apart (a row, or one document of a packed row: DPO's sequence log-probabilities).
             Positions outside the loss mask add nothing to any group.
         softcap: c > 0: the logits are c * tanh(z / c) (the model's final_softcap); 0: z.
+        temperature: the logits divided by it (after the soft-cap), as the sampler divides them.
     Returns:
         0-dim float32 tensor: summed nats over supervised positions (0.0 when none); with
         `groups`, (n_groups,) float32, one sum per group (0.0 for a group with none).
@@ -147,7 +164,8 @@ def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, targets
     if groups is not None:
         groups = groups.reshape(-1).to(device=h.device, dtype=torch.int64)
     with torch.autocast(h.device.type, enabled=False):
-        return _LinearCrossEntropySum.apply(h, weight, labels, dtype, chunk_rows, groups, n_groups, softcap)
+        return _LinearCrossEntropySum.apply(h, weight, labels, dtype, chunk_rows, groups, n_groups, softcap,
+                                            temperature)
 
 
 #: The preference losses by `dpo.loss` (`config.DPO_LOSSES`): `dpo_loss` compares with a reference

@@ -325,7 +325,7 @@ class Transformer(nn.Module):
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
                 document_ids: torch.Tensor | None = None, cache: KVCache | None = None,
                 *, targets: torch.Tensor | None = None, loss_mask: torch.Tensor | None = None,
-                groups: torch.Tensor | None = None, n_groups: int = 0) -> torch.Tensor:
+                groups: torch.Tensor | None = None, n_groups: int = 0, temperature: float = 1.0) -> torch.Tensor:
         """Next-token logits, or the summed training loss when `targets` is given.
 
         Args:
@@ -339,7 +339,9 @@ class Transformer(nn.Module):
                 float32 logits. Going through forward keeps DDP/FSDP hooks in the path.
             groups, n_groups: with targets, (B, T) int64 in [0, n_groups): return each group's
                 sum instead, (n_groups,) float32 nats (a group is a row, or a document of a
-                packed row: the sequence log-probabilities DPO compares are their negatives).
+                packed row: the sequence log-probabilities DPO compares are their negatives; one
+                group per position: each token's, RL's).
+            temperature: with targets, the loss of softmax(logits / temperature) (RL: the sampler's).
         Returns:
             logits: (B, T, vocab_size) in the compute dtype (float32, or bf16 under autocast);
             or, with targets, a 0-dim float32 tensor ((n_groups,) with `groups`).
@@ -351,7 +353,7 @@ class Transformer(nn.Module):
             loss_mask = torch.ones_like(targets, dtype=torch.bool)
         weight = self.output.weight[: self.vocab_size]
         return linear_cross_entropy_sum(h, weight, targets, loss_mask, groups=groups, n_groups=n_groups,
-                                        softcap=self.config.final_softcap)
+                                        softcap=self.config.final_softcap, temperature=temperature)
 
     # -- the decode path (lmforge.model.decode): delegates, for the callers of these methods --
     def new_cache(self, batch: int, max_len: int, key_mask: torch.Tensor | None = None) -> KVCache:

@@ -43,7 +43,7 @@ from lmforge.data.packing import Batch, build_row, collate, plan_packed
 from lmforge.data.prompts import Prompt, PromptStream
 from lmforge.generate import generate
 from lmforge.model import lora
-from lmforge.model.loss import group_advantages, policy_gradient_loss, token_logps
+from lmforge.model.loss import group_advantages, policy_gradient_loss
 from lmforge.runtime import Runtime
 from lmforge.sandbox import VERDICTS, check_errors
 from lmforge.scorers.intervals import wilson_interval
@@ -91,12 +91,26 @@ class RLBatch:
 
     def logps(self, model: torch.nn.Module, temperature: float) -> torch.Tensor:
         """(R, T) float32 log-probabilities of the targets under `model` at `temperature`
-        (`token_logps`), from one forward over the rows as laid out (packed or padded)."""
+        (`token_logps`' numbers, 0 where a row has no target), from one forward over the rows as
+        laid out (packed or padded)."""
         if self.rows is None:
-            return token_logps(model(self.tokens, self.positions), self.targets, temperature)
+            return fused_token_logps(model, self.tokens, self.positions, None, self.targets, temperature)
         r = self.rows
-        lp = token_logps(model(r.tokens, r.positions, r.document_ids), r.targets, temperature)  # (R', T)
+        lp = fused_token_logps(model, r.tokens, r.positions, r.document_ids, r.targets, temperature)  # (R', T)
         return lp.reshape(-1)[self.unpack]
+
+
+def fused_token_logps(model: torch.nn.Module, tokens: torch.Tensor, positions: torch.Tensor,
+                      document_ids: torch.Tensor | None, targets: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log softmax(logits / temperature) at `targets` ((R, T) int64, negative = none: 0 there), (R, T)
+    float32 nats, through the model's fused loss with one group per position: the (R, T, V) logits
+    are never materialised (a 262k vocabulary's rollouts would need gigabytes for them). Equal to
+    `token_logps` of the logits up to float32 summation order (tests/test_rl.py)."""
+    R, T = targets.shape
+    groups = torch.arange(R * T, device=targets.device).view(R, T)
+    ce = model(tokens, positions, document_ids, targets=targets.clamp(min=0), loss_mask=targets >= 0,
+               groups=groups, n_groups=R * T, temperature=temperature)  # (R*T,) nats
+    return -ce.view(R, T)
 
 
 @contextlib.contextmanager
