@@ -363,7 +363,7 @@ def _args_import_hf(p):
 
 
 def _args_import_gguf(p):
-    p.add_argument("file", metavar="FILE", help="a .gguf file (architecture llama, qwen2 or qwen3)")
+    p.add_argument("file", metavar="FILE", help="a .gguf file (architecture llama, qwen2, qwen3, gemma3, gemma2 or olmo2)")
 
 
 def _args_speedrun(p):
@@ -397,12 +397,12 @@ COMMANDS: dict[str, tuple[str, str | None, Callable, Callable]] = {
     "chat": ("chat with a fine-tuned checkpoint (one line a turn; /exit or EOF quits)", None, _args_chat, _chat),
     "eval": ("held-out loss, perplexity and bits per byte of a checkpoint; --tasks: an evaluation suite",
              "write the results as JSON to this file", _args_eval, _eval),
-    "export": ("write a checkpoint as a Hugging Face Llama folder, or a GGUF file",
+    "export": ("write a checkpoint as a Hugging Face folder of its family, a GGUF file, or PEFT adapters",
                "the Hugging Face folder (--format hf) or .gguf file (--format gguf) to write (required)",
                _args_export, _export),
-    "import-hf": ("turn a Hugging Face Llama folder into an lmforge checkpoint",
+    "import-hf": ("turn a Hugging Face folder (Llama, Mistral, Qwen2/3, Gemma 3/2, OLMo 2) into an lmforge checkpoint",
                   "the lmforge checkpoint folder to write (required)", _args_import_hf, _import_hf),
-    "import-gguf": ("turn a GGUF file (llama, qwen2, qwen3; any quantization) into an lmforge checkpoint",
+    "import-gguf": ("turn a GGUF file (llama, qwen2, qwen3, gemma3, gemma2, olmo2; any quantization) into an lmforge checkpoint",
                     "the lmforge checkpoint folder to write (required)", _args_import_gguf, _import_gguf),
     "serve": ("an OpenAI-compatible server (batched decoding) with a chat page at /", None, _args_serve, _serve),
     "speedrun": ("every stage on the embedded corpus, then a summary table",

@@ -170,7 +170,8 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
            chat_template=GEMMA_CHAT_TEMPLATE, end_of_turn="<end_of_turn>",
            note="(1 + w) norms before and after attention and MLP, QK-norm, GeGLU, scaled embeddings, "
                 "sliding layers with their own RoPE base"),
-    Family("gemma2", "Gemma2ForCausalLM", _HF_COMMON + _HF_SANDWICH, "gemma2", _GGUF_COMMON + _GGUF_SANDWICH,
+    Family("gemma2", "Gemma2ForCausalLM", _HF_COMMON + _HF_SANDWICH, "gemma2",
+           tuple(p for p in _GGUF_COMMON if p[0] != "output.weight") + _GGUF_SANDWICH,  # llama.cpp: always tied
            gguf_norm_shift=1.0,
            fixed=dict(norm_offset=1.0, norm_placement="sandwich", qk_norm=False, mlp_activation="gelu_tanh",
                       qkv_bias=False),

@@ -3,13 +3,40 @@
 The file is written with the `gguf` package (PyPI; maintained inside llama.cpp as gguf-py);
 this module only maps lmforge's names, hyper-parameters, tokenizer and tensors onto the keys
 and tensor names llama.cpp reads. The mapping follows llama.cpp's own converter,
-`convert_hf_to_gguf.py` (classes `TextModel`, `LlamaModel`, `Qwen2Model`/`Qwen3Model`, and
-`_set_vocab_gpt2` / `get_vocab_base` for the tokenizer), and the loader in
-`src/llama-model.cpp` / `src/llama-vocab.cpp`.
+`convert_hf_to_gguf.py` (classes `TextModel`, `LlamaModel`, `Qwen2Model`/`Qwen3Model`,
+`Gemma3Model`/`Gemma2Model`, `Olmo2Model`, and `_set_vocab_gpt2` / `get_vocab_base` for the
+tokenizer), and the loader in `src/llama-model.cpp` / `src/llama-vocab.cpp`.
+
+Families. Which llama.cpp architecture a model is, its tensor names and storage rules come from
+its family record (`export/families.py`: `Family.gguf_arch`, `gguf_names`, `gguf_norm_shift`,
+`gguf_permute_qk`; `families.family_of` picks the record by the model's mechanisms):
+
+    family (HF model_type)   general.architecture  what llama.cpp adds to Llama
+    llama, mistral           llama     Q/K rows permuted; Llama 3.1 RoPE scaling as rope_freqs
+    qwen2                    qwen2     q/k/v biases
+    qwen3                    qwen3     QK-norm per head
+    gemma3_text              gemma3    (1 + w) norms stored as 1 + w, 4 per layer, QK-norm, GeGLU,
+                                       embeddings x sqrt(dim), 5 sliding : 1 full layers
+    gemma2                   gemma2    the same norms (no QK-norm), alternating sliding layers,
+                                       soft-capped attention scores and logits
+    olmo2                    olmo2     norms after attention and MLP only, QK-norm over the projection
+
+What llama.cpp's runtime hard-codes for an architecture, whatever the file says, is
+`LLAMA_CPP_ARCHS` (read from `llama_model::load_hparams` and the graphs in src/models/): gemma3
+makes layer il sliding iff il % 6 < 5 and rotates those with base 10000, scales queries by
+1/sqrt(head_dim) (never reading Gemma's query_pre_attn_scalar; 1/sqrt(dim / heads) at the 27B's
+62 layers) and embeddings by sqrtf(dim), has no attention soft-cap and drops a final one when
+layers slide; gemma2 alternates (il % 2 < 1 slides) with one RoPE base, the same scales, and
+always soft-caps scores and logits (50 and 30 when the keys are absent); llama (so Mistral),
+qwen2, qwen3 and olmo2 have no sliding-window attention. A model outside what its architecture
+computes (other layer kinds, another sliding base, attention scale, embedding scale, a soft-cap
+missing or extra, NoPE layers, an untied head for gemma2, which has no output tensor) is refused
+by `gguf_family` with an `ExportError` naming the field, its value, what llama.cpp does and what
+to do: never a file that loads and computes something else.
 
 What goes into the file:
 
-    general.architecture       "llama" (or "qwen3" for a model with QK-norm, see below)
+    general.architecture       the family's (above)
     {arch}.context_length      model.max_seq_len
     {arch}.embedding_length    model.dim
     {arch}.block_count         model.n_layers
@@ -17,6 +44,9 @@ What goes into the file:
     {arch}.attention.head_count / head_count_kv / key_length / value_length
     {arch}.rope.dimension_count = head_dim (lmforge rotates the whole head); rope.freq_base = rope_theta
     {arch}.attention.layer_norm_rms_epsilon = norm_eps;  {arch}.vocab_size = the tokenizer's
+    {arch}.attention.sliding_window   model.sliding_window (gemma3, gemma2)
+    {arch}.rope.freq_base_swa         the sliding layers' base (gemma3; rope.freq_base is the full layers')
+    {arch}.attn_logit_softcapping / final_logit_softcapping   model.attn_softcap / final_softcap (gemma2)
     tokenizer.ggml.model / .pre   what the tokenizer is (below); .tokens, .token_type, and
                                .merges ("gpt2") or .scores + .add_space_prefix ("llama")
     tokenizer.ggml.bos/eos/padding_token_id  from contract.json; eot_token_id = the end-of-turn
@@ -32,7 +62,8 @@ Tokenizer: mapped by what tokenizer.json computes, never by its name (`gguf_voca
     Split(Llama 3's regex) + ByteLevel, ignore_merges      gpt2 / llama-bpe   (Llama 3)
     Split(Llama 3's regex) + ByteLevel, merges always      gpt2 / smaug-bpe
     Split(Qwen2's regex) + ByteLevel (Qwen2, lmforge's)    gpt2 / qwen2
-    BPE with byte fallback, "▁" for spaces                 llama / default    (Llama 2, Mistral, TinyLlama)
+    BPE with byte fallback, "▁" for spaces                 llama / default    (Llama 2, Mistral, TinyLlama;
+                                                           Gemma, with add_space_prefix false)
 
 llama.cpp's converter recognises a pre-tokenizer by hashing the ids of a fixed text; the split
 regexes and names here are those of its loader (`llama_vocab::impl::load`). SentencePiece-style
@@ -61,31 +92,33 @@ Tensors (names from `gguf.TENSOR_NAMES`, shapes in PyTorch (rows, cols) order; G
 them reversed):
 
     tok_embeddings.weight           token_embd.weight          (vocab, dim)
-    layers.{i}.attention_norm       blk.{i}.attn_norm          (dim,)  always float32
+    layers.{i}.attention_norm       blk.{i}.attn_norm          (dim,)  always float32 (not olmo2)
+    layers.{i}.attention_post_norm  blk.{i}.post_attention_norm (dim,) gemma3, gemma2, olmo2
     layers.{i}.attention.wq         blk.{i}.attn_q             (n_heads*hd, dim)    rows permuted (llama)
     layers.{i}.attention.wk         blk.{i}.attn_k             (n_kv_heads*hd, dim) rows permuted (llama)
     layers.{i}.attention.wv / wo    blk.{i}.attn_v / attn_output
-    layers.{i}.attention.q_norm/k_norm  blk.{i}.attn_q_norm / attn_k_norm  (hd,)  qwen3 only
-    layers.{i}.ffn_norm             blk.{i}.ffn_norm           (dim,)  always float32
+    layers.{i}.attention.q_norm/k_norm  blk.{i}.attn_q_norm / attn_k_norm  (hd,)  qwen3, gemma3;
+                                    (n_heads*hd,) / (n_kv_heads*hd,) olmo2 (over the projection)
+    layers.{i}.ffn_norm             blk.{i}.ffn_norm           (dim,)  always float32 (not olmo2)
+    layers.{i}.ffn_post_norm        blk.{i}.post_ffw_norm      (dim,)  gemma3, gemma2, olmo2
     layers.{i}.feed_forward.w1/w3/w2  blk.{i}.ffn_gate / ffn_up / ffn_down
     norm.weight                     output_norm.weight         (dim,)  always float32
-    output.weight                   output.weight              (vocab, dim); absent when tied
+    output.weight                   output.weight              (vocab, dim); absent when tied (gemma2: always)
     layers.{i}.attention.wq/wk/wv.bias  blk.{i}.attn_q/k/v.bias  qwen2 only (model.qkv_bias)
     (computed)                      rope_freqs.weight          (head_dim/2,)  Llama 3.1 RoPE scaling only
+
+Every name is the family record's (`Family.gguf_names`) and is checked against gguf-py's
+MODEL_TENSORS[arch]. Norms (every `*norm.weight`, q/k norms included) are stored + 1 for Gemma
+(`Family.gguf_norm_shift`: llama.cpp multiplies by the stored weight, lmforge and transformers by
+1 + w; the sum is rounded to float32, as llama.cpp's converter rounds it).
 
 Rotary layout. lmforge's `apply_rope` is the half-split ("rotate_half") layout of HF Llama.
 llama.cpp's `llama` architecture rotates adjacent pairs (ROPE_TYPE_NORM), so the rows of
 Q and K are permuted within each head exactly as `LlamaModel.permute` in
-convert_hf_to_gguf.py does (rows [0..hd/2) and [hd/2..hd) interleaved). The `qwen3` and
-`qwen2` architectures use the half-split layout themselves (ROPE_TYPE_NEOX): no permutation.
-
-Model options beyond Llama. `model.qk_norm = true` (RMSNorm over each head of q and k
-before RoPE, one weight of head_dim per layer) maps to llama.cpp's `qwen3` architecture,
-which is Llama plus exactly that; `model.qkv_bias = true` (an imported Qwen2) to `qwen2`,
-Llama plus q/k/v biases; `model.rope_scaling = "llama3"` (an imported Llama 3.1/3.2) to the
-llama architecture's `rope_freqs` tensor. Any other model option with a non-default value, or any
-weight this mapping does not know, is refused with an `ExportError` naming it: never a file
-that loads and computes something else.
+convert_hf_to_gguf.py does (rows [0..hd/2) and [hd/2..hd) interleaved; `Family.gguf_permute_qk`).
+qwen2, qwen3, gemma3, gemma2 and olmo2 use the half-split layout themselves (ROPE_TYPE_NEOX): no
+permutation. Any model option no family carries, or any weight the family's names do not know,
+is refused with an `ExportError` naming it.
 
 Weights: "float32", "float16", "bfloat16", or "q8_0" (`gguf.quants`; 2-D weights whose rows are
 a multiple of 32 long, others fall back to float16 as llama.cpp's converter does). Norm weights
@@ -101,6 +134,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -113,6 +147,7 @@ from lmforge.contract import Contract
 from lmforge.errors import require_package
 from lmforge.export.options import EXPORT_DTYPES, ExportError, check_dtype_range, check_export_options
 from lmforge.export.card import gguf_facts
+from lmforge.export.families import FAMILIES, MECHANISMS, Family, by_gguf_arch, family_of
 from lmforge.fileio import check_user_file, loads_json, user_file
 from lmforge.loading import load_checkpoint
 from lmforge.model.io import model_state
@@ -120,7 +155,8 @@ from lmforge.tokenizer import CHAT_TEMPLATE, SPLIT_PATTERN, TOKENIZER_FILE, byte
 
 GGUF_DTYPES = EXPORT_DTYPES["gguf"]
 
-#: Model options lmforge's Llama mapping knows; any other field must sit at its default.
+#: Model options of Llama's shape, which every family shares; the mechanisms (families.MECHANISMS)
+#: are the family records' to allow. Any other field must sit at its default.
 _LLAMA_FIELDS = {"dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_dim", "norm_eps", "rope_theta",
                  "max_seq_len", "tie_embeddings", "attention", "qk_norm", "qkv_bias", "rope_scaling", "rope_factor",
                  "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_seq_len"}
@@ -229,8 +265,10 @@ def _byte_level_pre(tj: dict, path: Path, fix: str) -> str:
 def _spm_space_prefix(tj: dict, path: Path, fix: str) -> bool:
     """Whether a SentencePiece-style tokenizer.json puts "▁" before the text, in the forms llama.cpp's
     `llama` tokenizer computes: normalizer Prepend("▁") + Replace(" ", "▁") (Llama 2, Mistral,
-    TinyLlama) -> True; Replace(" ", "▁") alone, or pre-tokenizer Metaspace(prepend_scheme "never",
-    split false) -> False.
+    TinyLlama) -> True; Replace(" ", "▁") alone (Gemma), or pre-tokenizer Metaspace(prepend_scheme
+    "never", split false) -> False. After Replace no space is left, so a pre-tokenizer that splits on
+    the string " " (Gemma's tokenizer.json: Split(" ", MergedWithPrevious)) splits nothing and is
+    accepted with it.
 
     Raises:
         ExportError: any other normalizer or pre-tokenizer (Metaspace with "first"/"always" keeps a
@@ -241,7 +279,9 @@ def _spm_space_prefix(tj: dict, path: Path, fix: str) -> bool:
     steps = [s for s in steps or [] if s is not None]
     replace = {"type": "Replace", "pattern": {"String": " "}, "content": SPM_SPACE}
     prepend = {"type": "Prepend", "prepend": SPM_SPACE}
-    if pre is None and steps in ([prepend, replace], [replace]):
+    no_op = isinstance(pre, dict) and pre.get("type") == "Split" and pre.get("pattern") == {"String": " "} \
+        and not pre.get("invert")  # on text without spaces (Gemma's, after the Replace normalizer)
+    if (pre is None or no_op) and steps in ([prepend, replace], [replace]):
         return steps[0] == prepend
     if not steps and isinstance(pre, dict) and pre.get("type") == "Metaspace" \
             and pre.get("replacement") == SPM_SPACE and pre.get("prepend_scheme") == "never" and not pre.get("split"):
@@ -444,29 +484,100 @@ def tokenizer_keys(contract: Contract, vocab: GGUFVocab) -> dict:
 
 
 # -- model ---------------------------------------------------------------------------------
-def gguf_arch(model: ModelConfig) -> str:
-    """"llama"; "qwen3" when model.qk_norm is on (llama.cpp's Llama with QK-norm); "qwen2" when
-    model.qkv_bias is on (Llama with q/k/v biases). Llama 3.1 RoPE scaling (model.rope_scaling =
-    "llama3") is llama's rope_freqs tensor (`gguf_tensors`).
+@dataclass(frozen=True)
+class LlamaCppArch:
+    """What llama.cpp's runtime hard-codes for one `general.architecture`, beyond the keys it
+    reads (`llama_model::load_hparams` in src/llama-model.cpp, the graphs in src/models/). The
+    family records (`export/families.py`) say which architecture a family is and its names;
+    this says what that architecture computes, so that export refuses what it cannot hold and
+    import (`gguf_in`) writes back what a file computes.
+
+    swa_pattern: `set_swa_pattern(p)`: layer il attends through the sliding window iff
+        il % p < p - 1, whatever the file says; 0: no sliding-window attention at all.
+    rope_theta_sliding: the sliding layers' RoPE base, hard-coded (gemma3: 10000, whatever
+        `rope.freq_base_swa` says); 0: the sliding layers use `rope.freq_base` (or `freq_base_swa`).
+    embed_scale_sqrt_dim: token embeddings are multiplied by sqrtf(n_embd) (Gemma).
+    attn_scale_dim_layers: the block count at which queries are scaled by 1/sqrt(n_embd / n_head)
+        (integer division; Gemma 2 27B: 46, Gemma 3 27B: 62) instead of 1/sqrt(head_dim).
+    attn_softcap: scores are always soft-capped (gemma2: `attn_logit_softcapping`, 50 when absent).
+    final_softcap: "always" (gemma2: `final_logit_softcapping`, 30 when absent), "without_swa"
+        (gemma3: only in its graph without sliding layers), "none".
+    rope_freqs: Llama 3.1's RoPE scaling is read as the `rope_freqs` tensor (llama only).
+    """
+
+    swa_pattern: int = 0
+    rope_theta_sliding: float = 0.0
+    embed_scale_sqrt_dim: bool = False
+    attn_scale_dim_layers: int = 0
+    attn_softcap: bool = False
+    final_softcap: str = "none"
+    rope_freqs: bool = False
+
+    def sliding(self, n_layers: int) -> list[bool]:
+        """Which of `n_layers` layers llama.cpp runs through the sliding window."""
+        p = self.swa_pattern
+        return [bool(p) and il % p < p - 1 for il in range(n_layers)]
+
+    def attn_scale(self, dim: int, n_heads: int, n_layers: int, head_dim: int) -> float:
+        """The scale llama.cpp multiplies queries by (`f_attention_scale`, or 1/sqrt(head_dim))."""
+        if self.attn_scale_dim_layers and n_layers == self.attn_scale_dim_layers:
+            return (dim // n_heads) ** -0.5
+        return head_dim ** -0.5
+
+
+#: llama.cpp's runtime, by `general.architecture` (every `Family.gguf_arch` has an entry)
+LLAMA_CPP_ARCHS: dict[str, LlamaCppArch] = {
+    "llama": LlamaCppArch(rope_freqs=True),
+    "qwen2": LlamaCppArch(),
+    "qwen3": LlamaCppArch(),
+    "olmo2": LlamaCppArch(),  # its sliding window (OLMo 3's, pattern 4) is not OLMo 2's
+    "gemma3": LlamaCppArch(swa_pattern=6, rope_theta_sliding=10000.0, embed_scale_sqrt_dim=True,
+                           attn_scale_dim_layers=62, final_softcap="without_swa"),
+    "gemma2": LlamaCppArch(swa_pattern=2, embed_scale_sqrt_dim=True, attn_scale_dim_layers=46, attn_softcap=True,
+                           final_softcap="always"),
+}
+
+_FIX = "Export with --format hf (transformers computes it), or change the model."
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 120 else text[:117] + "..."
+
+
+def gguf_family(model: ModelConfig) -> Family:
+    """The family record (`export/families.py`) the model is written as, checked against what
+    llama.cpp's runtime for its architecture computes (`LLAMA_CPP_ARCHS`).
+
+    The family is `families.family_of` of the model without the fields llama.cpp decides for
+    itself (layer kinds, window, sliding RoPE base, soft-caps, NoPE layers); those are then
+    checked here against the architecture, each refusal naming the field.
 
     Raises:
-        ExportError: a model option no llama.cpp architecture computes (named, with its value).
+        ExportError: a model option no family carries (named, with its value: `family_of`), or one
+        llama.cpp cannot represent: sliding layers other than its hard-coded pattern (or any, for
+        an architecture without sliding-window attention: llama, so Mistral, qwen2/3, olmo2); a
+        sliding-layer RoPE base other than the one it hard-codes; an attention scale or embedding
+        scale other than its own; a soft-cap it does not apply (or lacks one it always applies);
+        NoPE layers; RoPE scaling outside llama; an untied head where the architecture has no
+        output tensor (gemma2).
     """
+    known = _LLAMA_FIELDS | set(MECHANISMS)
     for f in dataclasses.fields(model):
-        if f.name in _LLAMA_FIELDS:
+        if f.name in known:
             continue
         default = f.default if f.default is not dataclasses.MISSING else (
             f.default_factory() if f.default_factory is not dataclasses.MISSING else None)  # type: ignore[misc]
         value = getattr(model, f.name)
         if value != default:
             raise ExportError(
-                f"config.toml model.{f.name} = {value!r} (default {default!r}): GGUF export maps Llama "
-                f"(and QK-norm as Qwen3) only, and llama.cpp has no architecture with this option, so the "
-                f"file would compute something else. Export with --format hf if transformers supports it, "
-                f"or train with model.{f.name} = {default!r}."
+                f"config.toml model.{f.name} = {value!r} (default {default!r}): GGUF export maps the families of "
+                f"export/families.py only, and llama.cpp has no architecture with this option, so the file would "
+                f"compute something else. Export with --format hf if transformers supports it, or train with "
+                f"model.{f.name} = {default!r}."
             )
-    qk_norm, qkv_bias = bool(getattr(model, "qk_norm", False)), bool(getattr(model, "qkv_bias", False))
-    scaling = getattr(model, "rope_scaling", "none")
+    qk_norm, qkv_bias = bool(model.qk_norm), bool(model.qkv_bias)
+    scaling = model.rope_scaling
     if qk_norm and qkv_bias:
         raise ExportError("config.toml model.qk_norm = true with model.qkv_bias = true: llama.cpp has Qwen3 "
                           "(QK-norm, no biases) and Qwen2 (q/k/v biases, no QK-norm), no architecture with both. "
@@ -475,7 +586,111 @@ def gguf_arch(model: ModelConfig) -> str:
         raise ExportError(f"config.toml model.rope_scaling = {scaling!r} with model.{'qk_norm' if qk_norm else 'qkv_bias'} "
                           f"= true: llama.cpp reads Llama 3.1's RoPE scaling (rope_freqs) for its llama architecture "
                           f"only. Export with --format hf.")
-    return "qwen3" if qk_norm else "qwen2" if qkv_bias else "llama"
+    if model.nope_layers:
+        raise ExportError(f"config.toml model.nope_layers = {_short(model.nope_layers)}: llama.cpp rotates q and k in "
+                          f"every layer of the architectures lmforge writes (only its smollm3 skips RoPE, in every 4th "
+                          f"layer), so the file would compute something else. {_FIX}")
+    hd = model.resolved_head_dim()
+    plain = dataclasses.replace(  # what llama.cpp decides for itself is checked below, field by field
+        model, layer_types=[], sliding_window=0, rope_theta_sliding=0.0, attn_softcap=0.0, final_softcap=0.0,
+        head_dim=0 if model.head_dim * model.n_heads == model.dim else model.head_dim,
+        attn_scale=0.0 if math.isclose(model.attn_scale, hd ** -0.5, rel_tol=1e-9) else model.attn_scale)
+    family = family_of(plain)
+    if family.gguf_arch is None or family.gguf_arch not in LLAMA_CPP_ARCHS:
+        raise ExportError(f"model family {family.model_type!r} has no llama.cpp architecture lmforge writes. {_FIX}")
+    arch, rt = family.gguf_arch, LLAMA_CPP_ARCHS[family.gguf_arch]
+    where = f"llama.cpp's {arch} architecture"
+
+    sliding = [model.is_sliding(i) for i in range(model.n_layers)]
+    want = rt.sliding(model.n_layers)
+    if not rt.swa_pattern and any(sliding):
+        why = (" (llama.cpp never implemented Mistral's sliding window: ggml-org/llama.cpp#3377)"
+               if arch == "llama" else "")
+        raise ExportError(
+            f"config.toml model.layer_types = {_short(model.layer_types)} with model.sliding_window = "
+            f"{model.sliding_window}: {where} has no sliding-window attention{why}, so every layer of the file "
+            f"would attend to all earlier keys (expected every layer \"full\"). {_FIX}")
+    if rt.swa_pattern and sliding != want:
+        pattern = ["sliding" if s else "full" for s in want]
+        raise ExportError(
+            f"config.toml model.layer_types = {_short(model.layer_types or 'every layer full')}: {where} hard-codes "
+            f"which layers slide (layer il iff il % {rt.swa_pattern} < {rt.swa_pattern - 1}; expected "
+            f"{_short(pattern)}), so the file would attend differently. {_FIX}")
+    theta_sliding = model.rope_theta_sliding or model.rope_theta
+    if any(sliding) and rt.rope_theta_sliding and theta_sliding != rt.rope_theta_sliding:
+        raise ExportError(
+            f"config.toml model.rope_theta_sliding = {theta_sliding!r}: {where} rotates the sliding layers with "
+            f"base {rt.rope_theta_sliding!r} whatever the file says (expected {rt.rope_theta_sliding!r}). {_FIX}")
+    if any(sliding) and not rt.rope_theta_sliding and theta_sliding != model.rope_theta:
+        raise ExportError(
+            f"config.toml model.rope_theta_sliding = {theta_sliding!r}: {where} has one RoPE base for every layer "
+            f"(expected rope_theta = {model.rope_theta!r}, or 0). {_FIX}")
+    scale = model.attn_scale or hd ** -0.5
+    want_scale = rt.attn_scale(model.dim, model.n_heads, model.n_layers, hd)
+    if not math.isclose(scale, want_scale, rel_tol=1e-6):
+        raise ExportError(
+            f"config.toml model.attn_scale = {model.attn_scale!r} (scores scaled by {scale:.6g}, Gemma's "
+            f"query_pre_attn_scalar = {scale ** -2:.6g}): {where} scales them by {want_scale:.6g} "
+            f"(1/sqrt({round(want_scale ** -2)})) and never reads query_pre_attn_scalar, so the file would attend "
+            f"differently (expected attn_scale = {want_scale:.6g}). {_FIX}")
+    want_embed = math.sqrt(model.dim) if rt.embed_scale_sqrt_dim else 1.0
+    if not math.isclose(model.embed_scale, want_embed, rel_tol=1e-6):
+        raise ExportError(
+            f"config.toml model.embed_scale = {model.embed_scale!r}: {where} multiplies the embeddings by "
+            f"{want_embed:.6g}{' (sqrt(dim))' if rt.embed_scale_sqrt_dim else ''} (expected that). {_FIX}")
+    if rt.attn_softcap and not model.attn_softcap:
+        raise ExportError(
+            f"config.toml model.attn_softcap = 0: {where} always soft-caps the attention scores (50 when "
+            f"attn_logit_softcapping is absent; 0 would divide by zero), so it cannot compute uncapped scores. {_FIX}")
+    if not rt.attn_softcap and model.attn_softcap:
+        raise ExportError(
+            f"config.toml model.attn_softcap = {model.attn_softcap!r}: {where} never soft-caps attention scores "
+            f"(llama.cpp's converter asserts attn_logit_softcapping is null for it), so the file would attend "
+            f"differently (expected 0). {_FIX}")
+    if rt.final_softcap == "always" and not model.final_softcap:
+        raise ExportError(
+            f"config.toml model.final_softcap = 0: {where} always soft-caps the logits (30 when "
+            f"final_logit_softcapping is absent; 0 would divide by zero). {_FIX}")
+    if model.final_softcap and (rt.final_softcap == "none" or (rt.final_softcap == "without_swa" and any(sliding))):
+        why = "drops it in its graph with sliding layers" if rt.final_softcap == "without_swa" else "never applies one"
+        raise ExportError(
+            f"config.toml model.final_softcap = {model.final_softcap!r}"
+            f"{' with sliding layers' if any(sliding) else ''}: {where} {why}, so the file would give uncapped "
+            f"logits (expected 0). {_FIX}")
+    if scaling != "none" and not rt.rope_freqs:
+        raise ExportError(f"config.toml model.rope_scaling = {scaling!r}: llama.cpp reads Llama 3.1's RoPE scaling "
+                          f"(rope_freqs) for its llama architecture only, not {arch}. {_FIX}")
+    gguf = require_gguf()
+    if not model.tie_embeddings and gguf.MODEL_TENSOR.OUTPUT not in gguf.MODEL_TENSORS[_model_arch(gguf, arch)]:
+        raise ExportError(f"config.toml model.tie_embeddings = false: {where} has no output tensor (its head is "
+                          f"always token_embd), so an untied head cannot be written (expected true). {_FIX}")
+    return family
+
+
+def gguf_arch(model: ModelConfig) -> str:
+    """llama.cpp's `general.architecture` for the model: its family's (`gguf_family`): "llama"
+    (Llama, Mistral; Llama 3.1 RoPE scaling as the rope_freqs tensor), "qwen2" (q/k/v biases),
+    "qwen3" (QK-norm), "gemma3", "gemma2", "olmo2".
+
+    Raises:
+        ExportError: see `gguf_family`.
+    """
+    return gguf_family(model).gguf_arch  # type: ignore[return-value]
+
+
+def _model_arch(gguf, arch: str):
+    """gguf-py's MODEL_ARCH member named `arch`."""
+    return next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
+
+
+def gguf_tensor_names(gguf, arch: str, n_layers: int) -> set[str]:
+    """Every tensor name (without .weight/.bias) llama.cpp's `arch` may load, from gguf-py's
+    MODEL_TENSORS and TENSOR_NAMES."""
+    names = set()
+    for kind in gguf.MODEL_TENSORS[_model_arch(gguf, arch)]:
+        pattern = gguf.TENSOR_NAMES[kind]
+        names.update({pattern.format(bid=i) for i in range(n_layers)} if "{bid}" in pattern else {pattern})
+    return names
 
 
 def _permute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -499,58 +714,59 @@ def llama3_rope_factors(model: ModelConfig) -> np.ndarray:
 
 
 def gguf_tensors(state: dict[str, torch.Tensor], model: ModelConfig, vocab_size: int,
-                 arch: str) -> list[tuple[str, np.ndarray]]:
-    """lmforge weights -> [(GGUF tensor name, float32 array)], in llama.cpp's order.
+                 arch: str | Family) -> list[tuple[str, np.ndarray]]:
+    """lmforge weights -> [(GGUF tensor name, float32 array)], in the order of `state`.
+
+    Names are the family's (`Family.gguf_names`), each checked against gguf-py's
+    MODEL_TENSORS[arch]; every `*norm.weight` is stored as w + `Family.gguf_norm_shift` (Gemma:
+    llama.cpp's RMSNorm multiplies by the stored weight, transformers' by 1 + w); q/k rows are
+    permuted where `Family.gguf_permute_qk` (llama rotates adjacent pairs).
 
     Args:
         state: lmforge weights (`model_state`: a tied output weight is absent); embedding and
             output rows = the padded model vocab (sliced to `vocab_size` here).
         model: the model config (head counts for the rotary permutation, tie_embeddings).
-        arch: "llama" (Q/K rows permuted; rope_freqs with Llama 3.1 scaling), "qwen3" (half-split
-            RoPE kept; q/k norms mapped) or "qwen2" (half-split RoPE kept; q/k/v biases mapped).
+        arch: the family record, or a llama.cpp architecture name (its first family: "llama",
+            "qwen2", "qwen3", "gemma3", "gemma2", "olmo2").
     Raises:
-        ExportError: a weight with no GGUF counterpart (named), or a missing one.
+        ExportError: a weight with no GGUF counterpart in the family (named, with the known
+            ones), or a missing one.
     """
     gguf = require_gguf()
-    T = gguf.MODEL_TENSOR
-    per_layer = {
-        "attention_norm.weight": T.ATTN_NORM, "attention.wq.weight": T.ATTN_Q, "attention.wk.weight": T.ATTN_K,
-        "attention.wv.weight": T.ATTN_V, "attention.wo.weight": T.ATTN_OUT, "ffn_norm.weight": T.FFN_NORM,
-        "feed_forward.w1.weight": T.FFN_GATE, "feed_forward.w3.weight": T.FFN_UP, "feed_forward.w2.weight": T.FFN_DOWN,
-    }
-    if arch == "qwen3":
-        per_layer.update({"attention.q_norm.weight": T.ATTN_Q_NORM, "attention.k_norm.weight": T.ATTN_K_NORM})
-    if arch == "qwen2":
-        per_layer.update({"attention.wq.bias": T.ATTN_Q, "attention.wk.bias": T.ATTN_K, "attention.wv.bias": T.ATTN_V})
-    top = {"tok_embeddings.weight": T.TOKEN_EMBD, "norm.weight": T.OUTPUT_NORM, "output.weight": T.OUTPUT}
+    family = arch if isinstance(arch, Family) else next(iter(by_gguf_arch(arch)), None)
+    if family is None:
+        raise ExportError(f"llama.cpp architecture {arch!r}: lmforge writes "
+                          f"{', '.join(sorted({f.gguf_arch for f in FAMILIES.values() if f.gguf_arch}))}.")
+    arch = family.gguf_arch
+    names = dict(family.gguf_names)
+    allowed = gguf_tensor_names(gguf, arch, model.n_layers)
     layer_re = re.compile(r"^layers\.(\d+)\.(.+)$")
     out = []
     for name, t in state.items():
         if name == "output.weight" and model.tie_embeddings:
             continue
-        a = t.detach().to(torch.float32).cpu().numpy()
         m = layer_re.match(name)
-        kind = per_layer.get(m.group(2)) if m else top.get(name)
-        if kind is None:
+        pattern = names.get(f"layers.{{i}}.{m.group(2)}" if m else name)
+        gname = pattern.format(i=m.group(1)) if pattern and m else pattern
+        if gname is None or gname.rsplit(".", 1)[0] not in allowed:
+            known = [n for n, g in names.items() if g.format(i=0).rsplit(".", 1)[0] in allowed]
             raise ExportError(
-                f"weight {name!r} has no GGUF counterpart in architecture {arch!r} (known: "
-                f"{', '.join([*top, *('layers.{i}.' + k for k in per_layer)])}). This model has a feature "
-                f"llama.cpp's {arch} does not compute; export it with --format hf instead."
+                f"weight {name!r} has no GGUF counterpart in architecture {arch!r} (known: {', '.join(known)}). "
+                f"This model has a feature llama.cpp's {arch} does not compute; export it with --format hf instead."
             )
-        bid = int(m.group(1)) if m else None
+        a = t.detach().to(torch.float32).cpu().numpy()
         if name in ("tok_embeddings.weight", "output.weight"):
             a = a[:vocab_size]  # the padding rows (P6) are sliced off: n_vocab = the tokenizer's
-        if arch == "llama" and kind == T.ATTN_Q:
-            a = _permute_rope_rows(a, model.n_heads)
-        elif arch == "llama" and kind == T.ATTN_K:
-            a = _permute_rope_rows(a, model.n_kv_heads)
-        gname = gguf.TENSOR_NAMES[kind].format(bid=bid) + "." + name.rsplit(".", 1)[1]  # .weight or .bias
+        if gname.endswith("norm.weight") and family.gguf_norm_shift:
+            a = a + np.float32(family.gguf_norm_shift)  # Gemma: llama.cpp multiplies by the stored 1 + w
+        if family.gguf_permute_qk and gname.endswith((".attn_q.weight", ".attn_k.weight")):
+            a = _permute_rope_rows(a, model.n_heads if ".attn_q." in gname else model.n_kv_heads)
         out.append((gname, np.ascontiguousarray(a)))
-    if getattr(model, "rope_scaling", "none") == "llama3":
-        out.append((gguf.TENSOR_NAMES[T.ROPE_FREQS] + ".weight", llama3_rope_factors(model)))
-    names = {n for n, _ in out}
+    if model.rope_scaling == "llama3":
+        out.append((gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight", llama3_rope_factors(model)))
+    written = {n for n, _ in out}
     need = ["token_embd.weight", "output_norm.weight"] + ([] if model.tie_embeddings else ["output.weight"])
-    for missing in [n for n in need if n not in names]:
+    for missing in [n for n in need if n not in written]:
         raise ExportError(f"the checkpoint has no weight for GGUF tensor {missing!r}; the checkpoint is incomplete.")
     return out
 
@@ -599,9 +815,10 @@ def write_gguf(out: str | Path, model: ModelConfig, contract: Contract, state: d
     gguf = require_gguf()
     if dtype not in GGUF_DTYPES:
         raise ExportError(f"--dtype {dtype!r}: GGUF export writes one of {', '.join(GGUF_DTYPES)}.")
-    arch = gguf_arch(model)
+    family = gguf_family(model)
+    arch, rt = family.gguf_arch, LLAMA_CPP_ARCHS[family.gguf_arch]
     vocab = gguf_vocab(tokenizer_json, contract.vocab_size)
-    tensors = gguf_tensors(state, model, contract.vocab_size, arch)
+    tensors = gguf_tensors(state, model, contract.vocab_size, family)
     file_type = {"float32": gguf.LlamaFileType.ALL_F32, "float16": gguf.LlamaFileType.MOSTLY_F16,
                  "bfloat16": gguf.LlamaFileType.MOSTLY_BF16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[dtype]
 
@@ -634,6 +851,14 @@ def write_gguf(out: str | Path, model: ModelConfig, contract: Contract, state: d
     w.add_rope_freq_base(float(model.rope_theta))
     w.add_layer_norm_rms_eps(float(model.norm_eps))
     w.add_vocab_size(contract.vocab_size)
+    if rt.swa_pattern:  # llama.cpp decides which layers slide (gguf_family checked the model's are those)
+        w.add_sliding_window(model.sliding_window)
+    if rt.rope_theta_sliding:  # what llama.cpp's converter writes (its runtime hard-codes the same value)
+        w.add_rope_freq_base_swa(float(model.rope_theta_sliding or model.rope_theta))
+    if model.attn_softcap:
+        w.add_attn_logit_softcapping(float(model.attn_softcap))
+    if model.final_softcap:
+        w.add_final_logit_softcapping(float(model.final_softcap))
 
     w.add_tokenizer_model(vocab.model)
     w.add_tokenizer_pre(vocab.pre)
@@ -690,5 +915,6 @@ def export_gguf(checkpoint: str | Path, out: str | Path, dtype: str = "float32",
     return out
 
 
-__all__ = ["GGUF_DTYPES", "GGUFVocab", "export_gguf", "gguf_arch", "gguf_tensors", "gguf_vocab", "llama3_rope_factors",
-           "require_gguf", "tokenizer_keys", "write_gguf"]
+__all__ = ["GGUF_DTYPES", "GGUFVocab", "LLAMA_CPP_ARCHS", "LlamaCppArch", "export_gguf", "gguf_arch", "gguf_family",
+           "gguf_tensor_names", "gguf_tensors", "gguf_vocab", "llama3_rope_factors", "require_gguf", "tokenizer_keys",
+           "write_gguf"]

@@ -1,20 +1,42 @@
-"""GGUF in (`lmforge import-gguf FILE --out DIR`): a GGUF file of llama.cpp's `llama`, `qwen2`
-or `qwen3` architecture as an lmforge checkpoint.
+"""GGUF in (`lmforge import-gguf FILE --out DIR`): a GGUF file of llama.cpp's `llama`, `qwen2`,
+`qwen3`, `gemma3`, `gemma2` or `olmo2` architecture as an lmforge checkpoint.
 
 The file is read with the `gguf` package (`GGUFReader`); every tensor is dequantized to float32
 with `gguf.quants.dequantize` (F32, F16, BF16, Q8_0, Q4_0/Q4_1, Q5_0/Q5_1, the K-quants); the
 tokenizer is rebuilt from the file's vocabulary (the inverse of `gguf.gguf_vocab`: a byte-level
 BPE with the pre-tokenizer the file names and its merges, or, for `llama`, a SentencePiece-style
 BPE with byte fallback whose merges are every split of every token ordered by the token's score,
-as transformers converts a SentencePiece model). The result is the folder `save_pretrained`
-would write (config.json, model.safetensors, tokenizer.json, tokenizer_config.json with the
-file's chat template, special tokens and add_bos_token), built in a temporary folder and brought
-in with `import_hf`: every check and contract rule of `lmforge import-hf` applies.
+as transformers converts a SentencePiece model, with a "▁" put before the text only where
+`add_space_prefix` is true: Gemma's is false). The result is the folder `save_pretrained` would
+write (config.json, model.safetensors, tokenizer.json, tokenizer_config.json with the file's
+chat template, special tokens and add_bos_token), built in a temporary folder and brought in
+with `import_hf`: every check and contract rule of `lmforge import-hf` applies.
 
-Q and K rows of the `llama` architecture are un-permuted (llama.cpp rotates adjacent pairs,
-lmforge and HF the two halves: the inverse of `gguf._permute_rope_rows`). Refused, by name: any
-other architecture or tokenizer, Llama 3.1 RoPE scaling (`rope_freqs`: its four parameters are
-not recoverable exactly from the per-frequency factors), a tensor this mapping does not know.
+Families. The architecture picks the family record (`ARCHS`: the first of `families.FAMILIES`
+with that `gguf_arch`; a `llama` file is Llama's, Mistral's included). Tensors are renamed
+through the record's two name maps (GGUF -> lmforge -> HF), so Gemma's and OLMo 2's
+`post_attention_norm` becomes their `post_attention_layernorm` (the norm after attention) and
+Llama's `ffn_norm` its `post_attention_layernorm` (the norm before the MLP). Norms are given back
+their HF form (`*norm.weight` minus `Family.gguf_norm_shift`: Gemma's GGUF norms hold 1 + w), and
+Q/K rows are un-permuted where the record permutes them (`llama`: llama.cpp rotates adjacent
+pairs, lmforge and HF the two halves; the inverse of `gguf._permute_rope_rows`).
+
+config.json says what llama.cpp computes from the file (`gguf.LLAMA_CPP_ARCHS`), in the keys
+export/hf.py writes for the family: head_dim = key_length; for Gemma, GeGLU
+(`hidden_activation` gelu_pytorch_tanh), `query_pre_attn_scalar` = head_dim (llama.cpp scales
+queries by 1/sqrt(head_dim); dim / heads at the 27B's depth), `layer_types` from llama.cpp's
+hard-coded pattern (gemma3: 5 sliding, 1 full; gemma2: alternating), `sliding_window`,
+`rope_parameters` per layer type (gemma3: full = rope.freq_base, sliding = 10000) and the
+soft-caps (gemma2: the file's, or llama.cpp's 50 and 30). A file without
+`tokenizer.chat_template` (the public Gemma 3 270M GGUF has none) gets its family's template
+(`Family.chat_template`), said in one line.
+
+Refused, by name: any other architecture or tokenizer; Llama 3.1 RoPE scaling (`rope_freqs`:
+its four parameters are not recoverable exactly from the per-frequency factors) and any
+`rope.scaling.*` other than none; keys llama.cpp ignores for the architecture while they say
+something else (a gemma3 `rope.freq_base_swa` other than 10000, a gemma3 final or attention
+soft-cap), a gemma3 file without a window, an olmo2 file with one (OLMo 3's); a tensor this
+mapping does not know.
 """
 
 from __future__ import annotations
@@ -27,21 +49,31 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from lmforge.export.gguf import LLAMA3_PATTERN, QWEN2_PATTERN, SPM_SPACE, require_gguf
+from lmforge.export.families import FAMILIES, Family
+from lmforge.export.gguf import LLAMA3_PATTERN, LLAMA_CPP_ARCHS, QWEN2_PATTERN, SPM_SPACE, require_gguf
 from lmforge.export.hf_in import import_hf
 from lmforge.errors import LmforgeError
 from lmforge.export.options import ExportError
 from lmforge.fileio import save_safetensors
 
-#: llama.cpp architecture -> (HF architectures entry, model_type)
-ARCHS = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2"),
-         "qwen3": ("Qwen3ForCausalLM", "qwen3")}
-#: GGUF tensor name (after "blk.{i}.") -> HF name (after "model.layers.{i}.")
-_LAYER = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
-          "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
-          "attn_k_norm": "self_attn.k_norm", "ffn_norm": "post_attention_layernorm", "ffn_gate": "mlp.gate_proj",
-          "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
-_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+def _families_by_arch() -> dict[str, Family]:
+    """llama.cpp architecture -> the family a file of it is imported as (the first record with
+    that `gguf_arch`: "llama" is Llama, Mistral's files included)."""
+    out: dict[str, Family] = {}
+    for family in FAMILIES.values():
+        if family.gguf_arch in LLAMA_CPP_ARCHS:
+            out.setdefault(family.gguf_arch, family)
+    return out
+
+
+#: llama.cpp architecture -> the family record it is imported as
+ARCHS: dict[str, Family] = _families_by_arch()
+
+
+def _tensor_names(family: Family) -> dict[str, str]:
+    """GGUF tensor name -> HF name, "{i}" the layer, from the family's two name maps."""
+    hf = dict(family.hf_names)
+    return {g: hf[ours] for ours, g in family.gguf_names if ours in hf}
 
 
 def _unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -67,8 +99,14 @@ def _byte_level_pre(pre: str, path: Path) -> tuple[dict, bool]:
     return {"type": "Sequence", "pretokenizers": [split, {**byte_level, "use_regex": False}]}, ignore
 
 
-def rebuild_tokenizer(kv: dict, path: Path) -> tuple[dict, dict]:
+def rebuild_tokenizer(kv: dict, path: Path, end_of_turn: str | None = None) -> tuple[dict, dict]:
     """(tokenizer.json, tokenizer_config.json) from a GGUF's tokenizer.* keys.
+
+    CONTROL tokens become special added tokens, USER_DEFINED ones plain added tokens. A token that
+    ends generation (the file's EOS, EOT or EOM id, or spelled `end_of_turn`: the family's turn
+    end, Gemma's "<end_of_turn>") is special even where the file types it NORMAL: llama.cpp's
+    converter wrote Gemma's <end_of_turn> as a normal token, and llama.cpp's loader makes such a
+    token a control token (`llama_vocab::impl::load`); lmforge does as llama.cpp does.
 
     Raises:
         ExportError: a tokenizer model or pre-tokenizer lmforge does not rebuild; no tokens.
@@ -78,7 +116,12 @@ def rebuild_tokenizer(kv: dict, path: Path) -> tuple[dict, dict]:
     model, tokens = kv.get("tokenizer.ggml.model"), kv.get("tokenizer.ggml.tokens")
     if not tokens:
         raise ExportError(f"{path}: no tokenizer.ggml.tokens; the file has no vocabulary to rebuild a tokenizer from.")
-    types = kv.get("tokenizer.ggml.token_type") or [int(T.NORMAL)] * len(tokens)
+    types = list(kv.get("tokenizer.ggml.token_type") or [int(T.NORMAL)] * len(tokens))
+    named = [kv.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+    named += [i for i, t in enumerate(tokens) if end_of_turn and t == end_of_turn]
+    for i in named:
+        if isinstance(i, int) and 0 <= i < len(tokens) and types[i] == T.NORMAL:
+            types[i] = int(T.CONTROL)
     added, vocab = [], {}
     for i, (text, kind) in enumerate(zip(tokens, types)):
         if kind == T.UNUSED:
@@ -134,13 +177,95 @@ def rebuild_tokenizer(kv: dict, path: Path) -> tuple[dict, dict]:
     return tj, config
 
 
-def hf_folder_from_gguf(path: str | Path, folder: Path) -> None:
-    """Write `folder` as `save_pretrained` would for the model in GGUF `path` (float32 weights).
+def _hf_config(family: Family, kv: dict, path: Path, num, size, shape: dict) -> dict:
+    """The config.json (as `save_pretrained` writes it, and as export/hf.py writes the family's)
+    of the model llama.cpp computes from the file's keys, `LLAMA_CPP_ARCHS` supplying what its
+    runtime hard-codes (Gemma's layer pattern, sliding RoPE base, attention scale, soft-caps).
 
     Raises:
-        ExportError: an architecture, tokenizer or tensor lmforge does not map back (named).
+        ExportError: a key whose value llama.cpp ignores or lmforge cannot hold (named).
+    """
+    arch, rt = family.gguf_arch, LLAMA_CPP_ARCHS[family.gguf_arch]
+    dim, n_heads, n_layers, hd = shape["dim"], shape["n_heads"], shape["n_layers"], shape["head_dim"]
+    theta = float(num("rope.freq_base", 10000.0))
+    for key in ("rope.scaling.type", "rope.scaling.factor"):
+        value = kv.get(f"{arch}.{key}")
+        if value not in (None, "none", 1, 1.0):
+            raise ExportError(f"{path}: {arch}.{key} = {value!r}: lmforge's RoPE has no such scaling (expected none, "
+                              f"or factor 1); import the model's Hugging Face folder with `lmforge import-hf` instead.")
+    config = {"architectures": [family.architecture], "model_type": family.model_type, "hidden_size": dim,
+              "intermediate_size": size("feed_forward_length"), "num_hidden_layers": n_layers,
+              "num_attention_heads": n_heads, "num_key_value_heads": shape["n_kv_heads"], "head_dim": hd,
+              "rms_norm_eps": float(num("attention.layer_norm_rms_epsilon")),
+              "max_position_embeddings": size("context_length"), "vocab_size": shape["vocab_size"],
+              "tie_word_embeddings": shape["tied"], "torch_dtype": "float32"}
+    window = kv.get(f"{arch}.attention.sliding_window")
+    if not rt.swa_pattern:
+        if window:
+            raise ExportError(f"{path}: {arch}.attention.sliding_window = {window!r}: lmforge imports {arch} "
+                              f"files without sliding-window attention (expected none; OLMo 3's, for olmo2) only; "
+                              f"import the model's Hugging Face folder with `lmforge import-hf` instead.")
+        config.update(hidden_act="silu", rope_theta=theta, rope_scaling=None)
+        if arch == "qwen2":  # q/k/v biases always, and no key for them
+            config.update(use_sliding_window=False)
+        else:
+            config.update(attention_bias=False, **({"mlp_bias": False} if arch == "llama" else {}))
+        return config
+
+    # Gemma: what llama.cpp computes, whatever else the file says
+    if arch == "gemma3" and not window:
+        raise ExportError(f"{path}: no {arch}.attention.sliding_window (or 0): every Gemma 3 has sliding layers "
+                          f"(expected the window, as llama.cpp's convert_hf_to_gguf.py writes it; older llama.cpp "
+                          f"builds refuse such a file too). Re-convert the model with it.")
+    window = size("attention.sliding_window", 4096)  # gemma2's default in llama.cpp
+    kinds = ["sliding_attention" if s else "full_attention" for s in rt.sliding(n_layers)]
+    swa_theta = kv.get(f"{arch}.rope.freq_base_swa")
+    want_swa = rt.rope_theta_sliding or theta
+    if swa_theta is not None and float(swa_theta) != want_swa:
+        raise ExportError(f"{path}: {arch}.rope.freq_base_swa = {swa_theta!r}: llama.cpp's {arch} rotates the sliding "
+                          f"layers with base {want_swa!r} whatever this key says (expected {want_swa!r}), so the file "
+                          f"does not say which model it is. Import the model's Hugging Face folder instead.")
+    attn_cap = kv.get(f"{arch}.attn_logit_softcapping")
+    final_cap = kv.get(f"{arch}.final_logit_softcapping")
+    if not rt.attn_softcap and attn_cap:
+        raise ExportError(f"{path}: {arch}.attn_logit_softcapping = {attn_cap!r}: llama.cpp's {arch} never soft-caps "
+                          f"attention scores (expected none). Import the model's Hugging Face folder instead.")
+    if rt.final_softcap == "without_swa" and final_cap:
+        raise ExportError(f"{path}: {arch}.final_logit_softcapping = {final_cap!r}: llama.cpp's {arch} drops the final "
+                          f"soft-cap in its graph with sliding layers (expected none). Import the model's Hugging Face "
+                          f"folder instead.")
+    scale = rt.attn_scale(dim, n_heads, n_layers, hd)
+    config.update(
+        hidden_activation="gelu_pytorch_tanh",
+        # llama.cpp scales queries by 1/sqrt(head_dim) (1/sqrt(dim / heads) at the 27B's depth), never
+        # by the model's own query_pre_attn_scalar, which the file does not keep
+        query_pre_attn_scalar=round(scale ** -2), sliding_window=window, layer_types=kinds,
+        attention_bias=False, use_bidirectional_attention=False,
+        final_logit_softcapping=float(final_cap if final_cap is not None else 30.0) if rt.final_softcap == "always"
+        else None,
+        attn_logit_softcapping=float(attn_cap if attn_cap is not None else 50.0) if rt.attn_softcap else None)
+    if rt.rope_theta_sliding:  # per layer type: transformers 5's rope_parameters and older versions' keys
+        config.update(rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": theta},
+                                       "sliding_attention": {"rope_type": "default", "rope_theta": want_swa}},
+                      rope_theta=theta, rope_local_base_freq=want_swa)
+    else:
+        config.update(rope_theta=theta, rope_scaling=None)
+    return config
+
+
+def hf_folder_from_gguf(path: str | Path, folder: Path, log=None) -> None:
+    """Write `folder` as `save_pretrained` would for the model in GGUF `path` (float32 weights).
+
+    The file's architecture picks the family record (`ARCHS`); tensors are renamed through the
+    family's GGUF and HF name maps, norms given back their HF form (minus `gguf_norm_shift`),
+    q/k rows un-permuted where the family permutes them. A file without `tokenizer.chat_template`
+    gets the family's own template (`Family.chat_template`, Gemma's), said in one line to `log`.
+
+    Raises:
+        ExportError: an architecture, tokenizer, key or tensor lmforge does not map back (named).
     """
     gguf = require_gguf()
+    say = log or (lambda _msg: None)
     path = Path(path)
     try:
         reader = gguf.GGUFReader(str(path))
@@ -150,6 +275,7 @@ def hf_folder_from_gguf(path: str | Path, folder: Path) -> None:
     arch = kv.get("general.architecture")
     if arch not in ARCHS:
         raise ExportError(f"{path}: general.architecture = {arch!r}; lmforge imports {', '.join(ARCHS)}.")
+    family = ARCHS[arch]
 
     def num(key: str, default=None):
         value = kv.get(f"{arch}.{key}", default)
@@ -171,40 +297,39 @@ def hf_folder_from_gguf(path: str | Path, folder: Path) -> None:
     dim, n_heads = size("embedding_length"), size("attention.head_count")
     n_kv = size("attention.head_count_kv", n_heads)
     hd = size("attention.key_length", dim // n_heads if dim % n_heads == 0 else 0)
-    if hd * n_heads != dim or int(num("rope.dimension_count", hd)) != hd:
-        raise ExportError(f"{path}: head size {hd} (rope over {num('rope.dimension_count', hd)}) with {n_heads} heads "
-                          f"of a {dim}-wide model; lmforge rotates whole heads of dim / n_heads.")
+    if size("attention.value_length", hd) != hd or int(num("rope.dimension_count", hd)) != hd:
+        raise ExportError(f"{path}: key_length {hd}, value_length {num('attention.value_length', hd)}, rope over "
+                          f"{num('rope.dimension_count', hd)}: lmforge's heads have one size for keys and values and "
+                          f"rotate whole heads (expected all three equal).")
+    names = _tensor_names(family)
+    shift = np.float32(family.gguf_norm_shift)
     state: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
-        m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", t.name) or re.fullmatch(r"(\w+)\.(weight|bias)", t.name)
-        base = _LAYER.get(m.group(2)) if m and m.lastindex == 3 else _TOP.get(m.group(1)) if m else None
-        if base is None:
+        m = re.fullmatch(r"blk\.(\d+)\.(.+)", t.name)
+        pattern = names.get(f"blk.{{i}}.{m.group(2)}" if m else t.name)
+        if pattern is None:
+            known = ", ".join(n.replace("{i}", "N") for n in names)
             why = ("Llama 3.1 RoPE scaling, whose four parameters a GGUF does not keep" if t.name.startswith("rope_freqs")
-                   else f"known: token_embd, output_norm, output, blk.N.{{{', '.join(_LAYER)}}}")
+                   else f"known in {arch}: {known}")
             raise ExportError(f"{path}: tensor {t.name!r} has no lmforge counterpart ({why}); import the model's "
                               f"Hugging Face folder with `lmforge import-hf` instead.")
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
         a = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32).reshape(shape)
-        kind = m.group(2) if m.lastindex == 3 else m.group(1)
-        if arch == "llama" and kind in ("attn_q", "attn_k"):
-            a = _unpermute_rope_rows(a, n_heads if kind == "attn_q" else n_kv)
-        name = f"model.layers.{m.group(1)}.{base}.{m.group(3)}" if m.lastindex == 3 else f"{base}.{m.group(2)}"
-        state[name] = torch.from_numpy(np.ascontiguousarray(a))
+        if shift and t.name.endswith("norm.weight"):
+            a = a - shift  # llama.cpp's Gemma norms hold 1 + w; transformers' hold w
+        if family.gguf_permute_qk and t.name.endswith((".attn_q.weight", ".attn_k.weight")):
+            a = _unpermute_rope_rows(a, n_heads if ".attn_q." in t.name else n_kv)
+        state[pattern.format(i=m.group(1)) if m else pattern] = torch.from_numpy(np.ascontiguousarray(a))
     if "model.embed_tokens.weight" not in state:
         raise ExportError(f"{path}: no token_embd.weight tensor.")
-    hf_arch, model_type = ARCHS[arch]
-    config = {"architectures": [hf_arch], "model_type": model_type, "hidden_size": dim,
-              "intermediate_size": size("feed_forward_length"), "num_hidden_layers": size("block_count"),
-              "num_attention_heads": n_heads, "num_key_value_heads": n_kv, "head_dim": hd, "hidden_act": "silu",
-              "rms_norm_eps": float(num("attention.layer_norm_rms_epsilon")),
-              "rope_theta": float(num("rope.freq_base", 10000.0)), "max_position_embeddings": size("context_length"),
-              "vocab_size": int(state["model.embed_tokens.weight"].shape[0]),
-              "tie_word_embeddings": "lm_head.weight" not in state, "torch_dtype": "float32"}
-    if arch == "llama":
-        config.update(attention_bias=False, mlp_bias=False)
-    if arch == "qwen2":
-        config.update(use_sliding_window=False)
-    tj, tok_config = rebuild_tokenizer(kv, path)
+    shape = {"dim": dim, "n_heads": n_heads, "n_kv_heads": n_kv, "head_dim": hd, "n_layers": size("block_count"),
+             "vocab_size": int(state["model.embed_tokens.weight"].shape[0]), "tied": "lm_head.weight" not in state}
+    config = _hf_config(family, kv, path, num, size, shape)
+    tj, tok_config = rebuild_tokenizer(kv, path, family.end_of_turn)
+    if "chat_template" not in tok_config and family.chat_template:
+        tok_config["chat_template"] = family.chat_template
+        say(f"{path}: no tokenizer.chat_template in the file; using {family.architecture}'s chat template "
+            f"(export/families.py: turns closed by {family.end_of_turn})")
     (folder / "config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
     save_safetensors(state, folder / "model.safetensors", metadata={"format": "pt"})
     (folder / "tokenizer.json").write_text(json.dumps(tj, ensure_ascii=False), encoding="utf-8")
@@ -216,9 +341,11 @@ def import_gguf(path: str | Path, out: str | Path, log=None, eos_token: str = ""
     """Turn a GGUF file into an lmforge checkpoint folder (atomically, through `import_hf`).
 
     Args:
-        path: the .gguf file (architecture llama, qwen2 or qwen3; any quantization gguf reads).
+        path: the .gguf file (architecture llama, qwen2, qwen3, gemma3, gemma2 or olmo2; any
+            quantization gguf reads).
         out: the checkpoint folder to write (refused if it holds other files, as import-hf does).
-        log, eos_token: as `import_hf`.
+        log, eos_token: as `import_hf` (`log` also gets the line saying a family's chat template
+            was supplied).
     Raises:
         ExportError: not a file; see `hf_folder_from_gguf` and `import_hf`.
     """
@@ -226,7 +353,7 @@ def import_gguf(path: str | Path, out: str | Path, log=None, eos_token: str = ""
     if not path.is_file():
         raise ExportError(f"{path} is not a file; give the .gguf file to import.")
     with tempfile.TemporaryDirectory(prefix="lmforge-gguf-") as tmp:
-        hf_folder_from_gguf(path, Path(tmp))
+        hf_folder_from_gguf(path, Path(tmp), log=log)
         try:
             return import_hf(tmp, out, log=log, eos_token=eos_token)
         except LmforgeError as exc:  # its words name the converted folder, a temporary: name the file given
@@ -238,4 +365,4 @@ def import_gguf(path: str | Path, out: str | Path, log=None, eos_token: str = ""
             raise renamed from None
 
 
-__all__ = ["import_gguf", "hf_folder_from_gguf", "rebuild_tokenizer"]
+__all__ = ["ARCHS", "import_gguf", "hf_folder_from_gguf", "rebuild_tokenizer"]

@@ -45,7 +45,7 @@ def import_hf_stage(folder: str | Path, out: str | Path, eos_token: str = "") ->
 
 
 def import_gguf_stage(path: str | Path, out: str | Path, eos_token: str = "") -> Path:
-    """A GGUF file (llama, qwen2, qwen3) -> an lmforge checkpoint folder (through import-hf's checks)."""
+    """A GGUF file (llama, qwen2, qwen3, gemma3, gemma2, olmo2) -> an lmforge checkpoint folder (through import-hf's checks)."""
     check_not_input(out, [("the GGUF file", path)], own_check=_import_output(out))
     return import_gguf(path, out, log=lambda msg: log(f"import-gguf: {msg}"), eos_token=eos_token)
 
