@@ -261,7 +261,10 @@ def make_fixture(kind: str, path: Path, block: Block) -> None:
         sys.path.insert(0, str(ROOT / "tests"))
         from hf_families import build_folder
 
-        build_folder("gemma3", path)
+        # the smoke overlay's 2 layers and 4/2 heads (it applies to the imported config too), both
+        # sliding as llama.cpp's gemma3 pattern has them, and llama.cpp's attention scale (1/sqrt(head_dim))
+        build_folder("gemma3", path, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                     layer_types=["sliding_attention"] * 2, query_pre_attn_scalar=48)
     elif kind == "chats":
         rows = [{"messages": [{"role": "user", "content": f"What is {a} plus {b}?"},
                               {"role": "assistant", "content": f"{a} plus {b} is {a + b}."}]}
