@@ -1,5 +1,5 @@
 """Evaluation suites users compare models by: tasks scored by the rules of the field (below the
-stages: `lmforge eval --tasks`, and later periodic evaluation, share it).
+stages: `lmforge eval --tasks` and training's periodic `train.eval_tasks` share it).
 
     metrics    accuracy with ties at 1/k, the random baseline, the centred score, intervals,
                pass@k (Chen et al. 2021's unbiased estimator)

@@ -1,5 +1,6 @@
-"""The lmforge model: one Llama-style Transformer, its attention backends, and its decode path
-(`decode`: the KV cache and the fused T = 1 step)."""
+"""The lmforge model: one Transformer (Llama's layout, and the imported families' mechanisms as
+`ModelConfig` fields), its attention backends, its loss, LoRA, the checkpoint layout, and its
+decode path (`decode`: the KV cache and the fused T = 1 step)."""
 
 from lmforge.model.decode import KVCache
 from lmforge.model.transformer import Transformer, resolve_model_config

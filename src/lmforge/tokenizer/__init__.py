@@ -1,4 +1,5 @@
-"""Byte-level BPE tokenizer: training, loading, and the chat template.
+"""Tokenizers: lmforge's byte-level BPE (training, loading), a model's own brought in
+(`foreign.import_tokenizer`), and chat templates rendered as transformers renders them.
 
 The tokenizer is one Hugging Face `tokenizer.json` (pre-tokenizer, decoder and
 post-processor in one object) plus `tokenizer_config.json`, so `transformers`'
