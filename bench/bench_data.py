@@ -73,17 +73,17 @@ def encode_throughput(tok, texts: list[str], warmup: int, repeat: int) -> dict[s
 
 def prepare_throughput(tok, workdir: Path, repeat: int, source: str = "stdlib",
                        val_fraction: float = 0.02) -> dict[str, common.Stats]:
-    from lmforge.data import shards
+    from lmforge.data import prepare as preparing
 
-    original = shards.batch_encoder
+    original = preparing.batch_encoder
 
     def run(name: str, encoder_factory):
         def go():
-            shards.batch_encoder = encoder_factory
+            preparing.batch_encoder = encoder_factory
             try:
-                shards.prepare(source, tok, workdir / name, val_fraction=val_fraction, progress=False)
+                preparing.prepare(source, tok, workdir / name, val_fraction=val_fraction, progress=False)
             finally:
-                shards.batch_encoder = original
+                preparing.batch_encoder = original
         return go
 
     return common.interleaved({"lmforge": run("lmforge", original),

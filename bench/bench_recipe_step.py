@@ -8,7 +8,7 @@ micro-batches with and without a document boundary both occur, as in the stdlib 
 
 - as shipped;
 - attention backward sdpa: compiled bf16 CPU training through torch's own flash backward
-  (`lmforge.model.attention.CPU_ATTENTION = False`), as before session 14;
+  (`lmforge.model.cpu_attention.CPU_ATTENTION = False`), as before session 14;
 - Newton-Schulz written out: Muon's iteration as `a x + (b s + c s s) x` with separate bf16
   elementwise passes (the form before session 14; below as `newton_schulz_written_out`);
 - before: both taken back (the recipe's step before session 14);
@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args([] if argv is None else argv)
     if args.smoke:
         args.warmup, args.repeat = 1, 1
-    from lmforge.model import attention
+    from lmforge.model import attention, cpu_attention
     from lmforge.train import optim
 
     shipped, one_graph = optim.newton_schulz, attention._one_training_graph
@@ -117,11 +117,11 @@ def main(argv: list[str] | None = None) -> dict:
 
         def step(name: str):
             def run() -> None:
-                attention.CPU_ATTENTION, optim.newton_schulz, attention._one_training_graph = arms[name]
+                cpu_attention.CPU_ATTENTION, optim.newton_schulz, attention._one_training_graph = arms[name]
                 try:
                     losses[name].append(trainers[name].train_step()["loss"])
                 finally:
-                    attention.CPU_ATTENTION, optim.newton_schulz, attention._one_training_graph = (
+                    cpu_attention.CPU_ATTENTION, optim.newton_schulz, attention._one_training_graph = (
                         True, shipped, one_graph)
             return run
 

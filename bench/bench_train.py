@@ -290,14 +290,14 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--no-profile", action="store_true")
     ap.add_argument("--attention-backward", default="matmul", choices=("matmul", "sdpa"),
                     help="lmforge's attention backward in compiled bf16 CPU training: matmul (the default, "
-                         "lmforge.model.attention.cpu_attention) or sdpa (torch's own flash backward, as before)")
+                         "lmforge.model.cpu_attention) or sdpa (torch's own flash backward, as before)")
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                     help="where both sides run (cuda: the profile is left out; the gpu config fits it)")
     common.smoke_flag(ap)
     args = ap.parse_args([] if argv is None else argv)
-    from lmforge.model import attention
+    from lmforge.model import cpu_attention
 
-    attention.CPU_ATTENTION = args.attention_backward == "matmul"
+    cpu_attention.CPU_ATTENTION = args.attention_backward == "matmul"
     configs, mm_n, profiled = CONFIGS, 2048, "larger"
     if args.device == "cuda":
         mm_n = 8192  # a GPU's matmul peak needs a large product

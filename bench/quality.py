@@ -81,8 +81,8 @@ from lmforge.data.shards import Shard  # noqa: E402
 from lmforge.evaluate import evaluate_shard, sliding_window_bits_per_byte  # noqa: E402
 from lmforge.model import Transformer, resolve_model_config  # noqa: E402
 from lmforge.tokenizer import Tokenizer  # noqa: E402
-from lmforge.runtime import training_runtime  # noqa: E402
-from lmforge.train.trainer import Trainer, seed_everything  # noqa: E402
+from lmforge.runtime import seed_everything, training_runtime  # noqa: E402
+from lmforge.train.trainer import Trainer  # noqa: E402
 
 QUICK_STEPS = 150
 REFERENCE = "reference (GPT-2, nanoGPT recipe)"

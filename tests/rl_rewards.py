@@ -40,3 +40,9 @@ def hostile(completions, prompts, **fields):
         if out is not None:
             return out
     return short(completions, prompts)
+
+
+def fractional(completions, prompts, **fields):
+    """Rewards that are not 0 or 1, None on every fifth completion: a mean whose rounding shows the
+    order it was summed in (tests/test_rl_rewards.py compares the combined rewards bit for bit)."""
+    return [None if i % 5 == 4 else ((3 * i) % 7) / 7 for i in range(len(completions))]

@@ -25,6 +25,7 @@ from lmforge.data.packing import RowStream, build_row, collate, plan_packed, sha
 from lmforge.errors import ConfigError
 from lmforge.model import Transformer
 from lmforge.model import attention as A
+from lmforge.model import cpu_attention as C
 from lmforge.model.attention import document_mask, flex_attention, resolve_backend, sdpa_attention
 from lmforge.model.loss import cross_entropy_sum
 
@@ -178,12 +179,12 @@ def test_cpu_attention_is_taken_only_by_compiled_bf16_training(monkeypatch):
     _, eager_grads = _grads(lambda *t: real(*t, None), q, k, v, d_out)
     for a, b in zip(grads, eager_grads):
         assert torch.equal(a, b)
-    monkeypatch.setattr(A, "CPU_ATTENTION_MAX_SCORES", 2 * 4 * 32 * 32 - 1)  # one element over: sdpa's own
+    monkeypatch.setattr(C, "CPU_ATTENTION_MAX_SCORES", 2 * 4 * 32 * 32 - 1)  # one element over: sdpa's own
     torch._dynamo.reset()
     torch.compile(step, backend="eager")(q, k, v)
     assert calls == [1]
-    monkeypatch.setattr(A, "CPU_ATTENTION_MAX_SCORES", 1 << 24)
-    monkeypatch.setattr(A, "CPU_ATTENTION", False)
+    monkeypatch.setattr(C, "CPU_ATTENTION_MAX_SCORES", 1 << 24)
+    monkeypatch.setattr(C, "CPU_ATTENTION", False)
     torch._dynamo.reset()
     torch.compile(step, backend="eager")(q, k, v)
     assert calls == [1]
@@ -243,7 +244,7 @@ def test_compiled_bf16_cpu_training_keeps_one_graph_for_one_document_rows(monkey
     assert _graphs_compiled(m, batches, autocast=True) == 1
     assert _graphs_compiled(m, batches, autocast=False) > 1
     assert _graphs_compiled(m, batches, autocast=True, grad=False) > 1
-    monkeypatch.setattr(A, "CPU_ATTENTION_MAX_SCORES", 2 * small().n_heads * 12 * 12 - 1)
+    monkeypatch.setattr(C, "CPU_ATTENTION_MAX_SCORES", 2 * small().n_heads * 12 * 12 - 1)
     assert _graphs_compiled(m, batches, autocast=True) > 1
     monkeypatch.undo()
     # the document mask over one-segment rows is plain causal attention: the same logits

@@ -253,16 +253,16 @@ def test_a_missing_text_field_exits_2_naming_the_fields_present(tiny_run, tmp_pa
 def test_one_encoding_thread_and_several_give_the_same_shards(tiny_corpus, tiny_tokenizer, tmp_path, monkeypatch):
     """D2: prepare encodes with every core (tiktoken's threads, `data.fast_encode`); one thread
     gives the same bytes."""
-    from lmforge.data import shards as shards_mod
+    from lmforge.data import prepare as preparing
 
     texts = texts_of(tiny_corpus) * 3  # more documents than one encoding batch's worth of threads
     for i in range(len(texts)):
         texts[i] = f"# {i}\n" + texts[i]  # distinct: exact duplicates would be dropped
     source = write_jsonl(tmp_path / "c.jsonl", texts)
-    real = shards_mod.batch_encoder
+    real = preparing.batch_encoder
     outs = []
     for threads in (1, 3):
-        monkeypatch.setattr(shards_mod, "batch_encoder", lambda tok, threads=threads: real(tok, threads=threads))
+        monkeypatch.setattr(preparing, "batch_encoder", lambda tok, threads=threads: real(tok, threads=threads))
         outs.append(prepared(source, tiny_tokenizer, tmp_path / f"out-{threads}"))
     assert outs[0] == outs[1] and len(outs[0]["train.idx"]) > 8 * 100
 

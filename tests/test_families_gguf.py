@@ -151,7 +151,7 @@ def expected_tensor_names(arch: str, n_layers: int, tied: bool) -> set[str]:
 
 
 def test_every_family_record_is_llama_cpps():
-    """Each family record with a GGUF form names an architecture whose runtime rules gguf.py knows
+    """Each family record with a GGUF form names an architecture whose runtime rules llama_cpp.py knows
     (LLAMA_CPP_ARCHS), only tensors gguf-py lists for that architecture, and an HF name for each of
     them (so import-gguf maps every tensor back); adding a family is its record and these checks."""
     from lmforge.export.gguf import LLAMA_CPP_ARCHS, gguf_tensor_names

@@ -164,11 +164,11 @@ def test_lone_surrogate_fails_as_hf_does(small_tok):
 
 
 def test_prepare_writes_identical_shards_with_either_encoder(tiny_corpus, tiny_tokenizer, tmp_path, monkeypatch):
-    from lmforge.data import shards
+    from lmforge.data import prepare as preparing
 
-    fast = shards.prepare(str(tiny_corpus), tiny_tokenizer, tmp_path / "fast", val_fraction=0.2, progress=False)
-    monkeypatch.setattr(shards, "batch_encoder", lambda tok: tok.encode_batch)
-    slow = shards.prepare(str(tiny_corpus), tiny_tokenizer, tmp_path / "hf", val_fraction=0.2, progress=False)
+    fast = preparing.prepare(str(tiny_corpus), tiny_tokenizer, tmp_path / "fast", val_fraction=0.2, progress=False)
+    monkeypatch.setattr(preparing, "batch_encoder", lambda tok: tok.encode_batch)
+    slow = preparing.prepare(str(tiny_corpus), tiny_tokenizer, tmp_path / "hf", val_fraction=0.2, progress=False)
     assert fast["splits"] == slow["splits"]
     for split in ("train", "val"):
         a = np.fromfile(tmp_path / "fast" / f"{split}.bin", dtype=np.uint8)

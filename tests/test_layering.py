@@ -4,6 +4,7 @@ Every import counts, the ones inside functions included (a lazy import is still 
 dependency). Layers, lowest first (docs/design.md, "Layers"):
 
     errors                    0  the error family
+    signals                   0.25  SIGINT/SIGTERM: a command unwinds, a training loop ends its step
     fileio                    0.5  the one writer
     config, runtime, sandbox  1  the typed config; device and precision; running generated code
     contract                  2
@@ -16,6 +17,7 @@ dependency). Layers, lowest first (docs/design.md, "Layers"):
     train, export             6
     serve                     7
     stages                    8  one module per command
+    cli_args                  8.5  each command's arguments
     cli                       9
     __main__                  10
 A module may import its own package and any lower layer, never a higher one. Within
@@ -32,7 +34,7 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parents[1] / "src" / "lmforge"
 
 LAYERS = {
-    "errors": 0, "fileio": 0.5,
+    "errors": 0, "signals": 0.25, "fileio": 0.5,
     "config": 1, "runtime": 1, "sandbox": 1,
     "contract": 2,
     "tokenizer": 3,
@@ -43,10 +45,10 @@ LAYERS = {
     "train": 6, "export": 6,
     "serve": 7,
     "stages": 8,
-    "cli": 9, "__main__": 10,
+    "cli_args": 8.5, "cli": 9, "__main__": 10,
 }
 #: Modules of `stages/` that are not a command: what the stages share.
-STAGES_SHARED = {"common", "tuning", "sft_checks"}
+STAGES_SHARED = {"common", "tuning"}
 #: Modules of `stages/` that compose other stages.
 STAGES_COMPOSING = {"speedrun"}
 #: What `model/` may import besides itself: nothing above the contract.

@@ -30,7 +30,7 @@ from lmforge.errors import ConfigError, DataError
 from lmforge.generate import generate
 from lmforge.model import Transformer, load_model, resolve_model_config
 from lmforge.model.io import MODEL_FILE, latest_checkpoint
-from lmforge.model.loss import group_advantages, policy_gradient_loss, token_logps
+from lmforge.model.loss import group_advantages, policy_gradient_count, policy_gradient_loss, token_logps
 from lmforge.scorers.rewards import RewardError
 from lmforge.scorers.static import static_reward
 from lmforge.stages.rl import rl_stage
@@ -68,7 +68,7 @@ def test_r1_the_loss_and_its_gradient_on_hand_computed_values():
     logits = z.clone().requires_grad_(True)
     lp = token_logps(logits[:, None, :], y[:, None], T)  # (G, 1)
     mask = torch.ones(G, L, dtype=torch.bool)
-    num, count = policy_gradient_loss(lp, A, mask, "dr_grpo", max_new_tokens=L)
+    num, count = policy_gradient_loss(lp, A, mask, "dr_grpo"), policy_gradient_count(mask, "dr_grpo", L)
     assert count == G * L
     loss = num / count
     assert abs(loss.item() - float(-(A.sum()) / (G * L))) < 1e-12  # the ratio is 1: the value is -sum A / count
@@ -84,9 +84,9 @@ def test_r1_the_loss_and_its_gradient_on_hand_computed_values():
     # the normalisers: DAPO counts completion tokens, GRPO each completion's mean
     lens = torch.tensor([[True, True], [True, False], [True, True], [True, False]])
     lp2 = torch.zeros(G, 2, requires_grad=True)
-    assert policy_gradient_loss(lp2, A, lens, "dapo", 8)[1] == 6.0
-    assert policy_gradient_loss(lp2, A, lens, "dr_grpo", 8)[1] == 32.0
-    num, c = policy_gradient_loss(lp2, A, lens, "grpo", 8)
+    assert policy_gradient_count(lens, "dapo", 8) == 6.0
+    assert policy_gradient_count(lens, "dr_grpo", 8) == 32.0
+    num, c = policy_gradient_loss(lp2, A, lens, "grpo"), policy_gradient_count(lens, "grpo", 8)
     num.backward()
     assert c == 4.0 and torch.allclose(lp2.grad, -(A[:, None] * lens / lens.sum(1, keepdim=True)).float())
 
@@ -95,7 +95,7 @@ def test_r1_equal_rewards_give_exactly_zero_gradient_and_bad_rewards_are_refused
     A = group_advantages(torch.tensor([1.0, 1.0, 1.0, 0.0, 0.0, 0.0]), 3)
     assert A.tolist() == [0.0] * 6
     lp = torch.randn(6, 5, requires_grad=True)
-    num, _ = policy_gradient_loss(lp, A, torch.ones(6, 5, dtype=torch.bool), "dr_grpo", 5)
+    num = policy_gradient_loss(lp, A, torch.ones(6, 5, dtype=torch.bool), "dr_grpo")
     num.backward()
     assert torch.equal(lp.grad, torch.zeros_like(lp))
     with pytest.raises(ValueError, match="not finite"):
@@ -111,13 +111,84 @@ def test_r1_equal_rewards_give_exactly_zero_gradient_and_bad_rewards_are_refused
 def test_r1_the_kl_term_pulls_towards_the_reference():
     lp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
     ref = torch.tensor([[-1.5, -1.0]])
-    num, _ = policy_gradient_loss(lp, torch.zeros(1, dtype=torch.float64), torch.ones(1, 2, dtype=torch.bool),
-                                  "dr_grpo", 2, ref, beta=0.5)
+    num = policy_gradient_loss(lp, torch.zeros(1, dtype=torch.float64), torch.ones(1, 2, dtype=torch.bool),
+                               "dr_grpo", ref, beta=0.5)
     num.backward()
     # d/dlp of exp(ref - lp) - (ref - lp) - 1 = 1 - exp(ref - lp): the sign of lp - ref
     assert torch.allclose(lp.grad, 0.5 * (1 - torch.exp(ref - lp.detach())))
     assert (torch.sign(lp.grad) == torch.sign(lp.detach() - ref)).all()
     assert num.item() > 0  # k3 >= 0, 0 only at lp == ref
+
+
+def test_r1_one_rule_for_the_normaliser_and_every_loss_type_is_dispatched():
+    """`policy_gradient_count` is the denominator of every `rl.loss_type` (the objective's `count`
+    reads it, `policy_gradient_loss` only gives the numerator); another name is refused by both."""
+    from lmforge.config import CHOICES
+
+    mask = torch.tensor([[True, True, False], [True, False, False]])
+    lp = torch.zeros(2, 3, requires_grad=True)
+    for kind in CHOICES["rl.loss_type"]:
+        assert policy_gradient_count(mask, kind, 3) > 0
+        assert torch.isfinite(policy_gradient_loss(lp, torch.tensor([0.5, -0.5]), mask, kind))
+    for call in (lambda: policy_gradient_count(mask, "ppo", 3),
+                 lambda: policy_gradient_loss(lp, torch.zeros(2), mask, "ppo")):
+        with pytest.raises(ValueError, match=r"loss_type 'ppo': expected one of \('dr_grpo', 'dapo', 'grpo'\)"):
+            call()
+
+
+def test_the_rl_examples_run():
+    """The `>>>` examples of `RLObjective` (a step by hand) and of `policy_gradient_count`."""
+    import doctest
+
+    import lmforge.model.loss
+    import lmforge.train.rl
+
+    finder, runner = doctest.DocTestFinder(), doctest.DocTestRunner()
+    for module, obj in ((lmforge.train.rl, lmforge.train.rl.RLObjective),
+                        (lmforge.model.loss, lmforge.model.loss.policy_gradient_count)):
+        for test in finder.find(obj, obj.__name__, globs=vars(module)):
+            runner.run(test)
+    result = runner.summarize(verbose=False)
+    assert result.attempted >= 10 and result.failed == 0, result
+
+
+def test_step_metrics_divides_each_figure_by_its_denominator():
+    """`step_metrics` logs each summed figure as `figures` says: per rollout, per group, per sampled
+    token, a reward over the completions it applies to (0 where it met none), counts as ints."""
+    from collections import Counter
+
+    from lmforge.train.distributed import DistInfo
+    from lmforge.train.rl import DENOMINATORS, RLObjective, figures
+
+    table = figures(["static", "doctests"])
+    assert list(table) == sorted(table) and all(table[k] is None for k in DENOMINATORS)
+    rl = RLObjective.__new__(RLObjective)
+    rl.figures = table
+    rl._acc = Counter({"prompts": 2, "rows": 8, "tokens": 20, "row_slots": 40, "pad_slots": 10, "reward": 3.0,
+                       "reward_std": 0.8, "mismatch_kl": 0.002, "rewards/static": 3.0, "applies/static": 8.0,
+                       "rewards/doctests": 0.0, "applies/doctests": 0.0, "sandbox/PASS": 3.0, "rollout_s": 1.23456})
+    out = rl.step_metrics(DistInfo())
+    assert out["reward"] == 3 / 8 and out["reward_std"] == 0.4 and out["mismatch_kl"] == 0.002 / 20
+    assert out["padding"] == 0.25 and out["rollout_s"] == 1.235 and out["rewards/static"] == 3 / 8
+    assert out["rewards/doctests"] == 0.0 and out["sandbox/PASS"] == 3 and isinstance(out["sandbox/PASS"], int)
+    assert not set(DENOMINATORS) & set(out) and "pad_slots" not in out
+    assert rl._acc == Counter()
+
+
+def test_r8_the_rl_config_checks_name_the_field(tiny_run):
+    """`config.check_rl`: the [rl] section against [lora] and [data], before an rl run touches anything."""
+    from lmforge.config import LoRAConfig, check_rl
+
+    cfg, _ = tiny_run
+    ok = replace(cfg, rl=replace(cfg.rl, init="runs/sft", max_new_tokens=8))
+    assert check_rl(ok) is ok
+    with pytest.raises(ConfigError, match=r"rl\.init is empty: set the checkpoint to train"):
+        check_rl(replace(ok, rl=replace(ok.rl, init="")))
+    with pytest.raises(ConfigError, match=r"lora\.dropout = 0\.1: the loss must differentiate .* lora\.dropout = 0"):
+        check_rl(replace(ok, lora=LoRAConfig(rank=4, dropout=0.1)))
+    assert check_rl(replace(ok, lora=LoRAConfig(rank=0, dropout=0.1)))  # no adapters: no dropout applies
+    with pytest.raises(ConfigError, match=r"rl\.max_new_tokens = 64 leaves no room for a prompt in data\.seq_len = 64"):
+        check_rl(replace(ok, rl=replace(ok.rl, max_new_tokens=64)))
 
 
 # -- R3, R4 ------------------------------------------------------------------------------------------
@@ -166,9 +237,9 @@ def test_r3_the_stop_token_is_trained(tiny_run):
 
     before = p_stop()
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    num, count = policy_gradient_loss(token_logps(model(batch.tokens, batch.positions), batch.targets), A,
-                                      batch.loss_mask, "dr_grpo", 16)
-    (num / count).backward()
+    num = policy_gradient_loss(token_logps(model(batch.tokens, batch.positions), batch.targets), A,
+                               batch.loss_mask, "dr_grpo")
+    (num / policy_gradient_count(batch.loss_mask, "dr_grpo", 16)).backward()
     opt.step()
     assert p_stop() > before * 1.05, (before, p_stop())
 
@@ -407,7 +478,7 @@ def test_packed_rollouts_give_each_rollout_the_logps_and_gradient_it_has_alone(t
         model.zero_grad()
         lp = b.logps(model, 0.7)
         m = b.loss_mask
-        num, _ = policy_gradient_loss(lp, b.advantages, m, "grpo", 8)
+        num = policy_gradient_loss(lp, b.advantages, m, "grpo")
         num.backward()
         grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
         if b is padded:

@@ -20,7 +20,8 @@ from dataclasses import replace
 import pytest
 
 from lmforge.errors import CheckpointError, ConfigError
-from lmforge.stages import common, pretrain_stage
+from lmforge.stages import pretrain_stage
+from lmforge.train import budget
 from lmforge.train.budget import StepBudget, decay_start, run_step_seconds
 from lmforge.train.trainer import Trainer
 from test_resume import assert_same_state, read_metrics, with_train
@@ -42,7 +43,7 @@ def fixed_costs(monkeypatch, step_s: float, val_s: float = 0.0, save_s: float = 
     the clock stands still except `spent` seconds for the start-up and the probe, and `per_step`
     seconds (or `per_step(step)`, 1-based) for each step of the run. Returns (the probes made,
     the clock)."""
-    real, made, clock = common.probe_costs, [], FakeClock()
+    real, made, clock = budget.probe_costs, [], FakeClock()
 
     def probe(*args, **kwargs):
         out = real(*args, **kwargs)
@@ -50,8 +51,8 @@ def fixed_costs(monkeypatch, step_s: float, val_s: float = 0.0, save_s: float = 
         clock.now += spent
         return {**out, "step_s": step_s, "val_s": val_s, "save_s": save_s}
 
-    monkeypatch.setattr(common, "probe_costs", probe)
-    monkeypatch.setattr(common, "budget_clock", clock)
+    monkeypatch.setattr(budget, "probe_costs", probe)
+    monkeypatch.setattr(budget, "budget_clock", clock)
     if per_step:
         original = Trainer.train_step
 
@@ -98,30 +99,29 @@ def test_the_budget_sets_the_steps_and_the_run_equals_that_many_steps(tiny_run, 
 
 
 def test_a_command_of_its_own_process_counts_the_budget_from_the_process_start(tiny_run, tmp_path, monkeypatch):
-    """`lmforge pretrain` as the process's command (cli.main with argv None): the budget counts
-    the interpreter's start and the imports (COMMAND_AGE seconds before the session), once; a
-    call from Python (argv given) counts from the session's start."""
+    """`lmforge pretrain` as the process's command (cli.main with argv None): the CLI passes the
+    process's start down as `started` (the interpreter's start and the imports counted); a call
+    from Python (argv given, or the stage called without `started`) counts from its session's start."""
     cfg, _ = tiny_run
-    fixed_costs(monkeypatch, 0.05, spent=0.1)
+    _, clock = fixed_costs(monkeypatch, 0.05, spent=0.1)
     c = with_train(cfg, time_budget_s=1.0, steps=999, checkpoint_every=0, keep_last=0, warmup_steps=2, eval_every=0)
-    monkeypatch.setattr(common, "COMMAND_AGE", 0.3)
-    assert pretrain_stage(c, tmp_path / "aged", progress=False)["step"] == 12  # int((1.0 - 0.3 - 0.1) / 0.05)
-    assert common.COMMAND_AGE is None  # used once: a later session in the process counts from its own start
+    started = clock.now - 0.3  # the process started 0.3 s before the stage
+    aged = pretrain_stage(c, tmp_path / "aged", progress=False, started=started)
+    assert aged["step"] == 12  # int((1.0 - 0.3 - 0.1) / 0.05)
     assert pretrain_stage(c, tmp_path / "fresh", progress=False)["step"] == 18  # int((1.0 - 0.1) / 0.05)
-    age = common.process_age_s()
+    age = budget.process_age_s()
     assert age is None or 0.0 <= age < 24 * 3600
-    # the CLI marks only the process's own command line
+    # the CLI passes the start of the process's own command line only
     from lmforge import cli, stages
 
     seen = []
-    monkeypatch.setattr(common, "process_age_s", lambda: 4.2)
-    monkeypatch.setattr(stages, "pretrain_stage", lambda *a, **k: seen.append(common.COMMAND_AGE) or {})
+    monkeypatch.setattr(budget, "process_age_s", lambda: 4.2)
+    monkeypatch.setattr(stages, "pretrain_stage", lambda *a, **k: seen.append(k.get("started")) or {})
     argv = ["pretrain", "--config", str(tmp_path / "aged" / "config.toml"), "--out", str(tmp_path / "x")]
     assert cli.main(argv) == 0
     monkeypatch.setattr("sys.argv", ["lmforge", *argv])
     assert cli.main() == 0
-    assert seen == [None, 4.2]
-    common.COMMAND_AGE = None
+    assert seen == [None, pytest.approx(clock.now - 4.2)]
 
 
 def test_validations_and_checkpoints_are_paid_from_the_budget(tiny_run, tmp_path, monkeypatch):

@@ -125,7 +125,7 @@ class Interrupted(Exception):
         self.signum = signum
 
 
-#: Signals received by the command line's handler (lmforge.cli). Native code that runs Python
+#: Signals received by the command line's handler (lmforge.signals). Native code that runs Python
 #: callbacks (the Rust BPE trainer) can swallow the exception a handler raises; it calls
 #: `raise_if_stopped()` when it returns, so the stop is never lost.
 _STOP_REQUESTS: list[int] = []

@@ -14,8 +14,8 @@ the `Config` of all sections, the tables derived from the declarations and the c
 """
 
 from lmforge.config.schema import (_SECTION_TYPES, BOUNDS, CHOICES, SECTIONS, TUNING_SECTIONS, Config, _default,
-                                   check_bounds, check_field, check_lora, check_parallel, model_from_init, validate,
-                                   validate_parallel, world_size_from_env)
+                                   check_bounds, check_field, check_lora, check_parallel, check_rl, model_from_init,
+                                   validate, validate_parallel, world_size_from_env)
 from lmforge.config.core import (AUTO_MICRO_BATCH, MAX_SEQ_LEN, MAX_STEPS, MAX_TOKENS_PER_STEP, MAX_VOCAB,
                                  DataConfig, ModelConfig, TokenizerConfig, TrainConfig)
 from lmforge.config.fields import ResumeRule, declared, resume_rules
@@ -32,6 +32,6 @@ __all__ = [
     "TUNING_SECTIONS", "Config", "DPOConfig", "DataConfig", "LoRAConfig", "ModelConfig", "ResumeRule",
     "SFTConfig", "SamplingConfig", "TokenizerConfig", "TrainConfig", "TuningConfig", "_SECTION_TYPES", "_coerce",
     "_default", "_field_types", "apply_overlay", "apply_overrides", "check_bounds", "check_field", "check_lora",
-    "check_parallel", "declared", "from_dict", "load_config", "model_from_init", "resume_rules", "suggest",
+    "check_parallel", "check_rl", "declared", "from_dict", "load_config", "model_from_init", "resume_rules", "suggest",
     "validate", "validate_parallel", "world_size_from_env",
 ]

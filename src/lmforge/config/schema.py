@@ -1,7 +1,8 @@
 """The `Config` of all sections, the tables derived from the fields' declarations (SECTIONS, BOUNDS,
 CHOICES), and the checks before any work (P7): every field against its own declaration, then the
-checks across fields (`validate`); the checks that need the number of ranks (`check_parallel`); a
-checkpoint's [model] against what was typed (`model_from_init`)."""
+checks across fields (`validate`); those of one command's section (`check_lora`, `check_rl`); the
+checks that need the number of ranks (`check_parallel`); a checkpoint's [model] against what was
+typed (`model_from_init`)."""
 
 from __future__ import annotations
 
@@ -202,6 +203,30 @@ def check_lora(lo: LoRAConfig) -> None:
         ConfigError: naming the target, the valid ones, and what to do.
     """
     check_lora_targets("lora.targets", lo.targets)
+
+
+def check_rl(cfg: Config) -> Config:
+    """The [rl] section against the sections an `lmforge rl` run reads with it, before any work (the
+    other commands leave [rl] alone, so `validate` does not ask this of them): a checkpoint to
+    start from, no LoRA dropout (the loss must differentiate the distribution the completions
+    were sampled from), and room for a prompt beside the completion in data.seq_len. Returns cfg.
+
+    Raises:
+        ConfigError: naming the field, its value and what to change.
+    """
+    rl, lo, seq_len = cfg.rl, cfg.lora, cfg.data.seq_len
+    if not rl.init:
+        raise ConfigError("rl.init is empty: set the checkpoint to train, e.g. --set rl.init=runs/sft (an SFT run "
+                          "folder or one of its step_NNNNNN folders).")
+    if lo.rank > 0 and lo.dropout > 0:
+        raise ConfigError(f"lora.dropout = {lo.dropout}: the loss must differentiate the distribution the "
+                          f"completions were sampled from, and dropout makes training another one. Set "
+                          f"lora.dropout = 0 for rl.")
+    if rl.max_new_tokens >= seq_len:
+        raise ConfigError(f"rl.max_new_tokens = {rl.max_new_tokens} leaves no room for a prompt in data.seq_len "
+                          f"= {seq_len} (a row is the prompt and its completion). Lower rl.max_new_tokens or "
+                          f"raise data.seq_len.")
+    return cfg
 
 
 def world_size_from_env() -> int:

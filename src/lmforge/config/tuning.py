@@ -1,5 +1,5 @@
-"""The sections of the stages that start from a checkpoint ([sft], [dpo] on one TuningConfig), of
-LoRA, and of sampling ([generate]). Declared as in lmforge.config.core."""
+"""The sections of the stages that start from a checkpoint ([sft], [dpo], [rl] on one TuningConfig),
+of LoRA, and of sampling ([generate]). Declared as in lmforge.config.core."""
 
 from __future__ import annotations
 
@@ -150,8 +150,9 @@ class DPOConfig(TuningConfig):
 
 #: `rl.loss_type`'s choices: how the summed policy-gradient term is normalised (lmforge.train.rl).
 RL_LOSS_TYPES = ("dr_grpo", "dapo", "grpo")
-#: The rewards lmforge ships (lmforge.scorers.rewards); `rl.rewards` may also name "package.module:function".
-RL_REWARDS = ("static", "doctests", "behaviour")
+#: The rewards lmforge ships (the table lmforge.scorers.rewards.REWARDS, which holds the same names);
+#: `rl.rewards` may also name "package.module:function".
+RL_REWARDS = ("static", "doctests", "behaviour", "parses")
 _NO_RL = "the other stages do not read [rl]"
 _RL_LOSS = refused(RL, "the loss of every step, the steps taken included", _NO_RL)
 _RL_ROLLOUT = refused(RL, "the rollouts of every step (what is sampled and how it is scored)", _NO_RL)
@@ -176,7 +177,8 @@ class RLConfig(TuningConfig):
     2025, arXiv 2503.20783) of `init` (usually an SFT run) on prompts: `data` is "stdlib"
     (standard-library functions to write, scored by `rewards`) or a JSONL/Parquet file of
     {prompt | messages, any extra fields}; `micro_batch_size` counts prompts (group_size rows
-    each). See lmforge.train.rl and lmforge.stages.rl."""
+    each). See lmforge.train.rl and lmforge.stages.rl; its checks against [lora] and [data] before a
+    run: `config.check_rl`."""
 
     WORDS = dict(items="the prompts", one="prompts", batch_items="prompts", init="checkpoint tuned",
                  val_rows="val_* rows only", no=_NO_RL)
@@ -206,8 +208,9 @@ class RLConfig(TuningConfig):
     rewards: list[str] = items(RL_REWARDS[:1], _RL_ROLLOUT, check=_check_rewards)
     """The reward functions, averaged over those that apply: "static" (parses under its signature,
     ends its turn, not trivial, every name resolves), "doctests" (its docstring examples pass, in
-    lmforge.sandbox), "behaviour" (returns what the real function returns on generated inputs, in
-    lmforge.sandbox; applies to top-level functions callable with plain values), or
+    lmforge.sandbox; applies to top-level functions), "behaviour" (returns what the real function
+    returns on generated inputs, in lmforge.sandbox; applies to top-level functions callable with
+    plain values), "parses" (parses under its signature and ends its turn: a format reward), or
     "package.module:function" (yours: called as TRL calls one, f(completions=[...], prompts=[...],
     **the prompt records' other fields) -> a number in [0, 1], or None, per completion)."""
     loss_type: str = choice("dr_grpo", RL_LOSS_TYPES, _RL_LOSS)

@@ -6,7 +6,7 @@ anything `data.source` takes (lmforge.data.sources).
 Preparing (`prepare_mixture`) writes data.dir as one folder (through `fileio.atomic_dir`, so
 an interrupted prepare leaves the previous folder as it was) holding a prepared folder per
 source, `data.dir/NAME/` ({train,val}.{bin,idx}, contract.json, meta.json, report.json, as
-`lmforge.data.shards.prepare` writes them), and `mixture.json` (the sources, in order). A
+`lmforge.data.prepare.prepare` writes them), and `mixture.json` (the sources, in order). A
 source whose folder in the previous data.dir was prepared from the same files (path, size
 and modification time of each, `listing_fingerprint`) with the same settings and tokenizer
 is reused as it is (hard links), so changing the weights, or adding a source, tokenizes
@@ -43,9 +43,10 @@ import numpy as np
 
 from lmforge.data.packing import Batch, RowStream, collate
 from lmforge.data.records import record_suffix
-from lmforge.data.shards import MIXTURE_FILE, PREPARE_OUTPUT, prepare_into, read_hashes, read_mixture
-from lmforge.data.sources import (HF_PREFIX, TEXT_SUFFIXES, Document, SourceStats, hf_snapshot, is_glob,
-                                  capped, iter_documents, stdlib_root)
+from lmforge.data.inputs import HF_PREFIX, TEXT_SUFFIXES, SourceStats, hf_snapshot, is_glob, stdlib_root
+from lmforge.data.prepare import PREPARE_OUTPUT, prepare_into
+from lmforge.data.shards import MIXTURE_FILE, read_hashes, read_mixture
+from lmforge.data.sources import Document, capped, iter_documents
 from lmforge.errors import DataError
 from lmforge.fileio import shown_path
 
@@ -305,7 +306,7 @@ def prepare_mixture(sources: Sequence[MixSource], tokenizer, out_dir: str | Path
     its "report" and "reused": True/False).
 
     Raises:
-        DataError / OutputError: as `lmforge.data.shards.prepare`, naming the source.
+        DataError / OutputError: as `lmforge.data.prepare.prepare`, naming the source.
     """
     from lmforge.fileio import atomic_dir
 

@@ -15,7 +15,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from lmforge.data.conversations import Conversation, cap_examples
-from lmforge.data.sources import SourceStats, iter_documents, split_of
+from lmforge.data.inputs import SourceStats
+from lmforge.data.sources import iter_documents, split_of
 
 STDLIB_PROMPT = "Write the body of this Python function:\n"
 

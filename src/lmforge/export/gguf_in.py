@@ -3,7 +3,7 @@
 
 The file is read with the `gguf` package (`GGUFReader`); every tensor is dequantized to float32
 with `gguf.quants.dequantize` (F32, F16, BF16, Q8_0, Q4_0/Q4_1, Q5_0/Q5_1, the K-quants); the
-tokenizer is rebuilt from the file's vocabulary (the inverse of `gguf.gguf_vocab`: a byte-level
+tokenizer is rebuilt from the file's vocabulary (the inverse of `gguf_vocab.gguf_vocab`: a byte-level
 BPE with the pre-tokenizer the file names and its merges, or, for `llama`, a SentencePiece-style
 BPE with byte fallback whose merges are every split of every token ordered by the token's score,
 as transformers converts a SentencePiece model, with a "▁" put before the text only where
@@ -21,8 +21,8 @@ their HF form (`*norm.weight` minus `Family.gguf_norm_shift`: Gemma's GGUF norms
 Q/K rows are un-permuted where the record permutes them (`llama`: llama.cpp rotates adjacent
 pairs, lmforge and HF the two halves; the inverse of `gguf._permute_rope_rows`).
 
-config.json says what llama.cpp computes from the file (`gguf.LLAMA_CPP_ARCHS`), in the keys
-export/hf.py writes for the family: head_dim = key_length; for Gemma, GeGLU
+config.json says what llama.cpp computes from the file (`llama_cpp.LLAMA_CPP_ARCHS`), in the keys
+export/hf_config_out.py writes for the family: head_dim = key_length; for Gemma, GeGLU
 (`hidden_activation` gelu_pytorch_tanh), `query_pre_attn_scalar` = head_dim (llama.cpp scales
 queries by 1/sqrt(head_dim); dim / heads at the 27B's depth), `layer_types` from llama.cpp's
 hard-coded pattern (gemma3: 5 sliding, 1 full; gemma2: alternating), `sliding_window`,
@@ -50,7 +50,8 @@ import numpy as np
 import torch
 
 from lmforge.export.families import FAMILIES, Family
-from lmforge.export.gguf import LLAMA3_PATTERN, LLAMA_CPP_ARCHS, QWEN2_PATTERN, SPM_SPACE, require_gguf
+from lmforge.export.gguf_vocab import LLAMA3_PATTERN, QWEN2_PATTERN, SPM_SPACE
+from lmforge.export.llama_cpp import LLAMA_CPP_ARCHS, require_gguf
 from lmforge.export.hf_in import import_hf
 from lmforge.errors import LmforgeError
 from lmforge.export.options import ExportError
@@ -178,7 +179,7 @@ def rebuild_tokenizer(kv: dict, path: Path, end_of_turn: str | None = None) -> t
 
 
 def _hf_config(family: Family, kv: dict, path: Path, num, size, shape: dict) -> dict:
-    """The config.json (as `save_pretrained` writes it, and as export/hf.py writes the family's)
+    """The config.json (as `save_pretrained` writes it, and as export/hf_config_out.py writes the family's)
     of the model llama.cpp computes from the file's keys, `LLAMA_CPP_ARCHS` supplying what its
     runtime hard-codes (Gemma's layer pattern, sliding RoPE base, attention scale, soft-caps).
 

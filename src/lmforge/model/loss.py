@@ -1,10 +1,13 @@
-"""The one loss path for every stage (P3).
+"""The one loss module of every stage (P3): the token cross-entropy (plain, and fused with the
+output head: `linear_cross_entropy_sum`), the preference losses (`dpo_loss`,
+`reference_free_loss`) and the policy gradient (`group_advantages`, `policy_gradient_loss` and
+its denominator `policy_gradient_count`).
 
-A training step's loss is the sum of per-token cross-entropy (nats) over the
-supervised targets of *all* its micro-batches and data-parallel ranks, divided by the
-number of those targets. `cross_entropy_sum` gives one micro-batch's numerator; the
-trainer counts the denominator first (all micro-batches, all-reduced over ranks), then
-runs the backward passes. A micro-batch with no supervised target adds exactly 0.
+A training step's loss is a sum over *all* its micro-batches and data-parallel ranks divided by
+a count over the same: for tokens, per-token cross-entropy (nats) over the supervised targets
+divided by the number of those targets. Each function here gives one micro-batch's numerator;
+the trainer counts the denominator first (all micro-batches, all-reduced over ranks), then runs
+the backward passes. A micro-batch with no supervised target adds exactly 0.
 """
 
 from __future__ import annotations
@@ -168,9 +171,8 @@ def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, targets
                                             temperature)
 
 
-#: The preference losses by `dpo.loss` (`config.DPO_LOSSES`): `dpo_loss` compares with a reference
-#: model; `reference_free_loss` needs none (REFERENCE_FREE).
-DPO_LOSSES = DPO_LOSS_CHOICES
+#: The preference losses (`dpo.loss`, `config.DPO_LOSS_CHOICES`) that need no reference model
+#: (`reference_free_loss`); the others compare with one (`dpo_loss`).
 REFERENCE_FREE = ("simpo", "orpo")
 
 
@@ -192,11 +194,11 @@ def reference_free_loss(chosen: torch.Tensor, rejected: torch.Tensor, beta: floa
         (losses (N,), chosen rewards (N,), rejected rewards (N,)), rewards = beta x the mean
         log-probability, detached (TRL's CPO/ORPO logging).
     """
-    if kind == "simpo":
+    if kind == "simpo":  # a margin gamma in place of the reference's log-ratio
         losses = -F.logsigmoid(beta * (chosen - rejected) - gamma)
-    elif kind == "orpo":
+    elif kind == "orpo":  # the SFT loss on the chosen reply carries the odds-ratio term
         def log_odds(p: torch.Tensor) -> torch.Tensor:  # log(e^p / (1 - e^p)), p < 0
-            return p - torch.log1p(-torch.exp(p.clamp(max=-1e-7)))
+            return p - torch.log1p(-torch.exp(p.clamp(max=-1e-7)))  # clamped: p = 0 would give log 0
         losses = -chosen - beta * F.logsigmoid(log_odds(chosen) - log_odds(rejected))
     else:
         raise ValueError(f"reference-free loss {kind!r}: expected one of {REFERENCE_FREE}")
@@ -221,19 +223,14 @@ def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_cho
         (policy - reference) log-probability, detached. At policy == reference the sigmoid
         loss is ln 2 = 0.6931 for every pair.
     """
-    h = (policy_chosen - ref_chosen) - (policy_rejected - ref_rejected)
+    h = (policy_chosen - ref_chosen) - (policy_rejected - ref_rejected)  # the log-ratios' margin
     if kind == "sigmoid":
         losses = -F.logsigmoid(beta * h)
-    elif kind == "ipo":
+    elif kind == "ipo":  # a squared target margin: h cannot grow without bound as under the sigmoid
         losses = (h - 1.0 / (2.0 * beta)) ** 2
     else:
-        raise ValueError(f"dpo loss {kind!r}: expected one of {DPO_LOSSES}")
+        raise ValueError(f"dpo loss {kind!r}: expected one of {DPO_LOSS_CHOICES}")
     return losses, beta * (policy_chosen - ref_chosen).detach(), beta * (policy_rejected - ref_rejected).detach()
-
-
-#: `rl.loss_type`'s normalisations (lmforge.config.RL_LOSS_TYPES): what `policy_gradient_loss`'s
-#: count counts.
-PG_LOSS_TYPES = RL_LOSS_TYPES
 
 
 def token_logps(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -261,10 +258,39 @@ def group_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     return (g - g.mean(1, keepdim=True)).view(-1)
 
 
+def policy_gradient_count(mask: torch.Tensor, loss_type: str, max_new_tokens: int) -> float:
+    """What a micro-batch of R completions adds to the step's denominator of the policy gradient
+    (`rl.loss_type`, one of `config.RL_LOSS_TYPES`): the one rule, read by `policy_gradient_loss`'s
+    callers (the trainer sums it over micro-batches and ranks, P3).
+
+    Args:
+        mask: (R, T) bool, the completions' tokens (`policy_gradient_loss`'s mask).
+        loss_type: "dr_grpo": R x max_new_tokens, a constant whatever the lengths (Dr. GRPO, Liu et
+            al. 2025, arXiv 2503.20783: no length bias); "dapo": the completion tokens (DAPO, Yu et
+            al. 2025, arXiv 2503.14476, its token-level loss); "grpo": R, each completion's terms
+            already divided by its own length in the numerator (GRPO, Shao et al. 2024, arXiv
+            2402.03300, eq. 3).
+
+    Raises:
+        ValueError: another loss_type.
+
+    >>> mask = torch.tensor([[True, True, False], [True, False, False]])
+    >>> [policy_gradient_count(mask, kind, max_new_tokens=3) for kind in ("dr_grpo", "dapo", "grpo")]
+    [6.0, 3.0, 2.0]
+    """
+    if loss_type == "dr_grpo":
+        return float(mask.shape[0] * max_new_tokens)
+    if loss_type == "dapo":
+        return float(int(mask.sum()))
+    if loss_type == "grpo":
+        return float(mask.shape[0])
+    raise ValueError(f"loss_type {loss_type!r}: expected one of {RL_LOSS_TYPES}")
+
+
 def policy_gradient_loss(logps: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, loss_type: str,
-                         max_new_tokens: int, ref_logps: torch.Tensor | None = None, beta: float = 0.0
-                         ) -> tuple[torch.Tensor, float]:
-    """The group-relative policy gradient's loss numerator over R completions, and its count.
+                         ref_logps: torch.Tensor | None = None, beta: float = 0.0) -> torch.Tensor:
+    """The group-relative policy gradient's loss numerator over R completions; the trainer divides
+    it by `policy_gradient_count` summed over micro-batches and ranks.
 
     Args:
         logps: (R, T) float32 log-probabilities of the sampled tokens under the model being trained
@@ -272,31 +298,28 @@ def policy_gradient_loss(logps: torch.Tensor, advantages: torch.Tensor, mask: to
         advantages: (R,) float, `group_advantages` of the rewards.
         mask: (R, T) bool, the completion's tokens up to and including the sampled stop token
             (nanochat #810: a stop token outside the mask is never reinforced).
-        loss_type: "dr_grpo": count = R x max_new_tokens, a constant (Dr. GRPO: no length bias);
-            "dapo": count = the completion tokens (DAPO, Yu et al. 2025, arXiv 2503.14476, its
-            token-level loss); "grpo": each completion's terms divided by its own length, count =
-            R (GRPO, Shao et al. 2024, arXiv 2402.03300, eq. 3).
+        loss_type: as `policy_gradient_count`; "grpo" divides each completion's terms by its own
+            length here.
         ref_logps, beta: with beta > 0, beta x the k3 estimate of KL(policy || reference) per token,
             exp(ref - logp) - (ref - logp) - 1 (Schulman 2020; TRL's GRPOTrainer), in the same sum.
     Returns:
-        (numerator: a 0-dim float32 tensor, the sum over tokens of -A_i exp(logp - logp.detach())
-        (+ the KL term), with the "grpo" per-completion division; count). One optimizer step per
-        batch of rollouts: the importance ratio is exactly 1 and its gradient is A grad log p.
-        The trainer divides the numerator by the count summed over micro-batches and ranks.
+        A 0-dim float32 tensor, the sum over tokens of -A_i exp(logp - logp.detach()) (+ the KL
+        term), with the "grpo" per-completion division. One optimizer step per batch of rollouts:
+        the importance ratio is exactly 1 and its gradient is A grad log p.
+    Raises:
+        ValueError: another loss_type, or beta > 0 without ref_logps.
     """
+    if loss_type not in RL_LOSS_TYPES:
+        raise ValueError(f"loss_type {loss_type!r}: expected one of {RL_LOSS_TYPES}")
     m = mask.to(logps.dtype)
-    ratio = torch.exp(logps - logps.detach())
+    ratio = torch.exp(logps - logps.detach())  # 1 in value; its gradient is grad log p (on-policy)
     per_token = -advantages.to(logps.dtype)[:, None] * ratio
-    if beta > 0:
+    if beta > 0:  # no reference model is built at beta = 0
         if ref_logps is None:
             raise ValueError("beta > 0 needs ref_logps")
         d = ref_logps.to(logps.dtype) - logps
-        per_token = per_token + beta * (torch.exp(d) - d - 1.0)
-    per_row = (per_token * m).sum(1)
-    if loss_type == "dr_grpo":
-        return per_row.sum(), float(logps.shape[0] * max_new_tokens)
-    if loss_type == "dapo":
-        return per_row.sum(), float(m.sum().item())
-    if loss_type == "grpo":
-        return (per_row / m.sum(1).clamp(min=1.0)).sum(), float(logps.shape[0])
-    raise ValueError(f"loss_type {loss_type!r}: expected one of {PG_LOSS_TYPES}")
+        per_token = per_token + beta * (torch.exp(d) - d - 1.0)  # k3: >= 0, unbiased, low variance
+    per_row = (per_token * m).sum(1)  # the mask keeps prompts and padding out, the stop token in
+    if loss_type == "grpo":  # each completion's mean over its own tokens (at least 1: no 0 / 0)
+        per_row = per_row / m.sum(1).clamp(min=1.0)
+    return per_row.sum()

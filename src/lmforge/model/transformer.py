@@ -43,6 +43,7 @@ from lmforge.model.attention import BACKENDS, AttentionMask, prepare_mask, resol
 from lmforge.model.decode import KVCache
 from lmforge.model.functional import ACTIVATIONS, softcap
 from lmforge.model.loss import linear_cross_entropy_sum
+from lmforge.model.memory import check_fits_in_memory
 from lmforge.runtime import compute_dtype
 
 
@@ -368,9 +369,3 @@ class Transformer(nn.Module):
                     slots: torch.Tensor | None = None, batch_invariant: bool = False) -> torch.Tensor:
         """One fused T = 1 decode step: (B,) tokens -> (B, vocab_size) logits (see `decode.decode_step`)."""
         return decode.decode_step(self, tokens, positions, cache, slots, batch_invariant)
-
-
-# Moved out of the model file (their names stay importable from here): the memory estimate
-# (lmforge.model.memory) and checkpoint reading, LoRA base included (lmforge.model.load, which
-# also binds Transformer.from_checkpoint).
-from lmforge.model.memory import check_fits_in_memory, memory_bytes, memory_need, parameter_count  # noqa: E402,F401

@@ -1,24 +1,36 @@
-"""Rewards for reinforcement learning: functions over (prompt record, completion) -> a number in
-[0, 1], or None where the reward does not apply to the prompt (TRL's convention); verifiable
-and offline.
+"""The rewards of reinforcement learning (`rl.rewards`): lmforge's own, each a plain function with
+the signature of a reward of yours (TRL's), the table `REWARDS` that names them, and `Rewards`,
+which calls the ones a run names (yours imported and guarded) and combines their numbers.
 
-    static     `scorers.static`: the body parses under its signature, ends its turn, is not
-               trivial, reads a parameter, every name it loads resolves (in process, µs)
+Every reward, lmforge's or yours, is called as TRL calls a reward function:
+
+    f(completions=[text, ...], prompts=[[{role, content}, ...], ...], **fields) -> list[float | None]
+
+`fields`: each extra field of the prompt records as a list, one value per completion (None where
+a record has none). It returns one number in [0, 1] per completion, or None where the reward does
+not apply to it (TRL's convention). lmforge's own also get `stopped` (per completion: the model
+ended its turn, what TRL's `completion_ids` tell) and `sandbox` (a `Sandbox`: where generated
+code runs); copy one as the template of yours. Verifiable and offline:
+
+    parses     the body parses under its signature as that one function and ends its turn (a
+               format reward, as TRL's think_format_reward; the speedrun's SFT figure; in
+               process, µs)
+    static     `scorers.static`: parses, ends its turn, is not trivial, reads a parameter, every
+               name it loads resolves (in process, µs)
     doctests   the function's own `>>>` examples pass, the body replacing the reference in its
                module, in `lmforge.sandbox` (~30 ms a completion on a pre-started interpreter); 0
-               for a body the static check already refuses (it is not run)
+               for a body the static check refuses (it is not run); None for a method
     behaviour  `scorers.behaviour`: the body returns what the real function returns on its
                doctest arguments, their mutations and small typed pools (EvalPlus-style
                differential testing), in the sandbox; None for a function it cannot call
                (a method, inputs that are not literals); 0 for a body the static check refuses
-    yours      "package.module:function" (on PYTHONPATH, or a module in the current folder),
-               called as TRL calls a reward function:
-               f(completions=[text, ...], prompts=[[{role, content}, ...], ...], **fields), each
-               extra field of the prompt records as a list (one value per completion); it returns
-               one number in [0, 1] (or None: does not apply) per completion
+    yours      "package.module:function" (on PYTHONPATH, or a module in the current folder)
 
-A reward of yours runs guarded (`guarded`): each call may take `rl.reward_timeout_s` per
-completion (a SIGALRM timer, in the main thread); a call that exceeds it, calls sys.exit (or
+A new one of lmforge's: a function here, a row in `REWARDS` (the fields it reads), its name in
+`config.RL_REWARDS`; tests/test_rl_rewards.py runs the examples of its docstring.
+
+A reward of yours runs guarded (`user_rewards.guarded`): each call may take `rl.reward_timeout_s`
+per completion (a SIGALRM timer, in the main thread); a call that exceeds it, calls sys.exit (or
 does so while it is imported), changes the working folder (put back at once), raises, or returns
 anything but numbers in [0, 1] or None stops the run with a RewardError naming it. A SIGINT or
 SIGTERM is never its error: while it runs the signal goes to the handler in place (a training
@@ -29,8 +41,8 @@ finishes with that call's numbers; if that one fails too, the run stops at once,
 Ctrl-C.
 
 A completion's reward is the mean of the rewards that apply to it (0 when none does); a
-completion cut off by the token budget scores 0 whatever the functions say (`score`).
-Sandbox ERRORs (the harness's own faults) are never a silent 0: `score` counts them and
+completion cut off by the token budget scores 0 whatever the functions say (`Rewards.score`).
+Sandbox ERRORs (the harness's own faults) are never a silent 0: `score` returns them and
 `sandbox.check_errors` refuses a step where they pass 1%.
 """
 
@@ -38,33 +50,168 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from lmforge.data.prompts import Prompt
 from lmforge.data.stdlib_functions import place_body
-from lmforge.errors import Interrupted, LmforgeError
+from lmforge.errors import ConfigError, Interrupted, LmforgeError
 from lmforge.sandbox import Pool, Result
 from lmforge.scorers.behaviour import Behaviour
 from lmforge.scorers.doctests import doctest_job
-from lmforge.scorers.static import static_verdict
+from lmforge.scorers.static import parse_body, static_verdict
 from lmforge.scorers.user_rewards import NOTHING, Failure, Signalled, as_reward, deliver, describe, guarded, \
     import_reward, shown
-
-
-#: The rewards that run generated code in the sandbox.
-SANDBOXED = frozenset({"doctests", "behaviour"})
 
 
 class RewardError(LmforgeError):
     """A reward function that cannot be loaded, raises, or returns something that is not a reward."""
 
 
-def _fields(prompt: Prompt, names: tuple[str, ...], reward: str) -> list:
+class Sandbox:
+    """Where lmforge's rewards run generated code, shared over a run: pre-started interpreters
+    (`pool`, started on first use; `timeout_s` per job), the behaviour cases found so far
+    (`behaviour`), and the `results` of the jobs run since `Rewards.score` last emptied it."""
+
+    def __init__(self, timeout_s: float = 5.0):
+        self.timeout_s = timeout_s
+        self.results: list[Result] = []
+        self._pool: Pool | None = None
+        self._behaviour: Behaviour | None = None
+
+    @property
+    def pool(self) -> Pool:
+        if self._pool is None:
+            self._pool = Pool(timeout=self.timeout_s)
+        return self._pool
+
+    @property
+    def behaviour(self) -> Behaviour:
+        if self._behaviour is None:
+            self._behaviour = Behaviour(self.pool)
+        return self._behaviour
+
+    def run(self, jobs: Sequence[dict]) -> list[Result]:
+        """The jobs' results, in order (kept in `results` too)."""
+        found = self.pool.map(jobs)
+        self.results += found
+        return found
+
+    def close(self) -> None:
+        """Stop the waiting interpreters (a later job starts new ones)."""
+        if self._pool is not None:
+            self._pool.close()
+            self._pool, self._behaviour = None, None
+
+
+def static_reasons(completions: Sequence[str], signature: Sequence[str | None], stopped: Sequence[bool],
+                   module: Sequence[str | None] | None = None) -> list[str]:
+    """Per completion the first check of `scorers.static.static_verdict` it fails ("" = passed, or
+    no signature to check); `module` None: builtins only."""
+    module = module or [None] * len(completions)
+    return [static_verdict(sig, c, s, m or "").reason if sig is not None else ""
+            for c, sig, s, m in zip(completions, signature, stopped, module)]
+
+
+# -- lmforge's rewards: each one is what a reward of yours looks like ----------------------------------
+def parses(completions, prompts, signature, stopped, **fields):
+    """1.0 where the body parses under its signature as that one function and the model ended its
+    turn (`scorers.static.parse_body`), else 0.0.
+
+    >>> prompts = [[{"role": "user", "content": "def add(a, b):"}]] * 3
+    >>> parses(["    return a + b", "    return (a +", "    return a + b"], prompts,
+    ...        signature=["def add(a, b):"] * 3, stopped=[True, True, False])
+    [1.0, 0.0, 0.0]
+    """
+    return [1.0 if s and parse_body(sig, c)[0] is not None else 0.0
+            for c, sig, s in zip(completions, signature, stopped)]
+
+
+def static(completions, prompts, signature, stopped, module=None, **fields):
+    """1.0 where the body passes the static check (`scorers.static`: parses, ends its turn, is not
+    trivial, reads a parameter, every name it loads resolves in its `module`), else 0.0.
+
+    >>> prompts = [[{"role": "user", "content": "def add(a, b):"}]] * 3
+    >>> static(["    return a + b", "    pass", "    return a + c"], prompts,
+    ...        signature=["def add(a, b):"] * 3, stopped=[True] * 3)
+    [1.0, 0.0, 0.0]
+    """
+    return [0.0 if why else 1.0 for why in static_reasons(completions, signature, stopped, module)]
+
+
+def doctests(completions, prompts, module, qualname, signature, stopped, sandbox, **fields):
+    """1.0 where the function's own docstring examples pass with the body in place of the
+    reference (`scorers.doctests`, in `sandbox`), else 0.0 (they fail, or the function has none,
+    or the static check refuses the body: it is not run); None for a method (only a top-level
+    function can be replaced in its module).
+
+    >>> prompts = [[{"role": "user", "content": "def median(data):"}]] * 3
+    >>> sandbox = Sandbox()
+    >>> doctests(["    s = sorted(data); n = len(s); return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2",
+    ...           "    return sorted(data)[len(data) // 2]", "    return 3"], prompts,
+    ...          module=["statistics"] * 3, qualname=["median"] * 3, signature=["def median(data):"] * 3,
+    ...          stopped=[True] * 3, sandbox=sandbox)
+    [1.0, 0.0, 0.0]
+    >>> sandbox.close()
+    """
+    out: list[float | None] = [None if "." in q else 0.0 for q in qualname]
+    why = static_reasons(completions, signature, stopped, module)
+    todo = [i for i, v in enumerate(out) if v is not None and not why[i]]  # a cut-off body's reason is "cut off"
+    ran = sandbox.run([doctest_job(module[i], qualname[i], place_body(signature[i], completions[i])) for i in todo])
+    for i, r in zip(todo, ran):
+        out[i] = 1.0 if r.verdict == "PASS" else 0.0
+    return out
+
+
+def behaviour(completions, prompts, module, qualname, signature, reference, stopped, sandbox, **fields):
+    """1.0 where the body returns what the real function returns on the behaviour cases
+    (`scorers.behaviour`, in `sandbox`; the cases come from the docstring in the prompt's last
+    turn, found once per function and run), else 0.0 (or the static check refuses the body: it is
+    not run); None for a function without cases (a method, inputs that are not literals).
+
+    >>> right = "    s = sorted(data); n = len(s); return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2"
+    >>> doc = "def median(data):\\n    '''\\n    >>> median([1, 3, 5])\\n    3\\n    '''"
+    >>> prompts = [[{"role": "user", "content": "Write the body of this Python function:\\n" + doc}]] * 2
+    >>> sandbox = Sandbox()
+    >>> behaviour([right, "    return sorted(data)[len(data) // 2]"], prompts, module=["statistics"] * 2,
+    ...           qualname=["median"] * 2, signature=["def median(data):"] * 2, reference=[right] * 2,
+    ...           stopped=[True] * 2, sandbox=sandbox)
+    [1.0, 0.0]
+    >>> sandbox.close()
+    """
+    records = [Prompt(list(p), f"{m}:{q}", f"{m}:{q}", {"module": m, "qualname": q, "signature": s, "reference": r})
+               for p, m, q, s, r in zip(prompts, module, qualname, signature, reference)]
+    why = static_reasons(completions, signature, stopped, module)
+    values, found = sandbox.behaviour.score(records, completions, [not w for w in why])
+    sandbox.results += found
+    return values
+
+
+class Reward(NamedTuple):
+    """A row of `REWARDS`: the function, the prompt fields it reads (a prompt without one stops
+    the run, naming it), and whether it runs generated code in the sandbox."""
+
+    function: Callable[..., list]
+    reads: tuple[str, ...]
+    sandboxed: bool = False
+
+
+#: lmforge's rewards by their name in `rl.rewards` (config.RL_REWARDS lists the same names).
+REWARDS: dict[str, Reward] = {
+    "static": Reward(static, ("signature",)),
+    "doctests": Reward(doctests, ("module", "qualname", "signature"), sandboxed=True),
+    "behaviour": Reward(behaviour, ("module", "qualname", "signature", "reference"), sandboxed=True),
+    "parses": Reward(parses, ("signature",)),
+}
+#: The rewards that run generated code in the sandbox.
+SANDBOXED = frozenset(n for n, r in REWARDS.items() if r.sandboxed)
+
+
+def _fields(prompt: Prompt, names: tuple[str, ...], reward: str) -> None:
     missing = [n for n in names if n not in prompt.fields]
     if missing:
         raise RewardError(f"rl.rewards = {reward!r} reads the field(s) {missing} of each prompt, and {prompt.where} "
                           f"has none (it has {sorted(prompt.fields)}). Use rl.data = \"stdlib\", add the fields, or "
                           f"choose another reward.")
-    return [prompt.fields[n] for n in names]
 
 
 @dataclass
@@ -81,109 +228,81 @@ class Scored:
 
 
 class Rewards:
-    """The rewards `rl.rewards` names, built once (a function of your own is imported here).
+    """The rewards `rl.rewards` names, built once: lmforge's from `REWARDS`, a function of yours
+    imported here (`user`).
 
     Raises:
-        ConfigError: a "module:function" that cannot be imported or is not callable, or whose import
-        calls sys.exit or changes the working folder.
+        ConfigError: a name that is neither in `REWARDS` nor "module:function"; a "module:function"
+        that cannot be imported or is not callable, or whose import calls sys.exit or changes the
+        working folder.
         Interrupted: a SIGINT/SIGTERM while it is imported.
     """
 
     def __init__(self, names: Sequence[str], timeout_s: float = 5.0):
         self.names = list(names)
         self.timeout_s = timeout_s
+        for n in self.names:
+            if ":" not in n and n not in REWARDS:
+                raise ConfigError(f"rl.rewards names {n!r}: expected one of {sorted(REWARDS)} or "
+                                  f"\"package.module:function\" (a function of your own). Fix rl.rewards.")
         self.user: dict[str, Callable] = {n: import_reward(n) for n in self.names if ":" in n}
-        self._pool: Pool | None = None
-        self._behaviour: Behaviour | None = None
+        self.sandbox = Sandbox(timeout_s)
 
     @property
-    def pool(self) -> Pool:
-        """The sandbox's pre-started interpreters (started on first use)."""
-        if self._pool is None:
-            self._pool = Pool(timeout=self.timeout_s)
-        return self._pool
+    def _behaviour(self) -> Behaviour | None:
+        """The behaviour cases found so far, or None (bench/bench_rl.py reads them here)."""
+        return self.sandbox._behaviour
 
     def close(self) -> None:
         """Stop the sandbox's waiting interpreters."""
-        if self._pool is not None:
-            self._pool.close()
-            self._pool, self._behaviour = None, None
+        self.sandbox.close()
 
     def static_reasons(self, prompts: Sequence[Prompt], completions: Sequence[str],
                        stopped: Sequence[bool]) -> list[str]:
         """Per completion the static check's reason ("" = passed, or no signature to check)."""
-        return [static_verdict(p.fields["signature"], c, s, p.fields.get("module", "")).reason
-                if "signature" in p.fields else "" for p, c, s in zip(prompts, completions, stopped)]
+        return static_reasons(completions, [p.fields.get("signature") for p in prompts], stopped,
+                              [p.fields.get("module") for p in prompts])
 
     def behaviour(self, prompts: Sequence[Prompt], completions: Sequence[str],
                   reasons: Sequence[str]) -> tuple[list[float | None], list[Result]]:
         """The behaviour reward (None where it does not apply) and its sandbox results; a body the
         static check refused (`reasons[i]` not "") scores 0 without running."""
-        if self._behaviour is None:
-            self._behaviour = Behaviour(self.pool)
-        return self._behaviour.score(prompts, completions, [not why for why in reasons])
+        return self.sandbox.behaviour.score(prompts, completions, [not why for why in reasons])
 
     def score(self, prompts: Sequence[Prompt], completions: Sequence[str], stopped: Sequence[bool]) -> Scored:
-        """Score R completions (`prompts[i]` is completion i's prompt).
+        """Score R completions (`prompts[i]` is completion i's prompt): each reward in the order
+        `rl.rewards` names them, checked, then their mean per completion.
 
         Raises:
             RewardError: a reward of yours raised, called sys.exit, changed the working folder, ran
             past rl.reward_timeout_s per completion or returned something else than rewards; a
-            prompt without the fields a built-in reward reads.
+            prompt without the fields one of lmforge's reads.
             Interrupted / KeyboardInterrupt: a signal's handler stopped the call (see the module).
         """
-        # the static check once per completion: the static reward, and the gate of the sandboxed rewards
         reasons = self.static_reasons(prompts, completions, stopped)
+        self.sandbox.results = []
+        keys = sorted({k for p in prompts for k in p.fields})
+        fields = {k: [p.fields.get(k) for p in prompts] for k in keys}
         each: dict[str, list[float | None]] = {}
-        results: list[Result] = []
         for name in self.names:
-            if name == "static":
-                for p in prompts:  # every prompt carries what the check reads, or the run stops naming it
-                    _fields(p, ("signature",), "static")
-                each[name] = [0.0 if why else 1.0 for why in reasons]
-            elif name == "doctests":
-                jobs, where = [], []
-                for i, (p, c, s, why) in enumerate(zip(prompts, completions, stopped, reasons)):
-                    module, qualname, signature = _fields(p, ("module", "qualname", "signature"), "doctests")
-                    if not why and s:
-                        jobs.append(doctest_job(module, qualname, place_body(signature, c)))
-                        where.append(i)
-                each[name] = [0.0] * len(completions)
-                for i, r in zip(where, self.pool.map(jobs)):
-                    results.append(r)
-                    each[name][i] = 1.0 if r.verdict == "PASS" else 0.0
-            elif name == "behaviour":
-                for p in prompts:
-                    _fields(p, ("module", "qualname", "signature", "reference"), "behaviour")
-                each[name], found = self.behaviour(prompts, completions, reasons)
-                results += found
+            if name in self.user:
+                out = self._call_yours(name, prompts, completions, fields)
             else:
-                each[name] = self._call(name, prompts, completions)
+                reward = REWARDS[name]
+                for p in prompts:  # every prompt carries what it reads, or the run stops naming it
+                    _fields(p, reward.reads, name)
+                out = reward.function(list(completions), [p.messages for p in prompts],
+                                      **{**fields, "stopped": list(stopped), "sandbox": self.sandbox})
+            each[name] = self._checked(name, out, prompts)
         total = []
         for i, s in enumerate(stopped):
             got = [each[n][i] for n in self.names if each[n][i] is not None]
             total.append(sum(got) / len(got) if s and got else 0.0)
-        return Scored(total, each, results, reasons)
+        return Scored(total, each, self.sandbox.results, reasons)
 
-    def _call(self, name: str, prompts: Sequence[Prompt], completions: Sequence[str]) -> list[float | None]:
-        keys = sorted({k for p in prompts for k in p.fields})
-        kwargs = {k: [p.fields.get(k) for p in prompts] for k in keys}
-        fn, n = self.user[name], len(completions)
-        limit = self.timeout_s * n
-        for attempt in (1, 2):
-            try:
-                out = guarded(lambda: fn(completions=list(completions), prompts=[p.messages for p in prompts],
-                                          **kwargs), limit)
-                break
-            except Signalled as stop:  # the signal's doing, not the reward's: the handler in place decides
-                if not stop.delivered:
-                    deliver(stop.signum)
-                if attempt == 2:  # the call once more, after the signal: its result, or stop now (a second Ctrl-C)
-                    if stop.result is NOTHING:
-                        raise Interrupted(stop.signum) from None
-                    out = stop.result
-            except Failure as f:
-                raise RewardError(self._failed(name, f, prompts[0].where, keys, n)) from None
+    def _checked(self, name: str, out: object, prompts: Sequence[Prompt]) -> list[float | None]:
+        """`out` as rewards: one number in [0, 1] or None per completion, else a RewardError."""
+        n = len(prompts)
         if not isinstance(out, (list, tuple)) or len(out) != n:
             raise RewardError(f"rl.rewards = {name!r} returned {type(out).__name__}"
                               f"{f' of {len(out)}' if isinstance(out, (list, tuple)) else ''}: expected a list of "
@@ -198,7 +317,26 @@ class Rewards:
             values.append(value)
         return values
 
-    def _failed(self, name: str, f: "Failure", first: str, keys: list[str], n: int) -> str:
+    def _call_yours(self, name: str, prompts: Sequence[Prompt], completions: Sequence[str], fields: dict) -> object:
+        """What a reward of yours returned, called guarded (the module docstring)."""
+        fn, n = self.user[name], len(completions)
+        limit = self.timeout_s * n
+        for attempt in (1, 2):
+            try:
+                return guarded(lambda: fn(completions=list(completions), prompts=[p.messages for p in prompts],
+                                          **fields), limit)
+            except Signalled as stop:  # the signal's doing, not the reward's: the handler in place decides
+                if not stop.delivered:
+                    deliver(stop.signum)
+                if attempt == 2:  # the call once more, after the signal: its result, or stop now (a second Ctrl-C)
+                    if stop.result is NOTHING:
+                        raise Interrupted(stop.signum) from None
+                    return stop.result
+            except Failure as f:
+                raise RewardError(self._failed(name, f, prompts[0].where, sorted(fields), n)) from None
+        raise AssertionError("unreachable")
+
+    def _failed(self, name: str, f: Failure, first: str, keys: list[str], n: int) -> str:
         """The message of a call of yours that failed (`Failure`); `first`: where its first prompt is."""
         where = f"on a batch of {n} completions, first prompt {first}"
         if f.kind == "exit":
@@ -217,4 +355,5 @@ class Rewards:
                 f"completions=, prompts= and {keys} as keyword arguments.")
 
 
-__all__ = ["SANDBOXED", "RewardError", "Rewards", "Scored"]
+__all__ = ["REWARDS", "SANDBOXED", "Reward", "RewardError", "Rewards", "Sandbox", "Scored", "behaviour", "doctests",
+           "parses", "static", "static_reasons"]

@@ -1,11 +1,15 @@
 """Running a reward of yours (`rl.rewards = "package.module:function"`) guarded: importing it
-(`import_reward`) and calling it (`guarded`), with the working folder, the SIGINT/SIGTERM/SIGALRM
-handlers and the process itself kept as they were, and checking what it returned (`as_reward`).
+(`import_reward`; the current folder goes on sys.path only when the module is found there and
+nowhere else, `current_folder_on_path`) and calling it (`guarded`), with the working folder, the
+SIGINT/SIGTERM/SIGALRM handlers and the process itself kept as they were, and checking what it
+returned (`as_reward`).
 `lmforge.scorers.rewards.Rewards` turns what goes wrong here into one RewardError naming the reward."""
 
 from __future__ import annotations
 
 import importlib
+import importlib.machinery
+import importlib.util
 import math
 import numbers
 import os
@@ -210,22 +214,28 @@ def shown(v: object) -> str:
         return f"a {type(v).__name__}"
 
 
-#: The current folder as lmforge put it on sys.path (one entry at most, following the current folder).
+#: The current folder as lmforge put it on sys.path (one entry at most: the last folder it was needed for).
 _ADDED_TO_PATH: list[str] = []
 
 
-def current_folder_on_path() -> None:
+def current_folder_on_path(module: str) -> None:
     """The current folder on sys.path (last), where a user keeps `my_rewards.py` as a script would
-    import it; nothing when it is there already ("" and "." included); the folder an earlier import
-    put there is taken off, so sys.path never grows by more than one entry."""
-    try:
-        cwd = os.getcwd()
-    except OSError:
+    import it, only when `module`'s top-level name is found there and not already imported or
+    found on sys.path: importing a reward again, or one on PYTHONPATH, leaves sys.path as it is.
+    The folder an earlier import put there is taken off, so sys.path never grows by more than one
+    entry. Nothing is imported here (the top-level name is looked up by the finders only)."""
+    top = module.partition(".")[0]
+    if not top or top in sys.modules:
         return
-    here = os.path.realpath(cwd)
-    for p in sys.path:
-        if p in ("", ".") or (isinstance(p, str) and os.path.realpath(p) == here):
-            return
+    try:
+        found = importlib.util.find_spec(top)
+        if found is not None and found.origin is not None:  # on sys.path ("" and "." are the current folder)
+            return  # (origin None: only a namespace package's folder, which a module here would win over)
+        cwd = os.getcwd()
+    except (ImportError, ValueError, OSError):  # a finder that fails, a folder since removed: the import says why
+        return
+    if importlib.machinery.PathFinder.find_spec(top, [cwd]) is None:
+        return
     for p in _ADDED_TO_PATH:
         if p in sys.path:
             sys.path.remove(p)
@@ -238,8 +248,8 @@ def import_reward(spec: str) -> Callable:
     folder (`current_folder_on_path`), imported guarded (`guarded`): a signal is the signal,
     sys.exit, a changed working folder or an exception is a ConfigError naming it."""
     module, _, name = (x.strip() for x in spec.partition(":"))
-    current_folder_on_path()
     importlib.invalidate_caches()  # a module written since the last import (a notebook, a test)
+    current_folder_on_path(module)
     fresh = module not in sys.modules
     try:  # your code: anything its import does is named, never a traceback
         mod = guarded(lambda: importlib.import_module(module))

@@ -1,5 +1,6 @@
-"""What the stages share: the log, the training-session preamble and tail that pretrain and
-SFT both use, the start-up report, and loading a checkpoint for inference."""
+"""What the stages share: the log, the training-session preamble and tail that every training
+stage (pretrain, sft, dpo, rl) uses, a derived setting's check (`derived`), the start-up report,
+the data inputs' fingerprints, and the dry run."""
 
 from __future__ import annotations
 
@@ -7,7 +8,6 @@ import contextlib
 import json
 import os
 import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -22,14 +22,14 @@ from lmforge.model import Transformer
 from lmforge.model.memory import available_memory, check_fits_in_memory
 from lmforge.model.attention import resolve_backend
 from lmforge.model.io import CONTRACT_FILES, latest_checkpoint, list_checkpoints, read_checkpoint_meta
-from lmforge.runtime import Runtime, training_runtime
+from lmforge.runtime import Runtime, seed_everything, training_runtime
 from lmforge.tokenizer import Tokenizer
-from lmforge.train.budget import StepBudget
-from lmforge.train.checkpoint import rng_state, set_rng_state
+from lmforge.train import budget as time_budget
 from lmforge.train.distributed import DistInfo, all_reduce_min, all_reduce_sum, barrier, init_distributed, shutdown
 from lmforge.data.mixture import MIXTURE_FILE, mixture_lines
-from lmforge.train.plan import PLAN_FILE, auto_micro_batch, make_plan, measure_steps, plan_lines
-from lmforge.train.trainer import TokenObjective, Trainer, seed_everything
+from lmforge.train.objective import TokenObjective
+from lmforge.train.plan import PLAN_FILE, auto_micro_batch, make_plan, plan_lines
+from lmforge.train.trainer import Trainer
 
 
 def log(msg: str) -> None:
@@ -51,7 +51,7 @@ class TrainingSession:
     backend: str
     runtime: Runtime
     stack: contextlib.ExitStack
-    #: `budget_clock()` when the session began: train.time_budget_s counts from here
+    #: the command's start on the budget's clock (`lmforge.train.budget`): train.time_budget_s counts from here
     started: float = 0.0
 
     def place(self, model: Transformer) -> Transformer:
@@ -84,15 +84,15 @@ class TrainingSession:
         # refusal on any rank is a refusal on every rank, never a rank left waiting.
         refusal: LmforgeError | None = None
         try:
-            if self.info.is_main:
+            if self.info.is_main:  # one lock for the run: rank 0 holds it
                 self.stack.enter_context(output_lock(self.out))
             open_run_dir(self.out, self.command, self.resume, list_checkpoints, create=False)
         except LmforgeError as exc:
             refusal = exc
         refused = all_reduce_sum(torch.tensor([float(refusal is not None)]), self.info).item()
-        if refusal is not None:
+        if refusal is not None:  # this rank's own words
             raise refusal
-        if refused:
+        if refused:  # another rank's refusal: this one stops too
             raise OutputError(f"--out {self.out}: another rank refused the run folder (its message is above); "
                               f"nothing was written.")
         if self.info.is_main:
@@ -101,22 +101,23 @@ class TrainingSession:
 
 
 @contextlib.contextmanager
-def training_session(cfg: Config, out: str | Path, command: str, resume: bool, dry_run: bool
-                     ) -> Iterator[TrainingSession]:
-    """The preamble of every training stage (pretrain, sft): validate the parallel degrees
+def training_session(cfg: Config, out: str | Path, command: str, resume: bool, dry_run: bool,
+                     started: float | None = None) -> Iterator[TrainingSession]:
+    """The preamble of every training stage (pretrain, sft, dpo, rl): validate the parallel degrees
     and start the process group, pick the attention backend and the precision (before any
     work), seed every RNG. The process group is shut down and the run folder's lock
-    released on the way out.
+    released on the way out. `started`: the command's start on the budget's clock
+    (`lmforge.train.budget.command_start`, passed down by the CLI); default: now.
 
     Raises:
         ConfigError: see `init_distributed`, `resolve_backend`.
     """
     if cfg.train.tensorboard:  # an optional package: refused before any work, not at the first step
         require_package("tensorboard", "tensorboard", "train.tensorboard = true", ConfigError)
-    started = take_command_start(budget_clock())
+    started = time_budget.budget_clock() if started is None else started  # a call from Python: from here
     info = init_distributed(cfg)  # validates the parallel degrees against WORLD_SIZE first
     try:
-        if cfg.train.micro_batch_size == AUTO_MICRO_BATCH:
+        if cfg.train.micro_batch_size == AUTO_MICRO_BATCH:  # decided from this machine's memory, once
             cfg = resolve_auto_batch(cfg, Path(out), resume, info)
         # the model's vocab is not resolved yet: the tokenizer's size bounds it from above
         check_fits_in_memory(replace(cfg.model, vocab_size=cfg.model.vocab_size or cfg.tokenizer.vocab_size),
@@ -127,7 +128,7 @@ def training_session(cfg: Config, out: str | Path, command: str, resume: bool, d
         with contextlib.ExitStack() as stack:
             seed_everything(cfg.train.seed)
             yield TrainingSession(cfg, Path(out), command, resume, dry_run, info, backend, runtime, stack, started)
-    except BaseException:
+    except BaseException:  # a failed rank leaves without waiting for the others
         shutdown(info)
         raise
     shutdown(info, together=True)
@@ -143,7 +144,7 @@ def resolve_auto_batch(cfg: Config, out: Path, resume: bool, info: DistInfo) -> 
     rows = t.global_batch_size // dp
     latest = latest_checkpoint(out) if resume and out.is_dir() else None
     saved = read_checkpoint_meta(latest)[0].train.micro_batch_size if latest is not None else 0
-    if saved and rows % saved == 0:
+    if saved and rows % saved == 0:  # a resumed run keeps its own micro-batch: the same steps
         micro, why = saved, f"as in {latest / CONFIG_FILE}, the run being resumed"
     else:
         model_cfg = replace(cfg.model, vocab_size=cfg.model.vocab_size or cfg.tokenizer.vocab_size)
@@ -156,13 +157,6 @@ def resolve_auto_batch(cfg: Config, out: Path, resume: bool, info: DistInfo) -> 
         log(f'train.micro_batch_size = "auto": {micro} rows per micro-batch, train.grad_accum_steps = {rows // micro} '
             f"({why}); train.global_batch_size {t.global_batch_size} kept over {dp} rank(s)")
     return replace(cfg, train=replace(t, micro_batch_size=micro, grad_accum_steps=rows // micro))
-
-
-#: steps timed for `train.time_budget_s` (after one warm-up): the median of 3 right after a compile
-#: said 0.453 s where the run then took 0.378 s a step (the speedrun trained 17% fewer steps than
-#: its budget held); 10 cost about 4 s at the speedrun's shape. The run revises the count from its
-#: own steps (lmforge.train.budget).
-BUDGET_TIMED_STEPS = 10
 
 
 def derived(cfg: Config, name: str, source: str, fix: str) -> Config:
@@ -178,121 +172,20 @@ def derived(cfg: Config, name: str, source: str, fix: str) -> Config:
         raise ConfigError(f"{exc} ({name} is derived from {source}.) {fix}.") from None
 
 
-def budget_steps(budget_s: float, step_s: float) -> int:
-    """The whole steps of `step_s` seconds that fit `budget_s` (at least 1; a quotient a rounding
-    error below an integer counts as that integer)."""
-    return max(1, int(budget_s / step_s + 1e-9))
-
-
-def probe_costs(session: TrainingSession, model: Transformer, stream, val_batches, contract_dir: Path,
-                objective: TokenObjective) -> dict:
-    """The budget's measurement on a throw-away copy of the model and optimizer: BUDGET_TIMED_STEPS
-    steps after a warm-up (`train.plan.measure_steps`; the compile is paid here, the run reuses
-    its graph), one validation and one checkpoint into a temporary folder; the data stream and
-    every RNG are put back where they were, so the run is the one `train.steps = N` would give.
-    Returns {"step_s" (the median: a second graph compiled during the timed steps made their mean
-    1.87 s where the run's steps took 0.48 s), "val_s", "save_s", "measured_steps"}."""
-    import copy
-    import tempfile
-
-    cfg, info = session.cfg, session.info
-    t = cfg.train
-    rng, position = rng_state(), stream.state_dict()  # every generator, CUDA's included
-    with tempfile.TemporaryDirectory(prefix="lmforge-budget-") as tmp:
-        probe = Trainer(cfg, Path(tmp), Path(contract_dir), copy.deepcopy(model), stream, val_batches, info, False,
-                        log, runtime=session.runtime, objective=objective)
-        tokens_per_step = objective.tokens_per_step(t.micro_batch_size, t.grad_accum_steps, info.world_size,
-                                                    cfg.data.seq_len)
-        measured = measure_steps(probe, BUDGET_TIMED_STEPS, tokens_per_step)
-        t0 = time.perf_counter()
-        probe.validate()  # without validation data or tasks: next to nothing
-        probe.evaluate_tasks()
-        val_s = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        probe.save()
-        save_s = time.perf_counter() - t0
-        del probe
-    set_rng_state(rng)
-    stream.load_state_dict(position)
-    return {"step_s": measured["step_seconds"], "val_s": val_s, "save_s": save_s,
-            "measured_steps": measured["measured_steps"]}
-
-
-def resolve_time_budget(session: TrainingSession, model: Transformer, stream, objective: TokenObjective,
-                        val_batches=None, contract_dir: Path | None = None) -> tuple[Config, StepBudget | None]:
-    """`train.time_budget_s`: the config with train.steps decided from what is left of the budget
-    (`lmforge.train.budget`: the budget covers the whole stage, counted from `session.started`),
-    said in one line, and the `StepBudget` the trainer revises N with once (None on --resume).
-    A new run measures on a throw-away copy (`probe_costs`); the smallest step count over the
-    ranks wins. A `--resume` takes the run's own step count from its newest checkpoint's
-    config.toml: no new measurement, no revision, so the schedule of the steps taken stays.
-
-    Raises:
-        ConfigError: a budget already spent by the start-up and the measurement.
-        CheckpointError: (later, at the resume check) a budget other than the run's.
-    """
-    cfg, out, info = session.cfg, session.out, session.info
-    t = cfg.train
-    latest = latest_checkpoint(out) if session.resume and out.is_dir() else None
-    budget = None
-    if latest is not None:
-        saved = read_checkpoint_meta(latest)[0].train
-        steps, why = saved.steps, f"as in {latest / CONFIG_FILE}, the run being resumed: no new measurement"
-    else:
-        costs = probe_costs(session, model, stream, val_batches, Path(contract_dir or cfg.tokenizer.dir), objective)
-        budget = StepBudget(deadline=session.started + t.time_budget_s, step_s=costs["step_s"], val_s=costs["val_s"],
-                            save_s=costs["save_s"])
-        now = budget_clock()
-        spent = now - session.started
-        if budget.deadline - now - costs["val_s"] - costs["save_s"] < costs["step_s"]:
-            raise ConfigError(f"train.time_budget_s = {t.time_budget_s:g}: the start-up and the measurement took "
-                              f"{spent:.1f} s, which leaves no time for one {costs['step_s']:.3f} s step and the "
-                              f"final validation and checkpoint. Raise train.time_budget_s, or set "
-                              f"train.time_budget_s = 0 and train.steps.")
-        steps = all_reduce_min(budget.steps_for(t, now), info)
-        budget.plan_revision(t, steps)
-        why = (f"{spent:.1f} s spent on start-up and measurement (the compile included), then "
-               f"{costs['step_s']:.3f} s a step (median of {costs['measured_steps']} timed steps on a throw-away copy), "
-               f"{costs['val_s']:.2f} s a validation, {costs['save_s']:.2f} s a checkpoint"
-               + (f"; revised after step {budget.revise_at} from the run's own steps" if budget.revise_at else ""))
-        derived(replace(cfg, train=replace(t, steps=steps)), "train.steps",
-                f"train.time_budget_s = {t.time_budget_s:g} at {why}", "Lower train.time_budget_s")
-    if info.is_main:
+def _budgeted(session: TrainingSession, model: Transformer, stream, objective: TokenObjective, val_batches,
+              contract_dir: Path) -> tuple[Config, time_budget.StepBudget | None]:
+    """The config with the step count of `train.time_budget_s` (`lmforge.train.budget`), checked as a
+    typed one and said in one line, and the `StepBudget` the trainer revises it with."""
+    t = session.cfg.train
+    steps, budget, why = time_budget.resolve_time_budget(session, model, stream, objective, val_batches,
+                                                         contract_dir, log)
+    cfg = replace(session.cfg, train=replace(t, steps=steps))
+    if budget is not None:  # a measured N (not a resumed run's own): bounded like a typed one
+        derived(cfg, "train.steps", f"train.time_budget_s = {t.time_budget_s:g} at {why}", "Lower train.time_budget_s")
+    if session.info.is_main:
         log(f"train.time_budget_s = {t.time_budget_s:g} s for the whole stage: {steps:,} steps ({why}); warm-up "
-            f"{t.warmup_steps}, {t.schedule} schedule over {steps:,} steps; written to {out / CONFIG_FILE}")
-    return replace(cfg, train=replace(t, steps=steps)), budget
-
-
-def budget_clock() -> float:
-    """The clock of the budget (`time.perf_counter`; tests replace it to test the arithmetic)."""
-    return time.perf_counter()
-
-
-#: Seconds between this process's start and the CLI's call of a training command, when the
-#: command is the process's own (`lmforge pretrain ...`, set by `lmforge.cli.main`); the first
-#: training session counts `train.time_budget_s` from the process's start (the interpreter and
-#: the imports, ~4 s, included: the wall clock around the command), then clears it.
-COMMAND_AGE: float | None = None
-
-
-def process_age_s() -> float | None:
-    """Seconds since this process started (Linux: /proc/self/stat's start time against
-    /proc/uptime, 10 ms ticks); None where the system does not say."""
-    try:
-        stat = Path("/proc/self/stat").read_text()
-        start_ticks = int(stat[stat.rindex(")") + 2:].split()[19])  # field 22, after the (comm)
-        uptime = float(Path("/proc/uptime").read_text().split()[0])
-        return max(0.0, uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def take_command_start(now: float) -> float:
-    """The budget's start on the clock that read `now`: the process's start when the CLI marked
-    this command as the process's own (`COMMAND_AGE`, used once), else `now`."""
-    global COMMAND_AGE
-    age, COMMAND_AGE = COMMAND_AGE, None
-    return now - age if age else now
+            f"{t.warmup_steps}, {t.schedule} schedule over {steps:,} steps; written to {session.out / CONFIG_FILE}")
+    return cfg, budget
 
 
 def copy_contract_files(src: Path, dst: Path) -> None:
@@ -411,9 +304,9 @@ def run_training(session: TrainingSession, contract_dir: Path, model: Transforme
 
         check_task_files(cfg.train.eval_tasks, Tokenizer.load(Path(contract_dir)), model.config.max_seq_len)
     fingerprints = data_fingerprints(inputs or {})
-    if resume:
+    if resume:  # the data the run started on, or a refusal
         check_same_inputs(out, fingerprints)
-    if dry_run:
+    if dry_run:  # every check above, then a measured plan; nothing written
         if resume:  # the resume rules, the checkpoint's files and weights, as the run would load them
             probe = Trainer(cfg, out, Path(contract_dir), model, stream, None, info, False, log,
                             runtime=session.runtime, objective=objective)
@@ -423,11 +316,11 @@ def run_training(session: TrainingSession, contract_dir: Path, model: Transforme
         return dry_run_step(model, stream, session.runtime, objective, cfg, info)
     budget = None
     if cfg.train.time_budget_s:  # measured and checked before the folder is claimed
-        cfg, budget = resolve_time_budget(session, model, stream, objective, val_batches, Path(contract_dir))
+        cfg, budget = _budgeted(session, model, stream, objective, val_batches, Path(contract_dir))
         session.cfg = cfg
     session.open_run()
     trainer = Trainer(cfg, out, Path(contract_dir), model, stream, val_batches, info, progress, log,
-                      runtime=session.runtime, objective=objective, budget=budget, clock=budget_clock)
+                      runtime=session.runtime, objective=objective, budget=budget)
 
     def on_steps(revised: Config) -> None:  # the budget's revision: the run folder says the count it trains
         session.cfg = revised
@@ -442,13 +335,13 @@ def run_training(session: TrainingSession, contract_dir: Path, model: Transforme
         log(f"--resume: no checkpoint in {out} yet; starting from step 0")
     plan = make_plan(trainer)
     _mixture_plan(plan, stream, cfg, info.world_size)
-    if info.is_main:
+    if info.is_main:  # rank 0 alone says the plan and writes the run folder's files
         log(plan_lines(plan))
         if "mixture" in plan:
             log(mixture_lines(plan["mixture"], cfg.data.seq_len))
         # every text made first: a side file that cannot be written leaves no half-made run folder
         texts = {CONFIG_FILE: cfg.to_toml(), PLAN_FILE: json.dumps(plan, indent=2) + "\n", **(side_files or {})}
-        if fingerprints:
+        if fingerprints:  # a stage with data inputs records them for --resume
             texts[INPUTS_FILE] = json.dumps(fingerprints, indent=2) + "\n"
         copy_contract_files(Path(contract_dir), out)
         for name, text in texts.items():
@@ -490,7 +383,7 @@ def dry_run_step(model: Transformer, stream, runtime: Runtime, objective: TokenO
         if (info or DistInfo()).is_main:
             log(plan_lines(out["plan"]))
             if cfg.train.time_budget_s:
-                n = budget_steps(cfg.train.time_budget_s, out["plan"]["step_seconds"])
+                n = time_budget.budget_steps(cfg.train.time_budget_s, out["plan"]["step_seconds"])
                 log(f"train.time_budget_s = {cfg.train.time_budget_s:g}: a run would take about {n:,} "
                     f"steps at this step time (measured again at the start of the run)")
     log(f"dry run: one micro-batch forward and backward, loss {loss:.4f} nats/{objective.unit}; all checks passed")

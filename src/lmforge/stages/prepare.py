@@ -1,5 +1,5 @@
 """`lmforge prepare`: pretokenize `data.source` (or each of `data.sources`, a weighted mixture)
-into .bin/.idx shards (lmforge.data.shards, lmforge.data.mixture)."""
+into .bin/.idx shards (lmforge.data.prepare, lmforge.data.mixture)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 from lmforge.config import CONFIG_FILE, Config
 from lmforge.data.mixture import mixture_sources, prepare_mixture
 from lmforge.data.reports import data_report_lines
-from lmforge.data.shards import PREPARE_OUTPUT, prepare
-from lmforge.data.sources import source_path
+from lmforge.data.inputs import source_path
+from lmforge.data.prepare import PREPARE_OUTPUT, prepare
 from lmforge.fileio import check_not_input, check_output
 from lmforge.stages.common import log
 from lmforge.tokenizer import Tokenizer

@@ -27,10 +27,12 @@ from lmforge.tokenizer import Tokenizer
 
 
 def pretrain_stage(cfg: Config, out: str | Path, resume: bool = False, dry_run: bool = False,
-                   progress: bool = True) -> dict:
+                   progress: bool = True, started: float | None = None) -> dict:
     """Pretrain from scratch, or continue pretraining the checkpoint `train.init` (all of its
     weights, or LoRA adapters on it with lora.rank > 0), on data.dir (or `--resume`); returns
     the last step's metrics (with `interrupted` and `signal` when a signal stopped it).
+    `started`: the command's start, which train.time_budget_s counts from (the CLI passes the
+    process's start, `lmforge.train.budget.command_start`; default: the training session's start).
 
     Raises:
         ConfigError: lora.rank > 0 without train.init (adapters need a trained base).
@@ -49,12 +51,12 @@ def pretrain_stage(cfg: Config, out: str | Path, resume: bool = False, dry_run: 
                           f"Set train.init to a trained checkpoint to continue pretraining it with LoRA, use "
                           f"`lmforge sft --set sft.init=RUN --set lora.rank={cfg.lora.rank}`, or remove lora.rank "
                           f"(0 = train every weight).")
-    with training_session(cfg, out, "pretrain", resume, dry_run) as s:
+    with training_session(cfg, out, "pretrain", resume, dry_run, started) as s:
         cfg = s.cfg  # train.micro_batch_size = "auto" is resolved there
         tok = Tokenizer.load(cfg.tokenizer.dir)
         tok_contract_path = Path(cfg.tokenizer.dir) / CONTRACT_FILE
         d, t = cfg.data, cfg.train
-        if d.sources:
+        if d.sources:  # a mixture: rows drawn from each source by weight
             data, stream, val_batches = _mixture_data(cfg, tok, tok_contract_path, s.info.rank, s.info.world_size)
         else:
             data = preflight(d.dir, tok.contract, tok_contract_path)
@@ -66,12 +68,12 @@ def pretrain_stage(cfg: Config, out: str | Path, resume: bool = False, dry_run: 
             def val_batches():
                 return shard_batches(val, d.seq_len, t.micro_batch_size, t.eval_tokens, d.document_masking)
 
-        if init is None:
+        if init is None:  # from scratch: seeded weights, zero-initialised output projections by default
             model = Transformer(resolve_model_config(cfg.model, tok.contract))
             model.reset_parameters(seed=cfg.train.seed, zero_init=cfg.train.zero_init)
         model = s.place(model)
 
-        if s.info.is_main:
+        if s.info.is_main:  # the start-up lines once, by rank 0
             if init is not None:
                 what = (f"LoRA rank {cfg.lora.rank} on it ({lora.trainable_parameters(model):,} trainable parameters; "
                         f"checkpoints hold the adapters only)" if cfg.lora.rank > 0 else "every weight trains")

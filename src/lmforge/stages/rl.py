@@ -22,10 +22,10 @@ import json
 import time
 from pathlib import Path
 
-from lmforge.config import Config
+from lmforge.config import Config, check_rl
 from lmforge.data.conversations import cap_examples
 from lmforge.data.prompts import Prompt, PromptStream, read_prompts, split_prompts, stdlib_prompts
-from lmforge.errors import ConfigError, DataError
+from lmforge.errors import DataError
 from lmforge.runtime import decode_runtime
 from lmforge.sandbox import isolation_line
 from lmforge.scorers.rewards import SANDBOXED, Rewards
@@ -86,8 +86,9 @@ def rl_stage(cfg: Config, out: str | Path, resume: bool = False, dry_run: bool =
     metrics (with the val_* figures of the held-out prompts).
 
     Raises:
-        ConfigError: rl.init not set; lora.dropout > 0; rl.max_new_tokens leaving no room in
-        data.seq_len; a reward that cannot be imported; a config that does not fit the checkpoint.
+        ConfigError: rl.init not set, lora.dropout > 0, rl.max_new_tokens leaving no room in
+        data.seq_len (`config.check_rl`); a reward that cannot be imported; a config that does not
+        fit the checkpoint.
         CheckpointError / ContractError: rl.init is not a checkpoint, or has another tokenizer.
         DataError: bad prompts (naming file and line), rl.data not a regular file, or nothing left to
         train on.
@@ -96,17 +97,7 @@ def rl_stage(cfg: Config, out: str | Path, resume: bool = False, dry_run: bool =
         Interrupted: SIGINT/SIGTERM before training (in it, the run stops after the step, with a
         checkpoint: a signal while a reward of yours runs included, lmforge.scorers.rewards).
     """
-    if not cfg.rl.init:
-        raise ConfigError("rl.init is empty: set the checkpoint to train, e.g. --set rl.init=runs/sft (an SFT run "
-                          "folder or one of its step_NNNNNN folders).")
-    if cfg.lora.rank > 0 and cfg.lora.dropout > 0:
-        raise ConfigError(f"lora.dropout = {cfg.lora.dropout}: the loss must differentiate the distribution the "
-                          f"completions were sampled from, and dropout makes training another one. Set "
-                          f"lora.dropout = 0 for rl.")
-    if cfg.rl.max_new_tokens >= cfg.data.seq_len:
-        raise ConfigError(f"rl.max_new_tokens = {cfg.rl.max_new_tokens} leaves no room for a prompt in data.seq_len "
-                          f"= {cfg.data.seq_len} (a row is the prompt and its completion). Lower rl.max_new_tokens or "
-                          f"raise data.seq_len.")
+    check_rl(cfg)  # before --out or the checkpoint is touched
     start = start_tuning(cfg, out, resume, "rl")
     cfg, model, tok, init = start.cfg, start.model, start.tok, start.init
     rewards = Rewards(cfg.rl.rewards, cfg.rl.reward_timeout_s)  # a reward of yours is imported before any work
@@ -115,16 +106,16 @@ def rl_stage(cfg: Config, out: str | Path, resume: bool = False, dry_run: bool =
         d, t, p = cfg.data, cfg.train, cfg.rl
         t0 = time.perf_counter()
         prompts, data_info = load_prompts(cfg)
-        budget = d.seq_len - p.max_new_tokens
+        budget = d.seq_len - p.max_new_tokens  # a row holds the prompt and its longest completion
         rendered = {split: render_prompts(ps, tok, budget, p.data != "stdlib") for split, ps in prompts.items()}
         train, train_ids, dropped = rendered["train"]
         val, val_ids, val_dropped = rendered["val"]
-        if not train:
+        if not train:  # the standard library's prompts too long for a row were left out: all of them
             raise DataError(f"rl.data = {p.data!r}: no training prompt fits data.seq_len {d.seq_len} with "
                             f"rl.max_new_tokens {p.max_new_tokens} ({dropped} too long). Raise data.seq_len.")
         rewards.score(train[:1] * 2, ["", "    return 0"], [True, True])  # a reward that cannot score stops here
         stream = PromptStream(len(train), t.micro_batch_size, t.seed, rank=info.rank, world_size=info.world_size)
-        reference = token_reference(model, rt, p.temperature) if p.beta > 0 else None
+        reference = token_reference(model, rt, p.temperature) if p.beta > 0 else None  # no KL term: no copy
         objective = RLObjective(p, model, tok, train, train_ids, rewards, decode_runtime(rt.device), t.seed,
                                 val, val_ids, reference, compile_decode=cfg.generate.compile)
         data_info.update(seconds=round(time.perf_counter() - t0, 2), too_long={"train": dropped, "val": val_dropped},
@@ -149,15 +140,15 @@ def rl_stage(cfg: Config, out: str | Path, resume: bool = False, dry_run: bool =
                 log(f"rl: {lora_line(cfg, model, init)}")
             log(f"rl data: {len(train)} training prompts, {len(val)} held out; {dropped + val_dropped} left out "
                 f"(longer than {budget} tokens)")
-            if SANDBOXED & set(p.rewards) or (p.data == "stdlib" and val):
+            if SANDBOXED & set(p.rewards) or (p.data == "stdlib" and val):  # a reward or val_behaviour runs code
                 log(isolation_line())
-        side = {RL_DATA_FILE: json.dumps(data_info, indent=2, default=str) + "\n"}
+        side = {RL_DATA_FILE: json.dumps(data_info, indent=2, default=str) + "\n"}  # what the run was fed
         try:
             return run_training(session, tok.folder, model, stream, val_batches if val else None,
                                 resume=resume, dry_run=dry_run, progress=progress, side_files=side,
                                 objective=objective, inputs={} if p.data == "stdlib" else {"rl.data": Path(p.data)})
         finally:
-            rewards.close()
+            rewards.close()  # the sandbox's waiting interpreters, whatever stopped the run
 
 
 __all__ = ["rl_stage", "load_prompts", "RL_DATA_FILE"]

@@ -25,12 +25,7 @@ from lmforge.data.conversations import (Conversation, cap_examples, read_convers
 from lmforge.data.stdlib_functions import StdlibStats, stdlib_examples
 from lmforge.errors import ConfigError
 from lmforge.stages.common import log, run_training, startup_report, training_session
-from lmforge.stages.tuning import (chat_template_line, check_same_base, check_same_init, lora_line, require_training,  # noqa: F401
-                                   own_tokenizer_dir, refuse_init_as_out, start_from_checkpoint, start_tuning,
-                                   tuning_config)
-
-#: Kept under its old name (tests and scripts import it from here).
-sft_tokenizer_dir = own_tokenizer_dir
+from lmforge.stages.tuning import chat_template_line, lora_line, require_training, start_tuning, tuning_config
 
 SFT_DATA_FILE = "sft_data.json"
 SFT_VAL_FILE = "sft_val.jsonl"

@@ -24,7 +24,7 @@ from pathlib import Path
 from lmforge.config import Config, SamplingConfig
 from lmforge.contract import CONTRACT_FILE
 from lmforge.data.shards import Shard
-from lmforge.data.sources import source_path
+from lmforge.data.inputs import source_path
 from lmforge.evals.suite import results_table
 from lmforge.scorers import body_parse_rate, doctest_pass_rate, held_out_prompts
 from lmforge.errors import ConfigError, Interrupted

@@ -11,7 +11,8 @@ from pathlib import Path
 from lmforge.config import CONFIG_FILE, Config
 from lmforge.data.mixture import mixture_documents, mixture_sources
 from lmforge.data.reports import SAMPLE_BYTES, report_lines, sample, tokenizer_report
-from lmforge.data.sources import SourceStats, capped, iter_documents, source_path
+from lmforge.data.inputs import SourceStats, source_path
+from lmforge.data.sources import capped, iter_documents
 from lmforge.errors import LmforgeError
 from lmforge.fileio import check_not_input, check_output
 from lmforge.stages.common import log

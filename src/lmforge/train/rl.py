@@ -1,29 +1,28 @@
-"""Reinforcement learning with verifiable rewards on the one training loop: the objective.
+"""Reinforcement learning with verifiable rewards on the one training loop: `RLObjective`.
 
-`RLObjective` is what `Trainer` runs for `lmforge rl`. It makes its own batches (`next_batch`, the
-rollout hook of `TokenObjective`): for each of `micro_batch_size` prompts drawn from a
-`PromptStream` it samples `group_size` completions with lmforge's KV-cache decoding at
-`rl.temperature` (no top-k, top-p or repetition penalty: the loss differentiates exactly the
-distribution sampled from, TRL PR #3029), keeps the sampled stop token, scores each completion
-(`scorers.rewards`: a completion cut off by the token budget scores 0 and is counted), and turns
-the rewards into advantages A = r - group mean (no division by the spread, Dr. GRPO). A whole
-group lives in one micro-batch, so on one rank. The sampling generator is seeded from (train.seed,
-where the micro-batch starts in the global prompt order): the same prompts get the same
-completions whatever the number of ranks or the accumulation, and a resumed run the same rollouts.
+`RLObjective` is what `Trainer` runs for `lmforge rl`: a group-relative policy gradient ("GRPO",
+as TRL and nanochat call it) in its simplest exact form:
 
-Its loss is `model.loss.policy_gradient_loss` on the tokens' log-probabilities at the sampling
-temperature, one optimizer step per batch of rollouts (importance ratio 1); its count (Dr. GRPO's
-constant rows x max_new_tokens by default) goes through the trainer's all-reduced denominator, so
-ranks and accumulation cannot change the step (P3). With `rl.beta` > 0 a k3 KL term to `rl.init`
-joins the sum (LoRA: the model with its adapters disabled; full fine-tuning: a frozen copy).
+1. Rollouts (`next_batch`, `rollout`): `group_size` completions of each prompt a `PromptStream`
+   draws, sampled at `rl.temperature` and nothing else (no top-k, top-p or repetition penalty:
+   the loss differentiates exactly the distribution sampled from, TRL PR #3029), the sampled stop
+   token kept as a target; a group lives in one micro-batch, so on one rank.
+2. Rewards from `scorers.rewards`; a completion cut off by the token budget scores 0 (counted).
+3. Advantages A = r - group mean, no division by the spread (Dr. GRPO).
+4. On policy: one optimizer step per batch of rollouts, so the importance ratio is exactly 1 and
+   nothing is clipped. The loss is `model.loss.policy_gradient_loss` at the sampling temperature
+   over the trainer's all-reduced sum of `policy_gradient_count` (Dr. GRPO's constant rows x
+   max_new_tokens by default): ranks and accumulation cannot change the step (P3).
+5. Sampling seeded from (train.seed, where the micro-batch starts in the global prompt order):
+   the same completions whatever the ranks or the accumulation, and after a resume.
 
-Logged per step (TRL's names where one exists; `step_metrics`): `reward` and `rewards/NAME`,
-`reward_std` (the mean of the groups' standard deviations), `frac_reward_zero_std`,
-`completions/mean_length`, `completions/clipped_ratio`, `stop_rate`, `trivial_rate`,
-`mismatch_kl` (mean over sampled tokens of sampler log p - trainer log p: precision or kernels
-making on-policy into off-policy), `sandbox/VERDICT` counts, `rollout_s`. Validation writes
-greedy completions' `val_reward`, `val_static` (with its 95% Wilson interval: the held-out set
-is small), `val_parse_end` and `val_trivial_rate`.
+Left out: a value model (the group mean is the baseline), several steps per batch of rollouts
+(and with them PPO's clipping), z-scored advantages, a learned reward model, and a KL term unless
+`rl.beta` > 0 (then k3 to `rl.init`: LoRA's model with its adapters disabled, else a frozen copy).
+
+Logged per step: `figures` (TRL's names where one exists; `mismatch_kl`, sampler log p - trainer
+log p per sampled token, shows precision or kernels making on-policy into off-policy); at
+validation, greedy completions' val_* figures (`validate`).
 """
 
 from __future__ import annotations
@@ -34,6 +33,7 @@ import time
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -43,7 +43,7 @@ from lmforge.data.packing import Batch, build_row, collate, plan_packed
 from lmforge.data.prompts import Prompt, PromptStream
 from lmforge.generate import generate
 from lmforge.model import lora
-from lmforge.model.loss import group_advantages, policy_gradient_loss
+from lmforge.model.loss import group_advantages, policy_gradient_count, policy_gradient_loss
 from lmforge.runtime import Runtime
 from lmforge.sandbox import VERDICTS, check_errors
 from lmforge.scorers.intervals import wilson_interval
@@ -145,7 +145,7 @@ def build_batch(prompt_ids: Sequence[Sequence[int]], completions: Sequence[Seque
     R = len(prompt_ids)
     seqs = [list(p) + list(c) for p, c in zip(prompt_ids, completions)]
     n = np.array([len(x) - 1 for x in seqs], dtype=np.int64)  # each rollout's positions
-    T = max(int(n.max(initial=0)), 1)
+    T = max(int(n.max(initial=0)), 1)  # as wide as the longest rollout, not data.seq_len
     tokens = torch.full((R, T), pad_id, dtype=torch.long)
     targets = torch.zeros((R, T), dtype=torch.long)
     mask = torch.zeros((R, T), dtype=torch.bool)
@@ -154,14 +154,14 @@ def build_batch(prompt_ids: Sequence[Sequence[int]], completions: Sequence[Seque
         row = seqs[i]
         tokens[i, :n[i]] = torch.as_tensor(row[:-1], dtype=torch.long)
         targets[i, :n[i]] = torch.as_tensor(row[1:], dtype=torch.long)
-        a, b = len(p) - 1, len(p) - 1 + len(c)
-        mask[i, a:b] = True
+        a, b = len(p) - 1, len(p) - 1 + len(c)  # the positions whose targets are the completion's tokens
+        mask[i, a:b] = True  # the stop token included: ending the turn is trained too
         sampler[i, a:b] = torch.as_tensor(list(lp), dtype=torch.float32)
     positions = torch.arange(T).expand(R, T).clone()
     batch = RLBatch(tokens, targets, mask, positions, sampler, advantages.double(), rewards.double(),
                     slots=(R * T - int(n.sum()), R * T))
-    if packing:
-        layout = plan_packed(n, np.argsort(-n, kind="stable"), T)
+    if packing:  # the forward's rows only: every (R, T) field above keeps the padded layout, and so the loss
+        layout = plan_packed(n, np.argsort(-n, kind="stable"), T)  # longest first, stable: the same on any rank
         batch.rows = collate([build_row(pieces, lambda j, a, b: seqs[j][a:b], None, T, pad_id) for pieces in layout])
         batch.unpack = torch.zeros((R, T), dtype=torch.long)
         for r, pieces in enumerate(layout):
@@ -173,6 +173,49 @@ def build_batch(prompt_ids: Sequence[Sequence[int]], completions: Sequence[Seque
     return batch
 
 
+class Figure(NamedTuple):
+    """How `step_metrics` logs a figure the step sums: divided by the step's sum of `per` (at least
+    1; None: the sum itself), as `shown` ("" = its key), rounded to `digits` (None: not; 0: an int)."""
+
+    per: str | None
+    shown: str = ""
+    digits: int | None = None
+
+
+#: The sums a step's figures are divided by (`Figure.per`); not logged themselves.
+DENOMINATORS = ("prompts", "rows", "tokens", "row_slots")
+#: The figures a step sums (`next_batch`, `loss`) and how each is logged; `figures` adds the rewards'.
+FIGURES = {**dict.fromkeys(("reward", "completions/mean_length", "completions/clipped_ratio", "stop_rate",
+                             "trivial_rate"), Figure("rows")),  # means per rollout
+           "reward_std": Figure("prompts"), "frac_reward_zero_std": Figure("prompts"),  # per group
+           "mismatch_kl": Figure("tokens"),  # per sampled token
+           "pad_slots": Figure("row_slots", "padding", 4),  # the share of the forward's row slots left empty
+           "rollout_s": Figure(None, digits=3)}  # seconds, summed over micro-batches and ranks
+
+
+def figures(reward_names: Sequence[str]) -> dict[str, Figure | None]:
+    """`FIGURES`, the rewards' (`rewards/NAME` over the completions NAME applies to), the sandbox's verdict
+    counts and the `DENOMINATORS` (None), sorted: every rank reduces the same figures in the same order."""
+    table: dict[str, Figure | None] = {**FIGURES, **dict.fromkeys(DENOMINATORS)}
+    for name in reward_names:
+        table[f"rewards/{name}"] = Figure(f"applies/{name}")
+        table[f"applies/{name}"] = Figure("rows")
+    if SANDBOXED & set(reward_names):
+        table.update({f"sandbox/{v}": Figure(None, digits=0) for v in (*VERDICTS, "NODOC")})
+    return dict(sorted(table.items()))
+
+
+class Rollout(NamedTuple):
+    """Scored completions (`RLObjective.rollout`): new ids (a sampled stop token included), their
+    sampler log-probabilities (or None), whether each stopped, its text without the stop, the scores."""
+
+    ids: list[list[int]]
+    logps: list[list[float]] | None
+    stopped: list[bool]
+    texts: list[str]
+    scored: object
+
+
 class RLObjective(TokenObjective):
     """The trainer's objective for `lmforge rl` (module docstring).
 
@@ -180,10 +223,31 @@ class RLObjective(TokenObjective):
     `prompts` / `prompt_ids`: the training prompts and their rendered ids; `val_prompts` /
     `val_ids`: the held-out ones; `stop_ids`: the ids that end a completion; `reference`: a
     function (RLBatch) -> (R, T) log-probabilities under `rl.init` (rl.beta > 0), else None.
+
+    One step by hand, as `Trainer` runs it (a random tiny model; the static reward: 1 for a body
+    that passes the static check and ends its turn — this tokenizer decodes every one to a pass):
+
+    >>> from types import SimpleNamespace
+    >>> from lmforge.config import ModelConfig
+    >>> from lmforge.model import Transformer
+    >>> from lmforge.runtime import CPU_FP32
+    >>> model = Transformer(ModelConfig(dim=32, n_layers=1, n_heads=2, n_kv_heads=1, vocab_size=64, max_seq_len=32))
+    >>> tok = SimpleNamespace(pad_id=0, eos_id=1, im_end_id=2, decode=lambda ids: "    return x")
+    >>> prompt = Prompt([{"role": "user", "content": "def f(x):"}], "example:1", "f", {"signature": "def f(x):"})
+    >>> rl = RLObjective(RLConfig(group_size=4, max_new_tokens=6, loss_type="dapo"), model, tok, [prompt],
+    ...                  [[3, 4, 5]], Rewards(["static"]), CPU_FP32, seed=0)
+    >>> batch = rl.next_batch(PromptStream(1, 1, seed=0), model)  # 1 prompt x 4 sampled completions
+    >>> batch.tokens.shape[0], batch.advantages.sum().item()  # advantages: reward - its group's mean
+    (4, 0.0)
+    >>> rl.count(batch) == batch.loss_mask.sum().item()  # "dapo": the step divides by its completion tokens
+    True
+    >>> numerator, _ = rl.loss(model, batch)
+    >>> numerator.backward()  # the trainer's backward, before dividing by the step's summed counts
+    >>> sorted(rl.step_metrics(DistInfo()))[:4]
+    ['applies/static', 'completions/clipped_ratio', 'completions/mean_length', 'frac_reward_zero_std']
     """
 
     zero_gradient_is_a_fault = False  # its gradient can be 0 (TokenObjective.zero_gradient_is_a_fault)
-
     unit = "prompt"
 
     def __init__(self, cfg: RLConfig, policy: torch.nn.Module, tok, prompts: Sequence[Prompt],
@@ -200,34 +264,36 @@ class RLObjective(TokenObjective):
         self.sampling = SamplingConfig(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_k=0,
                                        top_p=1.0, repetition_penalty=1.0, greedy=False, compile=compile_decode)
         self._acc: Counter = Counter()
-        # every rank reduces the same figures in the same order, whatever its own rollouts gave
-        self._keys = sorted({"prompts", "rows", "reward", "reward_std", "frac_reward_zero_std",
-                             "completions/mean_length", "completions/clipped_ratio", "stop_rate", "trivial_rate",
-                             "rollout_s", "mismatch_kl", "tokens", "pad_slots", "row_slots", *(f"rewards/{n}" for n in rewards.names),
-                             *(f"applies/{n}" for n in rewards.names),
-                             *(f"sandbox/{v}" for v in (*VERDICTS, "NODOC") if SANDBOXED & set(rewards.names))})
+        self.figures = figures(rewards.names)  # what step_metrics reduces and logs
 
     # -- rollouts ---------------------------------------------------------------------------------
+    def rollout(self, rows: Sequence[Sequence[int]], records: Sequence[Prompt], sampling: SamplingConfig,
+                generator: torch.Generator | None = None, logprobs: bool = False) -> Rollout:
+        """Generate -> decode -> score: the policy's completions of the prompt ids `rows` (`records`: what
+        the rewards read) under `sampling`; with `logprobs`, the sampler's log-probabilities too."""
+        with decoding(self.policy):
+            out = generate(self.policy, rows, self.stop_ids, sampling, self.tok.pad_id, generator=generator,
+                           runtime=self.decode, return_logprobs=logprobs)
+        ids, logps = out if logprobs else (out, None)
+        stopped = [bool(x) and x[-1] in self.stop_ids for x in ids]
+        texts = [self.tok.decode(x[:-1] if s else x) for x, s in zip(ids, stopped)]  # the reward never sees the stop
+        return Rollout(ids, logps, stopped, texts, self.rewards.score(records, texts, stopped))
+
     def next_batch(self, stream: PromptStream, model: torch.nn.Module) -> RLBatch:
         draw = stream.next_batch()
         G = self.cfg.group_size
-        rows = [self.prompt_ids[i] for i in draw.indices for _ in range(G)]
+        rows = [self.prompt_ids[i] for i in draw.indices for _ in range(G)]  # a group's rows side by side
         records = [self.prompts[i] for i in draw.indices for _ in range(G)]
-        generator = torch.Generator(device=self.decode.device).manual_seed(sampling_seed(self.seed, draw.epoch,
-                                                                                         draw.start))
+        seed = sampling_seed(self.seed, draw.epoch, draw.start)  # by its place in the global order: any rank count
+        generator = torch.Generator(device=self.decode.device).manual_seed(seed)
         t0 = time.perf_counter()
-        with decoding(self.policy):
-            ids, logps = generate(self.policy, rows, self.stop_ids, self.sampling, self.tok.pad_id,
-                                  generator=generator, runtime=self.decode, return_logprobs=True)
-        stopped = [bool(x) and x[-1] in self.stop_ids for x in ids]
-        texts = [self.tok.decode(x[:-1] if s else x) for x, s in zip(ids, stopped)]
-        scored = self.rewards.score(records, texts, stopped)
-        check_errors(scored.results, f"rl: the rollouts of prompts {draw.indices}")
+        ids, logps, stopped, _, scored = self.rollout(rows, records, self.sampling, generator, logprobs=True)
+        check_errors(scored.results, f"rl: the rollouts of prompts {draw.indices}")  # a harness fault is no 0
         rewards = torch.tensor(scored.total, dtype=torch.float64)
         advantages = group_advantages(rewards, G)
         batch = build_batch(rows, ids, logps, advantages, rewards, self.tok.pad_id, packing=self.cfg.packing)
         groups = rewards.view(-1, G)
-        std = groups.std(1, unbiased=False)
+        std = groups.std(1, unbiased=False)  # the population's: a group of equal rewards is exactly 0
         stats = Counter({"prompts": len(draw.indices), "rows": len(rows), "reward": float(rewards.sum()),
                          "reward_std": float(std.sum()), "frac_reward_zero_std": float((std == 0).sum()),
                          "completions/mean_length": float(sum(len(x) for x in ids)),
@@ -236,7 +302,7 @@ class RLObjective(TokenObjective):
                          "trivial_rate": float(sum(r == "trivial" for r in scored.reasons)),
                          "rollout_s": time.perf_counter() - t0,
                          "pad_slots": float(batch.slots[0]), "row_slots": float(batch.slots[1])})
-        for name, values in scored.each.items():
+        for name, values in scored.each.items():  # sums over the completions each reward applies to
             stats[f"rewards/{name}"] = float(sum(v for v in values if v is not None))
             stats[f"applies/{name}"] = float(sum(v is not None for v in values))
         for r in scored.results:
@@ -247,50 +313,32 @@ class RLObjective(TokenObjective):
 
     # -- the loss ---------------------------------------------------------------------------------
     def count(self, batch: RLBatch) -> float:
-        """What the step's loss is divided by (summed over micro-batches and ranks): see
-        `policy_gradient_loss`'s loss types."""
-        R = batch.tokens.shape[0]
-        kind = self.cfg.loss_type
-        return float(R * self.cfg.max_new_tokens if kind == "dr_grpo" else R if kind == "grpo" else batch.n_supervised)
+        """What the step's loss is divided by (summed over micro-batches and ranks):
+        `policy_gradient_count` of `rl.loss_type`."""
+        return policy_gradient_count(batch.loss_mask, self.cfg.loss_type, self.cfg.max_new_tokens)
 
     def loss(self, model: torch.nn.Module, batch: RLBatch) -> tuple[torch.Tensor, None]:
-        lp = batch.logps(model, self.cfg.temperature)
+        lp = batch.logps(model, self.cfg.temperature)  # at the sampler's temperature: the distribution sampled
         ref = self.reference(batch) if self.cfg.beta > 0 else None
-        num, _ = policy_gradient_loss(lp, batch.advantages, batch.loss_mask, self.cfg.loss_type,
-                                      self.cfg.max_new_tokens, ref, self.cfg.beta)
+        num = policy_gradient_loss(lp, batch.advantages, batch.loss_mask, self.cfg.loss_type, ref, self.cfg.beta)
         m = batch.loss_mask
         self._acc["mismatch_kl"] += float(((batch.sampler_logps - lp.detach()) * m).sum())
         self._acc["tokens"] += float(m.sum())
         return num, None
 
     def step_metrics(self, dist: DistInfo) -> dict:
-        """The rollouts' means over the step (every micro-batch and rank); resets the sums."""
-        keys = self._keys
+        """The step's figures (every micro-batch and rank) as `figures` says; resets the sums."""
+        keys = list(self.figures)
         totals = all_reduce_sum(torch.tensor([self._acc[k] for k in keys], dtype=torch.float64,
                                              device=dist.device), dist).cpu().tolist()
         self._acc = Counter()
         t = dict(zip(keys, totals))
-        rows, prompts, tokens = max(t.get("rows", 0.0), 1.0), max(t.get("prompts", 0.0), 1.0), max(t.get("tokens", 0.0), 1.0)
         out = {}
-        for k, v in t.items():
-            if k in ("rows", "prompts", "tokens", "row_slots"):
+        for k, how in self.figures.items():
+            if how is None:  # a denominator
                 continue
-            if k == "pad_slots":  # the share of the forward's row slots that held no rollout
-                out["padding"] = round(v / max(t.get("row_slots", 0.0), 1.0), 4)
-                continue
-            if k in ("reward_std", "frac_reward_zero_std"):
-                out[k] = v / prompts
-            elif k == "mismatch_kl":
-                out[k] = v / tokens
-            elif k.startswith("sandbox/"):
-                out[k] = int(v)
-            elif k.startswith("rewards/"):  # over the completions the reward applies to
-                n = t.get("applies/" + k.split("/", 1)[1], rows)
-                out[k] = v / n if n else 0.0  # applies/NAME = 0 says it met no prompt it covers
-            elif k == "rollout_s":
-                out[k] = round(v, 3)
-            else:
-                out[k] = v / rows
+            v = t[k] if how.per is None else t[k] / max(t[how.per], 1.0)  # at least 1: a figure none met is 0
+            out[how.shown or k] = v if how.digits is None else round(v, how.digits or None)  # digits 0: an int
         return out
 
     # -- validation -------------------------------------------------------------------------------
@@ -302,36 +350,32 @@ class RLObjective(TokenObjective):
         ends its turn), `val_trivial_rate`, `val_n`; for standard-library prompts also
         `val_behaviour` (with `_lo`, `_hi` and `_n`: the held-out functions it applies to)."""
         greedy = SamplingConfig(max_new_tokens=self.cfg.max_new_tokens, greedy=True, repetition_penalty=1.0,
-                                compile=self.compile_decode)
+                                compile=self.compile_decode)  # a figure that moves with the weights, not luck
         n = reward = static = parse_end = trivial = b_pass = b_n = 0.0
         for chunk in batches:
             rows = [self.val_ids[i] for i in chunk]
             recs = [self.val_prompts[i] for i in chunk]
-            with decoding(self.policy):
-                ids = generate(self.policy, rows, self.stop_ids, greedy, self.tok.pad_id, runtime=self.decode)
-            stopped = [bool(x) and x[-1] in self.stop_ids for x in ids]
-            texts = [self.tok.decode(x[:-1] if s else x) for x, s in zip(ids, stopped)]
-            scored = self.rewards.score(recs, texts, stopped)
+            _, _, stopped, texts, scored = self.rollout(rows, recs, greedy)
             n += len(rows)
             reward += sum(scored.total)
-            static += sum(s and not why for s, why in zip(stopped, scored.reasons))
-            parse_end += sum(s and why not in ("does not parse", "text after the function")
+            static += sum(s and not why for s, why in zip(stopped, scored.reasons))  # a cut-off body never passes
+            parse_end += sum(s and why not in ("does not parse", "text after the function")  # the format alone
                              for s, why in zip(stopped, scored.reasons))
             trivial += sum(why == "trivial" for why in scored.reasons)
             behaviour, results = scored.each.get("behaviour"), scored.results
-            if behaviour is None and all(Behaviour.key(r) for r in recs):
+            if behaviour is None and all(Behaviour.key(r) for r in recs):  # measured even when not a reward
                 behaviour, found = self.rewards.behaviour(recs, texts, scored.reasons)
                 results = results + found
             check_errors(results, "rl: the held-out prompts' completions")
             for v in behaviour or ():
-                if v is not None:
+                if v is not None:  # None: a function the behaviour cases cannot call
                     b_n += 1
                     b_pass += v
-        lo, hi = wilson_interval(int(static), int(n))
+        lo, hi = wilson_interval(int(static), int(n))  # the held-out set is small: say how sure the figure is
         d = max(n, 1.0)
         out = {"val_reward": reward / d, "val_static": static / d, "val_static_lo": lo, "val_static_hi": hi,
                "val_parse_end": parse_end / d, "val_trivial_rate": trivial / d, "val_n": int(n)}
-        if b_n:
+        if b_n:  # only where some held-out function has behaviour cases
             lo, hi = wilson_interval(int(b_pass), int(b_n))
             out.update(val_behaviour=b_pass / b_n, val_behaviour_lo=lo, val_behaviour_hi=hi, val_behaviour_n=int(b_n))
         return out
@@ -352,4 +396,5 @@ def token_reference(model: torch.nn.Module, runtime: Runtime, temperature: float
     return ref
 
 
-__all__ = ["RLBatch", "RLObjective", "build_batch", "sampling_seed", "token_reference"]
+__all__ = ["DENOMINATORS", "FIGURES", "Figure", "RLBatch", "RLObjective", "Rollout", "build_batch", "figures",
+           "sampling_seed", "token_reference"]

@@ -1,5 +1,7 @@
-"""The one training loop. Pretraining, SFT and DPO differ only in their data (a RowStream),
-their initial weights and their objective (lmforge.train.objective); all run `Trainer.fit`.
+"""The one training loop. Pretraining, SFT, DPO and RL differ only in their data (a RowStream),
+their initial weights and their objective (lmforge.train.objective; train/dpo.py, train/rl.py);
+all run `Trainer.fit`: the loop, with each step's record in lmforge.train.record, the clock of
+train.time_budget_s in lmforge.train.budget and SIGINT/SIGTERM in lmforge.signals.
 
 One optimizer step:
   1. draw `grad_accum_steps` micro-batches and count their supervised targets;
@@ -24,9 +26,7 @@ RNG states; `resume()` continues the run bit for bit on CPU.
 from __future__ import annotations
 
 import contextlib
-import json
 import math
-import signal
 import sys
 import time
 from collections.abc import Callable, Iterable
@@ -36,23 +36,22 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from lmforge.config import Config, TrainConfig
+from lmforge.config import Config
 from lmforge.contract import CONTRACT_FILE, Contract, check_match
 from lmforge.data.packing import Batch, RowStream
-from lmforge.errors import CheckpointError, LmforgeError, TrainingError, request_stop, stop_requested
-from lmforge.fileio import open_append
+from lmforge.errors import CheckpointError, LmforgeError, TrainingError
 from lmforge.model.io import (MODEL_FILE, OPTIMIZER_FILE, RNG_FILE, STEP_RE, is_sharded, latest_checkpoint,
                               load_weights, read_checkpoint_meta, step_dir_name)
-from lmforge.runtime import Runtime, compiler_available, seed_everything, training_runtime
+from lmforge.runtime import Runtime, compiler_available, training_runtime
+from lmforge.signals import TrainingStop
 from lmforge.train import checkpoint as ckpt
-from lmforge.train.budget import StepBudget, run_step_seconds
-from lmforge.train.distributed import DistInfo, all_reduce_min, all_reduce_sum, gather_to_main, wrap_model
+from lmforge.train.distributed import DistInfo, all_reduce_sum, gather_to_main, wrap_model
 from lmforge.train.health import UPDATE_RATIO_EVERY, HealthMonitor, update_ratio, verdict_line, weights_snapshot
 from lmforge.train.optim import build_optimizer
 from lmforge.train.objective import TokenObjective
 from lmforge.train.resume import (METRICS_FILE, check_optimizer_state, check_resume_config, check_rng_state,
                                  check_training_state, truncate_metrics)
-from lmforge.train.tensorboard import TENSORBOARD_DIR, GuardedBoard, TensorBoard
+from lmforge.train.record import StepRecord, replay_health
 from lmforge.train.schedule import lr_at
 
 
@@ -65,6 +64,26 @@ class Trainer:
     `dist` comes from `init_distributed(cfg)`, which validated the parallel degrees against the
     world size; `runtime` (the device and the autocast dtype of the steps, the validation and
     Muon's Newton-Schulz) is the command's, default `training_runtime(train.precision, dist.device)`.
+
+    Three steps of a one-layer model on a document that repeats 0..7 (`fit()` would also validate,
+    record and checkpoint into `run_dir`; a step alone writes nothing):
+
+    >>> import numpy as np
+    >>> from dataclasses import replace
+    >>> from lmforge.config import Config
+    >>> from lmforge.data.packing import RowStream
+    >>> from lmforge.model import Transformer
+    >>> from lmforge.train.trainer import Trainer
+    >>> cfg = Config()
+    >>> cfg = replace(cfg, model=replace(cfg.model, dim=32, n_layers=1, n_heads=2, n_kv_heads=1, vocab_size=64),
+    ...               train=replace(cfg.train, steps=3, warmup_steps=0, micro_batch_size=2, compile=False))
+    >>> doc = np.arange(100) % 8
+    >>> stream = RowStream(np.array([99]), lambda i, start, stop: doc[start:stop], None, seq_len=16,
+    ...                    micro_batch_size=2, pad_id=0, seed=0)
+    >>> trainer = Trainer(cfg, "run", ".", Transformer(cfg.model), stream, progress=False)
+    >>> losses = [trainer.train_step()["loss"] for _ in range(3)]
+    >>> trainer.step, trainer.tokens, losses[2] < losses[0]
+    (3, 96, True)
     """
 
     cfg: Config
@@ -78,11 +97,10 @@ class Trainer:
     log: Callable[[str], None] = print
     runtime: Runtime | None = None
     objective: TokenObjective = field(default_factory=TokenObjective)
-    #: train.time_budget_s's costs and deadline (lmforge.train.budget): the step count is revised
-    #: after step `budget.revise_at` (wsd: once more before the decay); `on_steps(cfg)` then
-    #: rewrites the run folder's files
-    budget: StepBudget | None = None
-    clock: Callable[[], float] = time.perf_counter
+    #: train.time_budget_s's costs, deadline and clock (lmforge.train.budget.StepBudget, not imported:
+    #: its probe builds a Trainer): the step count is revised after step `budget.revise_at` (wsd: once
+    #: more before the decay); `on_steps(cfg)` then rewrites the run folder's files
+    budget: "StepBudget | None" = None
     on_steps: Callable[[Config], None] | None = None
 
     def __post_init__(self):
@@ -102,7 +120,6 @@ class Trainer:
         self.tokens = 0
         self.supervised = 0
         self.elapsed = 0.0
-        self._stop_signal: int | None = None
         self._gradient_checked = False
         self._fsdp = self.dist.distributed and is_sharded(self.raw_model)
         self.health = HealthMonitor(self.cfg.train.steps, self.cfg.train.warmup_steps)
@@ -148,7 +165,7 @@ class Trainer:
         opt_state = ckpt.gather_optimizer_state(self.raw_model, self.optimizer)
         rngs = gather_to_main(ckpt.rng_state(), self.dist)
         path, error = self.run_dir / step_dir_name(self.step), None
-        if self.dist.is_main:
+        if self.dist.is_main:  # every rank gathered its part above; one writes
             try:
                 path = ckpt.save_checkpoint(self.run_dir, self.step, self.raw_model, self.cfg, self.contract_dir,
                                             state=self.training_state(), model_weights=weights,
@@ -157,9 +174,9 @@ class Trainer:
             except BaseException as exc:  # tell the other ranks instead of leaving them in a collective
                 error = exc
         failed = all_reduce_sum(torch.tensor([1.0 if error else 0.0], device=self.device), self.dist)
-        if error is not None:
+        if error is not None:  # rank 0 says its own error
             raise error
-        if failed.item():
+        if failed.item():  # the other ranks say rank 0 failed
             raise CheckpointError(f"rank 0 could not write the checkpoint {path} (see its error); stopping.")
         return path
 
@@ -185,7 +202,7 @@ class Trainer:
         """
         self._check_run_folder()
         latest = latest_checkpoint(self.run_dir)
-        if latest is None:
+        if latest is None:  # nothing to continue: the caller starts from step 0
             return False
         saved_cfg, saved_contract = read_checkpoint_meta(latest)
         check_match(Contract.load(self.contract_dir, what="tokenizer folder"), self.contract_dir / CONTRACT_FILE,
@@ -198,7 +215,7 @@ class Trainer:
         check_optimizer_state(self.raw_model, self.optimizer, opt_state, latest / OPTIMIZER_FILE)
         load_weights(self.raw_model, latest / MODEL_FILE)  # every rank: full weights -> its shard
         ckpt.load_optimizer_state(self.raw_model, self.optimizer, opt_state, latest / OPTIMIZER_FILE)
-        if len(ranks) == self.dist.world_size:
+        if len(ranks) == self.dist.world_size:  # the same ranks: each takes its own generators back
             ckpt.set_rng_state(ranks[self.dist.rank])
         elif self.dist.is_main:
             self.log(f"note: {latest} was written by {len(ranks)} rank(s), this run has {self.dist.world_size}: "
@@ -212,43 +229,30 @@ class Trainer:
         except (LmforgeError, KeyError, TypeError, ValueError) as exc:
             raise CheckpointError(f"{latest / 'state.json'}: its data position does not fit this run's data "
                                   f"({exc}). Resume from another checkpoint.") from None
-        if not dry_run and self.dist.is_main:
+        if not dry_run and self.dist.is_main:  # the rows past the checkpoint will be trained again
             truncate_metrics(self.run_dir / METRICS_FILE, self.step)
-        self._replay_health()
+        replay_health(self.health, self.run_dir / METRICS_FILE, self.step)  # its warnings see the run so far
         if self.dist.is_main:
             self.log(f"resumed from {latest} at step {self.step}")
         return True
-
-    def _replay_health(self) -> None:
-        """The health monitor's state after a resume: the run's rows so far, replayed quietly."""
-        path = self.run_dir / METRICS_FILE
-        if not path.is_file():
-            return
-        for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
-            try:
-                row = json.loads(line)
-                if row["step"] <= self.step:  # another rank's run folder may still hold a killed run's later rows
-                    self.health.update(row)
-            except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError):
-                continue
 
     # -- the step -----------------------------------------------------------------
     def train_step(self) -> dict:
         """One optimizer step; returns its metrics."""
         cfg = self.cfg.train
-        lr = lr_at(self.step, cfg)
+        lr = lr_at(self.step, cfg)  # the schedule at the step about to be taken (0-based)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        batches = [self.objective.next_batch(self.stream, self.model) for _ in range(cfg.grad_accum_steps)]
+        batches = [self.objective.next_batch(self.stream, self.model) for _ in range(cfg.grad_accum_steps)]  # all first
         local = torch.tensor(float(sum(self.objective.count(b) for b in batches)), dtype=torch.float64)
-        n_global = float(all_reduce_sum(local.to(self.device), self.dist).item())
-        scale = self.dist.world_size / max(n_global, 1.0)
+        n_global = float(all_reduce_sum(local.to(self.device), self.dist).item())  # the step's denominator (P3)
+        scale = self.dist.world_size / max(n_global, 1.0)  # x world_size: DDP/FSDP average the ranks' gradients
         loss_sum = torch.zeros((), dtype=torch.float64)
         stat_sums = torch.zeros(len(self.objective.stats), dtype=torch.float64)
         self.model.train()
         for i, b in enumerate(batches):
             b = b.to(self.device)
-            sync = i == len(batches) - 1
+            sync = i == len(batches) - 1  # gradients cross ranks once a step
             ctx = contextlib.nullcontext()
             if self._fsdp:  # FSDP2: reduce-scatter once, after the last micro-batch
                 self.raw_model.set_requires_gradient_sync(sync)
@@ -259,23 +263,23 @@ class Trainer:
                     nats, stats = self.objective.loss(self.model, b)
                 (nats * scale).backward()
             loss_sum += nats.detach().double().cpu()
-            if stats is not None:
+            if stats is not None:  # an objective with figures of its own (DPO's rewards)
                 stat_sums += stats.double().cpu()
         # the norm over all (for FSDP2: DTensor-sharded) gradients; the same on every rank
         grad_norm = torch.nn.utils.clip_grad_norm_(self.raw_model.parameters(),
                                                    cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
-        if hasattr(grad_norm, "full_tensor"):
+        if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor, made whole
             grad_norm = grad_norm.full_tensor()
         # the loss and the norm are global (all-reduced), so every rank takes the same decision
         loss = float(all_reduce_sum(loss_sum.to(self.device), self.dist).item()) / max(n_global, 1.0)
-        if not (math.isfinite(loss) and math.isfinite(float(grad_norm))):
+        if not (math.isfinite(loss) and math.isfinite(float(grad_norm))):  # stop before the weights take it
             self.optimizer.zero_grad(set_to_none=True)
             self._non_finite(loss, float(grad_norm))
         if not self._gradient_checked:  # the first step of this process (a resume's too)
             self._gradient_checked = True
             if self.objective.zero_gradient_is_a_fault and n_global > 0 and loss > 0 and float(grad_norm) == 0.0:
                 self.optimizer.zero_grad(set_to_none=True)
-                raise TrainingError(
+                raise TrainingError(  # a loss with no gradient at all: the backward pass is broken
                     f"step {self.step + 1}: the loss is {loss:.4f} nats/token over {int(n_global)} supervised "
                     f"targets but the gradient norm is exactly 0: the backward pass is broken, and every step "
                     f"would leave the weights as they are. train.compile = {str(self.cfg.train.compile).lower()} "
@@ -293,9 +297,9 @@ class Trainer:
         self.supervised += int(n_global)
         m = {"step": self.step, "loss": loss, "grad_norm": float(grad_norm), "lr": lr,
              "tokens": self.tokens, "supervised": self.supervised, "step_tokens": step_tokens}
-        if before is not None:
+        if before is not None:  # a step of the ratio's period
             m["update_ratio"] = update_ratio(trained, before)
-        m.update(self.objective.step_metrics(self.dist))
+        m.update(self.objective.step_metrics(self.dist))  # the objective's own figures (RL's rewards)
         if self.objective.stats:  # per-unit means over every micro-batch and rank
             totals = all_reduce_sum(stat_sums.to(self.device), self.dist).cpu() / max(n_global, 1.0)
             m.update({name: float(v) for name, v in zip(self.objective.stats, totals)})
@@ -320,157 +324,73 @@ class Trainer:
 
     # -- the loop -------------------------------------------------------------------
     def fit(self) -> dict:
-        """Train to cfg.train.steps (from wherever the run stands); return the last metrics."""
-        cfg = self.cfg.train
+        """Train to cfg.train.steps (from wherever the run stands); return the last metrics. Each
+        step: the step, the budget's clock (`budget.after_step`: may revise cfg.train.steps), the
+        stop agreed over the ranks, validation, its record (`StepRecord`), its checkpoint."""
         self._check_run_folder()
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if self.dist.is_main:
             ckpt.remove_unfinished(self.run_dir)  # a killed write's leftovers (this process holds the run's lock)
             truncate_metrics(self.run_dir / METRICS_FILE, self.step)  # rows past our checkpoint (a killed run's) go
-        metrics_file = open_append(self.run_dir / METRICS_FILE) if self.dist.is_main else None
-        board = self._tensorboard() if self.dist.is_main else None
-        old_handlers = self._install_signal_handlers()
-        bar = tqdm(total=cfg.steps, initial=self.step, desc="train", unit="step",
-                   disable=not (self.progress and self.dist.is_main), mininterval=1.0, dynamic_ncols=True)
         last: dict = {}
         start_step = self.step
-        revise = self.budget is not None and self.budget.revise_at > self.step + 1
-        # the revision's clock: each loop of the run (its step and the rest), validations and saves left out
-        side_s, walls, last_end = 0.0, [], None
-        try:
-            while self.step < cfg.steps:
+        if self.budget is not None:
+            self.budget.start(self.step)
+        # SIGINT/SIGTERM: the step ends, its checkpoint is written, then the loop stops (signals.TrainingStop)
+        with TrainingStop() as stop, StepRecord(self) as record:
+            while self.step < self.cfg.train.steps:
                 t0 = time.perf_counter()
                 m = self.train_step()
                 dt = time.perf_counter() - t0
                 self.elapsed += dt
                 m["tokens_per_s"] = m["step_tokens"] / dt
                 m["elapsed_s"] = round(self.elapsed, 3)
-                if revise:
-                    now = self.clock()
-                    if last_end is not None:  # from the end of the first step (the compile's) on
-                        walls.append(now - last_end - side_s)
-                    last_end, side_s = now, 0.0
-                    if self.step == self.budget.revise_at:
-                        cfg = self._revise_steps(now, run_step_seconds(walls), self.step - len(walls) + 1, bar)
-                        self.budget.revise_at = self.budget.next_revision(cfg, cfg.steps, self.step)
-                        revise, walls = self.budget.revise_at > self.step, []  # the next from the pace since
+                revised = self.budget.after_step(self.cfg.train, self.step, self.dist) if self.budget else None
+                if revised:  # train.time_budget_s decided N again after this step (lmforge.train.budget)
+                    self._set_steps(*revised, record)
+                cfg = self.cfg.train
                 final = self.step == cfg.steps
-                out_of_time, signalled = self._agree_to_stop(cfg.time_limit_s > 0 and self.elapsed >= cfg.time_limit_s)
-                if (cfg.eval_every and self.step % cfg.eval_every == 0) or final or out_of_time:
-                    t_side = self.clock()
-                    m.update(self.validate())
-                    m.update(self.evaluate_tasks())
-                    side_s += self.clock() - t_side
-                del m["step_tokens"]
-                warnings = self.health.update(m)
-                if warnings:
-                    m["health"] = [w.as_dict() for w in warnings]
-                    if self.dist.is_main:
-                        for w in warnings:
-                            tqdm.write(w.line(), file=sys.stderr)
-                last = m
-                if metrics_file:
-                    metrics_file.write(json.dumps(m) + "\n")
-                    metrics_file.flush()
-                if board is not None:
-                    board.write(m)
-                bar.update(1)
-                if self.step % cfg.log_every == 0 or final:
-                    bar.set_postfix(loss=f"{m['loss']:.3f}", lr=f"{m['lr']:.2e}",
-                                    tok_s=f"{m['tokens_per_s']:.0f}", refresh=False)
-                stop = (signalled or out_of_time) and not final
-                if (cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0) or final or stop:
-                    t_side = self.clock()
-                    self.save()
-                    side_s += self.clock() - t_side
-                if stop:
-                    why = "time limit reached" if out_of_time else (
-                        f"{signal.Signals(self._stop_signal).name}" if self._stop_signal else "another rank was signalled")
-                    if self.dist.is_main:
-                        self.log(f"\nstopped at step {self.step} of {cfg.steps} ({why}); checkpoint written to "
-                                 f"{self.run_dir / step_dir_name(self.step)}. To continue, run the same "
-                                 f"command again with --resume (same --out {self.run_dir}).")
-                    last["interrupted"] = not out_of_time
-                    if self._stop_signal is not None:
-                        last["signal"] = int(self._stop_signal)
+                out_of_time, signalled = self._agree_to_stop(cfg.time_limit_s > 0 and self.elapsed >= cfg.time_limit_s,
+                                                             stop.signum)
+                if (cfg.eval_every and self.step % cfg.eval_every == 0) or final or out_of_time:  # the last step's too
+                    with self._aside():
+                        m.update(self.validate())
+                        m.update(self.evaluate_tasks())
+                last = record(m, final)
+                halt = (signalled or out_of_time) and not final  # the final step ends the run anyway
+                if (cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0) or final or halt:
+                    with self._aside():
+                        self.save()
+                if halt:
+                    record.stopped(last, out_of_time, stop.signum)  # why, and how to continue
                     break
-        finally:
-            bar.close()
-            if metrics_file:
-                metrics_file.close()
-            if board is not None:  # its failure is said here unless another error is on its way out
-                board.close(quiet=sys.exc_info()[1] is not None)
-            self._restore_signal_handlers(old_handlers)
         last["steps_run"] = self.step - start_step
         last["health"] = self.health.verdict()
         if self.dist.is_main and last["steps_run"]:
             self.log(verdict_line(last["health"]))
         return last
 
-    def _revise_steps(self, now: float, step_s: float, first: int, bar) -> TrainConfig:
-        """train.time_budget_s's decision in the run (lmforge.train.budget), after step
-        `budget.revise_at`: N from the run's own mean step `step_s` over its steps `first` to now
-        (seconds, the loop included, validations and checkpoints left out); the smallest over the
-        ranks. Returns the new [train]."""
-        t = self.cfg.train
-        steps = all_reduce_min(self.budget.revised_steps(t, now, self.step, step_s), self.dist)
-        if steps != t.steps:
-            self.cfg = replace(self.cfg, train=replace(t, steps=steps))
-            self.health.total_steps = steps
-            bar.total = steps
-            bar.refresh()
+    def _aside(self):
+        """A validation or a checkpoint: left out of the budget's step times (lmforge.train.budget)."""
+        return self.budget.aside() if self.budget is not None else contextlib.nullcontext()
+
+    def _set_steps(self, steps: int, line: str, record: StepRecord) -> None:
+        """train.time_budget_s's revised step count (`budget.after_step`): the run trains `steps`
+        steps; its health monitor, progress bar and run folder (`on_steps`) say so, and `line` why."""
+        if steps != self.cfg.train.steps:  # the same count changes nothing but is said
+            self.cfg = replace(self.cfg, train=replace(self.cfg.train, steps=steps))
+            record.set_total(steps)
             if self.on_steps is not None and self.dist.is_main:
                 self.on_steps(self.cfg)
         if self.dist.is_main:
-            tqdm.write(f"train.time_budget_s: {steps:,} steps (was {t.steps:,}): {step_s:.3f} s a step over the "
-                       f"run's steps {first}-{self.step}, {max(0.0, self.budget.deadline - now):.1f} s of the budget left",
-                       file=sys.stderr)
-        return self.cfg.train
+            tqdm.write(line, file=sys.stderr)
 
-    def _tensorboard(self) -> "GuardedBoard | None":
-        if not self.cfg.train.tensorboard:
-            return None
-        board = GuardedBoard(self.run_dir / TENSORBOARD_DIR, purge_step=self.step + 1 if self.step else None)
-        try:
-            board.text("config", "```\n" + self.cfg.to_toml() + "```")
-            plan = self.run_dir / "plan.json"
-            if plan.is_file():
-                board.text("plan", "```\n" + plan.read_text(encoding="utf-8", errors="replace") + "\n```")
-        except BaseException:
-            board.close(quiet=True)
-            raise
-        return board
-
-    def _agree_to_stop(self, out_of_time: bool) -> tuple[bool, bool]:
+    def _agree_to_stop(self, out_of_time: bool, signum: int | None) -> tuple[bool, bool]:
         """(out of time, signalled) as every rank sees it: a signal or a clock on one rank
         stops all of them after the same step (the checkpoint is a collective)."""
-        flags = torch.tensor([float(out_of_time), float(self._stop_signal is not None)], device=self.device)
+        flags = torch.tensor([float(out_of_time), float(signum is not None)], device=self.device)
         flags = all_reduce_sum(flags, self.dist)
         return bool(flags[0].item()), bool(flags[1].item())
 
-    def _install_signal_handlers(self):
-        if threading_main() is False:
-            return None
 
-        def handler(signum, frame):
-            if self._stop_signal is not None and signum == signal.SIGINT and not stop_requested():
-                request_stop(signum)  # a further signal is only recorded: the clean-up runs to its end
-                raise KeyboardInterrupt  # a second Ctrl-C: stop now, without a checkpoint
-            self._stop_signal = signum  # no I/O here: the loop reports after the checkpoint
-
-        return {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
-
-    @staticmethod
-    def _restore_signal_handlers(old):
-        for s, h in (old or {}).items():
-            signal.signal(s, h)
-
-
-def threading_main() -> bool:
-    import threading
-
-    return threading.current_thread() is threading.main_thread()
-
-
-__all__ = ["Trainer", "TokenObjective", "TensorBoard", "seed_everything", "METRICS_FILE", "TENSORBOARD_DIR",
-           "compiler_available"]
+__all__ = ["Trainer"]

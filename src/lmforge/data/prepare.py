@@ -1,0 +1,215 @@
+"""Preparing a data folder (`lmforge prepare`): every document of a data.source tokenized into the
+`{split}.bin` / `{split}.idx` shards that `shards.py` describes and reads, with `{split}.hashes`
+(each document's content hash), meta.json, report.json and contract.json (`prepare`, or
+`prepare_into` a folder being written). Exact duplicates are kept once (`hash64`, `SeenHashes`), so
+no validation text is trained on. The folder is written through `lmforge.fileio.atomic_dir`: a
+failed prepare leaves nothing half-written and the previous data folder intact.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from lmforge.data.fast_encode import batch_encoder
+from lmforge.data.inputs import SourceStats, source_path
+from lmforge.data.reports import DataReport
+from lmforge.data.sources import SPLITS, iter_documents
+from lmforge.errors import DataError
+from lmforge.fileio import atomic_dir
+from lmforge.tokenizer import Tokenizer
+
+META_FILE = "meta.json"
+REPORT_FILE = "report.json"
+PREPARE_OUTPUT = "prepare"
+#: `{split}.hashes`: every document's content hash (`hash64`), uint64 little-endian, in shard order.
+HASHES_SUFFIX = ".hashes"
+BATCH_DOCS = 64
+
+
+def prepare(
+    source: str,
+    tokenizer: Tokenizer,
+    out_dir: str | Path,
+    val_fraction: float = 0.02,
+    include_tests: bool = False,
+    on_bad_utf8: str = "skip",
+    progress: bool = True,
+    extra_files: dict[str, str] | None = None,
+    seq_len: int = 0,
+    text_field: str = "text",
+) -> dict:
+    """Tokenize every document of `source` (`text_field`: the records' text) into
+    `out_dir`/{train,val}.{bin,idx}.
+
+    Returns the meta dict written to meta.json: per split `documents`, `tokens`,
+    `bytes` (UTF-8 bytes of the documents' text), `max_id`; and `skipped_bad_utf8`.
+    `extra_files` ({name: text}) go into the folder too (the stage's config.toml). The data
+    report (`lmforge.data.reports.DataReport`, measured against `seq_len`) goes into the folder as
+    report.json and is returned under "report" (not in meta.json).
+    Written through `lmforge.fileio.atomic_dir`: `out_dir` must be absent, empty or an
+    earlier prepare's folder, and is replaced only once the new one is complete.
+    Raises:
+        DataError: missing/empty source, or a split left with no documents.
+        OutputError: `out_dir` holds something else (a run, a tokenizer, a file...).
+    """
+    out = Path(out_dir)
+    with atomic_dir(out, PREPARE_OUTPUT, what="`lmforge prepare`", inputs=[("data.source", source_path(source))]) as tmp:
+        meta = prepare_into(tmp, source, tokenizer, val_fraction, include_tests, on_bad_utf8, progress, seq_len,
+                            text_field)
+        for name, text in (extra_files or {}).items():
+            (tmp / name).write_text(text, encoding="utf-8")
+    return meta
+
+
+class SeenHashes:
+    """The 64-bit content hashes of the documents kept so far, for exact deduplication, in 8
+    bytes a document: a sorted numpy array, with the newest in a small set merged into it every
+    `buffer` documents. (A Python set would take about 70 bytes a document.)"""
+
+    def __init__(self, buffer: int = 1 << 16):
+        self.sorted = np.zeros(0, dtype=np.uint64)
+        self.recent: set[int] = set()
+        self.buffer = buffer
+
+    def add(self, h: int) -> bool:
+        """Record `h`; False when it was seen before."""
+        if h in self.recent:
+            return False
+        # a numpy scalar: a Python int above 2**63 would make searchsorted convert the whole array
+        i = int(np.searchsorted(self.sorted, np.uint64(h)))
+        if i < len(self.sorted) and int(self.sorted[i]) == h:
+            return False
+        self.recent.add(h)
+        if len(self.recent) >= self.buffer:  # none of them is in `sorted`: a merge, no deduplication
+            merged = np.concatenate([self.sorted, np.fromiter(self.recent, dtype=np.uint64, count=len(self.recent))])
+            merged.sort()
+            self.sorted = merged
+            self.recent.clear()
+        return True
+
+
+#: Names of the first documents kept, for the examples of exact duplicates (beyond them a
+#: duplicate's original is "an earlier document"): memory bounded whatever the corpus size.
+NAMED_DOCUMENTS = 20_000
+
+
+def hash64(data: bytes) -> int:
+    """The first 8 bytes of sha256(`data`, a text's UTF-8), as an unsigned integer (big-endian):
+    the content hash of deduplication and of `{split}.hashes`."""
+    return int.from_bytes(hashlib.sha256(data).digest()[:8], "big")
+
+
+def prepare_into(tmp: Path, source: str, tokenizer: Tokenizer, val_fraction: float, include_tests: bool,
+                  on_bad_utf8: str, progress: bool, seq_len: int = 0, text_field: str = "text",
+                  input: dict | None = None) -> dict:
+    contract = tokenizer.contract
+    dtype = contract.dtype
+    meta: dict = {"source": source, "val_fraction": val_fraction, "splits": {}}
+    if input is not None:
+        meta["input"] = input
+    stats = SourceStats()
+    t0 = time.perf_counter()
+    files = {s: open(tmp / f"{s}.bin", "wb") for s in SPLITS}
+    idx_files = {s: open(tmp / f"{s}.idx", "wb") for s in SPLITS}
+    hash_files = {s: open(tmp / f"{s}{HASHES_SUFFIX}", "wb") for s in SPLITS}
+    bar = None
+    try:
+        ends = {s: 0 for s in SPLITS}
+        for s in SPLITS:
+            idx_files[s].write(np.zeros(1, dtype=np.int64).tobytes())
+        split_meta = {s: {"documents": 0, "tokens": 0, "bytes": 0, "max_id": -1} for s in SPLITS}
+        report = DataReport()
+        # progress in bytes of the input files on disk (compressed as they are), so the ETA holds for
+        # any format; the total is known once the source is listed (at its first document)
+        bar = tqdm(desc="prepare", unit="B", unit_scale=True, disable=not progress, mininterval=1.0)
+        # tiktoken from the same merges when installed (ids proven identical), else HF tokenizers
+        encode_batch = batch_encoder(tokenizer)
+
+        def write(batch: list) -> None:
+            for (doc, split, h, nbytes), ids in zip(batch, encode_batch([doc.text for doc, *_ in batch])):
+                arr = np.array([*contract.document_start, *ids, contract.eos_id], dtype=np.int64)
+                files[split].write(arr.astype(dtype).tobytes())
+                ends[split] += len(arr)
+                idx_files[split].write(np.int64(ends[split]).tobytes())
+                hash_files[split].write(np.uint64(h).astype("<u8").tobytes())
+                m = split_meta[split]
+                m["documents"] += 1
+                m["tokens"] += len(arr)
+                m["bytes"] += nbytes
+                m["max_id"] = max(m["max_id"], int(arr.max()))
+                report.add(doc.name, split, ids, len(arr), nbytes)
+            if bar.total is None and stats.input_bytes:
+                bar.total = stats.input_bytes
+            bar.update(max(0, min(stats.input_read(), stats.input_bytes) - bar.n))
+            text = sum(m["bytes"] for m in split_meta.values())
+            bar.set_postfix_str(f"{report.documents:,} documents, {text / 1e6:,.1f} MB of text", refresh=False)
+
+        from lmforge.data.sources import split_of
+
+        batch: list = []
+        seen = SeenHashes()
+        names: dict[int, str] = {}
+        duplicates = 0
+        for doc in iter_documents(source, None, val_fraction, include_tests, on_bad_utf8, stats, text_field):
+            data = doc.text.encode("utf-8")
+            h = hash64(data)
+            if not seen.add(h):  # exact duplicates are kept once, so no val text is trained on
+                duplicates += 1
+                report.duplicate(names.get(h, "an earlier document"), doc.name)
+                continue
+            if len(names) < NAMED_DOCUMENTS:
+                names[h] = doc.name
+            batch.append((doc, split_of(doc.key, val_fraction), h, len(data)))
+            if len(batch) >= BATCH_DOCS:
+                write(batch)
+                batch = []
+        if batch:
+            write(batch)
+        bar.close()
+        for f in (*files.values(), *idx_files.values(), *hash_files.values()):
+            f.close()
+        total = sum(m["documents"] for m in split_meta.values())
+        if total == 0:
+            raise DataError(
+                f"data.source = {source!r} yielded no documents (all empty or skipped: "
+                f"{stats.bad_utf8} not UTF-8, {stats.empty} empty, {stats.not_regular} not regular files, "
+                f"{stats.other} files of other types" + (f": {', '.join(stats.skipped_names[:3])}"
+                                                          if stats.skipped_names else "")
+                + "). Point data.source at real text."
+            )
+        for s in SPLITS:
+            if split_meta[s]["documents"] == 0:
+                raise DataError(
+                    f"data.source = {source!r}: the {s!r} split has no documents ({total} in all, "
+                    f"data.val_fraction = {val_fraction}). Add documents or change data.val_fraction"
+                    + (f" (about 3 of {total} documents: --set data.val_fraction={min(0.5, 3 / total):.2g})."
+                       if s == "val" and total >= 6 else ".")
+                )
+        meta["splits"] = split_meta
+        meta["skipped_bad_utf8"] = stats.bad_utf8
+        meta["skipped_empty"] = stats.empty
+        meta["skipped_not_regular"] = stats.not_regular
+        meta["skipped_other"] = stats.other
+        meta["skipped_names"] = stats.skipped_names[:20]
+        meta["skipped_duplicates"] = duplicates
+        meta["seconds"] = round(time.perf_counter() - t0, 2)
+        (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+        data_report = report.finish(seq_len)
+        (tmp / REPORT_FILE).write_text(json.dumps(data_report, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+        contract.save(tmp)
+    finally:
+        if bar is not None:  # its last state ends with a newline before any error line (stderr not a terminal)
+            bar.close()
+        for f in (*files.values(), *idx_files.values(), *hash_files.values()):
+            f.close()
+    return {**meta, "report": data_report}
+
+
+__all__ = ["BATCH_DOCS", "HASHES_SUFFIX", "META_FILE", "PREPARE_OUTPUT", "REPORT_FILE", "SeenHashes", "hash64", "prepare",
+           "prepare_into"]

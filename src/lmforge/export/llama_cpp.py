@@ -1,0 +1,270 @@
+"""llama.cpp's architectures, as GGUF export and import see them: which `general.architecture` a
+model is written as (`gguf_family`, `gguf_arch`), what llama.cpp's runtime hard-codes for each
+(`LlamaCppArch`, `LLAMA_CPP_ARCHS`; `export/gguf_in.py` reads files back through the same table),
+the tensor names each may load (`gguf_tensor_names`), and the `gguf` package (`require_gguf`).
+
+Families. Which llama.cpp architecture a model is, its tensor names and storage rules come from
+its family record (`export/families.py`: `Family.gguf_arch`, `gguf_names`, `gguf_norm_shift`,
+`gguf_permute_qk`; `families.family_of` picks the record by the model's mechanisms):
+
+    family (HF model_type)   general.architecture  what llama.cpp adds to Llama
+    llama, mistral           llama     Q/K rows permuted; Llama 3.1 RoPE scaling as rope_freqs
+    qwen2                    qwen2     q/k/v biases
+    qwen3                    qwen3     QK-norm per head
+    gemma3_text              gemma3    (1 + w) norms stored as 1 + w, 4 per layer, QK-norm, GeGLU,
+                                       embeddings x sqrt(dim), 5 sliding : 1 full layers
+    gemma2                   gemma2    the same norms (no QK-norm), alternating sliding layers,
+                                       soft-capped attention scores and logits
+    olmo2                    olmo2     norms after attention and MLP only, QK-norm over the projection
+
+What llama.cpp's runtime hard-codes for an architecture, whatever the file says, is
+`LLAMA_CPP_ARCHS` (read from `llama_model::load_hparams` and the graphs in src/models/): gemma3
+makes layer il sliding iff il % 6 < 5 and rotates those with base 10000, scales queries by
+1/sqrt(head_dim) (never reading Gemma's query_pre_attn_scalar; 1/sqrt(dim / heads) at the 27B's
+62 layers) and embeddings by sqrtf(dim), has no attention soft-cap and drops a final one when
+layers slide; gemma2 alternates (il % 2 < 1 slides) with one RoPE base, the same scales, and
+always soft-caps scores and logits (50 and 30 when the keys are absent); llama (so Mistral),
+qwen2, qwen3 and olmo2 have no sliding-window attention. A model outside what its architecture
+computes (other layer kinds, another sliding base, attention scale, embedding scale, a soft-cap
+missing or extra, NoPE layers, an untied head for gemma2, which has no output tensor) is refused
+by `gguf_family` with an `ExportError` naming the field, its value, what llama.cpp does and what
+to do: never a file that loads and computes something else.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from lmforge.config import ModelConfig
+from lmforge.errors import require_package
+from lmforge.export.families import MECHANISMS, Family, family_of
+from lmforge.export.options import ExportError
+
+#: Model options of Llama's shape, which every family shares; the mechanisms (families.MECHANISMS)
+#: are the family records' to allow. Any other field must sit at its default.
+_LLAMA_FIELDS = {"dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_dim", "norm_eps", "rope_theta",
+                 "max_seq_len", "tie_embeddings", "attention", "qk_norm", "qkv_bias", "rope_scaling", "rope_factor",
+                 "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_seq_len"}
+
+
+def require_gguf():
+    """The `gguf` package (maintained with llama.cpp).
+
+    Raises:
+        LmforgeError: gguf is not installed (`errors.require_package`).
+    """
+    return require_package("gguf", "gguf", "GGUF export")
+
+
+@dataclass(frozen=True)
+class LlamaCppArch:
+    """What llama.cpp's runtime hard-codes for one `general.architecture`, beyond the keys it
+    reads (`llama_model::load_hparams` in src/llama-model.cpp, the graphs in src/models/). The
+    family records (`export/families.py`) say which architecture a family is and its names;
+    this says what that architecture computes, so that export refuses what it cannot hold and
+    import (`gguf_in`) writes back what a file computes.
+
+    swa_pattern: `set_swa_pattern(p)`: layer il attends through the sliding window iff
+        il % p < p - 1, whatever the file says; 0: no sliding-window attention at all.
+    rope_theta_sliding: the sliding layers' RoPE base, hard-coded (gemma3: 10000, whatever
+        `rope.freq_base_swa` says); 0: the sliding layers use `rope.freq_base` (or `freq_base_swa`).
+    embed_scale_sqrt_dim: token embeddings are multiplied by sqrtf(n_embd) (Gemma).
+    attn_scale_dim_layers: the block count at which queries are scaled by 1/sqrt(n_embd / n_head)
+        (integer division; Gemma 2 27B: 46, Gemma 3 27B: 62) instead of 1/sqrt(head_dim).
+    attn_softcap: scores are always soft-capped (gemma2: `attn_logit_softcapping`, 50 when absent).
+    final_softcap: "always" (gemma2: `final_logit_softcapping`, 30 when absent), "without_swa"
+        (gemma3: only in its graph without sliding layers), "none".
+    rope_freqs: Llama 3.1's RoPE scaling is read as the `rope_freqs` tensor (llama only).
+    """
+
+    swa_pattern: int = 0
+    rope_theta_sliding: float = 0.0
+    embed_scale_sqrt_dim: bool = False
+    attn_scale_dim_layers: int = 0
+    attn_softcap: bool = False
+    final_softcap: str = "none"
+    rope_freqs: bool = False
+
+    def sliding(self, n_layers: int) -> list[bool]:
+        """Which of `n_layers` layers llama.cpp runs through the sliding window."""
+        p = self.swa_pattern
+        return [bool(p) and il % p < p - 1 for il in range(n_layers)]
+
+    def attn_scale(self, dim: int, n_heads: int, n_layers: int, head_dim: int) -> float:
+        """The scale llama.cpp multiplies queries by (`f_attention_scale`, or 1/sqrt(head_dim))."""
+        if self.attn_scale_dim_layers and n_layers == self.attn_scale_dim_layers:
+            return (dim // n_heads) ** -0.5
+        return head_dim ** -0.5
+
+
+#: llama.cpp's runtime, by `general.architecture` (every `Family.gguf_arch` has an entry)
+LLAMA_CPP_ARCHS: dict[str, LlamaCppArch] = {
+    "llama": LlamaCppArch(rope_freqs=True),
+    "qwen2": LlamaCppArch(),
+    "qwen3": LlamaCppArch(),
+    "olmo2": LlamaCppArch(),  # its sliding window (OLMo 3's, pattern 4) is not OLMo 2's
+    "gemma3": LlamaCppArch(swa_pattern=6, rope_theta_sliding=10000.0, embed_scale_sqrt_dim=True,
+                           attn_scale_dim_layers=62, final_softcap="without_swa"),
+    "gemma2": LlamaCppArch(swa_pattern=2, embed_scale_sqrt_dim=True, attn_scale_dim_layers=46, attn_softcap=True,
+                           final_softcap="always"),
+}
+
+_FIX = "Export with --format hf (transformers computes it), or change the model."
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 120 else text[:117] + "..."
+
+
+def gguf_family(model: ModelConfig) -> Family:
+    """The family record (`export/families.py`) the model is written as, checked against what
+    llama.cpp's runtime for its architecture computes (`LLAMA_CPP_ARCHS`).
+
+    The family is `families.family_of` of the model without the fields llama.cpp decides for
+    itself (layer kinds, window, sliding RoPE base, soft-caps, NoPE layers); those are then
+    checked here against the architecture, each refusal naming the field.
+
+    Raises:
+        ExportError: a model option no family carries (named, with its value: `family_of`), or one
+        llama.cpp cannot represent: sliding layers other than its hard-coded pattern (or any, for
+        an architecture without sliding-window attention: llama, so Mistral, qwen2/3, olmo2); a
+        sliding-layer RoPE base other than the one it hard-codes; an attention scale or embedding
+        scale other than its own; a soft-cap it does not apply (or lacks one it always applies);
+        NoPE layers; RoPE scaling outside llama; an untied head where the architecture has no
+        output tensor (gemma2).
+    """
+    known = _LLAMA_FIELDS | set(MECHANISMS)
+    for f in dataclasses.fields(model):
+        if f.name in known:
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else (
+            f.default_factory() if f.default_factory is not dataclasses.MISSING else None)  # type: ignore[misc]
+        value = getattr(model, f.name)
+        if value != default:
+            raise ExportError(
+                f"config.toml model.{f.name} = {value!r} (default {default!r}): GGUF export maps the families of "
+                f"export/families.py only, and llama.cpp has no architecture with this option, so the file would "
+                f"compute something else. Export with --format hf if transformers supports it, or train with "
+                f"model.{f.name} = {default!r}."
+            )
+    qk_norm, qkv_bias = bool(model.qk_norm), bool(model.qkv_bias)
+    scaling = model.rope_scaling
+    if qk_norm and qkv_bias:
+        raise ExportError("config.toml model.qk_norm = true with model.qkv_bias = true: llama.cpp has Qwen3 "
+                          "(QK-norm, no biases) and Qwen2 (q/k/v biases, no QK-norm), no architecture with both. "
+                          "Export with --format hf.")
+    if scaling != "none" and (qk_norm or qkv_bias):
+        raise ExportError(f"config.toml model.rope_scaling = {scaling!r} with model.{'qk_norm' if qk_norm else 'qkv_bias'} "
+                          f"= true: llama.cpp reads Llama 3.1's RoPE scaling (rope_freqs) for its llama architecture "
+                          f"only. Export with --format hf.")
+    if model.nope_layers:
+        raise ExportError(f"config.toml model.nope_layers = {_short(model.nope_layers)}: llama.cpp rotates q and k in "
+                          f"every layer of the architectures lmforge writes (only its smollm3 skips RoPE, in every 4th "
+                          f"layer), so the file would compute something else. {_FIX}")
+    hd = model.resolved_head_dim()
+    plain = dataclasses.replace(  # what llama.cpp decides for itself is checked below, field by field
+        model, layer_types=[], sliding_window=0, rope_theta_sliding=0.0, attn_softcap=0.0, final_softcap=0.0,
+        head_dim=0 if model.head_dim * model.n_heads == model.dim else model.head_dim,
+        attn_scale=0.0 if math.isclose(model.attn_scale, hd ** -0.5, rel_tol=1e-9) else model.attn_scale)
+    family = family_of(plain)
+    if family.gguf_arch is None or family.gguf_arch not in LLAMA_CPP_ARCHS:
+        raise ExportError(f"model family {family.model_type!r} has no llama.cpp architecture lmforge writes. {_FIX}")
+    arch, rt = family.gguf_arch, LLAMA_CPP_ARCHS[family.gguf_arch]
+    where = f"llama.cpp's {arch} architecture"
+
+    sliding = [model.is_sliding(i) for i in range(model.n_layers)]
+    want = rt.sliding(model.n_layers)
+    if not rt.swa_pattern and any(sliding):
+        why = (" (llama.cpp never implemented Mistral's sliding window: ggml-org/llama.cpp#3377)"
+               if arch == "llama" else "")
+        raise ExportError(
+            f"config.toml model.layer_types = {_short(model.layer_types)} with model.sliding_window = "
+            f"{model.sliding_window}: {where} has no sliding-window attention{why}, so every layer of the file "
+            f"would attend to all earlier keys (expected every layer \"full\"). {_FIX}")
+    if rt.swa_pattern and sliding != want:
+        pattern = ["sliding" if s else "full" for s in want]
+        raise ExportError(
+            f"config.toml model.layer_types = {_short(model.layer_types or 'every layer full')}: {where} hard-codes "
+            f"which layers slide (layer il iff il % {rt.swa_pattern} < {rt.swa_pattern - 1}; expected "
+            f"{_short(pattern)}), so the file would attend differently. {_FIX}")
+    theta_sliding = model.rope_theta_sliding or model.rope_theta
+    if any(sliding) and rt.rope_theta_sliding and theta_sliding != rt.rope_theta_sliding:
+        raise ExportError(
+            f"config.toml model.rope_theta_sliding = {theta_sliding!r}: {where} rotates the sliding layers with "
+            f"base {rt.rope_theta_sliding!r} whatever the file says (expected {rt.rope_theta_sliding!r}). {_FIX}")
+    if any(sliding) and not rt.rope_theta_sliding and theta_sliding != model.rope_theta:
+        raise ExportError(
+            f"config.toml model.rope_theta_sliding = {theta_sliding!r}: {where} has one RoPE base for every layer "
+            f"(expected rope_theta = {model.rope_theta!r}, or 0). {_FIX}")
+    scale = model.attn_scale or hd ** -0.5
+    want_scale = rt.attn_scale(model.dim, model.n_heads, model.n_layers, hd)
+    if not math.isclose(scale, want_scale, rel_tol=1e-6):
+        raise ExportError(
+            f"config.toml model.attn_scale = {model.attn_scale!r} (scores scaled by {scale:.6g}, Gemma's "
+            f"query_pre_attn_scalar = {scale ** -2:.6g}): {where} scales them by {want_scale:.6g} "
+            f"(1/sqrt({round(want_scale ** -2)})) and never reads query_pre_attn_scalar, so the file would attend "
+            f"differently (expected attn_scale = {want_scale:.6g}). {_FIX}")
+    want_embed = math.sqrt(model.dim) if rt.embed_scale_sqrt_dim else 1.0
+    if not math.isclose(model.embed_scale, want_embed, rel_tol=1e-6):
+        raise ExportError(
+            f"config.toml model.embed_scale = {model.embed_scale!r}: {where} multiplies the embeddings by "
+            f"{want_embed:.6g}{' (sqrt(dim))' if rt.embed_scale_sqrt_dim else ''} (expected that). {_FIX}")
+    if rt.attn_softcap and not model.attn_softcap:
+        raise ExportError(
+            f"config.toml model.attn_softcap = 0: {where} always soft-caps the attention scores (50 when "
+            f"attn_logit_softcapping is absent; 0 would divide by zero), so it cannot compute uncapped scores. {_FIX}")
+    if not rt.attn_softcap and model.attn_softcap:
+        raise ExportError(
+            f"config.toml model.attn_softcap = {model.attn_softcap!r}: {where} never soft-caps attention scores "
+            f"(llama.cpp's converter asserts attn_logit_softcapping is null for it), so the file would attend "
+            f"differently (expected 0). {_FIX}")
+    if rt.final_softcap == "always" and not model.final_softcap:
+        raise ExportError(
+            f"config.toml model.final_softcap = 0: {where} always soft-caps the logits (30 when "
+            f"final_logit_softcapping is absent; 0 would divide by zero). {_FIX}")
+    if model.final_softcap and (rt.final_softcap == "none" or (rt.final_softcap == "without_swa" and any(sliding))):
+        why = "drops it in its graph with sliding layers" if rt.final_softcap == "without_swa" else "never applies one"
+        raise ExportError(
+            f"config.toml model.final_softcap = {model.final_softcap!r}"
+            f"{' with sliding layers' if any(sliding) else ''}: {where} {why}, so the file would give uncapped "
+            f"logits (expected 0). {_FIX}")
+    if scaling != "none" and not rt.rope_freqs:
+        raise ExportError(f"config.toml model.rope_scaling = {scaling!r}: llama.cpp reads Llama 3.1's RoPE scaling "
+                          f"(rope_freqs) for its llama architecture only, not {arch}. {_FIX}")
+    gguf = require_gguf()
+    if not model.tie_embeddings and gguf.MODEL_TENSOR.OUTPUT not in gguf.MODEL_TENSORS[_model_arch(gguf, arch)]:
+        raise ExportError(f"config.toml model.tie_embeddings = false: {where} has no output tensor (its head is "
+                          f"always token_embd), so an untied head cannot be written (expected true). {_FIX}")
+    return family
+
+
+def gguf_arch(model: ModelConfig) -> str:
+    """llama.cpp's `general.architecture` for the model: its family's (`gguf_family`): "llama"
+    (Llama, Mistral; Llama 3.1 RoPE scaling as the rope_freqs tensor), "qwen2" (q/k/v biases),
+    "qwen3" (QK-norm), "gemma3", "gemma2", "olmo2".
+
+    Raises:
+        ExportError: see `gguf_family`.
+    """
+    return gguf_family(model).gguf_arch  # type: ignore[return-value]
+
+
+def _model_arch(gguf, arch: str):
+    """gguf-py's MODEL_ARCH member named `arch`."""
+    return next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
+
+
+def gguf_tensor_names(gguf, arch: str, n_layers: int) -> set[str]:
+    """Every tensor name (without .weight/.bias) llama.cpp's `arch` may load, from gguf-py's
+    MODEL_TENSORS and TENSOR_NAMES."""
+    names = set()
+    for kind in gguf.MODEL_TENSORS[_model_arch(gguf, arch)]:
+        pattern = gguf.TENSOR_NAMES[kind]
+        names.update({pattern.format(bid=i) for i in range(n_layers)} if "{bid}" in pattern else {pattern})
+    return names
+
+
+__all__ = ["LLAMA_CPP_ARCHS", "LlamaCppArch", "gguf_arch", "gguf_family", "gguf_tensor_names", "require_gguf"]
