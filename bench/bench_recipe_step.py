@@ -8,13 +8,13 @@ micro-batches with and without a document boundary both occur, as in the stdlib 
 
 - as shipped;
 - attention backward sdpa: compiled bf16 CPU training through torch's own flash backward
-  (`lmforge.model.cpu_attention.CPU_ATTENTION = False`), as before session 14;
+  (`lmforge.model.cpu_attention.CPU_ATTENTION = False`), as before 2026-11-26;
 - Newton-Schulz written out: Muon's iteration as `a x + (b s + c s s) x` with separate bf16
-  elementwise passes (the form before session 14; below as `newton_schulz_written_out`);
-- before: both taken back (the recipe's step before session 14);
+  elementwise passes (the form before 2026-11-26; below as `newton_schulz_written_out`);
+- before: both taken back (the recipe's step before 2026-11-26);
 - two graphs: micro-batches whose rows hold one document each attend plain causal (the
   session-14 step; `one_segment_per_row` decides, a graph break and a second compiled graph)
-  where the recipe now keeps the document mask (one graph, session 15).
+  where the recipe now keeps the document mask (one graph, 2026-11-26).
 
 Both changes keep the arithmetic's meaning; the last column shows the losses staying together.
 
@@ -42,7 +42,7 @@ RECIPE = ROOT / "configs" / "stdlib-tiny.toml"
 
 
 def newton_schulz_written_out(g: torch.Tensor, steps: int = 5, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """Muon's quintic Newton-Schulz as lmforge wrote it before session 14 (Jordan et al. 2024's
+    """Muon's quintic Newton-Schulz as lmforge wrote it before 2026-11-26 (Jordan et al. 2024's
     first form): each step's scaling and sums as separate passes in `dtype`."""
     from lmforge.train.optim import NS_COEFFS
 

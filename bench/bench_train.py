@@ -41,7 +41,7 @@ import torch  # noqa: E402
 CONFIGS = {
     # the speedrun model (configs/stdlib-tiny.toml: 4 query / 2 KV heads, vocab 4,096) at its 16 x 256
     "speedrun": dict(dim=256, n_layers=4, n_heads=4, n_kv_heads=2, vocab=4096, seq_len=256, batch=16),
-    # the same model as measured up to session 12 (8 / 4 heads, vocab 8,192, 8 x 256)
+    # the same model as measured up to 2026-11-26 (8 / 4 heads, vocab 8,192, 8 x 256)
     "speedrun-v1": dict(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, vocab=8192, seq_len=256, batch=8),
     # the larger config: dim 512, 8 layers, seq 512, micro-batch 4 (8 x 512 fits too; 4 keeps it short)
     "larger": dict(dim=512, n_layers=8, n_heads=8, n_kv_heads=4, vocab=8192, seq_len=512, batch=4),

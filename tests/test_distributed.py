@@ -296,7 +296,7 @@ def test_two_rank_resume_is_exact(two_rank_runs):
 
 
 def test_every_rank_checks_the_run_folder_before_rank_0_writes_it(all_runs):
-    """Regression (CI, session 3): rank 1 checked --out while rank 0 was writing its marker,
+    """Regression (CI, 2026-11-21): rank 1 checked --out while rank 0 was writing its marker,
     saw a half-made run folder and refused it. Rank 1 now checks 1.5 s late and must still
     find no folder: rank 0 waits for every rank's check before it creates anything."""
     late = all_runs["ddp"]["late"]

@@ -70,7 +70,7 @@ def test_a_non_finite_weight_is_never_saved(tiny_run, tmp_path):
 @pytest.mark.parametrize("resume", [False, True])
 def test_a_backward_that_returns_zero_gradients_stops_at_the_first_step(tiny_run, tmp_path, capsys, monkeypatch,
                                                                        resume):
-    """The fault torch 2.11's compile of the fused loss had on CUDA (session 13): the loss right,
+    """The fault torch 2.11's compile of the fused loss had on CUDA (2026-11-26, an H100): the loss right,
     every gradient 0, a run of frozen weights that only warned. Cross-entropy always has a
     gradient, so the first step of a process (a resume's too) with a finite loss > 0 and a
     gradient norm of exactly 0 stops with exit 2, before its optimizer step, naming

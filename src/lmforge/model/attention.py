@@ -88,8 +88,8 @@ def _one_training_graph(device: torch.device, dtype: torch.dtype, document_ids: 
                         n_heads: int) -> bool:
     """Compiled bf16 training on CPU (`cpu_attention`'s path) keeps the document mask even
     for rows of one segment each: the masked path is as fast there (bench/RESULTS.md,
-    session 14) and the step compiles one graph instead of two (the recipe's stage: 25-30 s
-    of its 460 s budget; session 15). Elsewhere `one_segment_per_row` picks plain causal."""
+    2026-11-26) and the step compiles one graph instead of two (the recipe's stage: 25-30 s
+    of its 460 s budget; 2026-11-26). Elsewhere `one_segment_per_row` picks plain causal."""
     B, T = document_ids.shape
     return _cpu_attention_applies(device, dtype, B * n_heads * T * T)
 
@@ -340,7 +340,7 @@ BACKENDS = {"sdpa": sdpa_attend, "flex": flex_attend, "eager": eager_attend}
 
 #: FlexAttention's compiled kernel needs a head dimension of at least 16 (inductor: "NYI:
 #: embedding dimension of the query, key, and value must be at least 16"; seen on an H100,
-#: torch 2.11, session 13).
+#: torch 2.11, 2026-11-26 (an H100)).
 FLEX_MIN_HEAD_DIM = 16
 
 

@@ -41,7 +41,7 @@ class _CpuAttention(torch.autograd.Function):
     as whole batched matrix products for inductor to fuse around: on a 2-core Xeon at the
     recipe's shape (16 x 256 tokens, 4/2 heads of 64, bf16) forward + backward of one layer
     take 0.72x (plain causal rows) and 0.53x (document masks) the time of sdpa's with torch
-    2.13's CPU flash backward (bench/RESULTS.md, session 14).
+    2.13's CPU flash backward (bench/RESULTS.md, 2026-11-26).
 
     Precision as the flash kernel's: the scores are recomputed in float32 (bf16 scores would
     put |s| x 2^-9 into every probability); dP - delta comes out of one product's float32

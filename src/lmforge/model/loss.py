@@ -63,7 +63,7 @@ class _LinearCrossEntropySum(torch.autograd.Function):
         # (half the bytes of the float32 logits in bf16) instead of the logits themselves.
         # Eager, it is written chunk by chunk in place (1.2-1.4x faster than fresh tensors on a
         # 2-core CPU); traced by torch.compile, only out-of-place ops: torch 2.11 on CUDA dropped
-        # the in-place writes into the saved buffer (every gradient 0, a frozen run; session 13),
+        # the in-place writes into the saved buffer (every gradient 0, a frozen run; 2026-11-26 (an H100)),
         # and inductor fuses the out-of-place form as well (0.8-0.9x the in-place time here).
         traced = torch.compiler.is_compiling()
         # no gradient wanted (evaluation, a reference model): the loss only, no (N, V) buffer

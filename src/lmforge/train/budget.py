@@ -23,7 +23,7 @@ from what is left of the budget:
    and left out of the mean; validations and checkpoints (`StepBudget.aside`) are left out too;
 3. wsd only: once more before the decay (`next_revision`), from the mean of the steps since the
    first revision: a VM whose steps slowed from 0.29 to 0.32 s after the first revision ended
-   the recipe's 460 s stage at 480 s (bench/RESULTS.md, session 14).
+   the recipe's 460 s stage at 480 s (bench/RESULTS.md, 2026-11-26).
 
 A revision never changes a step already taken: `revise_at` is at most the last step whose
 learning rate does not depend on N (cosine: the warm-up; wsd: 80% of the way to the decay

@@ -31,7 +31,7 @@ class TokenObjective:
     """Cross-entropy over supervised targets always has a gradient (the output head's is
     hidden x (softmax - one-hot)): a gradient norm of exactly 0 with a finite loss above 0 is a
     broken backward pass, and the trainer stops at the first step (a compiled loss that lost
-    its saved tensor on torch 2.11 + CUDA trained a frozen model for a whole run; session 13).
+    its saved tensor on torch 2.11 + CUDA trained a frozen model for a whole run; 2026-11-26 (an H100)).
     Objectives whose gradient can be 0 legitimately (RL: equal rewards in every group) say False."""
 
     def count(self, batch: Batch) -> int:

@@ -45,7 +45,7 @@ def newton_schulz(g: torch.Tensor, steps: int = 5, dtype: torch.dtype = torch.bf
     Muon reference's later versions and nanochat write it): the scaling and the sum happen in the
     matrix product's float32 accumulator, one rounding to `dtype` each instead of four, and no
     separate elementwise passes (on a 2-core CPU in bf16: 0.65x the time of the written-out form,
-    half its distance to a float64 iteration; bench/RESULTS.md, session 14)."""
+    half its distance to a float64 iteration; bench/RESULTS.md, 2026-11-26)."""
     a, b, c = NS_COEFFS
     x = g.to(dtype)
     x = x / (x.float().norm(dim=(-2, -1), keepdim=True) + 1e-7).to(dtype)
