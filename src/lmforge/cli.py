@@ -262,8 +262,8 @@ RESUMABLE = ("pretrain", "sft", "dpo", "rl", "speedrun")
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="lmforge",
-        description="Train small language models end to end: tokenizer, data, pretraining, SFT, "
-                    "generation, evaluation, export.",
+        description="Train small language models end to end: tokenizer, data, pretraining, SFT, DPO, RL (each "
+                    "full or LoRA), generation, evaluation, serving, export (Hugging Face, GGUF, PEFT) and import.",
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
