@@ -194,7 +194,9 @@ def rollout_speed(ckpt: Path, args) -> dict:
     objective = RLObjective(rl_cfg, model, tok, prompts, ids, rl_module.Rewards(["static"]), rt, seed=0)
     stream = PromptStream(len(prompts), 4, seed=0)
     sampling = SamplingConfig(max_new_tokens=96, temperature=1.0, top_k=0, top_p=1.0, repetition_penalty=1.0)
-    rollout, plain, step = [], [], {"padded": [], "packed": []}
+    import lmforge.generate as gen_module
+
+    rollout, plain, each, same, step = [], [], [], 0, {"padded": [], "packed": []}
     padding = {"padded": [], "packed": []}
     for r in range(args.rounds):
         t0 = time.perf_counter()
@@ -215,15 +217,23 @@ def rollout_speed(ckpt: Path, args) -> dict:
             model.zero_grad(set_to_none=True)
             padding[name].append(b.slots[0] / b.slots[1])
         rows = [ids[i % len(ids)] for i in range(4 * r, 4 * r + 4) for _ in range(8)]
-        t0 = time.perf_counter()
-        out = generate(model, rows, [tok.im_end_id, tok.eos_id], sampling, tok.pad_id,
-                       generator=torch.Generator().manual_seed(r), runtime=rt)
-        plain.append(sum(map(len, out)) / (time.perf_counter() - t0))
-    a, b = common.Stats(rollout), common.Stats(plain)
+        outs = {}
+        for share in ((True, False) if r % 2 == 0 else (False, True)):  # a group's prompt prefilled once, or 8 times
+            gen_module.SHARE_PREFILL = share
+            t0 = time.perf_counter()
+            outs[share] = generate(model, rows, [tok.im_end_id, tok.eos_id], sampling, tok.pad_id,
+                                   generator=torch.Generator().manual_seed(r), runtime=rt)
+            (plain if share else each).append(sum(map(len, outs[share])) / (time.perf_counter() - t0))
+        gen_module.SHARE_PREFILL = True
+        same += outs[True] == outs[False]
+    a, b, c = common.Stats(rollout), common.Stats(plain), common.Stats(each)
     print(common.table(["", "tokens/s (median)", "min-max"],
                        [["rollout (RLObjective.next_batch)", f"{a.median:,.0f}", a.spread()],
                         ["generate, same batch", f"{b.median:,.0f}", b.spread()],
-                        ["ratio generate / rollout", f"{b.median / a.median:.2f}x", ""]],
+                        ["ratio generate / rollout", f"{b.median / a.median:.2f}x", ""],
+                        ["generate, every row's prompt prefilled (SHARE_PREFILL off)", f"{c.median:,.0f}", c.spread()],
+                        [f"ratio shared / every row (the same ids: {same} of {args.rounds} rounds)",
+                         f"{b.median / c.median:.2f}x", ""]],
                        title=f"rollout speed, 4 prompts x 8 completions, 96 new tokens, {args.rounds} rounds; "
                              f"{common.machine_line()}"))
     p, q = common.Stats(step["padded"]), common.Stats(step["packed"])

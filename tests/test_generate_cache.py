@@ -253,3 +253,30 @@ def test_compiled_decode_generates_the_same_ids():
             compiled = generate(m, batch, stops, SamplingConfig(max_new_tokens=16, greedy=True, compile=True), PAD)
             assert compiled == eager, (len(batch), stops)
     assert "_compiled_decode" in m.__dict__
+
+
+@pytest.mark.parametrize("penalty", [1.0, 1.3])
+def test_a_repeated_prompt_is_prefilled_once_with_the_same_samples(monkeypatch, penalty):
+    """RL's groups: G rows of one prompt. The prompt is prefilled once and its cache rows copied
+    (`KVCache.gather_rows`); the sampled ids and their log-probabilities equal those of a prefill of
+    every row, bit for bit, for the same generator, with prompts of other lengths (left padding) around."""
+    import lmforge.generate as gen
+    from lmforge.config import ModelConfig, SamplingConfig
+    from lmforge.model import Transformer
+
+    m = Transformer(ModelConfig(dim=32, n_layers=2, n_heads=2, n_kv_heads=1, vocab_size=70, max_seq_len=64))
+    m.reset_parameters(seed=5)
+    g = torch.Generator().manual_seed(1)
+    a, b = torch.randint(3, 70, (7,), generator=g).tolist(), torch.randint(3, 70, (3,), generator=g).tolist()
+    rows = [a] * 4 + [b] * 4 + [a[:5]]
+    cfg = SamplingConfig(max_new_tokens=12, temperature=1.0, top_k=0, top_p=1.0, repetition_penalty=penalty)
+    calls = []
+    real = m.hidden
+    monkeypatch.setattr(m, "hidden", lambda tokens, *args, **kw: calls.append(tokens.shape[0]) or real(tokens, *args, **kw))
+    shared = gen.generate(m, rows, [2], cfg, 0, generator=torch.Generator().manual_seed(3), return_logprobs=True)
+    assert calls == [3]  # one prefill of the 3 distinct prompts
+    monkeypatch.setattr(gen, "SHARE_PREFILL", False)
+    each = gen.generate(m, rows, [2], cfg, 0, generator=torch.Generator().manual_seed(3), return_logprobs=True)
+    assert calls == [3, 9]
+    assert shared == each
+    assert len({tuple(x) for x in shared[0][:4]}) > 1  # a group's rows still sample apart

@@ -181,6 +181,25 @@ def output_projection(model: Transformer):
     return lambda h: h @ head
 
 
+#: Off: every row's prompt is prefilled, repeated or not (the benchmarks flip it to compare:
+#: `python bench/bench_rl.py --speed`).
+SHARE_PREFILL = True
+
+
+def _first_rows(rows: Sequence[Sequence[int]]) -> tuple[list[int], list[int]]:
+    """(the index of each distinct prompt's first row, for every row the position of its prompt's
+    first row in that list): [[1, 2], [1, 2], [3]] -> ([0, 2], [0, 0, 1])."""
+    seen: dict[tuple[int, ...], int] = {}
+    first, source = [], []
+    for i, row in enumerate(rows):
+        key = tuple(row)
+        if key not in seen:
+            seen[key] = len(first)
+            first.append(i)
+        source.append(seen[key])
+    return first, source
+
+
 def generate(
     model: Transformer,
     prompts: Sequence[Sequence[int]],
@@ -209,6 +228,9 @@ def generate(
         return_logprobs: also return, for each new id, its log-probability (nats, float32) under
             the distribution it was sampled from (temperature, top-k and top-p applied; the
             repetition penalty too) — what reinforcement learning's loss must differentiate.
+    A prompt that appears more than once (a group of RL completions) is prefilled once and its
+    cache rows copied to each of its rows (`KVCache.gather_rows`).
+
     Returns:
         B lists of new ids, each at most cfg.max_new_tokens long (with `return_logprobs`: and B
         lists of their log-probabilities).
@@ -237,9 +259,20 @@ def _generate(model, prompts, stop_ids, cfg: SamplingConfig, pad_id: int, trunca
     tokens, positions, key_mask = left_pad(rows, pad_id, n_new, device)
     L = tokens.shape[1]
     padded = not bool(key_mask.all())
-    cache = model.new_cache(B, L + n_new, key_mask if padded else None)
     project = output_projection(model)
-    logits = project(model.hidden(tokens, positions, cache=cache)[:, -1])  # (B, V)
+    # A prompt given more than once (RL's group of completions of one prompt) is prefilled once:
+    # its cache rows and last logits are copied to every row that repeats it, which then samples
+    # on its own (the same sampler draws as a prefill of every row: the rows' values, not the work)
+    first, source = _first_rows(rows) if SHARE_PREFILL else (range(B), range(B))
+    if len(first) < B:
+        pick = torch.tensor(first, device=device)
+        cache = model.new_cache(len(first), L + n_new, key_mask[pick] if padded else None)
+        logits = project(model.hidden(tokens[pick], positions[pick], cache=cache)[:, -1])  # (unique, V)
+        cache = cache.gather_rows(torch.tensor(source, device=device), key_mask if padded else None)
+        logits = logits[torch.tensor(source, device=device)]  # (B, V)
+    else:
+        cache = model.new_cache(B, L + n_new, key_mask if padded else None)
+        logits = project(model.hidden(tokens, positions, cache=cache)[:, -1])  # (B, V)
     next_pos = positions[:, -1] + 1  # (B,)
 
     seen = None

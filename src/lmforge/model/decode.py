@@ -52,6 +52,16 @@ class KVCache:
         view.key_mask = None if self.key_mask is None else self.key_mask[start:stop]
         return view
 
+    def gather_rows(self, index: torch.Tensor, key_mask: torch.Tensor | None = None) -> "KVCache":
+        """A cache of len(index) rows, row i a copy of this cache's row index[i] (its filled slots,
+        its length, its decode weights): a prompt prefilled once, continued by several rows.
+        `key_mask` (len(index), max_len): the new rows' valid slots (None: this cache's, gathered)."""
+        out = object.__new__(KVCache)
+        out.k, out.v = [k.index_select(0, index) for k in self.k], [v.index_select(0, index) for v in self.v]
+        out.length, out.max_len, out.weights = self.length, self.max_len, self.weights
+        out.key_mask = key_mask if key_mask is not None or self.key_mask is None else self.key_mask[index]
+        return out
+
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         T = k.shape[2]
         end = self.length + T
