@@ -19,7 +19,6 @@ adapter keys); tests/test_lora.py turns that warning into a failure and compares
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 import torch
@@ -42,32 +41,18 @@ _SIDE = {"lora_a": "lora_A", "lora_b": "lora_B"}
 PEFT_OUTPUT = "export-peft"
 
 
-def _hf_weight_name(name: str, family: Family | None) -> str:
-    """An lmforge weight name in the family's Hugging Face names (`Family.hf_names`); without a
-    family, Llama's (`map_name`)."""
-    if family is None:
-        return map_name(name)
-    for ours, theirs in family.hf_names:
-        m = re.fullmatch(re.escape(ours).replace(re.escape("{i}"), r"(\d+)"), name)
-        if m:
-            return theirs.replace("{i}", m.group(1)) if m.groups() else theirs
-    raise ExportError(f"weight {name!r} has no name in the {family.model_type} family's Hugging Face layout "
-                      f"(known: {', '.join(o for o, _ in family.hf_names)}); lora.targets may only name the "
-                      f"blocks' linear layers.")
-
-
 def peft_name(name: str, family: Family | None = None) -> str:
     """lmforge adapter name -> PEFT's saved name in `family`'s layout ("layers.0.attention.wq.lora_a" ->
     "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight")."""
     stem, _, side = name.rpartition(".")
-    hf = _hf_weight_name(f"{stem}.weight", family).removesuffix(".weight")
+    hf = map_name(f"{stem}.weight", family=family).removesuffix(".weight")
     return f"base_model.model.{hf}.{_SIDE[side]}.weight"
 
 
 def target_module(target: str, family: Family | None = None) -> str:
     """A `lora.targets` entry (wq ... w3) as PEFT's target_modules name in `family`'s layout (q_proj ...)."""
     where = "attention" if target in LORA_TARGETS[:4] else "feed_forward"
-    return _hf_weight_name(f"layers.0.{where}.{target}.weight", family).split(".")[-2]
+    return map_name(f"layers.0.{where}.{target}.weight", family=family).split(".")[-2]
 
 
 def export_peft(checkpoint: str | Path, out: str | Path, dtype: str = "float32", verify: bool = False,
