@@ -27,7 +27,9 @@ Skipped (a note, exit 0) when the checkpoint is absent: `make speedrun` writes i
 `--smoke`: a tiny model trained in seconds (figures mean nothing; proves the benchmark runs).
 `--speed`: instead, the rollout's tokens per second (sampling with the sampler's log-probabilities, the
 static reward, the batch built: `RLObjective.next_batch`) beside plain `generate` at the same batch (4
-prompts x 8 completions, 96 new tokens, temperature 1), interleaved round by round in one process;
+prompts x 8 completions, 96 new tokens, temperature 1) as shipped, without dropping stopped rows
+(`generate.COMPACT_STOPPED`) and as before issue 48 (neither that nor a group's prompt prefilled once,
+`generate.SHARE_PREFILL`), interleaved round by round in one process, with whether the ids were equal;
 and the loss's forward + backward on each round's rollouts, one rollout a right-padded row against
 packed rows (`rl.packing`), interleaved, with each layout's padding share.
 """
@@ -48,6 +50,7 @@ import common  # noqa: F401  (puts src/ on the path)
 
 from lmforge.data.conversations import Conversation, render_samples, sft_batches
 from lmforge.evaluate import evaluate_batches
+from lmforge.generate import COMPACT_STOPPED
 from lmforge.loading import load_checkpoint
 from lmforge.model.io import read_checkpoint_meta, resolve_checkpoint
 from lmforge.runtime import decode_runtime, training_runtime
@@ -172,6 +175,23 @@ def main(argv: list[str] | None = None) -> dict:
         return rollout_speed(ckpt, args) if args.speed else run(ckpt, args, tmp)
 
 
+#: --speed's generate arms: (generate.SHARE_PREFILL, generate.COMPACT_STOPPED, torch.multinomial as the
+#: sampler instead of `generate.draw`); "generate" is as shipped. The first three draw the same ids.
+GENERATE_ARMS = {"generate": (True, COMPACT_STOPPED, False), "stopped rows decoded": (True, 0, False),
+                 "every row prefilled, stopped rows decoded": (False, 0, False),
+                 "before issue 48": (False, 0, True)}
+GENERATE_ARM_SETTINGS = {"stopped rows decoded": "COMPACT_STOPPED = 0",
+                         "every row prefilled, stopped rows decoded": "SHARE_PREFILL off, COMPACT_STOPPED = 0",
+                         "before issue 48": "and torch.multinomial's sampler (V exponentials a row): other ids"}
+
+
+def _multinomial(probs, generator=None):
+    """The sampler before issue 48 (`torch.multinomial`), for the "before issue 48" arm."""
+    import torch
+
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
 def rollout_speed(ckpt: Path, args) -> dict:
     """Tokens per second of a rollout and of plain sampling at the same batch (module docstring)."""
     import torch
@@ -196,7 +216,9 @@ def rollout_speed(ckpt: Path, args) -> dict:
     sampling = SamplingConfig(max_new_tokens=96, temperature=1.0, top_k=0, top_p=1.0, repetition_penalty=1.0)
     import lmforge.generate as gen_module
 
-    rollout, plain, each, same, step = [], [], [], 0, {"padded": [], "packed": []}
+    shipped_draw = gen_module.draw
+
+    rollout, speeds, same, step = [], {arm: [] for arm in GENERATE_ARMS}, 0, {"padded": [], "packed": []}
     padding = {"padded": [], "packed": []}
     for r in range(args.rounds):
         t0 = time.perf_counter()
@@ -218,22 +240,28 @@ def rollout_speed(ckpt: Path, args) -> dict:
             padding[name].append(b.slots[0] / b.slots[1])
         rows = [ids[i % len(ids)] for i in range(4 * r, 4 * r + 4) for _ in range(8)]
         outs = {}
-        for share in ((True, False) if r % 2 == 0 else (False, True)):  # a group's prompt prefilled once, or 8 times
-            gen_module.SHARE_PREFILL = share
+        arms = list(GENERATE_ARMS) if r % 2 == 0 else list(reversed(GENERATE_ARMS))
+        for arm in arms:  # interleaved, the order flipped every round
+            gen_module.SHARE_PREFILL, gen_module.COMPACT_STOPPED, old_sampler = GENERATE_ARMS[arm]
+            gen_module.draw = _multinomial if old_sampler else shipped_draw
             t0 = time.perf_counter()
-            outs[share] = generate(model, rows, [tok.im_end_id, tok.eos_id], sampling, tok.pad_id,
-                                   generator=torch.Generator().manual_seed(r), runtime=rt)
-            (plain if share else each).append(sum(map(len, outs[share])) / (time.perf_counter() - t0))
-        gen_module.SHARE_PREFILL = True
-        same += outs[True] == outs[False]
-    a, b, c = common.Stats(rollout), common.Stats(plain), common.Stats(each)
+            outs[arm] = generate(model, rows, [tok.im_end_id, tok.eos_id], sampling, tok.pad_id,
+                                 generator=torch.Generator().manual_seed(r), runtime=rt)
+            speeds[arm].append(sum(map(len, outs[arm])) / (time.perf_counter() - t0))
+        gen_module.SHARE_PREFILL, gen_module.COMPACT_STOPPED, _ = GENERATE_ARMS["generate"]
+        gen_module.draw = shipped_draw
+        same += all(o == outs["generate"] for arm, o in outs.items() if not GENERATE_ARMS[arm][2])
+    a = common.Stats(rollout)
+    s = {arm: common.Stats(v) for arm, v in speeds.items()}
+    b, before = s["generate"], s["before issue 48"]
     print(common.table(["", "tokens/s (median)", "min-max"],
                        [["rollout (RLObjective.next_batch)", f"{a.median:,.0f}", a.spread()],
                         ["generate, same batch", f"{b.median:,.0f}", b.spread()],
                         ["ratio generate / rollout", f"{b.median / a.median:.2f}x", ""],
-                        ["generate, every row's prompt prefilled (SHARE_PREFILL off)", f"{c.median:,.0f}", c.spread()],
-                        [f"ratio shared / every row (the same ids: {same} of {args.rounds} rounds)",
-                         f"{b.median / c.median:.2f}x", ""]],
+                        *[[f"generate, {arm} ({GENERATE_ARM_SETTINGS[arm]})", f"{x.median:,.0f}", x.spread()]
+                          for arm, x in s.items() if arm != "generate"],
+                        [f"ratio generate / before issue 48 (the first three arms' ids equal: {same} of "
+                         f"{args.rounds} rounds)", f"{b.median / before.median:.2f}x", ""]],
                        title=f"rollout speed, 4 prompts x 8 completions, 96 new tokens, {args.rounds} rounds; "
                              f"{common.machine_line()}"))
     p, q = common.Stats(step["padded"]), common.Stats(step["packed"])

@@ -280,3 +280,65 @@ def test_a_repeated_prompt_is_prefilled_once_with_the_same_samples(monkeypatch, 
     assert calls == [3, 9]
     assert shared == each
     assert len({tuple(x) for x in shared[0][:4]}) > 1  # a group's rows still sample apart
+
+
+@pytest.mark.parametrize("penalty", [1.0, 1.3])
+def test_stopped_rows_leave_the_batch_with_the_same_samples(monkeypatch, penalty):
+    """Rows that stopped leave the decode batch (`generate.COMPACT_STOPPED`: their cache rows dropped);
+    the rows still going get the same logits at the smaller batch (oneDNN's prepacked matmuls), so the
+    ids and log-probabilities equal those of decoding every row to the end, bit for bit, for the same
+    generator — left padding, a repeated prompt and down to one row still going included."""
+    import lmforge.generate as gen
+    from lmforge.config import ModelConfig, SamplingConfig
+    from lmforge.model import Transformer
+    from lmforge.model import decode
+
+    m = Transformer(ModelConfig(dim=32, n_layers=2, n_heads=2, n_kv_heads=1, vocab_size=70, max_seq_len=64))
+    m.reset_parameters(seed=5)
+    g = torch.Generator().manual_seed(1)
+    a, b = torch.randint(3, 70, (7,), generator=g).tolist(), torch.randint(3, 70, (3,), generator=g).tolist()
+    rows = [a] * 4 + [b] * 4 + [a[:5]]
+    cfg = SamplingConfig(max_new_tokens=24, temperature=1.0, top_k=0, top_p=1.0, repetition_penalty=penalty)
+    stops = [2, 3, 4, 5, 6]  # ~7% a token: rows stop at many different steps
+    batches = []
+    real = decode.decode_step
+    monkeypatch.setattr(decode, "decode_step", lambda m_, tokens, *a_, **kw: batches.append(tokens.shape[0]) or
+                        real(m_, tokens, *a_, **kw))
+    compact = gen.generate(m, rows, stops, cfg, 0, generator=torch.Generator().manual_seed(3), return_logprobs=True)
+    shrunk = list(batches)
+    batches.clear()
+    monkeypatch.setattr(gen, "COMPACT_STOPPED", 0)
+    full = gen.generate(m, rows, stops, cfg, 0, generator=torch.Generator().manual_seed(3), return_logprobs=True)
+    assert set(batches) == {len(rows)}
+    assert min(shrunk) < len(rows) // 2, shrunk  # the batch did shrink
+    assert compact == full
+    lengths = sorted(len(x) for x in full[0])
+    assert lengths[0] < lengths[-1]  # rows stopped at different steps
+
+
+def test_draw_follows_the_distribution_and_never_draws_a_zero():
+    """`generate.draw` (inverse transform, one float64 uniform a row): frequencies within 5 sigma of
+    the row's probabilities (unnormalised rows), an id of probability 0 never drawn, at either end."""
+    from lmforge.generate import draw
+
+    probs = torch.tensor([[0.0, 2.0, 0.0, 1.0, 1.0, 0.0], [0.0, 0.0, 0.0, 0.0, 3.0, 0.0],
+                          [0.5, 0.0, 0.25, 0.0, 0.0, 0.25]])
+    n = 200_000
+    ids = draw(probs.repeat_interleave(n, 0), torch.Generator().manual_seed(0)).view(3, n)
+    for row, p in zip(ids, probs):
+        freq = torch.bincount(row, minlength=6).double() / n
+        expect = p.double() / p.sum()
+        sigma = (expect * (1 - expect) / n).sqrt()
+        assert bool(((freq - expect).abs() <= 5 * sigma + 1e-12).all()), (freq, expect)
+        assert bool((freq[expect == 0] == 0).all())
+
+
+def test_draw_at_the_ends_of_the_unit_interval(monkeypatch):
+    """u = 0 draws the first id of probability > 0; u just below 1 (u x total rounding up to the
+    total) draws the last, never one past the end or a trailing id of probability 0."""
+    import lmforge.generate as gen
+
+    probs = torch.tensor([[0.0, 0.3, 0.0, 0.7, 0.0, 0.0]])
+    for u, expect in ((0.0, 1), (1.0 - 2.0 ** -53, 3), (1.0, 3)):
+        monkeypatch.setattr(gen.torch, "rand", lambda *a, u=u, **kw: torch.full((1, 1), u, dtype=torch.float64))
+        assert gen.draw(probs).tolist() == [expect]

@@ -493,8 +493,9 @@ def test_packed_and_padded_rl_runs_take_the_same_steps(tiny_run, init_ckpt, tmp_
     """rl.packing changes the rows of the forward, not the training: the same rollouts, rewards,
     loss and weights step after step (float tolerance), with less padding logged."""
     cfg, _ = tiny_run
-    data = tmp_path / "p.jsonl"  # prompts of very different lengths: two short ones fit beside a long one
-    data.write_text("".join(json.dumps({"prompt": f"def f{i}(x):" if i % 2 else
+    data = tmp_path / "p.jsonl"  # prompts of very different lengths: two short rollouts (~18 + 8 tokens) fit in
+    # the width of a long one (~50 + 8), whatever the completions' lengths
+    data.write_text("".join(json.dumps({"prompt": f"f{i}" if i % 2 else
                                         f"def f{i}(x):\n    \"\"\"{'Return x. ' * 3}\"\"\"", "id": i}) + "\n"
                             for i in range(12)))
     runs = {}
@@ -509,7 +510,7 @@ def test_packed_and_padded_rl_runs_take_the_same_steps(tiny_run, init_ckpt, tmp_
         for key in ("loss", "grad_norm", "mismatch_kl"):
             assert abs(x[key] - y[key]) < 1e-5, (key, x[key], y[key])
         assert y["padding"] <= x["padding"]
-    assert any(y["padding"] < x["padding"] for x, y in zip(a, b))  # a long and a short prompt met in a micro-batch
+    assert any(y["padding"] < x["padding"] for x, y in zip(a, b)), [(x["padding"], y["padding"]) for x, y in zip(a, b)]
     wa = load_file(str(latest_checkpoint(tmp_path / "False") / MODEL_FILE))
     wb = load_file(str(latest_checkpoint(tmp_path / "True") / MODEL_FILE))
     assert max((wa[k] - wb[k]).abs().max().item() for k in wa) < 1e-5

@@ -9,8 +9,9 @@ and <|im_end|> in chat) or after `max_new_tokens`.
 
 Decode steps go through `Transformer.decode_step` (`lmforge.model.decode`: fused weights, the
 same path `lmforge serve` batches requests on), under the `Runtime` the command decided. The decode loop stays on tensors: new ids go into a preallocated (B, max_new_tokens)
-buffer, the repetition penalty keeps a (B, V) "seen" mask updated in place, and the
-only host synchronisation per step is the all-rows-stopped check.
+buffer, the repetition penalty keeps a (B, V) "seen" mask updated in place, and the host
+synchronises per step only for the finite-logits check, the all-rows-stopped check and the count
+of stopped rows (which leave the batch, `COMPACT_STOPPED`).
 """
 
 from __future__ import annotations
@@ -58,7 +59,9 @@ def filter_logits(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
     logits = logits.float()
     # shift so the best logit is 0 before dividing, in float64: a tiny temperature (even one that
     # is 0 in float32) then sends the others to -inf, greedy in the limit, never inf - inf = NaN
-    logits = ((logits - logits.amax(-1, keepdim=True)).double() / cfg.temperature).float()
+    logits = logits - logits.amax(-1, keepdim=True)
+    if cfg.temperature != 1.0:  # (x / 1 is x: skipped, the same numbers)
+        logits = (logits.double() / cfg.temperature).float()
     if cfg.top_k and cfg.top_k < logits.shape[-1]:
         kth = torch.topk(logits, cfg.top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -71,6 +74,39 @@ def filter_logits(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
     return logits
 
 
+def draw(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One id per row from the categorical distributions `probs` (B, V) float (each row's sum > 0;
+    rows need not be normalised): (B,) int64. Inverse transform sampling: one uniform u per row
+    (float64), the first id whose cumulative probability (float64) exceeds u x the row's total; an id of
+    probability 0 is never drawn. One random number a row where `torch.multinomial` draws V
+    exponentials a row (the Gumbel / exponential race): on a 2-core CPU those draws were 42% of an
+    RL rollout's time (bench/RESULTS.md, 2026-11-27); the distribution is the same."""
+    cdf = probs.double().cumsum(-1)  # (B, V)
+    total = cdf[:, -1:].contiguous()  # (B, 1)
+    u = torch.rand(probs.shape[0], 1, dtype=torch.float64, device=probs.device, generator=generator)
+    ids = torch.searchsorted(cdf, u * total, right=True)  # the first id with cdf > u x total
+    last = torch.searchsorted(cdf, total)  # the last id of probability > 0 (u x total rounded up to total)
+    return torch.minimum(ids, last).squeeze(-1)
+
+
+def _penalised(logits: torch.Tensor, cfg: SamplingConfig, history: torch.Tensor | None,
+               seen: torch.Tensor | None) -> torch.Tensor:
+    """(B, V) float32 logits with the repetition penalty applied (when on and a history is given)."""
+    logits = logits.float()
+    if cfg.repetition_penalty != 1.0:
+        if seen is None and history is not None:
+            seen = seen_mask(history, logits.shape[-1])
+        if seen is not None:
+            logits = apply_repetition_penalty(logits, seen, cfg.repetition_penalty)
+    return logits
+
+
+def _check_finite(logits: torch.Tensor) -> None:
+    if not bool(torch.isfinite(logits).all()):
+        raise LmforgeError("the model produced non-finite logits (NaN or infinity): its weights are too large or "
+                           "damaged for sampling. Use another checkpoint, or --greedy to see what it predicts.")
+
+
 def sample_next(logits: torch.Tensor, cfg: SamplingConfig, history: torch.Tensor | None = None,
                 generator: torch.Generator | None = None, seen: torch.Tensor | None = None) -> torch.Tensor:
     """Choose the next ids.
@@ -80,23 +116,33 @@ def sample_next(logits: torch.Tensor, cfg: SamplingConfig, history: torch.Tensor
         cfg: the sampling settings.
         history: (B, S) int64 ids the repetition penalty looks at (negative ids are ignored);
             or give `seen` (B, V) bool directly.
-        generator: a torch.Generator for reproducible sampling.
+        generator: a torch.Generator for reproducible sampling (`draw`: one uniform a row).
     Returns:
         (B,) int64 ids.
+    Raises:
+        LmforgeError: non-finite logits when sampling.
     """
-    logits = logits.float()
-    if cfg.repetition_penalty != 1.0:
-        if seen is None and history is not None:
-            seen = seen_mask(history, logits.shape[-1])
-        if seen is not None:
-            logits = apply_repetition_penalty(logits, seen, cfg.repetition_penalty)
+    logits = _penalised(logits, cfg, history, seen)
     if cfg.greedy or cfg.temperature == 0:
         return logits.argmax(dim=-1)
-    if not bool(torch.isfinite(logits).all()):
-        raise LmforgeError("the model produced non-finite logits (NaN or infinity): its weights are too large or "
-                           "damaged for sampling. Use another checkpoint, or --greedy to see what it predicts.")
-    probs = filter_logits(logits, cfg).softmax(-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    _check_finite(logits)
+    return draw(filter_logits(logits, cfg).softmax(-1), generator)
+
+
+def sample_with_logprobs(logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator | None = None,
+                         seen: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sample_next` (the same ids for the same generator) and each id's log-probability (nats)
+    under the distribution it was drawn from (the penalty, temperature and filters applied):
+    ((B,) int64, (B,) float32). What reinforcement learning's loss differentiates."""
+    logits = _penalised(logits, cfg, None, seen)
+    if cfg.greedy or cfg.temperature == 0:
+        nxt = logits.argmax(dim=-1)
+        filtered = filter_logits(logits, cfg)
+    else:
+        _check_finite(logits)
+        filtered = filter_logits(logits, cfg)
+        nxt = draw(filtered.softmax(-1), generator)
+    return nxt, torch.log_softmax(filtered, -1).gather(1, nxt[:, None]).squeeze(1)
 
 
 def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, extra: int,
@@ -184,6 +230,12 @@ def output_projection(model: Transformer):
 #: Off: every row's prompt is prefilled, repeated or not (the benchmarks flip it to compare:
 #: `python bench/bench_rl.py --speed`).
 SHARE_PREFILL = True
+#: Rows that have stopped leave the decode batch (their cache rows dropped, `KVCache.gather_rows`)
+#: once at least this share of the rows still decoded has stopped. Only where a row's logits do
+#: not depend on the batch size (the eager decode step on oneDNN's prepacked matmuls: CPU fp32,
+#: `decode_step(batch_invariant=True)`), so the ids and log-probabilities are the same bit for bit;
+#: the sampler still draws for every row. 0: never (the benchmarks flip it to compare).
+COMPACT_STOPPED = 0.25
 
 
 def _first_rows(rows: Sequence[Sequence[int]]) -> tuple[list[int], list[int]]:
@@ -198,6 +250,12 @@ def _first_rows(rows: Sequence[Sequence[int]]) -> tuple[list[int], list[int]]:
             first.append(i)
         source.append(seen[key])
     return first, source
+
+
+def _batch_invariant(cache) -> bool:
+    """Does the eager decode step on `cache` give each row the same logits at any batch size
+    (oneDNN's prepacked matmuls, `DecodeWeights.packed`; built by the first step)?"""
+    return cache.weights is not None and cache.weights.packed is not None
 
 
 def generate(
@@ -279,19 +337,20 @@ def _generate(model, prompts, stop_ids, cfg: SamplingConfig, pad_id: int, trunca
     if cfg.repetition_penalty != 1.0:
         seen = seen_mask(torch.where(key_mask[:, :L], tokens, -1), model.vocab_size)
     step = model.decode_step
-    if cfg.compile and compiler_available(device, _say_once, "generate.compile"):
+    compiled = cfg.compile and compiler_available(device, _say_once, "generate.compile")
+    if compiled:
         step = compiled_decode_step(model)
+    live = None  # after the first compaction: (n,) the rows still in the cache, in order
     stops = torch.as_tensor(list(stop_ids), dtype=torch.long, device=device)
     out = torch.full((B, n_new), pad_id, dtype=torch.long, device=device)
     done = torch.zeros(B, dtype=torch.bool, device=device)
     steps = 0
     for t in range(n_new):
-        nxt = sample_next(logits, cfg, None, generator, seen)  # (B,)
-        if logprobs is not None:  # under the distribution sampled from (the penalty and the filters applied)
-            shown = logits.float() if seen is None else apply_repetition_penalty(logits.float(), seen,
-                                                                                 cfg.repetition_penalty)
-            dist = torch.log_softmax(filter_logits(shown, cfg), -1)
-            logprobs.append(dist.gather(1, nxt[:, None]).squeeze(1))
+        if logprobs is None:
+            nxt = sample_next(logits, cfg, None, generator, seen)  # (B,)
+        else:  # and its log-probability under the distribution sampled from (the penalty and the filters applied)
+            nxt, logp = sample_with_logprobs(logits, cfg, generator, seen)
+            logprobs.append(logp)
         if stops.numel():
             nxt = torch.where(done, pad_id, nxt)
         out[:, t] = nxt
@@ -304,7 +363,17 @@ def _generate(model, prompts, stop_ids, cfg: SamplingConfig, pad_id: int, trunca
             break
         if seen is not None:
             seen.scatter_(1, nxt[:, None], True)
-        logits = step(nxt, next_pos, cache)  # (B, V): a T = 1 decode step
+        if stops.numel() and COMPACT_STOPPED and not compiled and _batch_invariant(cache):
+            rows_now = live if live is not None else torch.arange(B, device=device)
+            stopped_now = done[rows_now]
+            if int(stopped_now.sum()) >= max(1, COMPACT_STOPPED * len(rows_now)):
+                keep = (~stopped_now).nonzero().squeeze(1)
+                cache, live = cache.gather_rows(keep), rows_now[keep]
+        if live is None:
+            logits = step(nxt, next_pos, cache)  # (B, V): a T = 1 decode step
+        else:  # only the rows still going; a stopped row keeps its last logits (its draws are thrown away)
+            logits = logits.to(cache.weights.dtype, copy=True)  # (B, V)
+            logits[live] = model.decode_step(nxt[live], next_pos[live], cache, batch_invariant=True)
         next_pos = next_pos + 1
 
     out = out[:, :steps].cpu()
@@ -316,5 +385,5 @@ def _generate(model, prompts, stop_ids, cfg: SamplingConfig, pad_id: int, trunca
     return [row[:n].tolist() for row, n in zip(out, first.tolist())]
 
 
-__all__ = ["SamplingConfig", "generate", "sample_next", "filter_logits", "apply_repetition_penalty", "seen_mask",
+__all__ = ["SamplingConfig", "generate", "sample_next", "sample_with_logprobs", "draw", "filter_logits", "apply_repetition_penalty", "seen_mask",
            "left_pad", "check_prompts", "output_projection"]

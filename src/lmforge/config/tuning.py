@@ -296,10 +296,13 @@ class SamplingConfig:
     """argmax decoding (also when temperature == 0)."""
     compile: bool = flag(False, _SAMPLING)
     """torch.compile the decode step (`lmforge.model.decode.compiled_decode_step`) of `generate`,
-    `chat` and reinforcement learning's rollouts: 1.6x the tokens per second of the speedrun's
-    model at batch 1 on a CPU, 1.7x at batch 8, after a one-time compile of 8-25 s (inductor's
-    cache warm: seconds), so for long generation. The server keeps its eager batch-invariant step.
-    Needs a C++ compiler on a CPU (without one: eager, said once)."""
+    `chat` and reinforcement learning's rollouts, after a one-time compile of 8-25 s (inductor's
+    cache warm: seconds). On the 2-core CPU (2026-11-27, the speedrun's model, fp32) it pays at
+    batch 1 only: a step 0.46 against 0.72 ms eager on oneDNN's matmuls; at batch 8 1.78 against 1.06 ms and at 32
+    3.99 against 2.30 ms, where the eager step runs oneDNN's prepacked matmuls; an RL rollout of
+    32 rows took 0.69 s a step compiled against 0.47 s eager (bench/RESULTS.md). Off by default.
+    The server keeps its eager batch-invariant step. Needs a C++ compiler on a CPU (without one:
+    eager, said once)."""
 
     def override(self, **values) -> "SamplingConfig":
         """A copy with `values` set, skipping those that are None (command-line flags not
