@@ -264,7 +264,8 @@ def test_padded_vocab_size(v, padded):
 
 def test_built_in_defaults_are_the_shipped_recipe():
     """configs/stdlib-tiny.toml and the built-in defaults are one recipe (the speedrun's); only
-    the run-keeping keys (checkpoint and validation cadence and size) and train.compile differ."""
+    the run-keeping keys (checkpoint and validation cadence and size), train.compile,
+    train.time_budget_s and train.beta1 differ."""
     from pathlib import Path
 
     recipe = load_config(Path(__file__).resolve().parents[1] / "configs" / "stdlib-tiny.toml").to_dict()
@@ -275,7 +276,10 @@ def test_built_in_defaults_are_the_shipped_recipe():
                    ("train", "compile"),
                    # the recipe is 7 minutes of steps on the machine that runs it; the defaults keep
                    # train.steps, the same on every machine
-                   ("train", "time_budget_s")}
+                   ("train", "time_budget_s"),
+                   # 0.8 was measured for the recipe's pretraining and its SFT (bench/RESULTS.md, 2026-11-27);
+                   # the defaults keep 0.9, the AdamW of the SFT, DPO and RL commands' own measured figures
+                   ("train", "beta1")}
     diff = [(s, k) for s in defaults for k in defaults[s]
             if defaults[s][k] != recipe[s][k] and (s, k) not in operational]
     assert diff == []
