@@ -255,13 +255,10 @@ def test_compiled_decode_generates_the_same_ids():
     assert "_compiled_decode" in m.__dict__
 
 
-@pytest.mark.parametrize("penalty", [1.0, 1.3])
-def test_a_repeated_prompt_is_prefilled_once_with_the_same_samples(monkeypatch, penalty):
-    """RL's groups: G rows of one prompt. The prompt is prefilled once and its cache rows copied
-    (`KVCache.gather_rows`); the sampled ids and their log-probabilities equal those of a prefill of
-    every row, bit for bit, for the same generator, with prompts of other lengths (left padding) around."""
-    import lmforge.generate as gen
-    from lmforge.config import ModelConfig, SamplingConfig
+def _groups_of_prompts():
+    """A tiny model and RL-like rows: two prompts of 7 and 3 tokens 4 times each, and a 5-token
+    prefix of the first once (left padding around the groups)."""
+    from lmforge.config import ModelConfig
     from lmforge.model import Transformer
 
     m = Transformer(ModelConfig(dim=32, n_layers=2, n_heads=2, n_kv_heads=1, vocab_size=70, max_seq_len=64))
@@ -269,6 +266,18 @@ def test_a_repeated_prompt_is_prefilled_once_with_the_same_samples(monkeypatch, 
     g = torch.Generator().manual_seed(1)
     a, b = torch.randint(3, 70, (7,), generator=g).tolist(), torch.randint(3, 70, (3,), generator=g).tolist()
     rows = [a] * 4 + [b] * 4 + [a[:5]]
+    return m, rows
+
+
+@pytest.mark.parametrize("penalty", [1.0, 1.3])
+def test_a_repeated_prompt_is_prefilled_once_with_the_same_samples(monkeypatch, penalty):
+    """RL's groups: G rows of one prompt. The prompt is prefilled once and its cache rows copied
+    (`KVCache.gather_rows`); the sampled ids and their log-probabilities equal those of a prefill of
+    every row, bit for bit, for the same generator, with prompts of other lengths (left padding) around."""
+    import lmforge.generate as gen
+    from lmforge.config import SamplingConfig
+
+    m, rows = _groups_of_prompts()
     cfg = SamplingConfig(max_new_tokens=12, temperature=1.0, top_k=0, top_p=1.0, repetition_penalty=penalty)
     calls = []
     real = m.hidden
@@ -287,17 +296,12 @@ def test_stopped_rows_leave_the_batch_with_the_same_samples(monkeypatch, penalty
     """Rows that stopped leave the decode batch (`generate.COMPACT_STOPPED`: their cache rows dropped);
     the rows still going get the same logits at the smaller batch (oneDNN's prepacked matmuls), so the
     ids and log-probabilities equal those of decoding every row to the end, bit for bit, for the same
-    generator — left padding, a repeated prompt and down to one row still going included."""
+    generator — left padding and repeated prompts included."""
     import lmforge.generate as gen
-    from lmforge.config import ModelConfig, SamplingConfig
-    from lmforge.model import Transformer
+    from lmforge.config import SamplingConfig
     from lmforge.model import decode
 
-    m = Transformer(ModelConfig(dim=32, n_layers=2, n_heads=2, n_kv_heads=1, vocab_size=70, max_seq_len=64))
-    m.reset_parameters(seed=5)
-    g = torch.Generator().manual_seed(1)
-    a, b = torch.randint(3, 70, (7,), generator=g).tolist(), torch.randint(3, 70, (3,), generator=g).tolist()
-    rows = [a] * 4 + [b] * 4 + [a[:5]]
+    m, rows = _groups_of_prompts()
     cfg = SamplingConfig(max_new_tokens=24, temperature=1.0, top_k=0, top_p=1.0, repetition_penalty=penalty)
     stops = [2, 3, 4, 5, 6]  # ~7% a token: rows stop at many different steps
     batches = []

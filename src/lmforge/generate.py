@@ -371,8 +371,7 @@ def _generate(model, prompts, stop_ids, cfg: SamplingConfig, pad_id: int, trunca
                 cache, live = cache.gather_rows(keep), rows_now[keep]
         if live is None:
             logits = step(nxt, next_pos, cache)  # (B, V): a T = 1 decode step
-        else:  # only the rows still going; a stopped row keeps its last logits (its draws are thrown away)
-            logits = logits.to(cache.weights.dtype, copy=True)  # (B, V)
+        else:  # only the rows still going, in place; a stopped row keeps its last logits (its draws are thrown away)
             logits[live] = model.decode_step(nxt[live], next_pos[live], cache, batch_invariant=True)
         next_pos = next_pos + 1
 

@@ -24,7 +24,6 @@ TEXT_SUFFIXES = (".txt", ".md", ".py")
 SKIPPED_NAMES = 100
 
 
-
 @dataclass
 class SourceStats:
     documents: int = 0
