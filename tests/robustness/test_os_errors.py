@@ -445,10 +445,27 @@ def test_accepted_resume_with_nothing_new_rewrites_no_side_file(work):
 
 
 # -- a second Ctrl-C ----------------------------------------------------------------------------------------
+def _sigint_pending(pid: int) -> bool:
+    """SIGINT sent to process `pid` and not yet delivered to it (/proc/PID/status, SigPnd/ShdPnd)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:  # gone
+        return False
+    bit = 1 << (signal.SIGINT - 1)
+    return any(int(v, 16) & bit for k, v in re.findall(r"^(SigPnd|ShdPnd):\s*([0-9a-f]+)$", status, re.M))
+
+
 @pytest.mark.slow
 def test_second_ctrl_c_during_training_shutdown_ends_quietly_with_130(work, tmp_path):
-    argv = ("pretrain", *C, "--set", "train.steps=100000", "--set", "train.checkpoint_every=0", "--out", "longrun",
-            "--no-progress")
+    """A Ctrl-C stops the run after the step, with a checkpoint; a second one during that shutdown
+    stops it at once: exit 130, one `interrupted` line, no traceback, no temporary left. The
+    shutdown is made long (a model of 8 layers of width 256: its step and checkpoint take tenths of
+    a second), the second press is sent only once the kernel has delivered the first (two SIGINTs
+    pending together are one to the process), and again every 50 ms until the process ends, so
+    one lands inside the shutdown however loaded the machine is."""
+    argv = ("pretrain", *C, "--set", "train.steps=100000", "--set", "train.checkpoint_every=0",
+            "--set", "model.dim=256", "--set", "model.n_layers=8", "--set", "model.n_heads=4",
+            "--set", "model.n_kv_heads=2", "--out", "longrun", "--no-progress")
     proc = subprocess.Popen([sys.executable, "-m", "lmforge", *argv], cwd=work, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
     try:
@@ -457,9 +474,12 @@ def test_second_ctrl_c_during_training_shutdown_ends_quietly_with_130(work, tmp_
         while not (metrics.exists() and metrics.stat().st_size > 0):
             assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read().decode()[-2000:]
             time.sleep(0.2)
-        for _ in range(3):  # the first stops after the step and writes a checkpoint; the next ones come meanwhile
+        proc.send_signal(signal.SIGINT)  # the first: stop after this step, with a checkpoint
+        while _sigint_pending(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.002)
+        while proc.poll() is None and time.monotonic() < deadline:  # the second, until one lands
+            time.sleep(0.05)
             proc.send_signal(signal.SIGINT)
-            time.sleep(0.02)
         _, err = proc.communicate(timeout=240)
     finally:
         if proc.poll() is None:
