@@ -135,13 +135,11 @@ def sample_with_logprobs(logits: torch.Tensor, cfg: SamplingConfig, generator: t
     under the distribution it was drawn from (the penalty, temperature and filters applied):
     ((B,) int64, (B,) float32). What reinforcement learning's loss differentiates."""
     logits = _penalised(logits, cfg, None, seen)
-    if cfg.greedy or cfg.temperature == 0:
-        nxt = logits.argmax(dim=-1)
-        filtered = filter_logits(logits, cfg)
-    else:
+    greedy = cfg.greedy or cfg.temperature == 0
+    if not greedy:
         _check_finite(logits)
-        filtered = filter_logits(logits, cfg)
-        nxt = draw(filtered.softmax(-1), generator)
+    filtered = filter_logits(logits, cfg)
+    nxt = logits.argmax(dim=-1) if greedy else draw(filtered.softmax(-1), generator)
     return nxt, torch.log_softmax(filtered, -1).gather(1, nxt[:, None]).squeeze(1)
 
 
@@ -384,5 +382,5 @@ def _generate(model, prompts, stop_ids, cfg: SamplingConfig, pad_id: int, trunca
     return [row[:n].tolist() for row, n in zip(out, first.tolist())]
 
 
-__all__ = ["SamplingConfig", "generate", "sample_next", "sample_with_logprobs", "draw", "filter_logits", "apply_repetition_penalty", "seen_mask",
-           "left_pad", "check_prompts", "output_projection"]
+__all__ = ["SamplingConfig", "generate", "sample_next", "sample_with_logprobs", "draw", "filter_logits",
+           "apply_repetition_penalty", "seen_mask", "left_pad", "check_prompts", "output_projection"]

@@ -452,7 +452,7 @@ def _sigint_pending(pid: int) -> bool:
     except OSError:  # gone
         return False
     bit = 1 << (signal.SIGINT - 1)
-    return any(int(v, 16) & bit for k, v in re.findall(r"^(SigPnd|ShdPnd):\s*([0-9a-f]+)$", status, re.M))
+    return any(int(v, 16) & bit for v in re.findall(r"^(?:SigPnd|ShdPnd):\s*([0-9a-f]+)$", status, re.M))
 
 
 @pytest.mark.slow
