@@ -5,11 +5,12 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 OUT ?= runs/speedrun
 
-.PHONY: eval-interop setup speedrun test test-fast interop test-browser bench gpu-check clean help
+.PHONY: eval-interop setup speedrun test test-fast sandbox interop test-browser bench gpu-check clean help
 
 help:
 	@echo "make speedrun   train tokenizer, prepare, pretrain and sample on the Python standard library ($(OUT))"
 	@echo "make test       run the test suite"
+	@echo "make sandbox    install bubblewrap (apt), the boundary RL's generated code runs inside"
 	@echo "make interop    build llama.cpp (llama-cpp-python, several minutes once) and prove the GGUF export in it"
 	@echo "make test-browser  install Chromium (apt) and Playwright, run the chat-page tests"
 	@echo "make bench      run the benchmarks in bench/ and append to bench/RESULTS.md"
@@ -32,6 +33,13 @@ test: $(STAMP)
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -n auto -m "not slow"
+
+# The sandbox's boundary (RL rewards run generated code inside it): Debian's bubblewrap. Without
+# it the code runs under the Python-level guard only, and the suite's bubblewrap tests skip.
+sandbox:
+	command -v bwrap >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap) \
+		|| (sudo apt-get update -qq && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap)
+	bwrap --version
 
 # llama.cpp is built from source by pip (several minutes, once); tests/interop/ skip without it.
 interop: $(STAMP)

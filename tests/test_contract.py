@@ -25,7 +25,7 @@ from conftest import TINY_VOCAB, tiny_config
 
 from lmforge.cli import main
 from lmforge.contract import padded_vocab_size
-from lmforge.contract import CONTRACT_FILE, Contract, check_match, file_sha256
+from lmforge.contract import CONTRACT_FILE, Contract, check_match, file_sha256, tokenizer_sha256
 from lmforge.data.packing import build_row, shard_stream
 from lmforge.data.shards import Shard, preflight
 from lmforge.errors import ContractError
@@ -255,8 +255,10 @@ def _edit_hash(folder: Path) -> str:
 
 
 def _edit_tokenizer_json(folder: Path) -> str:
-    with open(folder / TOKENIZER_FILE, "a") as f:
-        f.write("\n")
+    """A merge dropped (what decides ids: a new line at the end would not change the hash)."""
+    raw = json.loads((folder / TOKENIZER_FILE).read_text())
+    raw["model"]["merges"] = raw["model"]["merges"][:-1]
+    (folder / TOKENIZER_FILE).write_text(json.dumps(raw))
     return "hashes to"
 
 
@@ -287,7 +289,7 @@ def test_contract_consistency_checks(tiny_tokenizer, tmp_path):
     c = tiny_tokenizer.contract
     assert c.vocab_size == tiny_tokenizer.hf.get_vocab_size(with_added_tokens=True) <= TINY_VOCAB
     assert c.model_vocab_size == padded_vocab_size(c.vocab_size) and c.model_vocab_size % 64 == 0
-    assert c.tokenizer_sha256 == file_sha256(tiny_tokenizer.folder / TOKENIZER_FILE)
+    assert c.tokenizer_sha256 == tokenizer_sha256(tiny_tokenizer.folder / TOKENIZER_FILE)
     bad = {
         "share ids": dataclasses.replace(c, special_tokens={**c.special_tokens, "pad": c.eos_id}),
         "outside the vocab": dataclasses.replace(c, special_tokens={**c.special_tokens, "pad": c.vocab_size}),

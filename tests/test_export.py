@@ -16,6 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from lmforge.contract import tokenizer_sha256
 from lmforge.fileio import MARKER_FILE, OutputError
 from lmforge.export import ExportError, export_hf, import_hf, map_name, require_transformers, verify_export
 from lmforge.generate import SamplingConfig, generate
@@ -105,7 +106,13 @@ def test_folder_holds_the_hf_files_with_the_contracts_ids(exported, tiny_tokeniz
     assert (cfg["bos_token_id"], cfg["eos_token_id"], cfg["pad_token_id"]) == (tok.bos_id, tok.eos_id, tok.pad_id)
     gen = json.loads((out / "generation_config.json").read_text())
     assert gen["eos_token_id"] == [tok.eos_id, tok.im_end_id] and gen["pad_token_id"] == tok.pad_id
-    assert (out / "tokenizer.json").read_bytes() == (tok.folder / "tokenizer.json").read_bytes()
+    # the tokenizer's own, with the post-processor that adds the BOS as lmforge's documents start
+    exported_json = json.loads((out / "tokenizer.json").read_text())
+    own = json.loads((tok.folder / "tokenizer.json").read_text())
+    assert {k: v for k, v in exported_json.items() if k != "post_processor"} == \
+        {k: v for k, v in own.items() if k != "post_processor"}
+    assert exported_json["post_processor"]["type"] == "TemplateProcessing"
+    assert tokenizer_sha256(out / "tokenizer.json") == tok.contract.tokenizer_sha256
     tc = json.loads((out / "tokenizer_config.json").read_text())
     assert tc["chat_template"] == tok.contract.chat_template and tc["eos_token"] == "<|eos|>"
 
@@ -160,8 +167,9 @@ def test_auto_tokenizer_encodes_and_renders_chat_like_lmforge(exported, tiny_tok
     tok = tiny_tokenizer
     auto = transformers.AutoTokenizer.from_pretrained(str(out))
     texts = ["def value(self):\n    return None  # note", "  x = 1\n\n\ty", "für 12345 ünïcode ✓", ""]
-    for text in texts:
-        assert auto(text, add_special_tokens=True)["input_ids"] == tok.encode(text)
+    for text in texts:  # documents start with the BOS (the contract's add_bos), as lmforge trained
+        assert auto(text, add_special_tokens=True)["input_ids"] == [tok.bos_id] + tok.encode(text)
+        assert auto(text, add_special_tokens=False)["input_ids"] == tok.encode(text)
         assert auto.decode(tok.encode(text)) == text
     messages = [{"role": "system", "content": "Be brief."},
                 {"role": "user", "content": "def value(self):"},

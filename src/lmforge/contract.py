@@ -20,6 +20,13 @@ starts with the BOS: true for lmforge's own tokenizers and for models whose toke
 prepends one (Llama 3, Mistral), false for models without (SmolLM2, Qwen); every stage
 and every export (HF `add_bos_token`, GGUF `tokenizer.ggml.add_bos_token`) follows it. A
 contract.json written before the field existed reads as `add_bos: true`.
+
+`tokenizer_sha256` is the hash of what turns text into ids and back (`tokenizer_sha256()`:
+tokenizer.json's added tokens, normalizer, pre-tokenizer, model and decoder as canonical JSON),
+not of the file's bytes: the post-processor (the BOS an HF `encode` adds, which the export
+writes), padding, truncation and formatting are left out, since `transformers`' `save_pretrained`
+rewrites them (a model saved by TRL or PEFT re-imports with the same contract). A contract written
+before holds the file's sha256, which `check_tokenizer_hash` still accepts.
 """
 
 from __future__ import annotations
@@ -214,6 +221,39 @@ def file_sha256(path: str | Path) -> str:
     return h.hexdigest()
 
 
+#: tokenizer.json's top-level keys that decide ids and text: what `tokenizer_sha256` covers.
+HASHED_TOKENIZER_KEYS = ("added_tokens", "normalizer", "pre_tokenizer", "model", "decoder")
+
+
+def tokenizer_sha256(path: str | Path) -> str:
+    """The contract's `tokenizer_sha256` of a tokenizer.json: the hex sha256 of the canonical
+    JSON (sorted keys, no whitespace, UTF-8) of HASHED_TOKENIZER_KEYS, BPE merges in one spelling
+    (`"a b"` and `["a", "b"]` are the same merge: `tokenizers` wrote the first before 0.20).
+
+    Left out, since they do not change `encode(text, add_special_tokens=False)` or `decode` and
+    `transformers`' `save_pretrained` rewrites them: the post-processor, padding, truncation,
+    the version field and the file's formatting.
+
+    Raises:
+        ContractError: the file is not JSON (named, with what to do).
+    """
+    try:
+        raw = loads_json(Path(path).read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ContractError(f"{path}: not a tokenizer.json ({str(exc)[:200]}). Re-create the folder with "
+                            f"`lmforge train-tokenizer` or `lmforge import-tokenizer`.") from None
+    if not isinstance(raw, dict):
+        raise ContractError(f"{path}: a JSON {type(raw).__name__}, expected a tokenizer.json object. Re-create the "
+                            f"folder with `lmforge train-tokenizer` or `lmforge import-tokenizer`.")
+    content = {key: raw.get(key) for key in HASHED_TOKENIZER_KEYS}
+    model = content["model"]
+    if isinstance(model, dict) and isinstance(model.get("merges"), list):
+        merges = [m.split(" ", 1) if isinstance(m, str) else m for m in model["merges"]]
+        content["model"] = {**model, "merges": merges}
+    text = json.dumps(content, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+
+
 def check_match(a: Contract, a_path: str | Path, b: Contract, b_path: str | Path) -> None:
     """Stop if two contracts differ in any field (a stage boundary check: tokenizer vs data in
     prepare/pretrain, tokenizer vs checkpoint in generate and --resume, checkpoint vs data in eval).
@@ -240,12 +280,18 @@ def check_match(a: Contract, a_path: str | Path, b: Contract, b_path: str | Path
 
 
 def check_tokenizer_hash(contract: Contract, contract_path: str | Path, tokenizer_json: str | Path) -> None:
-    """The contract's tokenizer_sha256 must be the sha256 of the tokenizer.json beside it.
+    """The contract's tokenizer_sha256 must be `tokenizer_sha256()` of the tokenizer.json beside
+    it (or, for a contract written before that hash, the file's sha256).
 
     Raises:
         ContractError: either file was edited or swapped (names both, with both hashes).
     """
-    actual = file_sha256(tokenizer_json)
+    if file_sha256(tokenizer_json) == contract.tokenizer_sha256:
+        return
+    try:
+        actual = tokenizer_sha256(tokenizer_json)
+    except ContractError:
+        actual = file_sha256(tokenizer_json)
     if actual != contract.tokenizer_sha256:
         raise ContractError(
             f"{contract_path}: tokenizer_sha256 = {contract.tokenizer_sha256[:16]}… but "

@@ -36,7 +36,6 @@ from __future__ import annotations
 import functools
 import json
 import re
-import shutil
 from pathlib import Path
 
 import torch
@@ -51,6 +50,7 @@ from lmforge.fileio import atomic_dir, check_output, loads_json, save_safetensor
 from lmforge.loading import load_checkpoint
 from lmforge.model.io import model_state
 from lmforge.tokenizer import CHAT_TEMPLATE, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, Tokenizer
+from lmforge.tokenizer.hf_json import with_document_start
 
 HF_CONFIG_FILE = "config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
@@ -229,12 +229,13 @@ def export_hf(checkpoint: str | Path, out: str | Path, dtype: str = "float32", v
     with atomic_dir(out, EXPORT_OUTPUT, what="`lmforge export`") as tmp:
         save_safetensors(hf, tmp / WEIGHTS_FILE, metadata={"format": "pt"})
         _write_json(tmp / HF_CONFIG_FILE, config)
-        shutil.copy2(path / TOKENIZER_FILE, tmp / TOKENIZER_FILE)
+        _write_json(tmp / TOKENIZER_FILE, hf_tokenizer_json(tok))
         _write_json(tmp / TOKENIZER_CONFIG_FILE, _tokenizer_config(tok, cfg.model.max_seq_len))
         _write_json(tmp / GENERATION_CONFIG_FILE, generation_config(cfg.generate, contract))
         (tmp / MODEL_CARD_FILE).write_text(model_card(path, model, contract, out.name, results), encoding="utf-8")
         if verify:
             verify_export(model, tmp, tol=1e-4 if dtype == "float32" else None)
+            verify_tokenizer(tok, tmp)
     return out
 
 
@@ -252,6 +253,17 @@ def generation_config(g, contract: Contract) -> dict:
     if g.temperature == 0:
         return {**cfg, "do_sample": False}
     return {**cfg, "do_sample": True, "temperature": g.temperature, "top_k": g.top_k, "top_p": g.top_p}
+
+
+def hf_tokenizer_json(tok: Tokenizer) -> dict:
+    """The exported tokenizer.json: the checkpoint's, with a post-processor that adds the BOS
+    exactly where lmforge's contract does (`add_bos`; nothing where it is false), so that
+    `AutoTokenizer(text)` gives the ids lmforge trained on (`tokenizer.hf_json.with_document_start`).
+    The contract's `tokenizer_sha256` does not cover the post-processor: the export re-imports
+    with the same contract."""
+    raw = loads_json((tok.folder / TOKENIZER_FILE).read_text(encoding="utf-8"))
+    add = tok.contract.add_bos
+    return with_document_start(raw, tok.spellings["bos"] if add else None, tok.bos_id if add else None)
 
 
 def _tokenizer_config(tok: Tokenizer, max_seq_len: int) -> dict:
@@ -276,7 +288,7 @@ def _tokenizer_config(tok: Tokenizer, max_seq_len: int) -> dict:
 
 
 def _write_json(path: Path, obj: dict) -> None:
-    path.write_text(json.dumps(obj, indent=2) + "\n", encoding="utf-8")
+    path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
 def require_transformers():
@@ -286,6 +298,43 @@ def require_transformers():
         LmforgeError: transformers is not installed (`errors.require_package`).
     """
     return require_package("transformers", "hf", "comparing with transformers")
+
+
+#: Texts the exported tokenizer is checked on (`verify_tokenizer`): code, prose, unicode, spaces.
+VERIFY_TEXTS = ("def value(self):\n    return None  # note", "  x = 1\n\n\ty", "für 12345 ünïcode ✓",
+                "Hello, world! The quick brown fox.", "")
+VERIFY_CHAT = ({"role": "user", "content": "def add(a, b):"}, {"role": "assistant", "content": "    return a + b\n"},
+               {"role": "user", "content": "Thanks"}, {"role": "assistant", "content": "You are welcome."})
+
+
+def verify_tokenizer(tok: Tokenizer, folder: str | Path) -> None:
+    """Load `folder`'s tokenizer with `transformers`' AutoTokenizer and check that it encodes as
+    lmforge does: `AutoTokenizer(text)` (special tokens added, as lm-evaluation-harness and vLLM
+    call it) equals the contract's document start + `tok.encode(text)` for VERIFY_TEXTS, and
+    `apply_chat_template` equals `tok.render_chat` with and without the generation prompt.
+
+    Raises:
+        LmforgeError: transformers missing. ExportError: the first text or chat that differs,
+        with both id lists.
+    """
+    transformers = require_transformers()
+    auto = transformers.AutoTokenizer.from_pretrained(str(folder))
+    for text in VERIFY_TEXTS:
+        theirs, ours = list(auto(text)["input_ids"]), tok.contract.document_start + tok.encode(text)
+        if theirs != ours:
+            at = next((i for i, (a, b) in enumerate(zip(theirs, ours)) if a != b), min(len(theirs), len(ours)))
+            raise ExportError(f"{folder}: transformers' AutoTokenizer encodes {text!r} as {theirs[at:at + 8]} from "
+                              f"position {at} on, lmforge as {ours[at:at + 8]} (add_bos = {tok.contract.add_bos}). "
+                              f"The export is wrong; please report it with the checkpoint's tokenizer folder.")
+    for prompt in (False, True):
+        messages = list(VERIFY_CHAT[:3] if prompt else VERIFY_CHAT)
+        theirs = list(auto.apply_chat_template(messages, tokenize=True, return_dict=False,
+                                               add_generation_prompt=prompt))
+        ours = tok.render_chat(messages, add_generation_prompt=prompt).ids
+        if theirs != ours:
+            raise ExportError(f"{folder}: transformers' apply_chat_template gives {theirs[:12]}..., lmforge's "
+                              f"render_chat {ours[:12]}... (add_generation_prompt={prompt}). The export is wrong; "
+                              f"please report it with the checkpoint's tokenizer folder.")
 
 
 def verify_export(model: torch.nn.Module, folder: str | Path, tol: float | None = 1e-4, seq_len: int = 64) -> float:
@@ -323,5 +372,5 @@ def verify_export(model: torch.nn.Module, folder: str | Path, tol: float | None 
 
 __all__ = [
     "ExportError", "map_name", "to_hf_state", "from_hf_state", "generation_config",
-    "export_hf", "verify_export", "require_transformers",
+    "export_hf", "verify_export", "verify_tokenizer", "hf_tokenizer_json", "require_transformers",
 ]

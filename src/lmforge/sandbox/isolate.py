@@ -106,6 +106,8 @@ def isolation_line() -> str:
             "network not removed (no user namespace here; sockets refused by the audit hook)"
         why = _bwrap()[1] if os.environ.get(ISOLATION_ENV, "").strip() != "0" else f"{ISOLATION_ENV}=0"
         how = f"a plain process ({why}), {net}"
+        if not shutil.which("bwrap") and os.environ.get(ISOLATION_ENV, "").strip() != "0":
+            how += "; add the boundary with `make sandbox` (apt-get install bubblewrap)"
     return f"sandbox: generated code runs in {how}: a fresh `python -I` with limits and an audit hook; " \
            f"lmforge decides each verdict from what it reports"
 

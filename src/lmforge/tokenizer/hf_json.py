@@ -74,3 +74,39 @@ def _template_vars(config: dict) -> dict[str, str]:
         if text:
             out[name] = text
     return out
+
+
+#: Post-processors that add special tokens (replaced at the HF border); others (ByteLevel: offsets
+#: only) are kept in front of the template.
+_ADDING_PROCESSORS = ("TemplateProcessing", "BertProcessing", "RobertaProcessing")
+
+
+def with_document_start(tokenizer_json: dict, bos: str | None, bos_id: int | None) -> dict:
+    """`tokenizer_json` (a tokenizer.json object) with a post-processor that makes an HF
+    `encode(text)` (add_special_tokens=True, as `transformers`' `AutoTokenizer(text)`) start as
+    lmforge's documents and prompts do: `[bos] text` when `bos` is given (the contract's
+    `add_bos`), `text` alone when None; never an EOS. Llama's own tokenizer.json carries the same
+    `TemplateProcessing` (pair: `[bos] A [bos] B`, B with type id 1). A ByteLevel post-processor
+    already there (offsets only) is kept in front of it; one that adds tokens is replaced.
+
+    Args:
+        bos, bos_id: the BOS's spelling and id (both or neither).
+    Returns:
+        a new object; `tokenizer_json` is not modified.
+    """
+    def piece(name: str, type_id: int) -> dict:
+        return {"SpecialToken": {"id": name, "type_id": type_id}}
+
+    def seq(name: str, type_id: int) -> dict:
+        return {"Sequence": {"id": name, "type_id": type_id}}
+
+    start = [piece(bos, 0)] if bos is not None else []
+    start_b = [piece(bos, 1)] if bos is not None else []
+    template = {"type": "TemplateProcessing", "single": [*start, seq("A", 0)],
+                "pair": [*start, seq("A", 0), *start_b, seq("B", 1)],
+                "special_tokens": {bos: {"id": bos, "ids": [bos_id], "tokens": [bos]}} if bos is not None else {}}
+    old = tokenizer_json.get("post_processor")
+    kept = old.get("processors", []) if isinstance(old, dict) and old.get("type") == "Sequence" else [old]
+    kept = [p for p in kept if isinstance(p, dict) and p.get("type") not in _ADDING_PROCESSORS]
+    processor = {"type": "Sequence", "processors": [*kept, template]} if kept else template
+    return {**tokenizer_json, "post_processor": processor}

@@ -16,9 +16,9 @@ from lmforge.contract import (
     TOKENIZER_CONFIG_FILE,
     TOKENIZER_FILE,
     Contract,
-    file_sha256,
     padded_vocab_size,
     token_dtype_for,
+    tokenizer_sha256,
 )
 from lmforge.errors import LmforgeError, raise_if_stopped
 from lmforge.fileio import atomic_dir, check_output, save_hf_tokenizer
@@ -198,7 +198,7 @@ def _save_into(tok: HFTokenizer, tmp: Path, spellings: dict[str, str | None], ex
     (tmp / TOKENIZER_CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
     vocab = vocab_size_of(tok)
     contract = Contract(
-        tokenizer_sha256=file_sha256(tmp / TOKENIZER_FILE),
+        tokenizer_sha256=tokenizer_sha256(tmp / TOKENIZER_FILE),
         vocab_size=vocab,
         model_vocab_size=padded_vocab_size(vocab),
         special_tokens=specials,
