@@ -29,11 +29,17 @@ def too_few(completions, prompts, **fields):
 #: result, when not None, is what the call returns. Both set by the tests.
 CALLS: dict = {"hostile": 0}
 PLAN: dict = {}
+#: A file `hostile` appends a line to on each call, when set: a reward runs in a process of its own
+#: (forked at its first call), so CALLS counts there, not in the test's process.
+CALLS_FILE = None
 
 
 def hostile(completions, prompts, **fields):
     """`short`'s rewards, but its n-th call first does PLAN[n](completions)."""
     CALLS["hostile"] += 1
+    if CALLS_FILE is not None:
+        with open(CALLS_FILE, "a") as f:
+            f.write(f"{CALLS['hostile']}\n")
     action = PLAN.get(CALLS["hostile"])
     if action is not None:
         out = action(completions)

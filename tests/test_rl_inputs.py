@@ -42,9 +42,16 @@ HOSTILE = "rl_rewards:hostile"
 
 
 @pytest.fixture(autouse=True)
-def _fresh_plan(monkeypatch):
+def _fresh_plan(monkeypatch, tmp_path):
     monkeypatch.setattr(rl_rewards, "CALLS", {"hostile": 0})
     monkeypatch.setattr(rl_rewards, "PLAN", {})
+    monkeypatch.setattr(rl_rewards, "CALLS_FILE", tmp_path / "hostile-calls")
+
+
+def calls() -> int:
+    """The calls of `hostile` so far (made in the reward's own process: counted in CALLS_FILE)."""
+    path = rl_rewards.CALLS_FILE
+    return len(path.read_text().splitlines()) if path.exists() else 0
 
 
 def _raise(exc: BaseException):
@@ -175,7 +182,8 @@ def test_a_signal_while_a_reward_runs_stops_after_the_step_with_a_checkpoint(sig
     assert f"stopped at step 2 of 4 ({sig.name}); checkpoint written to {run / 'step_000002'}" in err, err
     assert "run the same command again with --resume" in err
     assert [p.name for p in list_checkpoints(run)] == ["step_000002"]
-    assert rl_rewards.CALLS["hostile"] == 4  # step 2's call made once more, after the signal
+    assert calls() == 4  # step 2's call made once more, after the signal
+    rl_rewards.PLAN.clear()  # the resumed run's reward process counts its calls from 1 again
     rc, err = run_rl(c, run, capsys, "--resume")
     assert rc == 0, err
     assert [m["step"] for m in read_metrics(run)] == [1, 2, 3, 4]

@@ -223,7 +223,8 @@ class RLConfig(TuningConfig):
     reward_timeout_s: float = num(5.0, 0.1, 600.0, _RL_ROLLOUT)
     """Seconds a reward may take per completion: a sandboxed one (doctests, behaviour) is a TIMEOUT
     past it (scored 0); a call of a reward of yours on R completions may take R x this, after which
-    the run stops (exit 2) naming it (a SIGALRM timer, main thread only)."""
+    the run stops (exit 2) naming it (the reward's own process is killed: nothing it does with
+    signals or exceptions escapes the limit)."""
     packing: bool = flag(True, refused(RL, "how rollouts are laid out in rows (the float sums of every step)", _NO_RL))
     """Pack a micro-batch's rollouts (prompt + completion) into as few rows as fit, each its own
     attention segment with positions from 0 (exact: each sees only itself, as alone in a row),

@@ -39,6 +39,9 @@ from lmforge.fileio import shown_path
 PROMPT_FORMS = ('one JSON object per line: {"prompt": "text"}, {"prompt": [{"role": "user", "content": "..."}]} '
                 'or {"messages": [{"role": "user", "content": "..."}]}, plus any fields your reward reads')
 
+#: What every reward receives besides a record's fields (TRL's names): a record may not have them.
+RESERVED_FIELDS = ("completions", "prompts")
+
 #: The fields lmforge's own rewards and validation read (the static check reads "signature"
 #: wherever a prompt has one): a string where a record has them.
 READ_FIELDS = ("signature", "module", "qualname", "reference")
@@ -78,6 +81,11 @@ def prompt_from_record(record: object, where: str) -> Prompt:
     else:
         raise DataError(f"{where}: no \"prompt\" or \"messages\" field (keys {sorted(record)}); {PROMPT_FORMS}.")
     extra = {k: v for k, v in record.items() if k not in ("prompt", "messages")}
+    for name in RESERVED_FIELDS:
+        if name in extra:
+            raise DataError(f"{where}: a field named \"{name}\": every reward already receives {name}= (TRL's "
+                            f"calling convention: completions=, prompts=, then the record's other fields), so it "
+                            f"cannot be passed too. Rename the field in the file.")
     for name in READ_FIELDS:
         if name in extra and not isinstance(extra[name], str):
             raise DataError(f"{where}: \"{name}\" is {short(extra[name])}; expected a string (lmforge's rewards read "
@@ -181,5 +189,5 @@ def split_prompts(prompts: Sequence[Prompt], val_fraction: float) -> dict[str, l
     return out
 
 
-__all__ = ["PROMPT_FORMS", "READ_FIELDS", "Prompt", "PromptDraw", "PromptStream", "prompt_from_record",
-           "read_prompts", "split_prompts", "stdlib_prompts"]
+__all__ = ["PROMPT_FORMS", "READ_FIELDS", "RESERVED_FIELDS", "Prompt", "PromptDraw", "PromptStream",
+           "prompt_from_record", "read_prompts", "split_prompts", "stdlib_prompts"]

@@ -8,8 +8,9 @@ here: `runner.py` runs the child (`child.py`) and feeds its report to the judge.
 from __future__ import annotations
 
 import ast
+import keyword
 import math
-import re
+import unicodedata
 from dataclasses import dataclass
 
 from lmforge.errors import LmforgeError
@@ -27,8 +28,17 @@ JOB_KINDS = ("doctest", "cases", "probe")
 _FIELDS = {"doctest": ("kind", "module", "function", "source", "doc"),
            "cases": ("kind", "module", "function", "source", "cases"),
            "probe": ("kind", "module", "probes", "call_s")}
-_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
-_MODULE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*\Z")
+
+
+def _is_name(text: str) -> bool:
+    """A name Python's code can define and look up as it is: an identifier (`str.isidentifier`:
+    `fé` too), not a keyword, and already in the NFKC form the compiler turns names into (a `ﬁ`
+    would define `fi`)."""
+    return text.isidentifier() and not keyword.iskeyword(text) and unicodedata.normalize("NFKC", text) == text
+
+
+def _is_module(text: str) -> bool:
+    return all(_is_name(part) for part in text.split("."))
 
 
 class SandboxError(LmforgeError):
@@ -122,7 +132,7 @@ def plan_job(job: object) -> _Plan:
     if extra:
         raise ValueError(f"job has the unknown field(s) {extra}: a {kind!r} job takes {list(_FIELDS[kind])}")
     module = _text(job.get("module", ""), "job['module']")
-    if module and not _MODULE.match(module):
+    if module and not _is_module(module):
         raise ValueError(f"job['module'] = {module!r}: expected a dotted module name, or '' for none")
     child: dict = {"kind": kind, "module": module}
     if kind == "probe":
@@ -130,7 +140,7 @@ def plan_job(job: object) -> _Plan:
         if not isinstance(probes, dict):
             raise TypeError(f"job['probes'] = {_short(probes)}: expected a dict {{function name: [args, ...]}}")
         for name, inputs in probes.items():
-            if not isinstance(name, str) or not _NAME.match(name):
+            if not isinstance(name, str) or not _is_name(name):
                 raise ValueError(f"job['probes'] has the key {_short(name)}: expected a function's name")
             if not isinstance(inputs, (list, tuple)):
                 raise TypeError(f"job['probes'][{name!r}] = {_short(inputs)}: expected a list of argument tuples' text")
@@ -145,8 +155,8 @@ def plan_job(job: object) -> _Plan:
     function = job.get("function")
     if not isinstance(function, str):
         raise TypeError(f"job['function'] = {_short(function)}: expected the function's name (a str)")
-    if not _NAME.match(function):
-        raise ValueError(f"job['function'] = {function!r}: expected an identifier")
+    if not _is_name(function):
+        raise ValueError(f"job['function'] = {function!r}: expected an identifier (not a keyword)")
     child.update(function=function, source=_text(job.get("source"), "job['source']"))
     if kind == "cases":
         cases = job.get("cases")

@@ -19,6 +19,7 @@ import sys
 import tempfile
 import threading
 import time
+import weakref
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -39,6 +40,38 @@ _HARNESS = (Path(__file__).resolve().parent / "child.py").read_text(encoding="ut
 _isolation = isolation  # for the functions whose argument is named `isolation`
 
 
+#: The interpreters started and not yet closed (a process forked from this one closes their pipes).
+_WORKERS: "weakref.WeakSet[_Worker]" = weakref.WeakSet()
+
+
+def _forget_workers() -> None:
+    """In a process forked from this one (a reward of yours, `multiprocessing`): drop its copies of
+    this one's pipes to the interpreters (a copy of a waiting interpreter's stdin would keep it
+    from ever reading its job's end). The stdin's number is kept, on /dev/null, for its file object."""
+    if not _WORKERS:
+        return
+    null = os.open(os.devnull, os.O_RDWR)
+    try:
+        for worker in list(_WORKERS):
+            stdin = worker.proc.stdin if worker.proc is not None else None
+            if stdin is not None and not stdin.closed:
+                try:
+                    os.dup2(null, stdin.fileno())
+                except (OSError, ValueError):
+                    pass
+            if worker.read_fd >= 0:
+                try:
+                    os.close(worker.read_fd)
+                except OSError:
+                    pass
+                worker.read_fd = -1
+    finally:
+        os.close(null)
+
+
+os.register_at_fork(after_in_child=_forget_workers)
+
+
 class _Worker:
     """One sandboxed interpreter, started and waiting for its job on stdin (its temporary folder,
     the read end of its report pipe, the nonce its lines must carry)."""
@@ -52,6 +85,7 @@ class _Worker:
         self.read_fd = -1
         self.folder = ""
         write_fd = -1
+        _WORKERS.add(self)
         try:
             self.read_fd, write_fd = os.pipe()
             self.folder = tempfile.mkdtemp(prefix="lmforge-sandbox-")
@@ -75,6 +109,14 @@ class _Worker:
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
+
+    def kill(self) -> None:
+        """SIGKILL its process group now, from any thread (whoever waits on it reaps it and closes it)."""
+        if self.proc is not None and self.proc.returncode is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
 
     def send(self, plan: _Plan, timeout: float) -> None:
         """Hand the worker its job (the clock of its time limit starts here)."""
@@ -232,6 +274,7 @@ class Pool:
         self.timeout, self.memory_bytes = timeout, memory_bytes
         self.isolation = _isolation(isolation)
         self._ready: list[_Worker] = []
+        self._running: dict[_Worker, threading.Event] = {}  # the interpreters running a job, by their map
         self._lock = threading.Lock()
         self._closed = False
         # bubblewrap's --die-with-parent follows the thread that started it: interpreters are
@@ -259,17 +302,35 @@ class Pool:
                 return
         worker.close()
 
-    def _run(self, plan: _Plan, timeout: float) -> Result:
+    def _run(self, plan: _Plan, timeout: float, stop: threading.Event) -> Result:
         if plan.kind == "doctest" and plan.expected == []:
             return Result("NODOC", "the docstring has no >>> examples", 0.0)
+        if stop.is_set():  # the map was given up (a Ctrl-C): nothing more starts
+            return Result("ERROR", "not run: the batch was interrupted", 0.0)
         worker = self._take()
+        with self._lock:
+            self._running[worker] = stop
         try:
+            if stop.is_set():
+                worker.close()
+                return Result("ERROR", "not run: the batch was interrupted", 0.0)
             worker.send(plan, timeout)
-            self._refill()  # the next interpreter starts while this job runs
-        except BaseException:
+            if not stop.is_set():
+                self._refill()  # the next interpreter starts while this job runs
+            return worker.wait(plan)
+        finally:
             worker.close()
-            raise
-        return worker.wait(plan)
+            with self._lock:
+                self._running.pop(worker, None)
+
+    def _give_up(self, stop: threading.Event) -> None:
+        """Stop a map's jobs now: nothing more starts, the running interpreters' process groups are
+        killed (their threads then see the pipe close and return at once)."""
+        stop.set()
+        with self._lock:
+            running = [w for w, s in self._running.items() if s is stop]
+        for worker in running:
+            worker.kill()
 
     def map(self, jobs: Sequence[dict], timeout: float | None = None) -> list[Result]:
         """Every job's verdict, in order (at most `workers` run at once); `timeout`: wall-clock
@@ -286,16 +347,27 @@ class Pool:
         plans = [plan_job(j) for j in jobs]
         if not plans:
             return []
-        return list(self._threads.map(lambda p: self._run(p, float(timeout)), plans))
+        stop = threading.Event()
+        futures = [self._threads.submit(self._run, p, float(timeout), stop) for p in plans]
+        try:
+            return [f.result() for f in futures]
+        except BaseException:  # a Ctrl-C (or a job's error): the others are stopped, not waited for
+            for f in futures:
+                f.cancel()
+            self._give_up(stop)
+            raise
 
     def close(self) -> None:
-        """Kill the waiting interpreters and remove their folders (idempotent)."""
+        """Kill the waiting interpreters and remove their folders, and the running ones (idempotent)."""
         with self._lock:
             self._closed = True
             ready, self._ready = self._ready, []
+            running = list(self._running)
         for worker in ready:
             worker.close()
-        self._threads.shutdown(wait=False)
+        for worker in running:
+            worker.kill()
+        self._threads.shutdown(wait=False, cancel_futures=True)
 
     def __enter__(self) -> "Pool":
         return self

@@ -10,7 +10,7 @@ summary, evaluation and reinforcement learning's rewards share one implementatio
     behaviour       differential testing against the real function (the behaviour reward)
     rewards         the `rl.rewards`: lmforge's reward functions (a user's signature, TRL's), their
                     table `REWARDS`, and `Rewards`, which calls those a run names and averages them
-    user_rewards    a reward of yours, imported and called guarded
+    user_rewards    a reward of yours: imported guarded, called in a process of its own
     intervals       the Wilson interval of a rate over few samples
 """
 

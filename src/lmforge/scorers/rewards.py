@@ -29,16 +29,20 @@ code runs); copy one as the template of yours. Verifiable and offline:
 A new one of lmforge's: a function here, a row in `REWARDS` (the fields it reads), its name in
 `config.RL_REWARDS`; tests/test_rl_rewards.py runs the examples of its docstring.
 
-A reward of yours runs guarded (`user_rewards.guarded`): each call may take `rl.reward_timeout_s`
-per completion (a SIGALRM timer, in the main thread); a call that exceeds it, calls sys.exit (or
-does so while it is imported), changes the working folder (put back at once), raises, or returns
-anything but numbers in [0, 1] or None stops the run with a RewardError naming it. A SIGINT or
-SIGTERM is never its error: while it runs the signal goes to the handler in place (a training
-loop finishes its step, writes a checkpoint and says how to resume); a call during which the
-signal arrived (or that raised KeyboardInterrupt of its own) may hold what the signal did to it
-(its subprocesses got the Ctrl-C too), so it is made once more, after the signal, and the step
-finishes with that call's numbers; if that one fails too, the run stops at once, as on a second
-Ctrl-C.
+A reward of yours is imported guarded (`user_rewards.guarded`) and called in a process of its own
+(`user_rewards.RewardProcess`: forked from lmforge's at its first call, kept for the run): each
+call may take `rl.reward_timeout_s` per completion, after which its process group is killed,
+whatever the reward does with SIGALRM, timers, handlers or `except:`; threads it leaves and signals
+it sets stay in that process; a fork of it that returns is ended unheard. A call that exceeds the
+limit, calls sys.exit (or does so while it is imported), ends its process (os._exit), changes the
+working folder (put back at once), raises, or returns anything but numbers in [0, 1] or None stops
+the run with a RewardError naming it. A prompt field named `completions` or `prompts` is the data
+file's error (a DataError naming the prompt). A SIGINT or SIGTERM is never its error: one sent to
+lmforge goes to the handler in place (a training loop finishes its step, writes a checkpoint and
+says how to resume) while the reward runs on undisturbed; one its own process received (or a
+KeyboardInterrupt it raised) is handed to that handler and the call is made once more, the step
+finishing with that call's numbers; if that one fails too, the run stops at once, as on a second
+Ctrl-C. Names spelled twice (spaces aside, or two names of one function) are refused.
 
 A completion's reward is the mean of the rewards that apply to it (0 when none does); a
 completion cut off by the token budget scores 0 whatever the functions say (`Rewards.score`).
@@ -48,19 +52,19 @@ Sandbox ERRORs (the harness's own faults) are never a silent 0: `score` returns 
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from lmforge.data.prompts import Prompt
+from lmforge.data.prompts import RESERVED_FIELDS, Prompt
 from lmforge.data.stdlib_functions import place_body
-from lmforge.errors import ConfigError, Interrupted, LmforgeError
+from lmforge.errors import ConfigError, DataError, Interrupted, LmforgeError
 from lmforge.sandbox import Pool, Result
 from lmforge.scorers.behaviour import Behaviour
 from lmforge.scorers.doctests import doctest_job
 from lmforge.scorers.static import parse_body, static_verdict
-from lmforge.scorers.user_rewards import NOTHING, Failure, Signalled, as_reward, deliver, describe, guarded, \
-    import_reward, shown
+from lmforge.scorers.user_rewards import Failure, RewardProcess, as_reward, deliver, describe, import_reward, shown
 
 
 class RewardError(LmforgeError):
@@ -245,7 +249,21 @@ class Rewards:
             if ":" not in n and n not in REWARDS:
                 raise ConfigError(f"rl.rewards names {n!r}: expected one of {sorted(REWARDS)} or "
                                   f"\"package.module:function\" (a function of your own). Fix rl.rewards.")
+        spelled: dict[str, str] = {}
+        for n in self.names:  # "m:f", "m: f" and " m:f" are one reward: listed twice, as "m:f" twice is
+            key = ":".join(part.strip() for part in n.split(":", 1))
+            if key in spelled:
+                raise ConfigError(f"rl.rewards = {self.names}: {spelled[key]!r} and {n!r} are the same reward "
+                                  f"(spaces aside); list each once.")
+            spelled[key] = n
         self.user: dict[str, Callable] = {n: import_reward(n) for n in self.names if ":" in n}
+        same = {}
+        for n, fn in self.user.items():  # two names of one function ("pkg.m:f" and "pkg:f", its re-export)
+            if id(fn) in same:
+                raise ConfigError(f"rl.rewards = {self.names}: {same[id(fn)]!r} and {n!r} name the same function; "
+                                  f"it would be called and counted twice. List it once.")
+            same[id(fn)] = n
+        self._processes = {n: RewardProcess(fn) for n, fn in self.user.items()}  # each forked at its first call
         self.sandbox = Sandbox(timeout_s)
 
     @property
@@ -254,7 +272,10 @@ class Rewards:
         return self.sandbox._behaviour
 
     def close(self) -> None:
-        """Stop the sandbox's waiting interpreters."""
+        """Stop the sandbox's waiting interpreters and the processes of your rewards (a later
+        call starts them again)."""
+        for process in self._processes.values():
+            process.stop()
         self.sandbox.close()
 
     def static_reasons(self, prompts: Sequence[Prompt], completions: Sequence[str],
@@ -281,6 +302,12 @@ class Rewards:
         """
         reasons = self.static_reasons(prompts, completions, stopped)
         self.sandbox.results = []
+        for p in prompts:  # what every reward's call already passes: the data's field cannot be passed too
+            taken = sorted(set(p.fields) & set(RESERVED_FIELDS))
+            if taken:
+                raise DataError(f"{p.where}: the prompt has a field named {taken[0]!r}, the name of what every reward "
+                                f"receives ({', '.join(f'{k}=' for k in RESERVED_FIELDS)}); a reward cannot get both. "
+                                f"Rename the field in the prompts file.")
         keys = sorted({k for p in prompts for k in p.fields})
         fields = {k: [p.fields.get(k) for p in prompts] for k in keys}
         each: dict[str, list[float | None]] = {}
@@ -318,20 +345,27 @@ class Rewards:
         return values
 
     def _call_yours(self, name: str, prompts: Sequence[Prompt], completions: Sequence[str], fields: dict) -> object:
-        """What a reward of yours returned, called guarded (the module docstring)."""
-        fn, n = self.user[name], len(completions)
+        """What a reward of yours returned, called in its process (the module docstring)."""
+        n = len(completions)
         limit = self.timeout_s * n
         for attempt in (1, 2):
             try:
-                return guarded(lambda: fn(completions=list(completions), prompts=[p.messages for p in prompts],
-                                          **fields), limit)
-            except Signalled as stop:  # the signal's doing, not the reward's: the handler in place decides
-                if not stop.delivered:
-                    deliver(stop.signum)
-                if attempt == 2:  # the call once more, after the signal: its result, or stop now (a second Ctrl-C)
-                    if stop.result is NOTHING:
-                        raise Interrupted(stop.signum) from None
-                    return stop.result
+                kind, detail, seen, moved = self._processes[name].call(
+                    list(completions), [p.messages for p in prompts], fields, limit)
+            except Failure as f:
+                raise RewardError(self._failed(name, f, prompts[0].where, sorted(fields), n)) from None
+            try:
+                if kind == "interrupt" or seen:  # a signal its process received: the run's, as a Ctrl-C here
+                    deliver(seen[0] if seen else signal.SIGINT)  # the handler in place decides (it may raise)
+                    if attempt == 1:
+                        continue  # the call once more, after the signal
+                    if kind != "value":  # failed again after the signal: stop now, as on a second Ctrl-C
+                        raise Interrupted(seen[0] if seen else signal.SIGINT)
+                if moved:
+                    raise Failure("chdir", moved)
+                if kind == "value":
+                    return detail
+                raise Failure(kind, detail)
             except Failure as f:
                 raise RewardError(self._failed(name, f, prompts[0].where, sorted(fields), n)) from None
         raise AssertionError("unreachable")
@@ -351,7 +385,15 @@ class Rewards:
             return (f"rl.rewards = {name!r} changed the working folder from {f.detail[0]} to {f.detail[1]} "
                     f"({where}); the run's relative paths need it as it was: lmforge {f.detail[2]} and stopped. "
                     f"Leave the working folder alone (use absolute paths, or subprocess's cwd=).")
-        return (f"rl.rewards = {name!r} raised {describe(f.detail)} ({where}). Fix the function; it receives "
+        if f.kind == "ended":
+            return (f"rl.rewards = {name!r} ended the process it runs in ({f.detail}) ({where}): a reward returns "
+                    f"its numbers and must not end its process (os._exit, a signal to itself). Remove the call "
+                    f"(an exception it raises is reported here, naming it).")
+        if f.kind == "unsendable":
+            return (f"rl.rewards = {name!r} returned {f.detail} ({where}), which cannot be passed back from the "
+                    f"process it runs in (pickled): expected a list of {n} numbers in [0, 1] or None.")
+        raised = f.detail if isinstance(f.detail, str) else describe(f.detail)
+        return (f"rl.rewards = {name!r} raised {raised} ({where}). Fix the function; it receives "
                 f"completions=, prompts= and {keys} as keyword arguments.")
 
 

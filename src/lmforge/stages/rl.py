@@ -12,8 +12,9 @@ exactly (`--resume`: the same prompts and the same completions).
 
 The run folder holds what a DPO run folder holds (metrics.jsonl with the rollout figures per step
 and val_* at validation, config.toml, step_NNNNNN/ checkpoints, contract and tokenizer files) plus
-`rl_data.json` (the prompt counts, per split). Every other command takes its checkpoints as it
-takes an SFT run's.
+`rl_data.json` (the prompt counts per split as the start-up line says them: those used, after the
+ones too long for a row are left out; `too_long`: those left out). Every other command takes its
+checkpoints as it takes an SFT run's.
 """
 
 from __future__ import annotations
@@ -118,7 +119,8 @@ def rl_stage(cfg: Config, out: str | Path, resume: bool = False, dry_run: bool =
         reference = token_reference(model, rt, p.temperature) if p.beta > 0 else None  # no KL term: no copy
         objective = RLObjective(p, model, tok, train, train_ids, rewards, decode_runtime(rt.device), t.seed,
                                 val, val_ids, reference, compile_decode=cfg.generate.compile)
-        data_info.update(seconds=round(time.perf_counter() - t0, 2), too_long={"train": dropped, "val": val_dropped},
+        data_info.update(seconds=round(time.perf_counter() - t0, 2), prompts={"train": len(train), "val": len(val)},
+                         too_long={"train": dropped, "val": val_dropped},  # left out: `prompts` counts what is used
                          seq_len=d.seq_len, init=str(init), rewards=p.rewards, group_size=p.group_size,
                          loss_type=p.loss_type, temperature=p.temperature, max_new_tokens=p.max_new_tokens)
 
