@@ -60,6 +60,28 @@ CONFIG_PATHS = ("tokenizer.dir", "data.source", "data.dir", "train.init", "sft.i
                 "dpo.data", "rl.init", "rl.data")
 
 
+def _settings_inputs(args) -> list[tuple[str, str | None]]:
+    """The files this command reads its settings from, as `fileio.check_not_input`'s (name, path)
+    pairs: --config and the overlay (`LMFORGE_CONFIG_OVERLAY`)."""
+    import os
+
+    from lmforge.config import OVERLAY_ENV
+
+    return [("--config", args.config), (OVERLAY_ENV, os.environ.get(OVERLAY_ENV) or None)]
+
+
+def _not_settings(out, args, own_check=None) -> None:
+    """No output is, or holds, the command's --config file or the overlay file, --force or not
+    (`fileio.check_not_input`; `own_check`: the writer's own check, whose words come first). A
+    training run's folder may hold its own config.toml given as --config (`--resume` of a run
+    with its recorded config), so the training commands do not call this: a run folder is never
+    one file, and what it replaces is its own checkpoints."""
+    from lmforge.fileio import check_not_input
+
+    if out is not None and str(out):
+        check_not_input(out, _settings_inputs(args), own_check=own_check)
+
+
 def _sampling_config(args):
     return _config(args).generate.override(
         greedy=args.greedy or None, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
@@ -80,22 +102,40 @@ def _exit_for(last: dict) -> int:
 # -- the commands: each parses nothing, calls one stage ----------------------------------------
 def _train_tokenizer(args) -> int:
     from lmforge.stages import train_tokenizer_stage
+    from lmforge.fileio import check_output
+    from lmforge.tokenizer.train import TOKENIZER_OUTPUT
 
-    train_tokenizer_stage(_config(args), args.out, progress=not args.no_progress)
+    cfg = _config(args)
+    out = Path(args.out or cfg.tokenizer.dir)
+    _not_settings(out, args, own_check=lambda: check_output(out, TOKENIZER_OUTPUT, "the tokenizer stage",
+                                                            replace_whole=True))
+    train_tokenizer_stage(cfg, args.out, progress=not args.no_progress)
     return 0
 
 
 def _import_tokenizer(args) -> int:
     from lmforge.stages import import_tokenizer_stage
+    from lmforge.fileio import check_output
+    from lmforge.tokenizer.train import TOKENIZER_OUTPUT
 
-    import_tokenizer_stage(_config(args), args.src, args.out)
+    cfg = _config(args)
+    out = Path(args.out or cfg.tokenizer.dir)
+    _not_settings(out, args, own_check=lambda: check_output(out, TOKENIZER_OUTPUT, "import-tokenizer",
+                                                            replace_whole=True))
+    import_tokenizer_stage(cfg, args.src, args.out)
     return 0
 
 
 def _prepare(args) -> int:
     from lmforge.stages import prepare_stage
+    from lmforge.data.prepare import PREPARE_OUTPUT
+    from lmforge.fileio import check_output
 
-    prepare_stage(_config(args), args.out, progress=not args.no_progress)
+    cfg = _config(args)
+    out = Path(args.out or cfg.data.dir)
+    _not_settings(out, args, own_check=lambda: check_output(out, PREPARE_OUTPUT, "`lmforge prepare`",
+                                                            replace_whole=True))
+    prepare_stage(cfg, args.out, progress=not args.no_progress)
     return 0
 
 
@@ -137,7 +177,9 @@ def _chat(args) -> int:
 
 def _eval(args) -> int:
     from lmforge.stages import eval_stage
+    from lmforge.fileio import check_user_file
 
+    _not_settings(args.out, args, own_check=lambda: check_user_file(args.out, args.force, _settings_inputs(args)))
     if args.tasks is not None:
         return _eval_tasks(args)
     res = eval_stage(args.checkpoint, args.data, args.split, args.out, force=args.force)
@@ -174,26 +216,35 @@ def _eval_tasks(args) -> int:
 
 def _export(args) -> int:
     from lmforge.stages import export_stage
+    from lmforge.stages.export import export_output_check
 
     what = "FILE.gguf (the file to write)" if args.format == "gguf" else "DIR (the Hugging Face folder to write)"
-    print(export_stage(args.checkpoint, _need_out(args, what), fmt=args.format, dtype=args.dtype,
+    out = _need_out(args, what)
+    _not_settings(out, args, own_check=export_output_check(args.format, out, args.force, _settings_inputs(args)))
+    print(export_stage(args.checkpoint, out, fmt=args.format, dtype=args.dtype,
                        verify=args.verify, force=args.force, evaluation=args.evaluation))
     return 0
 
 
 def _import_hf(args) -> int:
     from lmforge.stages import import_hf_stage
+    from lmforge.stages.export import import_output_check
 
-    print(import_hf_stage(args.folder, _need_out(args, "DIR (the lmforge checkpoint folder to write)"),
-                          eos_token=_config(args).tokenizer.eos_token))
+    out = _need_out(args, "DIR (the lmforge checkpoint folder to write)")
+    cfg = _config(args)
+    _not_settings(out, args, own_check=import_output_check(out))
+    print(import_hf_stage(args.folder, out, eos_token=cfg.tokenizer.eos_token))
     return 0
 
 
 def _import_gguf(args) -> int:
     from lmforge.stages import import_gguf_stage
+    from lmforge.stages.export import import_output_check
 
-    print(import_gguf_stage(args.file, _need_out(args, "DIR (the lmforge checkpoint folder to write)"),
-                            eos_token=_config(args).tokenizer.eos_token))
+    out = _need_out(args, "DIR (the lmforge checkpoint folder to write)")
+    cfg = _config(args)
+    _not_settings(out, args, own_check=import_output_check(out, "`lmforge import-gguf`"))
+    print(import_gguf_stage(args.file, out, eos_token=cfg.tokenizer.eos_token))
     return 0
 
 

@@ -107,7 +107,7 @@ def check_float16_compute(model, what: str) -> None:
     """Refuse float16 compute for a model whose RMSNorm multiplies by (norm_offset + w)
     (`model.norm_offset` != 0: Gemma 2 and 3). Such models overflow float16 (|x| <= 65504) in their
     residual stream, their sandwich norms' large weights and the GeGLU gate: users see NaN or empty
-    output and loss 0 (MODEL-FAMILIES.md §2.3: transformers#36822, LlamaFactory#7755; vLLM refuses
+    output and loss 0 (transformers#36822, LlamaFactory#7755; vLLM refuses
     float16 for Gemma 3). Decided by the mechanism, never the family's name. Only compute is
     refused: float16 *weights* in an export (`lmforge export --dtype float16`) stay allowed.
 
@@ -170,6 +170,38 @@ def compiler_available(device: torch.device, log: Callable[[str], None] | None =
     return bool(found)
 
 
+@contextlib.contextmanager
+def deterministic_kernels(enabled: bool = True):
+    """Within it, `torch.use_deterministic_algorithms(True)` (warn-only) with uninitialised memory
+    left unfilled; the previous settings come back on exit. A no-op when `enabled` is False.
+
+    The trainer runs a compiled CPU step's forward and backward under it (issue 53). Inductor lowers
+    the embedding's backward (an `index_put` that accumulates) to a C++ loop that OpenMP splits over
+    the tokens, each thread `atomic_add`-ing its rows into the gradient: two threads adding to one
+    token's row land in the order they happen to run, so the last bits of the embedding gradient
+    changed from run to run whenever torch had more than one thread (torch 2.13; a straight compiled
+    run and the same run stopped at step 1 and resumed differed by 1e-9 at step 3 and 1e-4 at step 6,
+    warm or cold inductor cache). Under this mode inductor calls ATen's serial `index_put_` there
+    instead (`torch._inductor.lowering.index_put_impl_`; scatters likewise). The mode is part of
+    inductor's cache key and of dynamo's guards, so graphs compiled outside it are not reused.
+    Filling uninitialised memory (NaN) is only a debugging aid and costs a pass over every buffer:
+    it stays off."""
+    if not enabled:
+        yield
+        return
+    import torch.utils.deterministic  # noqa: F401 (the module's property: fill_uninitialized_memory)
+
+    was, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    fill = torch.utils.deterministic.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = False
+    try:
+        yield
+    finally:
+        torch.utils.deterministic.fill_uninitialized_memory = fill
+        torch.use_deterministic_algorithms(was, warn_only=warn_only)
+
+
 def isolate_compile_cache() -> str:
     """Keep inductor's on-disk caches one folder per CPU vector ISA; returns the folder.
 
@@ -191,7 +223,7 @@ def isolate_compile_cache() -> str:
 
 
 __all__ = ["CPU_FP32", "Runtime", "autocast", "isolate_compile_cache", "bf16_supported", "check_float16_compute",
-           "compiler_available", "compute_dtype", "decode_runtime",
+           "compiler_available", "compute_dtype", "decode_runtime", "deterministic_kernels",
            "default_device",
            "resolve_precision", "seed_everything", "training_runtime"]
 

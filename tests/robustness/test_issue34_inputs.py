@@ -258,8 +258,10 @@ def test_a_gguf_with_zero_heads_or_a_bad_config_names_the_file(project, tmp_path
     for key, value, said in ((f"{arch}.attention.head_count", 0, f"{arch}.attention.head_count = 0"),
                              (f"{arch}.block_count", 0, f"{arch}.block_count = 0"),
                              (f"{arch}.embedding_length", -3, f"{arch}.embedding_length = -3"),
-                             # refused by import-hf's checks on the converted folder: named by the file
-                             (f"{arch}.attention.layer_norm_rms_epsilon", 0.0, "model.norm_eps = 0.0")):
+                             # refused under the file's own key, lmforge's field beside it
+                             (f"{arch}.attention.layer_norm_rms_epsilon", 0.0,
+                              f"{arch}.attention.layer_norm_rms_epsilon = 0.0: expected 0 < value <= 1 (lmforge's "
+                              f"model.norm_eps)")):
         bad = tmp_path / f"bad-{key.split('.')[-1]}.gguf"
         _rewrite_gguf(gguf, src, bad, {key: value})
         capsys.readouterr()

@@ -21,7 +21,7 @@ from lmforge.config.core import (AUTO_MICRO_BATCH, MAX_SEQ_LEN, MAX_STEPS, MAX_T
 from lmforge.config.fields import ResumeRule, declared, resume_rules
 from lmforge.config.fields import suggest
 from lmforge.config.load import (CONFIG_FILE, OVERLAY_ENV, _coerce, _field_types, apply_overlay, apply_overrides,
-                                 from_dict, load_config)
+                                 from_dict, load_config, overlay_differences)
 from lmforge.config.tuning import (DPO_LOSS_CHOICES, LORA_REFUSED, LORA_TARGETS, MIN_MAX_CHARS, RL_LOSS_TYPES,
                                    RL_REWARDS, DPOConfig, LoRAConfig, RLConfig, SamplingConfig, SFTConfig,
                                    TuningConfig)
@@ -32,6 +32,6 @@ __all__ = [
     "TUNING_SECTIONS", "Config", "DPOConfig", "DataConfig", "LoRAConfig", "ModelConfig", "ResumeRule",
     "SFTConfig", "SamplingConfig", "TokenizerConfig", "TrainConfig", "TuningConfig", "_SECTION_TYPES", "_coerce",
     "_default", "_field_types", "apply_overlay", "apply_overrides", "check_bounds", "check_field", "check_lora",
-    "check_parallel", "check_rl", "declared", "from_dict", "load_config", "model_from_init", "resume_rules", "suggest",
+    "check_parallel", "check_rl", "declared", "from_dict", "load_config", "model_from_init", "overlay_differences", "resume_rules", "suggest",
     "validate", "validate_parallel", "world_size_from_env",
 ]

@@ -214,7 +214,8 @@ class ModelConfig:
     "flex" or "eager" (the scores as a matrix: computes every mechanism, the slowest)."""
 
     # -- mechanisms of imported families (Gemma 3/2, OLMo 2, Mistral); each has one code site in
-    # lmforge/model and one parity test against transformers (tests/test_families.py). The defaults
+    # lmforge/model, a test against a reference (tests/test_families_model.py) and one parity test
+    # against transformers (tests/test_families_hf.py). The defaults
     # are the Llama layout lmforge trains from scratch.
     head_dim: int = num(0, 0, 1 << 12, ARCH)
     """Size of each attention head; 0 = dim / n_heads (Gemma 3 270M: 256 with dim 640, 4 heads)."""
@@ -245,8 +246,9 @@ class ModelConfig:
     """Keys a "sliding" layer sees, the query's own included (query i sees keys j with
     0 <= i - j < sliding_window; transformers' and llama.cpp's rule)."""
     rope_theta_sliding: float = num(0.0, 0.0, 1e12, ARCH)
-    """RoPE base of the "sliding" layers; 0 = rope_theta (Gemma 3: 1e4 local, 1e6 global).
-    rope_scaling applies to the full layers only, as in transformers' Gemma 3."""
+    """RoPE base of the "sliding" layers, unscaled (Gemma 3: 1e4 local, 1e6 global; rope_scaling
+    then applies to the full layers only, as in transformers' Gemma 3); 0 = the sliding layers
+    rotate as the full ones do, rope_theta and rope_scaling included (Mistral, Gemma 2)."""
     nope_layers: list[int] = items((), ARCH, check=lambda name, v: _check_layer_indices(name, v))
     """Layers that skip the rotary embedding (NoPE, Kazemnejad et al. 2023; SmolLM3's every 4th)."""
 
@@ -256,6 +258,12 @@ class ModelConfig:
     def is_sliding(self, layer: int) -> bool:
         """Whether `layer` attends through the sliding window."""
         return bool(self.layer_types) and self.layer_types[layer] == "sliding"
+
+    def own_sliding_rope(self) -> bool:
+        """Whether the sliding layers rotate with RoPE tables of their own (rope_theta_sliding set
+        and a sliding layer that is not in nope_layers); otherwise they share the full layers'."""
+        return bool(self.rope_theta_sliding) and any(
+            kind == "sliding" and i not in self.nope_layers for i, kind in enumerate(self.layer_types))
 
     def resolved_ffn_dim(self) -> int:
         if self.ffn_dim:

@@ -16,7 +16,7 @@ from typing import Any
 
 from lmforge.config.core import AUTO_MICRO_BATCH
 from lmforge.config.fields import suggest
-from lmforge.config.schema import _SECTION_TYPES, Config, _default
+from lmforge.config.schema import _SECTION_TYPES, OVERLAY_ENV, Config, _default
 from lmforge.errors import ConfigError, os_advice
 from lmforge.fileio import path_from_text
 
@@ -140,8 +140,11 @@ def apply_overrides(cfg: Config, overrides: list[str] | None) -> Config:
     return out
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
-    """Load a TOML recipe (or the defaults when `path` is None), apply overrides, validate.
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
+                overlay: bool = True) -> Config:
+    """Load a TOML recipe (or the defaults when `path` is None), apply overrides, then the
+    overlay (`LMFORGE_CONFIG_OVERLAY`, unless `overlay` is False: a saved config.toml is a record,
+    read as saved), validate. The overlay's keys are kept in `Config.overlay_keys`.
 
     Raises:
         ConfigError: missing file, TOML syntax error, unknown key, wrong type, bad shape.
@@ -165,7 +168,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         raw = parse_toml(text, str(path), "Fix the file")
         cfg = from_dict(raw, where=str(path))
     cfg = apply_overrides(cfg, overrides)
-    overlay = os.environ.get(OVERLAY_ENV)
+    overlay = os.environ.get(OVERLAY_ENV) if overlay else None
     if not overlay:
         return cfg.validate()
     layered, keys = _overlaid(cfg, overlay)
@@ -178,9 +181,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         raise ConfigError(f"{exc} ({where} was applied over --config and --set: it sets {', '.join(keys)}.)") from None
 
 
-#: An environment variable naming a TOML file whose keys are applied after `--config` and
-#: `--set`: how tests/test_readme.py runs the README's commands, as written, on a tiny model.
-OVERLAY_ENV = "LMFORGE_CONFIG_OVERLAY"
+#: OVERLAY_ENV (lmforge.config.schema): an environment variable naming a TOML file whose keys are
+#: applied after `--config` and `--set`: how tests/test_readme.py runs the README's commands, as
+#: written, on a tiny model. It sets what a command runs, never what a saved file records: a
+#: checkpoint's or run's config.toml is read as saved (`load_config(overlay=False)`).
 _overlay_said: set[str] = set()
 
 
@@ -249,8 +253,29 @@ def apply_overlay(cfg: Config, path: str | None) -> Config:
     return _overlaid(cfg, path)[0] if path else cfg
 
 
-def _overlaid(cfg: Config, path: str) -> tuple[Config, list[str]]:
-    """`apply_overlay` and the keys the overlay sets ("section.key")."""
+def overlay_differences(saved: Config, section: str) -> tuple[str, list[tuple[str, Any, Any]]]:
+    """What the overlay (`LMFORGE_CONFIG_OVERLAY`, when set) would change in the [section] of the
+    saved config `saved` (a checkpoint's, read as saved): (the overlay's path, [(section.key, the
+    overlay's value, the saved value)]), read without the line `apply_overlay` prints (nothing is
+    applied). ("", []) without an overlay.
+
+    Raises:
+        ConfigError: the overlay cannot be read, or holds an unknown key or a wrong type (named).
+    """
+    path = os.environ.get(OVERLAY_ENV)
+    if not path:
+        return "", []
+    layered, keys = _overlaid(saved, path, say=False)
+    changed = []
+    for name in keys:
+        sec, key = name.split(".", 1)
+        if sec == section and getattr(getattr(layered, sec), key) != getattr(getattr(saved, sec), key):
+            changed.append((name, getattr(getattr(layered, sec), key), getattr(getattr(saved, sec), key)))
+    return path, changed
+
+
+def _overlaid(cfg: Config, path: str, say: bool = True) -> tuple[Config, list[str]]:
+    """`apply_overlay` and the keys the overlay sets ("section.key"); `say`: print its line."""
     where = f"{OVERLAY_ENV}={path}"
     text = read_config_text(path, where)
     raw = parse_toml(text, where, f"Fix the file, or unset {OVERLAY_ENV}")
@@ -263,7 +288,8 @@ def _overlaid(cfg: Config, path: str) -> tuple[Config, list[str]]:
         keys += [f"{section}.{k}" for k in values]
     out = from_dict(merged, where=where)
     out.set_keys = cfg.set_keys
-    if path not in _overlay_said:
+    out.overlay_keys, out.overlay_path = tuple(keys), path
+    if say and path not in _overlay_said:
         _overlay_said.add(path)
         print(f"config: {where} sets {', '.join(keys)} (over --config and --set)", file=sys.stderr)
     return out, keys

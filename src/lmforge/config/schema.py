@@ -37,10 +37,24 @@ class Config:
     set_keys: tuple[str, ...] = field(default=(), compare=False, repr=False)
     """The "section.key" names given with --set on this command line (not a section: never
     saved), for checks that must tell a value typed now from a default or a recipe's."""
+    overlay_keys: tuple[str, ...] = field(default=(), compare=False, repr=False)
+    """The "section.key" names the overlay (`LMFORGE_CONFIG_OVERLAY`, `overlay_path`) set on this
+    command (not a section: never saved): the checks that refuse a --set refuse these too, naming
+    the file."""
+    overlay_path: str = field(default="", compare=False, repr=False)
+    """The overlay file those keys came from ("" without one)."""
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return {f.name: dataclasses.asdict(getattr(self, f.name)) for f in dataclasses.fields(self)
-                if f.name != "set_keys"}
+                if f.name not in NOT_SECTIONS}
+
+    def origin(self, name: str) -> str:
+        """Where the value of `name` ("section.key") was given on this command, for a message:
+        "LMFORGE_CONFIG_OVERLAY=FILE" when the overlay set it (it is applied last), "--set" when
+        --set did, else ""."""
+        if name in self.overlay_keys:
+            return f"{OVERLAY_ENV}={self.overlay_path}"
+        return "--set" if name in self.set_keys else ""
 
     def to_toml(self) -> str:
         """The config as TOML; a path whose bytes are not UTF-8 is kept through `fileio.path_text`
@@ -60,6 +74,10 @@ class Config:
         return self
 
 
+#: The fields of `Config` that are not sections: what this command line typed, never saved.
+NOT_SECTIONS = ("set_keys", "overlay_keys", "overlay_path")
+#: The environment variable of the overlay (lmforge.config.load applies it).
+OVERLAY_ENV = "LMFORGE_CONFIG_OVERLAY"
 #: {section name: its class}, in the order of `Config`.
 SECTIONS: dict[str, type] = {"tokenizer": TokenizerConfig, "data": DataConfig, "model": ModelConfig,
                              "train": TrainConfig, "sft": SFTConfig, "lora": LoRAConfig, "dpo": DPOConfig,
@@ -128,6 +146,20 @@ def _check_model_shape(m: ModelConfig) -> None:
     if "sliding" in m.layer_types and not m.sliding_window:
         raise ConfigError("model.layer_types has \"sliding\" layers but model.sliding_window = 0: set the window "
                           "(keys each sliding layer sees, its own included).")
+    if m.sliding_window and "sliding" not in m.layer_types:
+        raise ConfigError(f"model.sliding_window = {m.sliding_window} but model.layer_types = {m.layer_types!r} has no "
+                          f"\"sliding\" layer, so the window would be read by no layer. Mark the layers that slide "
+                          f"in model.layer_types, or set model.sliding_window = 0.")
+    if m.rope_theta_sliding and not 1.0 < m.rope_theta_sliding:
+        raise ConfigError(f"model.rope_theta_sliding = {m.rope_theta_sliding!r}: expected 0 (the sliding layers rotate "
+                          f"as the full ones) or a RoPE base above 1, as model.rope_theta (a base <= 1 gives no spread "
+                          f"of rotations).")
+    if m.rope_theta_sliding and not m.own_sliding_rope():
+        why = "has no \"sliding\" layer" if "sliding" not in m.layer_types else \
+            "has \"sliding\" layers only among model.nope_layers, which skip RoPE"
+        raise ConfigError(f"model.rope_theta_sliding = {m.rope_theta_sliding!r} but model.layer_types {why}, so no layer "
+                          f"would rotate with it. Mark the layers that slide in model.layer_types, or set "
+                          f"model.rope_theta_sliding = 0.")
     if m.nope_layers and max(m.nope_layers) >= m.n_layers:
         raise ConfigError(f"model.nope_layers = {m.nope_layers} names a layer past model.n_layers = {m.n_layers} "
                           f"(layers count from 0).")
@@ -173,15 +205,16 @@ def validate(cfg: Config) -> Config:
     return cfg
 def model_from_init(cfg: Config, init_model: ModelConfig, key: str, init: str | Path) -> Config:
     """`cfg` with the [model] section of the checkpoint it starts from (`key`: "train.init",
-    "sft.init", "dpo.init" = `init`). A `--set model.X` typed on this command line that
-    disagrees with the checkpoint is refused, never silently dropped; `model.attention` (how
+    "sft.init", "dpo.init" = `init`). A `--set model.X` typed on this command line, or a
+    model.X of the overlay (`LMFORGE_CONFIG_OVERLAY`), that disagrees with the checkpoint is
+    refused, never silently dropped; `model.attention` (how
     attention is computed, not what the weights are) is the one typed field that applies.
 
     Raises:
         ConfigError: naming the field, both values and the checkpoint.
     """
     model = init_model
-    for name in cfg.set_keys:
+    for name in dict.fromkeys((*cfg.set_keys, *cfg.overlay_keys)):
         if not name.startswith("model."):
             continue
         field_name = name.split(".", 1)[1]
@@ -189,9 +222,11 @@ def model_from_init(cfg: Config, init_model: ModelConfig, key: str, init: str | 
         if field_name == "attention":
             model = dataclasses.replace(model, attention=typed)
         elif typed != theirs:
-            raise ConfigError(f"{name} = {typed!r} (--set), but {key} = {str(init)!r} has {name} = {theirs!r}: a run "
-                              f"from a checkpoint keeps its [model] section (its weights have that shape). Remove "
-                              f"--set {name}, or start from random weights without {key}.")
+            origin = cfg.origin(name)
+            remove = f"--set {name}" if origin == "--set" else f"{name} from {origin}"
+            raise ConfigError(f"{name} = {typed!r} ({origin}), but {key} = {str(init)!r} has {name} = {theirs!r}: a "
+                              f"run from a checkpoint keeps its [model] section (its weights have that shape). Remove "
+                              f"{remove}, or start from random weights without {key}.")
     return dataclasses.replace(cfg, model=model).validate()
 
 

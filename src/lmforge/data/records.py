@@ -181,7 +181,99 @@ class _ZstdFrames(io.RawIOBase):
             super().close()
 
 
-#: The compressed JSONL suffixes and their stdlib modules (each raises EOFError on a stream cut short).
+class _Streams(io.RawIOBase):
+    """The decompressed bytes of every bzip2 or xz stream of `raw`, one after another (pbzip2,
+    `xz -T0` and `cat a.bz2 b.bz2` write several), all or nothing: bz2.BZ2File and lzma.LZMAFile
+    stop without a word at the first bytes after a stream that do not begin another (a damaged
+    later stream, trailing garbage), so its documents would be lost; here those bytes raise
+    OSError (bz2) or LZMAError (xz), and a file that ends inside a stream EOFError, as gzip and
+    Zstandard do. xz's stream padding (NUL bytes, a multiple of four, after a stream) is allowed,
+    as `xz -d` allows it. One read's output is bounded (`max_length`), whatever the ratio."""
+
+    PIECE = 1 << 16
+    OUT = 1 << 20
+
+    def __init__(self, raw, kind: str):
+        super().__init__()
+        if kind == ".jsonl.bz2":
+            import bz2
+
+            self.new, self.name, self.padding = bz2.BZ2Decompressor, "bzip2", False
+            self.bad = OSError
+        else:
+            import lzma
+
+            self.new, self.name, self.padding = lzma.LZMADecompressor, "xz", True
+            self.bad = lzma.LZMAError
+        self.raw = raw
+        self.dec = self.new()
+        self.fed = 0  # compressed bytes given to the current stream's decompressor
+        self.data = b""  # bytes read from `raw`, not given to a decompressor yet
+        self.streams = 0  # complete streams read
+        self.zeros = 0  # NUL padding bytes since the last stream ended
+        self.done = False
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        while not self.done:
+            out = self._next(min(len(buffer), self.OUT))
+            if out:
+                n = len(out)
+                buffer[:n] = out
+                return n
+        return 0
+
+    def _next(self, size: int) -> bytes:
+        """The next piece of output (maybe empty); `done` at the end of the file."""
+        if self.dec.eof:  # a stream ended: what follows is another stream, xz's padding, or nothing
+            self.streams += 1
+            self.data = self.dec.unused_data + self.data
+            self.dec, self.fed = self.new(), 0
+        if self.dec.needs_input and not self.data:
+            self.data = self.raw.read(self.PIECE)
+            if not self.data:
+                self._end()
+                return b""
+        if self.fed == 0 and self.streams and self.padding:
+            rest = self.data.lstrip(b"\0")
+            self.zeros += len(self.data) - len(rest)
+            self.data = rest
+            if not rest:
+                return b""
+            if self.zeros % 4:
+                raise self.bad(f"{self.zeros} NUL bytes after stream {self.streams}: xz's stream padding is a "
+                               f"multiple of four")
+            self.zeros = 0
+        data, self.data = self.data, b""
+        try:
+            out = self.dec.decompress(data, size)
+        except self.bad as exc:
+            if self.fed == 0 and self.streams:  # the first bytes after a complete stream
+                raise self.bad(f"the bytes after {self.name} stream {self.streams} are not another {self.name} "
+                               f"stream (a damaged stream, or trailing data: {exc})") from None
+            raise
+        self.fed += len(data)
+        return out
+
+    def _end(self) -> None:
+        if self.fed and not self.dec.eof:
+            raise EOFError(f"the file ends inside {self.name} stream {self.streams + 1}: it was cut short")
+        if self.zeros % 4:
+            raise self.bad(f"{self.zeros} NUL bytes after stream {self.streams}: xz's stream padding is a "
+                           f"multiple of four")
+        self.done = True
+
+    def close(self) -> None:
+        try:
+            self.raw.close()
+        finally:
+            super().close()
+
+
+#: The compressed JSONL suffixes read through the standard library's modules (each raises EOFError
+#: on a stream cut short; bzip2 and xz through `_Streams`, which refuses what follows a stream too).
 _STDLIB_CODECS = {".jsonl.gz": "gzip", ".jsonl.bz2": "bz2", ".jsonl.xz": "lzma"}
 
 
@@ -203,18 +295,13 @@ def _open_lines(path: Path, kind: str):
 
 
 def _stdlib_reader(kind: str, raw):
-    """gzip's, bz2's or lzma's reader of the open file `raw` (every member / stream of it)."""
+    """gzip's reader, or bzip2's or xz's (`_Streams`), of the open file `raw` (every member /
+    stream of it)."""
     if kind == ".jsonl.gz":
         import gzip
 
         return gzip.GzipFile(fileobj=raw, mode="rb")
-    if kind == ".jsonl.bz2":
-        import bz2
-
-        return bz2.BZ2File(raw)
-    import lzma
-
-    return lzma.LZMAFile(raw)
+    return io.BufferedReader(_Streams(raw, kind), 1 << 20)  # bz2 / xz: every stream, nothing after them
 
 
 class _Closing:

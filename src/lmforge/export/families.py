@@ -12,7 +12,10 @@ A `Family` says:
   refusing what no family represents;
 - llama.cpp's storage rules (`gguf_norm_shift`: Gemma's GGUF norms hold 1 + w; `gguf_permute_qk`:
   the `llama` architecture rotates adjacent pairs, so q/k rows are permuted);
-- its chat template for a file that carries none (the common Gemma 3 270M GGUF), its BOS rule.
+- its chat template and end of turn for a model whose files carry none (the common Gemma 3 270M
+  GGUF; a transformers folder saved without one): `chat_template_of` hands them to the tokenizer
+  import that `import-hf` and `import-gguf` (through import-hf) share, so both doors give a model the
+  same chat format; a family without one gets lmforge's ChatML.
 
 Adding a family is one record here plus its tests (docs/where-changes-go.md); a mechanism no
 family has yet is one `ModelConfig` field with its one code site in lmforge/model.
@@ -23,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from lmforge.config import ModelConfig
+from lmforge.tokenizer import FamilyTemplate
 
 # -- weight names: lmforge -> Hugging Face ------------------------------------------------------
 _HF_COMMON = (
@@ -138,7 +142,7 @@ class Family:
     fixed: dict = field(default_factory=dict)
     #: ModelConfig fields (beyond the Llama shape) its config.json may set to any allowed value
     settable: tuple[str, ...] = ()
-    chat_template: str | None = None  # for a file without one (a GGUF); None: lmforge's ChatML
+    chat_template: str | None = None  # for a model whose files carry none; None: lmforge's ChatML
     end_of_turn: str | None = None  # the token closing a chat turn, when chat_template is the family's
     note: str = ""  # what the family adds to Llama, for help texts and errors
 
@@ -233,6 +237,18 @@ def family_of(model: ModelConfig) -> Family:
                       + ". Export a model built from an imported family's config, or change [model].")
 
 
+def chat_template_of(family: Family | None) -> FamilyTemplate | None:
+    """What `family`'s record says of chat, for a model whose files carry no chat template: its
+    template and end of turn (`template` None: the record has none), named by its architecture.
+    `import_hf` passes it to `tokenizer.import_tokenizer` (import-gguf imports through import_hf),
+    which takes the template (no token added) or, lacking one, lmforge's ChatML, and says which in
+    one line. None: no family (lmforge's ChatML)."""
+    if family is None:
+        return None
+    return FamilyTemplate(family.architecture, family.chat_template,
+                          family.end_of_turn if family.chat_template is not None else None)
+
+
 def by_architecture(architecture: str) -> Family | None:
     """The family whose config.json `architectures[0]` is `architecture` (None: none)."""
     return next((f for f in FAMILIES.values() if f.architecture == architecture), None)
@@ -244,4 +260,4 @@ def by_gguf_arch(arch: str) -> list[Family]:
 
 
 __all__ = ["FAMILIES", "Family", "GEMMA_CHAT_TEMPLATE", "MECHANISMS", "by_architecture", "by_gguf_arch",
-           "family_of", "fits"]
+           "chat_template_of", "family_of", "fits"]

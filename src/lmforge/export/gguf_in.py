@@ -29,7 +29,8 @@ hard-coded pattern (gemma3: 5 sliding, 1 full; gemma2: alternating), `sliding_wi
 `rope_parameters` per layer type (gemma3: full = rope.freq_base, sliding = 10000) and the
 soft-caps (gemma2: the file's, or llama.cpp's 50 and 30). A file without
 `tokenizer.chat_template` (the public Gemma 3 270M GGUF has none) gets its family's template
-(`Family.chat_template`), said in one line.
+(`families.chat_template_of`), said in one line, where `import_hf` gives a transformers folder
+without one the same: one chat format for a model whichever door it comes in by.
 
 Refused, by name: any other architecture or tokenizer; Llama 3.1 RoPE scaling (`rope_freqs`:
 its four parameters are not recoverable exactly from the per-frequency factors) and any
@@ -49,10 +50,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from lmforge.config import ModelConfig
 from lmforge.export.families import FAMILIES, Family
 from lmforge.export.gguf_vocab import LLAMA3_PATTERN, QWEN2_PATTERN, SPM_SPACE
 from lmforge.export.llama_cpp import LLAMA_CPP_ARCHS, require_gguf
-from lmforge.export.hf_in import import_hf
+from lmforge.export.hf_in import import_hf, renamed
 from lmforge.errors import LmforgeError
 from lmforge.export.options import ExportError
 from lmforge.fileio import save_safetensors
@@ -81,6 +83,41 @@ def _unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     """The inverse of `gguf._permute_rope_rows`: interleaved pairs per head -> half-split rows."""
     hd = w.shape[0] // n_heads
     return w.reshape(n_heads, hd // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_)) \
+        and bool(np.isfinite(value))
+
+
+def _typed(kv: dict, key: str, kind: str, path: Path, default=None):
+    """GGUF key `key` as `kind` ("number", "int", "bool", "str", "strs": a list of strings, "numbers",
+    "ints"), or `default` where the file has no such key.
+
+    Raises:
+        ExportError: a value of another type (a number written as a string, ...), naming the key,
+        the value and the type expected.
+    """
+    value = kv.get(key)
+    if value is None:
+        return default
+    scalar = {"number": _is_number, "int": lambda v: _is_number(v) and v == int(v),
+              "bool": lambda v: isinstance(v, (bool, np.bool_)), "str": lambda v: isinstance(v, str)}
+    item = {"strs": "str", "numbers": "number", "ints": "int"}.get(kind)
+    ok = isinstance(value, list) and all(scalar[item](v) for v in value) if item else scalar[kind](value)
+    if not ok:
+        want = {"number": "a number (float32)", "int": "an integer", "bool": "a boolean", "str": "a string",
+                "strs": "an array of strings", "numbers": "an array of numbers",
+                "ints": "an array of integers"}[kind]
+        shown = repr(value) if not isinstance(value, list) else f"an array of {len(value)} ({repr(value[:3])[:80]}...)"
+        raise ExportError(f"{path}: {key} = {shown}: expected {want}, as llama.cpp's convert_hf_to_gguf.py writes it "
+                          f"(llama.cpp refuses such a file too). Re-convert the model from its Hugging Face folder, or "
+                          f"import that folder with `lmforge import-hf`.")
+    if kind in ("number", "int"):
+        return float(value) if kind == "number" else int(value)
+    if kind == "bool":
+        return bool(value)
+    return value
 
 
 def _byte_level_pre(pre: str, path: Path) -> tuple[dict, bool]:
@@ -114,11 +151,17 @@ def rebuild_tokenizer(kv: dict, path: Path, end_of_turn: str | None = None) -> t
     """
     gguf = require_gguf()
     T = gguf.TokenType
-    model, tokens = kv.get("tokenizer.ggml.model"), kv.get("tokenizer.ggml.tokens")
+    model = _typed(kv, "tokenizer.ggml.model", "str", path)
+    tokens = _typed(kv, "tokenizer.ggml.tokens", "strs", path)
     if not tokens:
         raise ExportError(f"{path}: no tokenizer.ggml.tokens; the file has no vocabulary to rebuild a tokenizer from.")
-    types = list(kv.get("tokenizer.ggml.token_type") or [int(T.NORMAL)] * len(tokens))
-    named = [kv.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+    types = list(_typed(kv, "tokenizer.ggml.token_type", "ints", path) or [int(T.NORMAL)] * len(tokens))
+    if len(types) != len(tokens):
+        raise ExportError(f"{path}: tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} "
+                          f"tokenizer.ggml.tokens: expected one type per token. Re-convert the model.")
+    ids = {k: _typed(kv, f"tokenizer.ggml.{k}", "int", path) for k in
+           ("bos_token_id", "eos_token_id", "eot_token_id", "eom_token_id", "padding_token_id", "unknown_token_id")}
+    named = [ids[f"{k}_token_id"] for k in ("eos", "eot", "eom")]
     named += [i for i, t in enumerate(tokens) if end_of_turn and t == end_of_turn]
     for i in named:
         if isinstance(i, int) and 0 <= i < len(tokens) and types[i] == T.NORMAL:
@@ -131,10 +174,23 @@ def rebuild_tokenizer(kv: dict, path: Path, end_of_turn: str | None = None) -> t
             added.append({"id": i, "content": text, "single_word": False, "lstrip": False, "rstrip": False,
                           "normalized": False, "special": kind == T.CONTROL})
         vocab[text] = i  # added tokens too: HF gives an added token the model's id for its text
-    unk = kv.get("tokenizer.ggml.unknown_token_id")
+    unk = ids["unknown_token_id"]
+    if unk is not None and not 0 <= unk < len(tokens):
+        unk = None  # as llama.cpp: an id past the vocabulary names no token
     if model == "gpt2":
-        pre, ignore_merges = _byte_level_pre(kv.get("tokenizer.ggml.pre", "gpt-2"), path)
-        merges = [m.split(" ") for m in kv.get("tokenizer.ggml.merges") or []]
+        pre, ignore_merges = _byte_level_pre(_typed(kv, "tokenizer.ggml.pre", "str", path, "gpt-2"), path)
+        raw_merges = _typed(kv, "tokenizer.ggml.merges", "strs", path)
+        if raw_merges is None:
+            raise ExportError(f"{path}: tokenizer.ggml.model = 'gpt2' (a byte-level BPE) but the file has no "
+                              f"tokenizer.ggml.merges: without its merges the vocabulary would split text into single "
+                              f"bytes, not the tokens the model was trained on (llama.cpp refuses such a file: "
+                              f"\"cannot find tokenizer merges\"). Re-convert the model with its merges, or import its "
+                              f"Hugging Face folder with `lmforge import-hf`.")
+        bad = next((m for m in raw_merges if len(m.split(" ")) != 2), None)
+        if bad is not None:
+            raise ExportError(f"{path}: tokenizer.ggml.merges has the entry {bad!r}: expected two tokens separated by "
+                              f"one space (\"a b\"). Re-convert the model.")
+        merges = [m.split(" ") for m in raw_merges]
         bpe = {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
                "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": ignore_merges,
                "vocab": vocab, "merges": merges}
@@ -143,13 +199,16 @@ def rebuild_tokenizer(kv: dict, path: Path, end_of_turn: str | None = None) -> t
               "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
               "model": bpe}
     elif model == "llama":
-        scores = kv.get("tokenizer.ggml.scores") or [0.0] * len(tokens)
+        scores = _typed(kv, "tokenizer.ggml.scores", "numbers", path) or [0.0] * len(tokens)
+        if len(scores) != len(tokens):
+            raise ExportError(f"{path}: tokenizer.ggml.scores has {len(scores)} entries for {len(tokens)} "
+                              f"tokenizer.ggml.tokens: expected one score per token. Re-convert the model.")
         pieces = {t: i for t, i in vocab.items() if types[i] not in (T.CONTROL, T.USER_DEFINED, T.UNKNOWN, T.BYTE)}
         merges = []  # every split into two pieces, by the score of the whole (transformers' SentencePiece converter)
         for t in sorted(pieces, key=lambda t: (-scores[pieces[t]], pieces[t])):
             splits = [(t[:k], t[k:]) for k in range(1, len(t)) if t[:k] in pieces and t[k:] in pieces]
             merges += sorted(splits, key=lambda p: (pieces[p[0]], pieces[p[1]]))
-        prefix = bool(kv.get("tokenizer.ggml.add_space_prefix", True))
+        prefix = _typed(kv, "tokenizer.ggml.add_space_prefix", "bool", path, True)
         replace = {"type": "Replace", "pattern": {"String": " "}, "content": SPM_SPACE}
         norm = [{"type": "Prepend", "prepend": SPM_SPACE}, replace] if prefix else [replace]
         decoder = [{"type": "Replace", "pattern": {"String": SPM_SPACE}, "content": " "}, {"type": "ByteFallback"},
@@ -164,21 +223,22 @@ def rebuild_tokenizer(kv: dict, path: Path, end_of_turn: str | None = None) -> t
         raise ExportError(f"{path}: tokenizer.ggml.model = {model!r}; lmforge rebuilds `gpt2` (byte-level BPE) and "
                           f"`llama` (SentencePiece-style BPE) tokenizers.")
     config: dict = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False,
-                    "add_bos_token": bool(kv.get("tokenizer.ggml.add_bos_token", model == "llama")),
+                    "add_bos_token": _typed(kv, "tokenizer.ggml.add_bos_token", "bool", path, model == "llama"),
                     "add_eos_token": False}
     for name, key in (("bos", "bos_token_id"), ("eos", "eos_token_id"), ("pad", "padding_token_id"),
                       ("unk", "unknown_token_id")):
-        i = kv.get(f"tokenizer.ggml.{key}")
+        i = ids[key]
         if i is not None and 0 <= i < len(tokens):
             config[f"{name}_token"] = tokens[i]
     if not config["add_bos_token"] and config.get("bos_token") == config.get("eos_token"):
         config.pop("bos_token", None)  # lmforge's export writes the EOS as a BOS-less model's bos_token_id
-    if kv.get("tokenizer.chat_template"):
-        config["chat_template"] = kv["tokenizer.chat_template"]
+    template = _typed(kv, "tokenizer.chat_template", "str", path)
+    if template:
+        config["chat_template"] = template
     return tj, config
 
 
-def _hf_config(family: Family, kv: dict, path: Path, num, size, shape: dict) -> dict:
+def _hf_config(family: Family, kv: dict, path: Path, real, size, shape: dict) -> dict:
     """The config.json (as `save_pretrained` writes it, and as export/hf_config_out.py writes the family's)
     of the model llama.cpp computes from the file's keys, `LLAMA_CPP_ARCHS` supplying what its
     runtime hard-codes (Gemma's layer pattern, sliding RoPE base, attention scale, soft-caps).
@@ -188,7 +248,7 @@ def _hf_config(family: Family, kv: dict, path: Path, num, size, shape: dict) -> 
     """
     arch, rt = family.gguf_arch, LLAMA_CPP_ARCHS[family.gguf_arch]
     dim, n_heads, n_layers, hd = shape["dim"], shape["n_heads"], shape["n_layers"], shape["head_dim"]
-    theta = float(num("rope.freq_base", 10000.0))
+    theta = real("rope.freq_base", 10000.0, "rope_theta")
     for key in ("rope.scaling.type", "rope.scaling.factor"):
         value = kv.get(f"{arch}.{key}")
         if value not in (None, "none", 1, 1.0):
@@ -197,7 +257,7 @@ def _hf_config(family: Family, kv: dict, path: Path, num, size, shape: dict) -> 
     config = {"architectures": [family.architecture], "model_type": family.model_type, "hidden_size": dim,
               "intermediate_size": size("feed_forward_length"), "num_hidden_layers": n_layers,
               "num_attention_heads": n_heads, "num_key_value_heads": shape["n_kv_heads"], "head_dim": hd,
-              "rms_norm_eps": float(num("attention.layer_norm_rms_epsilon")),
+              "rms_norm_eps": real("attention.layer_norm_rms_epsilon", None, "norm_eps"),
               "max_position_embeddings": size("context_length"), "vocab_size": shape["vocab_size"],
               "tie_word_embeddings": shape["tied"], "torch_dtype": "float32"}
     window = kv.get(f"{arch}.attention.sliding_window")
@@ -220,14 +280,15 @@ def _hf_config(family: Family, kv: dict, path: Path, num, size, shape: dict) -> 
                           f"builds refuse such a file too). Re-convert the model with it.")
     window = size("attention.sliding_window", 4096)  # gemma2's default in llama.cpp
     kinds = ["sliding_attention" if s else "full_attention" for s in rt.sliding(n_layers)]
-    swa_theta = kv.get(f"{arch}.rope.freq_base_swa")
+    swa_theta = real("rope.freq_base_swa", None) if f"{arch}.rope.freq_base_swa" in kv else None
     want_swa = rt.rope_theta_sliding or theta
-    if swa_theta is not None and float(swa_theta) != want_swa:
+    if swa_theta is not None and swa_theta != want_swa:
         raise ExportError(f"{path}: {arch}.rope.freq_base_swa = {swa_theta!r}: llama.cpp's {arch} rotates the sliding "
                           f"layers with base {want_swa!r} whatever this key says (expected {want_swa!r}), so the file "
                           f"does not say which model it is. Import the model's Hugging Face folder instead.")
-    attn_cap = kv.get(f"{arch}.attn_logit_softcapping")
-    final_cap = kv.get(f"{arch}.final_logit_softcapping")
+    attn_cap = real("attn_logit_softcapping", None, "attn_softcap") if f"{arch}.attn_logit_softcapping" in kv else None
+    final_cap = real("final_logit_softcapping", None, "final_softcap") if f"{arch}.final_logit_softcapping" in kv \
+        else None
     if not rt.attn_softcap and attn_cap:
         raise ExportError(f"{path}: {arch}.attn_logit_softcapping = {attn_cap!r}: llama.cpp's {arch} never soft-caps "
                           f"attention scores (expected none). Import the model's Hugging Face folder instead.")
@@ -260,13 +321,13 @@ def hf_folder_from_gguf(path: str | Path, folder: Path, log=None) -> None:
     The file's architecture picks the family record (`ARCHS`); tensors are renamed through the
     family's GGUF and HF name maps, norms given back their HF form (minus `gguf_norm_shift`),
     q/k rows un-permuted where the family permutes them. A file without `tokenizer.chat_template`
-    gets the family's own template (`Family.chat_template`, Gemma's), said in one line to `log`.
+    gives a folder without one, as transformers saves such a model (`import_hf` then takes the
+    family's template: `families.chat_template_of`).
 
     Raises:
         ExportError: an architecture, tokenizer, key or tensor lmforge does not map back (named).
     """
     gguf = require_gguf()
-    say = log or (lambda _msg: None)
     path = Path(path)
     try:
         reader = gguf.GGUFReader(str(path))
@@ -284,6 +345,21 @@ def hf_folder_from_gguf(path: str | Path, folder: Path, log=None) -> None:
             raise ExportError(f"{path}: no {arch}.{key}; a {arch} GGUF has it.")
         return value
 
+    def real(key: str, default=None, field: str | None = None) -> float:
+        """A float key: a finite number (refused naming the key otherwise), within the range of the
+        ModelConfig `field` it becomes."""
+        value = _typed(kv, f"{arch}.{key}", "number", path, default)
+        if value is None:
+            raise ExportError(f"{path}: no {arch}.{key}; a {arch} GGUF has it.")
+        value = float(value)
+        if field is not None:
+            low, high, low_open, high_open = ModelConfig.__dataclass_fields__[field].metadata["bounds"]
+            if not ((low < value if low_open else low <= value) and (value < high if high_open else value <= high)):
+                raise ExportError(f"{path}: {arch}.{key} = {value!r}: expected {low:g} {'<' if low_open else '<='} "
+                                  f"value {'<' if high_open else '<='} {high:g} (lmforge's model.{field}); lmforge "
+                                  f"cannot hold this model. Re-convert it from the model's Hugging Face folder.")
+        return value
+
     def size(key: str, default=None) -> int:
         """A size field: a positive integer, or the file is refused naming the field."""
         value = num(key, default)
@@ -298,7 +374,7 @@ def hf_folder_from_gguf(path: str | Path, folder: Path, log=None) -> None:
     dim, n_heads = size("embedding_length"), size("attention.head_count")
     n_kv = size("attention.head_count_kv", n_heads)
     hd = size("attention.key_length", dim // n_heads if dim % n_heads == 0 else 0)
-    if size("attention.value_length", hd) != hd or int(num("rope.dimension_count", hd)) != hd:
+    if size("attention.value_length", hd) != hd or size("rope.dimension_count", hd) != hd:
         raise ExportError(f"{path}: key_length {hd}, value_length {num('attention.value_length', hd)}, rope over "
                           f"{num('rope.dimension_count', hd)}: lmforge's heads have one size for keys and values and "
                           f"rotate whole heads (expected all three equal).")
@@ -325,12 +401,8 @@ def hf_folder_from_gguf(path: str | Path, folder: Path, log=None) -> None:
         raise ExportError(f"{path}: no token_embd.weight tensor.")
     shape = {"dim": dim, "n_heads": n_heads, "n_kv_heads": n_kv, "head_dim": hd, "n_layers": size("block_count"),
              "vocab_size": int(state["model.embed_tokens.weight"].shape[0]), "tied": "lm_head.weight" not in state}
-    config = _hf_config(family, kv, path, num, size, shape)
+    config = _hf_config(family, kv, path, real, size, shape)
     tj, tok_config = rebuild_tokenizer(kv, path, family.end_of_turn)
-    if "chat_template" not in tok_config and family.chat_template:
-        tok_config["chat_template"] = family.chat_template
-        say(f"{path}: no tokenizer.chat_template in the file; using {family.architecture}'s chat template "
-            f"(export/families.py: turns closed by {family.end_of_turn})")
     (folder / "config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
     save_safetensors(state, folder / "model.safetensors", metadata={"format": "pt"})
     (folder / "tokenizer.json").write_text(json.dumps(tj, ensure_ascii=False), encoding="utf-8")
@@ -345,8 +417,8 @@ def import_gguf(path: str | Path, out: str | Path, log=None, eos_token: str = ""
         path: the .gguf file (architecture llama, qwen2, qwen3, gemma3, gemma2 or olmo2; any
             quantization gguf reads).
         out: the checkpoint folder to write (refused if it holds other files, as import-hf does).
-        log, eos_token: as `import_hf` (`log` also gets the line saying a family's chat template
-            was supplied).
+        log, eos_token: as `import_hf` (its lines name `path` where they would name the
+            converted folder, a temporary: "chat template: FILE has none; using ...").
     Raises:
         ExportError: not a file; see `hf_folder_from_gguf` and `import_hf`.
     """
@@ -355,15 +427,17 @@ def import_gguf(path: str | Path, out: str | Path, log=None, eos_token: str = ""
         raise ExportError(f"{path} is not a file; give the .gguf file to import.")
     with tempfile.TemporaryDirectory(prefix="lmforge-gguf-") as tmp:
         hf_folder_from_gguf(path, Path(tmp), log=log)
+        said = (lambda msg: log(msg.replace(str(tmp), str(path)))) if log else None
         try:
-            return import_hf(tmp, out, log=log, eos_token=eos_token)
+            return import_hf(tmp, out, log=said, eos_token=eos_token, command="`lmforge import-gguf`")
         except LmforgeError as exc:  # its words name the converted folder, a temporary: name the file given
-            msg = str(exc).replace(f"{tmp}/", f"{path} (converted to Hugging Face files) ").replace(str(tmp), str(path))
-            try:
-                renamed = type(exc)(msg)
-            except TypeError:  # an error class with other arguments: keep it as it is
-                raise exc from None
-            raise renamed from None
+            parts = [("config.json", "its model keys"),
+                     ("tokenizer_config.json", "its tokenizer.ggml.* special tokens, add_bos_token and "
+                                               "tokenizer.chat_template"),
+                     ("tokenizer.json", "its tokenizer.ggml.* vocabulary"), ("model.safetensors", "its tensors")]
+            raise renamed(exc, [(f"--from {tmp}", str(path)),
+                                *((f"{Path(tmp) / name}", f"{path} ({what})") for name, what in parts),
+                                (f"{tmp}/", f"{path}: "), (str(tmp), str(path))]) from None
 
 
 __all__ = ["ARCHS", "import_gguf", "hf_folder_from_gguf", "rebuild_tokenizer"]

@@ -14,6 +14,8 @@ from __future__ import annotations
 import math
 
 from lmforge.config import ModelConfig
+from lmforge.config.fields import check_number
+from lmforge.errors import ConfigError
 from lmforge.export import families as families_mod
 from lmforge.export.hf_config_out import FAMILIES, GELU_TANH, HF_LAYER_TYPES
 from lmforge.export.options import ExportError
@@ -24,15 +26,19 @@ from lmforge.tokenizer import short_repr
 PLAIN_ROPE = (None, "default")
 
 
-def _rope_settings(cfg: dict, where: str) -> dict:
+def _rope_settings(cfg: dict, where: str, keys: dict | None = None) -> dict:
     """The RoPE settings of a config as ModelConfig keys: rope_theta and, for Llama 3.1's
     scaling, rope_scaling = "llama3" and its four numbers. Reads transformers >= 5's
     `rope_parameters` and older `rope_theta` + `rope_scaling` (null, or rope_type / type
     "default" for plain RoPE).
 
+    `keys` (when given) gets, per ModelConfig field set, the config.json key it came from and
+    the value written there (for `_check_ranges`).
+
     Raises:
         ExportError: another scaling (linear, dynamic, yarn, longrope, ...), partial rotation.
     """
+    keys = {} if keys is None else keys
     source, rope = "rope_parameters", {}
     for key in ("rope_parameters", "rope_scaling"):  # both may be present: a scaling in either counts
         value = cfg.get(key)
@@ -43,8 +49,10 @@ def _rope_settings(cfg: dict, where: str) -> dict:
         if not rope or value.get("rope_type", value.get("type")) not in PLAIN_ROPE:
             source, rope = key, {**rope, **value} if key == "rope_scaling" else value
     kind = rope.get("rope_type", rope.get("type"))
+    theta_key = f"{source}.rope_theta" if "rope_theta" in rope else "rope_theta"
     theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
-    out: dict = {"rope_theta": _number(theta, "rope_theta", float, where)}
+    out: dict = {"rope_theta": _number(theta, theta_key, float, where)}
+    keys["rope_theta"] = (theta_key, theta)
     for key in ("partial_rotary_factor",):
         value = cfg.get(key, rope.get(key))
         if value not in (None, 1, 1.0):
@@ -57,12 +65,17 @@ def _rope_settings(cfg: dict, where: str) -> dict:
     if kind != "llama3":
         raise ExportError(f"{where}: {source} has rope_type = {kind!r}: lmforge implements plain RoPE (\"default\") and Llama "
                           f"3.1's \"llama3\" scaling only; this model cannot be imported.")
-    out.update(rope_scaling="llama3",
-               rope_factor=_number(rope.get("factor"), "rope factor", float, where),
-               rope_low_freq_factor=_number(rope.get("low_freq_factor"), "rope low_freq_factor", float, where),
-               rope_high_freq_factor=_number(rope.get("high_freq_factor"), "rope high_freq_factor", float, where),
-               rope_original_max_seq_len=_number(rope.get("original_max_position_embeddings"),
-                                                 "rope original_max_position_embeddings", int, where))
+    out["rope_scaling"] = "llama3"
+    for field, key, typ in (("rope_factor", "factor", float), ("rope_low_freq_factor", "low_freq_factor", float),
+                            ("rope_high_freq_factor", "high_freq_factor", float),
+                            ("rope_original_max_seq_len", "original_max_position_embeddings", int)):
+        out[field] = _number(rope.get(key), f"{source}.{key}", typ, where)
+        keys[field] = (f"{source}.{key}", rope.get(key))
+    if not out["rope_high_freq_factor"] > out["rope_low_freq_factor"]:
+        raise ExportError(f"{where}: {source}.high_freq_factor = {rope.get('high_freq_factor')!r} and "
+                          f"{source}.low_freq_factor = {rope.get('low_freq_factor')!r}: expected high_freq_factor "
+                          f"above low_freq_factor (Llama 3.1: 4 and 1; the band between them is interpolated). Fix "
+                          f"{source} in config.json.")
     return out
 
 
@@ -72,8 +85,35 @@ def _number(value, key: str, typ: type, where: str):
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) \
         and (typ is float or value == int(value))
     if not ok:
-        raise ExportError(f"{where}: {key} = {value!r}: expected {'an integer' if typ is int else 'a number'}.")
+        raise ExportError(f"{where}: {key} = {value!r}: expected {'an integer' if typ is int else 'a number'}. Fix "
+                          f"{key} in config.json (or use the folder transformers saved).")
     return typ(value)
+
+
+def _flag(value, key: str, where: str) -> bool:
+    """A JSON true / false, refused otherwise (a string "false" is not false)."""
+    if not isinstance(value, bool):
+        raise ExportError(f"{where}: {key} = {value!r}: expected true or false (a JSON boolean, not a string or a "
+                          f"number). Fix {key} in config.json (or use the folder transformers saved).")
+    return value
+
+
+def _check_ranges(model: ModelConfig, keys: dict, where: str) -> None:
+    """Each ModelConfig field read from config.json within the range lmforge's [model] allows,
+    refused under the config.json key the value came from (`keys`: field -> (key, value written,
+    how the field derives from it, or "" when it is that value))."""
+    for field, entry in keys.items():
+        key, raw, how = (*entry, "")[:3]
+        value = getattr(model, field)
+        try:
+            check_number(ModelConfig, field, value, f"model.{field}")
+        except ConfigError:
+            low, high, low_open, high_open = ModelConfig.__dataclass_fields__[field].metadata["bounds"]
+            span = f"{low:g} {'<' if low_open else '<='} value {'<' if high_open else '<='} {high:g}"
+            seen = f"{key} = {raw!r}" + (f" makes lmforge's model.{field} = {how} = {value!r}" if how else "")
+            raise ExportError(f"{where}: {seen}: expected {span}" + ("" if how else f" (lmforge's model.{field})")
+                              + f"; lmforge cannot hold this model. Fix {key} in config.json (or use the folder "
+                              f"transformers saved).") from None
 
 
 #: Where a config.json leaves a key out, transformers' config class of the family supplies it;
@@ -145,7 +185,7 @@ def _layer_kinds(cfg: dict, family: str, n_layers: int, where: str, say) -> list
     return kinds if "sliding" in kinds else []
 
 
-def _gemma3_rope(cfg: dict, where: str) -> dict:
+def _gemma3_rope(cfg: dict, where: str, keys: dict | None = None) -> dict:
     """Gemma 3's RoPE as ModelConfig keys: rope_theta (full layers) and rope_theta_sliding, from
     transformers 5's `rope_parameters` keyed by layer type, or older `rope_theta` +
     `rope_local_base_freq` (+ `rope_scaling`, which transformers applies to the full layers).
@@ -183,10 +223,18 @@ def _gemma3_rope(cfg: dict, where: str) -> dict:
     if cfg.get("partial_rotary_factor") not in (None, 1, 1.0):
         raise ExportError(f"{where}: partial_rotary_factor = {cfg['partial_rotary_factor']!r}, expected 1.0: lmforge "
                           f"rotates the whole head.")
+    keys = {} if keys is None else keys
+    theta_key = "rope_parameters.full_attention.rope_theta" if "rope_theta" in full else "rope_theta"
+    local_key = "rope_parameters.sliding_attention.rope_theta" if "rope_theta" in sliding else "rope_local_base_freq"
     theta = full.get("rope_theta", cfg.get("rope_theta", 1_000_000.0))
     local = sliding.get("rope_theta", cfg.get("rope_local_base_freq", 10_000.0))
-    return {"rope_theta": _number(theta, "rope_theta (full_attention)", float, where),
-            "rope_theta_sliding": _number(local, "rope_theta (sliding_attention)", float, where)}
+    out = {"rope_theta": _number(theta, theta_key, float, where),
+           "rope_theta_sliding": _number(local, local_key, float, where)}
+    if not out["rope_theta_sliding"] > 1:
+        raise ExportError(f"{where}: {local_key} = {local!r}: expected a RoPE base above 1, as rope_theta (Gemma 3: "
+                          f"10000; a base <= 1 gives no spread of rotations). Fix {local_key} in config.json.")
+    keys.update(rope_theta=(theta_key, theta), rope_theta_sliding=(local_key, local))
+    return out
 
 
 def _family_of_config(cfg: dict, where: str, say) -> families_mod.Family:
@@ -283,11 +331,25 @@ def model_config_from_hf(cfg: dict, where: str, log=None) -> ModelConfig:
     if bad:
         raise ExportError(f"{where}: {', '.join(bad)}: expected positive sizes; this config.json does not describe a "
                           f"model. Fix it (or use the folder transformers saved).")
+    if n_heads % n_kv_heads:
+        raise ExportError(f"{where}: num_attention_heads = {n_heads} is not divisible by num_key_value_heads = "
+                          f"{n_kv_heads} (grouped-query attention shares each key/value head among "
+                          f"num_attention_heads / num_key_value_heads query heads); this config.json does not describe "
+                          f"a model. Fix it (or use the folder transformers saved).")
+    # config.json's key and value of each ModelConfig field, for the range check (_check_ranges)
+    keys: dict = {"dim": ("hidden_size", cfg.get("hidden_size")), "n_layers": ("num_hidden_layers", n_layers),
+                  "n_heads": ("num_attention_heads", n_heads), "n_kv_heads": ("num_key_value_heads", n_kv_heads),
+                  "ffn_dim": ("intermediate_size", ffn_dim), "max_seq_len": ("max_position_embeddings", max_pos)}
     mech: dict = {}
-    # -- head size: explicit in Gemma (256 in every small model), derived elsewhere
+    # -- head size: explicit in Gemma (256 in every small model), derived elsewhere; only absent or
+    # null derives it (transformers would build heads of size 0 from a 0)
     head_dim = _get(cfg, name, "head_dim")
     if head_dim is not None:
         head_dim = _number(head_dim, "head_dim", int, where)
+        if head_dim <= 0:
+            raise ExportError(f"{where}: head_dim = {head_dim}: expected a positive head size, or null (or no key) for "
+                              f"hidden_size / num_attention_heads = {dim // n_heads if dim % n_heads == 0 else 'n/a'}. "
+                              f"Fix head_dim in config.json (or use the folder transformers saved).")
         if head_dim != dim // n_heads or dim % n_heads:
             if "head_dim" not in family.settable:
                 raise ExportError(
@@ -295,6 +357,11 @@ def model_config_from_hf(cfg: dict, where: str, log=None) -> ModelConfig:
                     f"lmforge's {arch} derives head_dim = dim / n_heads (expected {dim // n_heads}), so this model "
                     f"cannot be imported.")
             mech["head_dim"] = head_dim
+            keys["head_dim"] = ("head_dim", head_dim)
+    elif dim % n_heads:
+        raise ExportError(f"{where}: hidden_size = {dim} is not divisible by num_attention_heads = {n_heads} and there "
+                          f"is no head_dim; transformers derives the head size as hidden_size / num_attention_heads. "
+                          f"Fix config.json (or use the folder transformers saved).")
     resolved_head_dim = head_dim or dim // n_heads
     # -- layer kinds and the window
     layer_types = _layer_kinds(cfg, name, n_layers, where, say)
@@ -313,13 +380,15 @@ def model_config_from_hf(cfg: dict, where: str, log=None) -> ModelConfig:
         if window < 1:
             raise ExportError(f"{where}: sliding_window = {window}: expected at least 1 key.")
         mech.update(layer_types=layer_types, sliding_window=window)
+        keys["sliding_window"] = ("sliding_window", window)
     # -- RoPE
     if name == "gemma3_text":
-        rope = _gemma3_rope(cfg, where)
+        rope = _gemma3_rope(cfg, where, keys)
         if "sliding" not in layer_types or rope["rope_theta_sliding"] == rope["rope_theta"]:
             rope["rope_theta_sliding"] = 0.0  # the full layers' base
+            keys.pop("rope_theta_sliding")
     else:
-        rope = _rope_settings(cfg, where)
+        rope = _rope_settings(cfg, where, keys)
         if rope.get("rope_scaling", "none") != "none" and "rope_scaling" not in family.settable:
             raise ExportError(f"{where}: rope_type = {rope['rope_scaling']!r}: lmforge imports {arch} with plain RoPE "
                               f"(\"default\") only; this model cannot be imported.")
@@ -330,6 +399,9 @@ def model_config_from_hf(cfg: dict, where: str, log=None) -> ModelConfig:
             raise ExportError(f"{where}: query_pre_attn_scalar = {scalar}: expected a positive number.")
         mech["embed_scale"] = dim ** 0.5  # transformers: hidden_size ** 0.5
         mech["attn_scale"] = scalar ** -0.5  # transformers: query_pre_attn_scalar ** -0.5
+        keys.update(embed_scale=("hidden_size", dim, "hidden_size ** 0.5"),
+                    attn_scale=("query_pre_attn_scalar", _get(cfg, name, "query_pre_attn_scalar"),
+                                "query_pre_attn_scalar ** -0.5"))
         caps = {}
         for key in ("attn_logit_softcapping", "final_logit_softcapping"):
             value = _get(cfg, name, key)
@@ -342,13 +414,18 @@ def model_config_from_hf(cfg: dict, where: str, log=None) -> ModelConfig:
                 f"as transformers computes")
         else:
             mech["attn_softcap"] = caps["attn_logit_softcapping"]
+            keys["attn_softcap"] = ("attn_logit_softcapping", _get(cfg, name, "attn_logit_softcapping"))
         mech["final_softcap"] = caps["final_logit_softcapping"]
+        keys["final_softcap"] = ("final_logit_softcapping", _get(cfg, name, "final_logit_softcapping"))
     eps = _number(_get(cfg, name, "rms_norm_eps", 1e-6), "rms_norm_eps", float, where)
+    keys["norm_eps"] = ("rms_norm_eps", _get(cfg, name, "rms_norm_eps", 1e-6))
+    tie = _get(cfg, name, "tie_word_embeddings", False)
     model = ModelConfig(
         dim=dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv_heads, ffn_dim=ffn_dim, norm_eps=eps,
-        max_seq_len=max_pos, tie_embeddings=bool(_get(cfg, name, "tie_word_embeddings", False)),
+        max_seq_len=max_pos, tie_embeddings=False if tie is None else _flag(tie, "tie_word_embeddings", where),
         **{**family.fixed, **mech, **rope},
     )
+    _check_ranges(model, keys, where)
     if resolved_head_dim % 2:
         raise ExportError(f"{where}: head size {resolved_head_dim} is odd: rotary embeddings rotate pairs; this "
                           f"config.json does not describe a model transformers runs.")

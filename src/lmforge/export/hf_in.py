@@ -22,7 +22,8 @@ import torch
 
 from lmforge.config import Config, from_dict, validate
 from lmforge.contract import padded_vocab_size
-from lmforge.errors import CheckpointError, ConfigError
+from lmforge.errors import CheckpointError, ConfigError, LmforgeError
+from lmforge.export.families import chat_template_of
 from lmforge.export.hf import HF_CONFIG_FILE, IMPORT_OUTPUT, WEIGHTS_FILE, WEIGHTS_INDEX_FILE, from_hf_state
 from lmforge.export.hf_config_in import _number, family_of_hf_config, model_config_from_hf
 from lmforge.export.options import ExportError
@@ -120,6 +121,10 @@ def read_hf_weights(folder: Path) -> dict[str, torch.Tensor]:
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise ExportError(f"{folder}: the weights file does not hold a dictionary of tensors.")
     for name, t in state.items():
+        if t.is_floating_point() and t.dtype in (torch.float32, torch.bfloat16, torch.float16) \
+                and not bool(torch.isfinite(t).all()):
+            raise ExportError(f"{folder}: weight {name} holds NaN or infinite values; no model computes with them. "
+                              f"The weights are damaged: download or copy them again.")
         if t.is_floating_point() and t.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ExportError(f"{folder}: weight {name} has dtype {str(t.dtype).removeprefix('torch.')}; lmforge imports "
                               f"float32, bfloat16 and float16 weights only (a float8 or float64 weight would be "
@@ -131,14 +136,35 @@ def read_hf_weights(folder: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def import_hf(folder: str | Path, out: str | Path, log=None, eos_token: str = "") -> Path:
+def renamed(exc: LmforgeError, replacements) -> LmforgeError:
+    """`exc` with each (old, new) text of `replacements` replaced in its message, in order (an
+    error naming a temporary folder, or a flag the user never typed, names what the user gave);
+    `exc` itself where its class takes other arguments."""
+    msg = str(exc)
+    for old, new in replacements:
+        msg = msg.replace(old, new)
+    if msg == str(exc):
+        return exc
+    try:
+        out = type(exc)(msg)
+    except TypeError:
+        return exc
+    out.__dict__.update(exc.__dict__)
+    return out
+
+
+def import_hf(folder: str | Path, out: str | Path, log=None, eos_token: str = "",
+              command: str = "`lmforge import-hf`") -> Path:
     """Turn a HF folder of a family lmforge imports (`model_config_from_hf`) into an lmforge
     checkpoint folder (atomically); the weights are read in the family's names (`map_name`).
 
     The tokenizer goes through `lmforge.tokenizer.import_tokenizer`: the contract is derived
     from the model's own tokenizer and conventions (its document terminator, its BOS or none,
-    its chat template and end-of-turn token); the only token it may add is a distinct <|pad|>
-    (and ChatML's two markers for a model without a chat template). Embedding and output rows
+    its chat template and end-of-turn token); the only token it may add is a distinct <|pad|>.
+    A folder without a chat template takes its family's (`families.chat_template_of`: the record's
+    template and end of turn, no token added), as import-gguf, which imports through here, does
+    for a file without one; only a family whose record has none gets lmforge's ChatML (and its
+    two markers where the vocabulary lacks them). One log line says which. Embedding and output rows
     of the tokenizer's original ids are copied; rows of added tokens start as the mean of the
     original rows; rows past the tokenizer's vocab are dropped, and the matrix is zero-padded
     to the multiple of 64 (P6). Every file read is inside `folder` (`confined`).
@@ -149,9 +175,11 @@ def import_hf(folder: str | Path, out: str | Path, log=None, eos_token: str = ""
 
     Args:
         log: called with one line per change or conversion made (the document terminator chosen,
-            the BOS convention, an added pad, weights cast to float32, an empty `architectures`).
+            the BOS convention, the chat template taken, an added pad, weights cast to float32, an
+            empty `architectures`).
         eos_token: the document terminator where the folder's cannot be derived (the setting
             tokenizer.eos_token).
+        command: the command the user ran, as its errors name it (import-gguf imports through here).
     Raises:
         ExportError: not a folder of a family lmforge imports, a feature lmforge lacks, integer weights,
         unreadable weights, a file outside the folder, fewer embedding rows than the tokenizer's
@@ -180,8 +208,14 @@ def import_hf(folder: str | Path, out: str | Path, log=None, eos_token: str = ""
         hf_vocab = _number(hf_vocab, "vocab_size", int, str(cfg_path))
         if hf_vocab <= 0:
             raise ExportError(f"{cfg_path}: vocab_size = {hf_vocab}: expected the number of embedding rows (> 0).")
-    with atomic_dir(out, IMPORT_OUTPUT, what="`lmforge import-hf`") as tmp:
-        tok = import_tokenizer(folder, tmp / "tokenizer", log=say, eos_token=eos_token)
+    family = family_of_hf_config(raw, str(cfg_path))
+    with atomic_dir(out, IMPORT_OUTPUT, what=command) as tmp:
+        try:
+            tok = import_tokenizer(folder, tmp / "tokenizer", log=say, eos_token=eos_token,
+                                   family=chat_template_of(family))
+        except LmforgeError as exc:  # import-tokenizer's words: its --from is this command's DIR, its --out ours
+            raise renamed(exc, [(f"--from {folder}", str(folder)), (f"--out {tmp / 'tokenizer'}", f"--out {out}"),
+                                (str(tmp / "tokenizer"), str(out))]) from None
         contract = tok.contract
         original = vocab_size_of(load_hf_tokenizer(folder / TOKENIZER_FILE))
         hf_state = read_hf_weights(folder)
@@ -200,8 +234,7 @@ def import_hf(folder: str | Path, out: str | Path, log=None, eos_token: str = ""
         dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in hf_state.values()} - {"float32"})
         if dtypes:
             say(f"weights: {', '.join(dtypes)} -> float32 (exact: every value is representable)")
-        state = from_hf_state(hf_state, original, model_cfg.tie_embeddings, str(folder),
-                              family_of_hf_config(raw, str(cfg_path)))
+        state = from_hf_state(hf_state, original, model_cfg.tie_embeddings, str(folder), family)
         if contract.vocab_size > original:
             say(f"embedding: {contract.vocab_size - original} added token row(s) start as the mean of the "
                 f"{original} original rows")
@@ -221,8 +254,10 @@ def import_hf(folder: str | Path, out: str | Path, log=None, eos_token: str = ""
         model = Transformer(resolve_model_config(model_cfg, contract))
         try:
             load_weights(model, tmp / MODEL_FILE)  # strict: names, shapes, finite values
-        except CheckpointError as exc:
-            raise ExportError(f"{folder}: the weights do not fit the model its config.json describes: {exc}") from None
+        except CheckpointError as exc:  # its words name the temporary copy: say them of the folder's weights
+            detail = str(exc).replace(f"{tmp / MODEL_FILE}: ", "").replace(str(tmp / MODEL_FILE), "the weights")
+            raise ExportError(f"{folder}: the weights do not fit the model its config.json describes: {detail}") \
+                from None
     return out
 
 
@@ -236,4 +271,4 @@ def _grow_rows(t: torch.Tensor, original: int, vocab: int) -> torch.Tensor:
 
 
 
-__all__ = ["import_hf", "read_hf_weights"]
+__all__ = ["import_hf", "read_hf_weights", "renamed"]

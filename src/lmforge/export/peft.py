@@ -70,6 +70,9 @@ def export_peft(checkpoint: str | Path, out: str | Path, dtype: str = "float32",
     check_output(out, PEFT_OUTPUT, "`lmforge export --format peft`", replace_whole=True)  # before any work
     path = resolve_checkpoint(checkpoint)
     cfg, contract = read_checkpoint_meta(path)
+    from lmforge.loading import note_overlay_model
+
+    note_overlay_model(cfg, path)  # its [model] as saved: an overlay's is said to be ignored
     lo = cfg.lora
     if lo.rank <= 0:
         raise ExportError(f"{path} is not a LoRA checkpoint (lora.rank = 0 in its config.toml): --format peft writes "

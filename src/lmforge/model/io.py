@@ -130,7 +130,9 @@ def weights_metadata(model: torch.nn.Module) -> dict[str, str] | None:
 
 
 def read_checkpoint_meta(folder: Path) -> tuple[Config, Contract]:
-    """Config and contract of a checkpoint, with the tokenizer hash checked.
+    """Config and contract of a checkpoint, with the tokenizer hash checked. The config is the
+    checkpoint's config.toml as saved: `LMFORGE_CONFIG_OVERLAY` sets what a command runs, never
+    what a checkpoint is (`lmforge.loading.note_overlay_model` says when it would differ).
 
     Raises:
         CheckpointError: config.toml missing or unreadable; ContractError: a bad contract.
@@ -141,7 +143,7 @@ def read_checkpoint_meta(folder: Path) -> tuple[Config, Contract]:
     if (folder / TOKENIZER_FILE).is_file():
         check_tokenizer_hash(contract, folder / CONTRACT_FILE, folder / TOKENIZER_FILE)
     try:
-        return load_config(folder / CONFIG_FILE), contract
+        return load_config(folder / CONFIG_FILE, overlay=False), contract  # a record: as saved, never overlaid
     except LmforgeError as exc:
         raise CheckpointError(f"checkpoint {folder}: its {CONFIG_FILE} does not load ({exc})") from None
 

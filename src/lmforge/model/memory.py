@@ -31,6 +31,19 @@ def memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+#: Elements of float64 angles `transformer.rope_tables` computes at a time (8 MiB each).
+ROPE_BLOCK_ELEMENTS = 1 << 20
+
+
+def rope_bytes(cfg: ModelConfig) -> int:
+    """Bytes of the rotary tables the model builds (`transformer.rope_tables`): float32 cos and sin
+    of max_seq_len x head_dim, once, and once more for sliding layers with their own base
+    (`ModelConfig.own_sliding_rope`), plus the float64 block they are computed through (the angles,
+    their cos and their sin)."""
+    tables = 1 + cfg.own_sliding_rope()
+    return tables * 2 * 4 * cfg.max_seq_len * cfg.resolved_head_dim() + 3 * 8 * ROPE_BLOCK_ELEMENTS
+
+
 #: Rows of float32 logits the fused loss (lmforge.model.loss.linear_cross_entropy) holds at a time.
 LOSS_CHUNK_ROWS = 256
 
@@ -64,10 +77,10 @@ def available_memory(device: torch.device) -> int:
 def memory_need(cfg: ModelConfig, training: bool = True) -> tuple[int, int]:
     """(fixed bytes, bytes per trained token) of the estimate `check_fits_in_memory` explains,
     before any model is built: float32 weights (x4 when training: gradients and AdamW's two
-    moments), rotary tables and, when training, the loss's chunk; per token the activations of
+    moments), rotary tables (`rope_bytes`) and, when training, the loss's chunk; per token the activations of
     `activation_bytes` in float32."""
     weights = 4 * parameter_count(cfg) * (4 if training else 1)
-    rope = 8 * cfg.max_seq_len * cfg.resolved_head_dim()
+    rope = rope_bytes(cfg)
     if not training:
         return weights + rope, 0
     chunk = activation_bytes(cfg, 0)
@@ -98,5 +111,5 @@ def check_fits_in_memory(cfg: ModelConfig, training_tokens: int = 0) -> None:
             + (", train.micro_batch_size or data.seq_len." if training_tokens else "."))
 
 
-__all__ = ["LOSS_CHUNK_ROWS", "activation_bytes", "available_memory", "parameter_count", "memory_bytes", "memory_need",
-           "check_fits_in_memory"]
+__all__ = ["LOSS_CHUNK_ROWS", "ROPE_BLOCK_ELEMENTS", "activation_bytes", "available_memory", "parameter_count",
+           "memory_bytes", "memory_need", "rope_bytes", "check_fits_in_memory"]

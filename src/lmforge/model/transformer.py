@@ -1,7 +1,8 @@
 """One decoder-only Transformer: Llama's layout by default, and the mechanisms of the families
 lmforge imports (Gemma 3/2, OLMo 2, Mistral, Qwen2/3) as named `ModelConfig` fields, each with one
-code site here (or in attention.py / decode.py / loss.py) and one parity test against transformers
-(tests/test_families.py). The family names themselves live at the edges (lmforge.export.families).
+code site here (or in attention.py / decode.py / loss.py), a test against a reference computed in
+the test (tests/test_families_model.py) and one parity test against transformers (tests/test_families_hf.py).
+The family names themselves live at the edges (lmforge.export.families).
 
 Architecture choices (the defaults):
 - RMSNorm before attention and before the MLP, and once more before the output
@@ -43,7 +44,7 @@ from lmforge.model.attention import BACKENDS, AttentionMask, prepare_mask, resol
 from lmforge.model.decode import KVCache
 from lmforge.model.functional import ACTIVATIONS, softcap
 from lmforge.model.loss import linear_cross_entropy_sum
-from lmforge.model.memory import check_fits_in_memory
+from lmforge.model.memory import ROPE_BLOCK_ELEMENTS, check_fits_in_memory
 from lmforge.runtime import compute_dtype
 
 
@@ -96,14 +97,37 @@ def rope_tables(head_dim: int, max_seq_len: int, theta: float,
     wavelengths above original_max_seq_len / low_freq_factor are divided by `rope_factor`,
     those below original_max_seq_len / high_freq_factor kept, and the band between
     interpolated smoothly.
+
+    The angles are computed in float64 a block of rows at a time (`ROPE_BLOCK_ELEMENTS`), so
+    the memory taken is the two float32 tables (what `memory.rope_bytes` counts), not float64
+    temporaries of their size; the values are those of the whole table at once, bit for bit.
+
+    Raises:
+        ConfigError: the memory here cannot hold the tables (model.max_seq_len too large).
     """
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
     if scaling is not None and scaling.rope_scaling == "llama3":
         inv_freq = llama3_inv_freq(inv_freq, scaling.rope_factor, scaling.rope_low_freq_factor,
                                    scaling.rope_high_freq_factor, scaling.rope_original_max_seq_len)
-    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), inv_freq)  # (S, hd/2)
-    angles = torch.cat([angles, angles], dim=-1)  # (S, hd)
-    return angles.cos().float(), angles.sin().float()
+    half = head_dim // 2
+    rows = max(1, ROPE_BLOCK_ELEMENTS // max(half, 1))
+    try:
+        cos, sin = torch.empty(max_seq_len, head_dim), torch.empty(max_seq_len, head_dim)
+        for start in range(0, max_seq_len, rows):
+            stop = min(start + rows, max_seq_len)
+            angles = torch.outer(torch.arange(start, stop, dtype=torch.float64), inv_freq)  # (rows, hd/2)
+            for table, values in ((cos, angles.cos()), (sin, angles.sin())):
+                table[start:stop, :half] = values  # cast to float32 as the whole table's .float() rounds
+                table[start:stop, half:] = values
+    except (MemoryError, RuntimeError) as exc:
+        if isinstance(exc, RuntimeError) and "alloc" not in str(exc):
+            raise
+        need = 2 * 4 * max_seq_len * head_dim
+        raise ConfigError(
+            f"model.max_seq_len = {max_seq_len:,} with a head size of {head_dim}: the rotary tables (cos and sin, "
+            f"float32) need {need / 2**30:,.2f} GiB and this process could not get that memory. Lower "
+            f"model.max_seq_len (or free memory, or raise the process's memory limit, `ulimit -v`).") from None
+    return cos, sin
 
 
 def llama3_inv_freq(inv_freq: torch.Tensor, factor: float, low_freq_factor: float, high_freq_factor: float,
@@ -202,7 +226,10 @@ class Block(nn.Module):
         if self.post:
             self.ffn_post_norm = norm()
         # which of the forward's rotary tables and masks this layer takes
-        self.rope = None if layer in cfg.nope_layers else "sliding" if cfg.is_sliding(layer) else "full"
+        # a sliding layer takes tables of its own only with its own base (Gemma 3's local RoPE, never
+        # scaled); otherwise it rotates as the full layers do, rope_scaling included (Mistral)
+        own = cfg.is_sliding(layer) and bool(cfg.rope_theta_sliding)
+        self.rope = None if layer in cfg.nope_layers else "sliding" if own else "full"
         self.window = cfg.sliding_window if cfg.is_sliding(layer) else 0
 
     def forward(self, x, ropes: dict, masks: dict, cache=None):
@@ -237,7 +264,7 @@ class Transformer(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         if any(b.rope == "sliding" for b in self.layers):  # sliding layers' own base, never scaled (Gemma 3)
-            cos, sin = rope_tables(hd, config.max_seq_len, config.rope_theta_sliding or config.rope_theta)
+            cos, sin = rope_tables(hd, config.max_seq_len, config.rope_theta_sliding)
             self.register_buffer("rope_cos_sliding", cos, persistent=False)
             self.register_buffer("rope_sin_sliding", sin, persistent=False)
         self.set_attention("eager" if config.attn_softcap else "sdpa")  # sdpa cannot soft-cap

@@ -30,8 +30,8 @@ def export_stage(checkpoint: str | Path, out: str | Path, fmt: str = "hf", dtype
 
             raise ExportError(f"--evaluation applies to --format hf (the model card); --format {fmt} has no card.")
     # never an input, --force or not: the checkpoint's files, the evaluation JSON the card reads
-    check_not_input(out, [("--checkpoint", checkpoint), ("--evaluation", evaluation)],
-                    own_check=_export_output(fmt, out, force))
+    inputs = [("--checkpoint", checkpoint), ("--evaluation", evaluation)]
+    check_not_input(out, inputs, own_check=export_output_check(fmt, out, force, inputs))
     if evaluation is not None:
         return export_hf(checkpoint, out, dtype=dtype, verify=verify, force=force, evaluation=evaluation)
     return writers[fmt](checkpoint, out, dtype=dtype, verify=verify, force=force)
@@ -46,8 +46,19 @@ def import_hf_stage(folder: str | Path, out: str | Path, eos_token: str = "") ->
 
 def import_gguf_stage(path: str | Path, out: str | Path, eos_token: str = "") -> Path:
     """A GGUF file (llama, qwen2, qwen3, gemma3, gemma2, olmo2) -> an lmforge checkpoint folder (through import-hf's checks)."""
-    check_not_input(out, [("the GGUF file", path)], own_check=_import_output(out))
+    check_not_input(out, [("the GGUF file", path)], own_check=_import_output(out, "`lmforge import-gguf`"))
     return import_gguf(path, out, log=lambda msg: log(f"import-gguf: {msg}"), eos_token=eos_token)
+
+
+def export_output_check(fmt: str, out: str | Path, force: bool, inputs=()):
+    """The export writer's own check of `out` (it runs it again before any work), as a function;
+    an unknown format has none (the one check of the options refuses it). `inputs`: what a
+    GGUF file may not be ((name, path) pairs, `fileio.check_user_file`), said before "exists"."""
+    if fmt not in ("hf", "gguf", "peft"):
+        return None
+    if fmt == "gguf":
+        return lambda: check_user_file(out, force, inputs)
+    return _export_output(fmt, out, force)
 
 
 def _export_output(fmt: str, out: str | Path, force: bool):
@@ -58,6 +69,12 @@ def _export_output(fmt: str, out: str | Path, force: bool):
     return lambda: check_output(Path(out), command, what, replace_whole=True)
 
 
-def _import_output(out: str | Path):
-    """import-hf's own check of `out` (it runs it again before any write)."""
-    return lambda: check_output(Path(out), IMPORT_OUTPUT, "`lmforge import-hf`", replace_whole=True)
+def import_output_check(out: str | Path, command: str = "`lmforge import-hf`"):
+    """import-hf's (or import-gguf's) own check of `out`, as a function (for the command line's
+    check of its settings files, `cli._not_settings`)."""
+    return _import_output(out, command)
+
+
+def _import_output(out: str | Path, command: str = "`lmforge import-hf`"):
+    """import-hf's (or import-gguf's) own check of `out` (it runs it again before any write)."""
+    return lambda: check_output(Path(out), IMPORT_OUTPUT, command, replace_whole=True)

@@ -92,7 +92,7 @@ def speedrun_stage(cfg: Config, out: str | Path, resume: bool = False, progress:
     if cfg.data.sources:
         raise ConfigError(f"data.sources lists {len(cfg.data.sources)} sources, but the speedrun scores the "
                           f"held-out split of one corpus (data.source) in its summary. Run a mixture with "
-                          f"`lmforge prepare` and `lmforge pretrain` (README: Your own corpus), or remove "
+                          f"`lmforge prepare` and `lmforge pretrain` (docs/data.md: your own corpus), or remove "
                           f"data.sources.")
     # never an input: not inside the corpus (its stages' folders would join it), never holding it or a task file
     inputs = [("data.source", source_path(cfg.data.source)),

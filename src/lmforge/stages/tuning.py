@@ -58,7 +58,7 @@ def start_from_checkpoint(cfg: Config, out: str | Path, resume: bool, key: str,
         check_not_input(out, [(f"{key}.init", init_arg), (f"{key}.init", str(init))])
     if resume:
         check_same_init(Path(out), init, key)
-    model, tok, init_cfg, _ = load_checkpoint(init, tokenizer_dir)
+    model, tok, init_cfg, _ = load_checkpoint(init, tokenizer_dir, note_overlay=False)  # model_from_init: refused
     if cfg.lora.rank > 0:  # load the base, inject, freeze; the trainer then wraps and builds the optimizer
         base_sha = lora.file_sha256(init / MODEL_FILE)
         if resume:

@@ -52,14 +52,15 @@ from lmforge.tokenizer.foreign import (
     ROUND_TRIP_PROBES,
     TERMINATOR_SPELLINGS,
     TURN_END_SPELLINGS,
+    FamilyTemplate,
     import_tokenizer,
     short_repr,
 )
 
 __all__ = [
-    "CHAT_TEMPLATE", "ChatRendering", "ChatTemplate", "MAX_TOKEN_BYTES", "MAX_TRAINING_WORD", "PROBE_CHAT",
-    "ROUND_TRIP_PROBES", "SPECIAL_TOKENS", "SPLIT_PATTERN", "TERMINATOR_SPELLINGS", "TOKENIZER_CONFIG_FILE",
-    "TOKENIZER_FILE", "TOKENIZER_OUTPUT", "TURN_END_SPELLINGS", "Tokenizer", "bounded_words", "byte_decoder",
+    "CHAT_TEMPLATE", "ChatRendering", "ChatTemplate", "FamilyTemplate", "MAX_TOKEN_BYTES", "MAX_TRAINING_WORD",
+    "PROBE_CHAT", "ROUND_TRIP_PROBES", "SPECIAL_TOKENS", "SPLIT_PATTERN", "TERMINATOR_SPELLINGS",
+    "TOKENIZER_CONFIG_FILE", "TOKENIZER_FILE", "TOKENIZER_OUTPUT", "TURN_END_SPELLINGS", "Tokenizer", "bounded_words", "byte_decoder",
     "check_prefix_space", "import_tokenizer", "save_tokenizer", "short_repr", "special_ids_of", "spellings_of",
     "train_tokenizer", "vocab_size_of",
 ]

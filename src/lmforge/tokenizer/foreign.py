@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 from tokenizers import AddedToken
 
@@ -37,6 +38,17 @@ ROUND_TRIP_PROBES: tuple[str, ...] = (
 )
 
 
+class FamilyTemplate(NamedTuple):
+    """What a model family's record says of chat (`export.families.chat_template_of`): the chat
+    template a model of the family without one of its own is imported with, and the token that
+    closes its turns; `template` None: the record has none (lmforge's ChatML then). `name` names
+    the family in the line saying which template was taken."""
+
+    name: str
+    template: str | None
+    end_of_turn: str | None
+
+
 def _foreign_config(src: Path) -> dict:
     """special_tokens_map.json (older `transformers`) overlaid by tokenizer_config.json."""
     config: dict = {}
@@ -48,7 +60,8 @@ def _foreign_config(src: Path) -> dict:
 
 def import_tokenizer(src_dir: str | Path, out_dir: str | Path,
                      log: Callable[[str], None] | None = None, eos_token: str = "",
-                     extra_files: dict | None = None, inputs=()) -> "Tokenizer":
+                     extra_files: dict | None = None, inputs=(),
+                     family: FamilyTemplate | None = None) -> "Tokenizer":
     """Bring your own tokenizer: derive lmforge's contract from a Hugging Face tokenizer folder.
 
     `src_dir` holds `tokenizer.json` and `tokenizer_config.json` as `transformers`'
@@ -66,8 +79,12 @@ def import_tokenizer(src_dir: str | Path, out_dir: str | Path,
                   null unless it is a distinct special token (SmolLM2 names <|im_start|>).
         im_end    the special token the model's chat template closes a reply with (found by
                   rendering a probe conversation; may equal eos); im_start <|im_start|> where the
-                  vocabulary has it, else null. A folder without a template gets lmforge's
-                  ChatML and its two tokens (added when missing).
+                  vocabulary has it, else null. A folder without a template gets its model
+                  family's (`family`: the record's template, no token added; its end of turn
+                  becomes a special token where it is a plain one), or, where no family is
+                  known, the record has no template or the vocabulary lacks the record's end of
+                  turn, lmforge's ChatML and its two tokens (added when missing); one line says
+                  which.
         pad       `pad_token` when it is a distinct special token; otherwise a new `<|pad|>`,
                   so PAD is its own token (P4). Labels are masked by the batch's `loss_mask`,
                   never by comparing ids with `pad_id`.
@@ -80,6 +97,9 @@ def import_tokenizer(src_dir: str | Path, out_dir: str | Path,
         log: called with a line per change made (added tokens, dropped template).
         inputs: the command's other inputs ((name, path) pairs: the corpus its report samples),
             none of which `out_dir` may be, hold or lie inside (as `src_dir`).
+        family: the model's family as its record speaks of chat (`export.families.chat_template_of`;
+            import-hf and import-gguf pass it): the template for a folder without one. None: no
+            model, no family (`lmforge import-tokenizer`).
     Returns:
         the imported Tokenizer (loaded back from `out_dir`).
     Raises:
@@ -147,9 +167,26 @@ def import_tokenizer(src_dir: str | Path, out_dir: str | Path,
             say(f"eos: eos_token {eos_declared!r} ends a chat turn; documents end with {eos!r}, the vocabulary's "
                 f"document terminator")
     unk = _token_text(config.get("unk_token"))
-    # -- the chat template: the model's own, or lmforge's ChatML when it has none --------------------
+    # -- the chat template: the model's own, its family's, or lmforge's ChatML -------------------------
     template = _foreign_template(src, config)
+    own = template is not None and template != CHAT_TEMPLATE  # said below, as before
+    turn_specials = specials  # where the template's turn end is looked for: the family's end of turn too
+    if template is None and family is not None and family.template is not None:
+        if family.end_of_turn is None or family.end_of_turn in vocab:
+            template, end = family.template, family.end_of_turn
+            made = ", made a special token" if end is not None and end not in specials else ""
+            turns = f", turns closed by {end!r}{made}" if end is not None else ""
+            say(f"chat template: {src} has none; using {family.name}'s chat template (export/families.py){turns}; "
+                f"no token added")
+            turn_specials = specials | ({end} if end is not None else set())
+        else:
+            why = (f"{family.name}'s chat template (export/families.py) closes turns with {family.end_of_turn!r}, "
+                   f"which the vocabulary lacks")
+    elif template is None:
+        why = (f"{family.name}'s record in export/families.py has no chat template" if family is not None
+               else "no model family's template applies")
     if template is None:
+        say(f"chat template: {src} has none and {why}; using lmforge's ChatML")
         chat = {"im_start": SPECIAL_TOKENS["im_start"], "im_end": SPECIAL_TOKENS["im_end"]}
         if eos in chat.values():
             raise ContractError(f"--from {src}: the document terminator {eos!r} is ChatML's turn token and the "
@@ -181,7 +218,7 @@ def import_tokenizer(src_dir: str | Path, out_dir: str | Path,
     # -- the end of a chat turn: what the template closes an assistant turn with ---------------------
     if spell["im_end"] is None:
         spell["im_end"] = _turn_end_of(template, {**_template_vars(config), "eos_token": eos_declared or eos},
-                                       specials, src)
+                                       turn_specials, src)
     pad = declared("pad")
     if pad is None or pad in spell.values() or pad == unk or pad not in specials:
         added = SPECIAL_TOKENS["pad"] not in vocab
@@ -211,7 +248,7 @@ def import_tokenizer(src_dir: str | Path, out_dir: str | Path,
                 f"{path}: the plain text {text!r} encodes to a special-token id {sorted(special_ids & set(ids))}; "
                 f"text that spells a special token must stay plain text. Use another tokenizer."
             )
-    if template != CHAT_TEMPLATE:
+    if own:
         say(f"chat template: the model's own ({len(template)} characters); turns end with {spell['im_end']!r}")
     extra: dict = {"add_prefix_space": prefix[0][1]} if prefix else {}
     if unk and unk in vocab:

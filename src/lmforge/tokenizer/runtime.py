@@ -149,7 +149,7 @@ class Tokenizer:
         """A prompt (`encode_prompt`, or a chat rendered with the generation prompt) cut to its
         last `budget` tokens, keeping its document start: a prompt that starts with the
         contract's BOS keeps it in front (a Gemma model without its BOS is catastrophically
-        worse: lambada perplexity 5.9e9 instead of 3.46, MODEL-FAMILIES.md §2.3). Shorter
+        worse: lambada perplexity 5.9e9 instead of 3.46). Shorter
         prompts, and a budget with no room beside the BOS, are left as they are (generate's own
         check then cuts or refuses them)."""
         ids = list(ids)

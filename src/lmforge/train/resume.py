@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from lmforge.config import SECTIONS, Config
+from lmforge.config import OVERLAY_ENV, SECTIONS, Config
 from lmforge.config.fields import STAGES, ResumeRule, resume_rules
 from lmforge.errors import CheckpointError
 from lmforge.fileio import write_text
@@ -55,6 +55,9 @@ def check_resume_config(saved: Config, new: Config, stage: str, step: int, where
     `RESUME_RULES`, for a run of `stage` ("pretrain" or "sft") whose checkpoint is at `step`,
     written by `saved_world_size` ranks (rng.pt) and continued on `world_size`.
 
+    The saved config is read as saved (never through the overlay); a refused value the overlay
+    (`LMFORGE_CONFIG_OVERLAY`) set is named with the file, as a --set is refused.
+
     Returns notes for the log (allowed schedule changes). For SFT both configs are the ones
     the trainer runs (`stages.sft.sft_config`: [train] steps, batch, lr, warmup from [sft]).
 
@@ -73,20 +76,27 @@ def check_resume_config(saved: Config, new: Config, stage: str, step: int, where
             new_dp = max(1, world_size // new.train.context_parallel)
             if old * old_dp == now * new_dp:
                 continue
-            change = (f"{rule.field} = {now!r} on {new_dp} data-parallel rank(s) (the run has {old!r} on {old_dp}; "
+            origin = new.origin(rule.field)
+            shown = f", set by {origin}," if origin.startswith(OVERLAY_ENV) else ""
+            change = (f"{rule.field} = {now!r}{shown} on {new_dp} data-parallel rank(s) (the run has {old!r} on {old_dp}; "
                       f"set {rule.field} = {old * old_dp / new_dp:g} to keep its global batch, if it divides)")
             refused.append(f"{change}: {rule.why}")
             continue
         if old == now or (rule.path and os.path.realpath(old) == os.path.realpath(now)):
             continue
-        change = f"{rule.field} = {now!r} (the run has {old!r})"
+        origin = new.origin(rule.field)  # the overlay's value is named with its file (a --set's is typed)
+        shown = f", set by {origin}" if origin.startswith(OVERLAY_ENV) else ""
+        change = f"{rule.field} = {now!r}{shown} (the run has {old!r})"
         if rule.schedule:
             schedule.append(change)
         else:
             refused.append(f"{change}: {rule.why}")
+    overlay = f" (remove them from {OVERLAY_ENV}={new.overlay_path}, or unset it)" if new.overlay_keys and \
+        any(f", set by {OVERLAY_ENV}=" in c for c in refused + schedule) else ""
     if refused:
         raise CheckpointError(f"--resume: {where}: {'; '.join(refused)}. The run cannot be continued exactly with "
-                              f"another value: resume with the run's values, or use another --out for a new run.")
+                              f"another value: resume with the run's values{overlay}, or use another --out for a new "
+                              f"run.")
     if not schedule:
         return []
     for s in range(step):  # the schedule is a pure function of the step: compare every step taken
@@ -96,15 +106,17 @@ def check_resume_config(saved: Config, new: Config, stage: str, step: int, where
                 f"--resume: {where}: {'; '.join(schedule)}: step {s + 1} of the run already took learning rate "
                 f"{before:.8g}, and with the new value{'s' if len(schedule) > 1 else ''} it would be {after:.8g}. "
                 f"A schedule change continues exactly only when it leaves the {step} steps taken as they were (e.g. "
-                f"more train.steps before a wsd decay begins). Resume with the run's values, or use another --out.")
+                f"more train.steps before a wsd decay begins). Resume with the run's values{overlay}, or use "
+                f"another --out.")
     return [f"{'; '.join(schedule)}: the learning rates of the {step} steps taken are unchanged, so the run "
             f"continues as if it had been started with the new value"]
 
 
 # -- state.json and metrics.jsonl --------------------------------------------------------------
-def check_training_state(state: dict, latest: Path, steps: int, metrics: Path) -> None:
+def check_training_state(state: dict, latest: Path, steps: int, metrics: Path, steps_key: str = "train.steps") -> None:
     """`latest`/state.json describes a position a run of `steps` steps can have reached, and its
-    `metrics` file is a file, before anything is loaded.
+    `metrics` file is a file, before anything is loaded. `steps_key`: the config key the run's
+    step count comes from (`train.steps`; a fine-tuning stage's own, e.g. `sft.steps`).
 
     Raises:
         CheckpointError: naming the field, the value, and the range.
@@ -115,8 +127,8 @@ def check_training_state(state: dict, latest: Path, steps: int, metrics: Path) -
         raise CheckpointError(f"{where}: step = {step!r}, but the folder is {latest.name}. The checkpoint is "
                               f"damaged; resume from another one (delete this step folder).")
     if step > steps:
-        raise CheckpointError(f"--resume: {latest} is at step {step}, past train.steps = {steps}. "
-                              f"Raise train.steps to continue it, or use another --out.")
+        raise CheckpointError(f"--resume: {latest} is at step {step}, past {steps_key} = {steps}. "
+                              f"Raise {steps_key} to continue it, or use another --out.")
     for key in ("tokens", "supervised"):
         value = state.get(key, 0)
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:

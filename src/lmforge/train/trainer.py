@@ -42,7 +42,7 @@ from lmforge.data.packing import Batch, RowStream
 from lmforge.errors import CheckpointError, LmforgeError, TrainingError
 from lmforge.model.io import (MODEL_FILE, OPTIMIZER_FILE, RNG_FILE, STEP_RE, is_sharded, latest_checkpoint,
                               load_weights, read_checkpoint_meta, step_dir_name)
-from lmforge.runtime import Runtime, compiler_available, training_runtime
+from lmforge.runtime import Runtime, compiler_available, deterministic_kernels, training_runtime
 from lmforge.signals import TrainingStop
 from lmforge.train import checkpoint as ckpt
 from lmforge.train.distributed import DistInfo, all_reduce_sum, gather_to_main, wrap_model
@@ -113,8 +113,12 @@ class Trainer:
         # validation runs this one, never the compiled graph: under no_grad torch.compile builds a
         # second graph, 20 s of the speedrun's pretraining for 4 batches of validation
         self.eval_model = self.model
+        # a compiled CPU step runs its forward and backward with deterministic kernels: inductor's
+        # embedding backward otherwise adds the tokens' rows from several threads in a racy order (issue 53)
+        self._deterministic = False
         if self.cfg.train.compile and compiler_available(self.device, self.log if self.dist.is_main else None):
             self.model = torch.compile(self.model)
+            self._deterministic = self.device.type == "cpu"
         self.optimizer = build_optimizer(self.raw_model, self.cfg.train, self.runtime)
         self.step = 0
         self.tokens = 0
@@ -208,7 +212,8 @@ class Trainer:
         check_match(Contract.load(self.contract_dir, what="tokenizer folder"), self.contract_dir / CONTRACT_FILE,
                     saved_contract, latest / CONTRACT_FILE)  # --resume with another tokenizer stops here
         state, opt_state, rng = ckpt.load_training_state(latest)  # all of it, or refuse: resume is exact
-        check_training_state(state, latest, self.cfg.train.steps, self.run_dir / METRICS_FILE)  # the step first
+        steps_key = "train.steps" if stage == "pretrain" else f"{stage}.steps"  # a fine-tuning stage's own section
+        check_training_state(state, latest, self.cfg.train.steps, self.run_dir / METRICS_FILE, steps_key)  # the step first
         ranks = check_rng_state(rng, latest / RNG_FILE)
         notes = check_resume_config(saved_cfg, self.cfg, stage, int(state["step"]), latest / "config.toml",
                                     saved_world_size=len(ranks), world_size=self.dist.world_size)
@@ -258,7 +263,7 @@ class Trainer:
                 self.raw_model.set_requires_gradient_sync(sync)
             elif not sync and hasattr(self.model, "no_sync"):  # DDP: all-reduce once, likewise
                 ctx = self.model.no_sync()
-            with ctx:
+            with ctx, deterministic_kernels(self._deterministic):  # compiled and run (backward too) under it
                 with self.runtime.autocast():
                     nats, stats = self.objective.loss(self.model, b)
                 (nats * scale).backward()
