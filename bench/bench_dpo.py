@@ -16,7 +16,7 @@ symmetric, parseable mutation; held-out pairs from the held-out modules only):
   against the SFT model, and the DPO training seconds. `--seeds N` repeats every arm with N
   training seeds (mean and min-max).
 
-Every arm is `lmforge dpo --set dpo.init=CKPT` as the README types it (its defaults: AdamW, cosine,
+Every arm is `lmforge dpo --set dpo.init=CKPT` as docs/preference-tuning.md types it (its defaults: AdamW, cosine,
 `dpo.steps`, `dpo.lr`); a benchmark changes only `train.seed` (`arm_config`).
 
 Run: `python bench/bench_dpo.py [--checkpoint DIR] [--seeds 3] [--arms full,lora,shuffled]`. Skipped (a
@@ -49,7 +49,7 @@ from lmforge.train.dpo import sequence_logps
 
 DEFAULT_CHECKPOINT = common.ROOT / "runs" / "speedrun" / "sft"
 #: arm -> (the --set overrides of the README's command for it, labels shuffled): every arm is
-#: `lmforge dpo --set dpo.init=CKPT` as the README types it, plus only these and the seed.
+#: `lmforge dpo --set dpo.init=CKPT` as docs/preference-tuning.md types it, plus only these and the seed.
 ARMS = {"full": ([], False), "lora": (["lora.rank=16"], False), "shuffled": ([], True)}
 #: --smoke: the tiny checkpoint's rows, a few steps (figures mean nothing).
 SMOKE_SETS = ["data.seq_len=128", "dpo.steps=3", "dpo.max_examples=60", "dpo.val_examples=8", "dpo.warmup_steps=1"]
@@ -192,7 +192,8 @@ def print_table(base: dict, results: dict, kinds: list[str], args) -> None:
         rows.append([f"DPO {name}", _mean(rs, "pairwise_accuracy"), _mean(rs, "reward_accuracy"),
                      f"{loss:.4f} ({loss / base['chosen_nats_per_token'] - 1:+.1%})",
                      f"{statistics.mean(r['seconds'] for r in rs):.0f}"] + [_mean(rs, "per_kind", k) for k in kinds])
-    print(common.table(headers, rows, title=f"lmforge dpo --set dpo.init=CKPT as the README types it (the default pairs), "
+    print(common.table(headers, rows, title=f"lmforge dpo --set dpo.init=CKPT as docs/preference-tuning.md types it "
+                                            f"(the default pairs), "
                                             f"{args.seeds} seed(s); held-out pairs per kind "
                                             f"{ {k: base['per_kind_n'][k] for k in kinds} }"
                                             + (" (SMOKE RUN: figures mean nothing)" if args.smoke else "")))

@@ -1,7 +1,7 @@
 """RL with verifiable rewards on the speedrun's SFT model: does it lift what the speedrun measures?
 
 From an SFT checkpoint (default: the speedrun's, runs/speedrun/sft), `lmforge rl --set rl.init=CKPT`
-exactly as the README types it (its own defaults: the standard-library prompts, the static reward —
+exactly as docs/rl.md types it (its own defaults: the standard-library prompts, the static reward —
 parses under its signature, ends its turn, not a stub, every name resolves —, `rl.steps`, AdamW at a
 constant rate); a benchmark changes only `train.seed` and, with `--minutes`, `train.time_limit_s`
 (`arm_config`). Then the speedrun's own held-out figure:
@@ -10,7 +10,7 @@ constant rate); a benchmark changes only `train.seed` and, with `--minutes`, `tr
   (`scorers.body_parse_rate` on the speedrun's held-out prompts, `held_out_prompts(sft_val.jsonl,
   64)`, 160 new tokens, no repetition penalty), the static pass rate of those bodies, the share of
   trivial ones, and the held-out SFT loss (nats per supervised token on sft_val.jsonl);
-- arms, each `lmforge rl` as the README types it: full fine-tuning, LoRA (`--set lora.rank=16`), and a control
+- arms, each `lmforge rl` as docs/rl.md types it: full fine-tuning, LoRA (`--set lora.rank=16`), and a control
   whose rewards are permuted within each micro-batch (it must stay near the baseline, or the
   figure moves for another reason than the reward);
 - each with its rates' 95% Wilson intervals (63 prompts), the RL steps taken and seconds.
@@ -64,7 +64,7 @@ from lmforge.stages.sft import SFT_VAL_FILE
 DEFAULT_CHECKPOINT = common.ROOT / "runs" / "speedrun" / "sft"
 EVAL_PROMPTS, EVAL_NEW_TOKENS = 64, 160
 #: arm -> (the --set overrides of the README's command for it, rewards shuffled): every arm is
-#: `lmforge rl --set rl.init=CKPT` as the README types it, plus only these, the seed and the time.
+#: `lmforge rl --set rl.init=CKPT` as docs/rl.md types it, plus only these, the seed and the time.
 ARMS = {"full": ([], False), "lora": (["lora.rank=16", "rl.lr=2e-4"], False), "shuffled": ([], True)}
 #: --smoke: the tiny checkpoint's short rows, tiny rollouts (figures mean nothing).
 SMOKE_SETS = ["data.seq_len=512", "rl.max_new_tokens=8", "rl.group_size=2", "rl.micro_batch_size=2",
@@ -363,7 +363,7 @@ def print_table(base: dict, results: dict, args) -> None:
                      f"{loss:.4f} ({loss / base['sft_loss'] - 1:+.1%})", _behaviour(rs, "val"), _behaviour(rs, "train"),
                      f"{statistics.mean(r['steps'] for r in rs):.0f}", f"{statistics.mean(r['seconds'] for r in rs):.0f}"])
     limit = f"{args.minutes:g} min a run" if args.minutes else "the command's own steps"
-    print(common.table(headers, rows, title=f"lmforge rl --set rl.init=CKPT as the README types it, {limit}, "
+    print(common.table(headers, rows, title=f"lmforge rl --set rl.init=CKPT as docs/rl.md types it, {limit}, "
                                             f"{args.seeds} seed(s); held-out prompts {base['n']}; {common.machine_line()}"
                                             + (" (SMOKE RUN: figures mean nothing)" if args.smoke else "")))
 

@@ -1,5 +1,10 @@
 """Runs the commands of the README (and of docs/*.md) as written, in order, in a scratch folder.
 
+The order is README.md's blocks, then each page of docs/ in name order (`readme_files`), all in
+one folder: a page's commands may use what the README's made (runs/speedrun) and what an earlier
+page made (docs/preference-tuning.md tunes docs/fine-tuning.md's runs/smol-sft);
+tests/test_readme.py checks that no command reads a `runs/...` path only a later one makes.
+
 `tests/test_readme.py` uses it; nothing here edits a command. A fenced block is run when one
 of its commands starts with `lmforge` or `make`, or when a directive marks it; the smoke
 configuration (a tiny model, a few steps) comes from the environment variable
@@ -139,7 +144,7 @@ def parse_blocks(path: Path, text: str | None = None) -> list[Block]:
         while j < len(lines) and not lines[j].startswith("```"):
             j += 1
         body = "\n".join(lines[start + 1: j])
-        where = f"{path.name}:{start + 1}"
+        where = f"{path.relative_to(ROOT) if path.is_relative_to(ROOT) else path.name}:{start + 1}"
         k = start - 1
         while k >= 0 and DIRECTIVE.match(lines[k].strip()):
             k -= 1

@@ -32,8 +32,11 @@ def flat(cfg) -> dict[str, object]:
 
 
 def readme_command(prefix: str) -> list[str]:
-    """The README's first command line that starts with `prefix` (continuations joined), as argv."""
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    """The README's first command line that starts with `prefix` (continuations joined), as argv:
+    README.md's, then its pages' in docs/ (the RL and DPO commands are on docs/rl.md and
+    docs/preference-tuning.md), in the order tests/test_readme.py runs them."""
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    text = "\n".join(p.read_text(encoding="utf-8") for p in pages)
     for block in re.findall(r"```sh\n(.*?)```", text, re.S):
         joined = block.replace("\\\n", " ")
         for line in joined.splitlines():

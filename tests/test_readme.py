@@ -1,7 +1,8 @@
-"""The README runs: every command of its shell blocks (and of docs/*.md), as written, in order,
-in a scratch folder, on a tiny model (tests/readme_smoke.toml through LMFORGE_CONFIG_OVERLAY).
-Each command must exit 0 and leave the files the text promises; the `runs/...` paths the prose
-names must exist at the end. Commands that need what this machine lacks (llama.cpp's programs,
+"""The README runs: every command of its shell blocks (and of docs/*.md), as written, in order
+(README.md first, then the pages of docs/ in name order), in one scratch folder, on a tiny model
+(tests/readme_smoke.toml through LMFORGE_CONFIG_OVERLAY). Each command must exit 0 and leave the
+files the text promises; the `runs/...` paths the prose of the README and of its pages names
+must exist at the end, and each `runs/...` a command reads is made by a command before it. Commands that need what this machine lacks (llama.cpp's programs,
 Ollama) are marked in the README's source and listed as skipped; a command added to the README
 later is run without anyone adding it here (tests/readme_runner.py says how blocks are read).
 """
@@ -17,8 +18,8 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from readme_runner import (ROOT, Block, ReadmeError, environment, parse_blocks, prose_paths,  # noqa: E402
-                           readme_files, run_readme, skip_reason, table)
+from readme_runner import (ROOT, Block, ReadmeError, environment, option, parse_blocks,  # noqa: E402
+                           prose_paths, readme_files, run_readme, skip_reason, table)
 
 OVERLAY = Path(__file__).parent / "readme_smoke.toml"
 COMMENT = re.compile(r"\s{2,}#.*$")  # a trailing shell comment, as the README aligns them
@@ -38,9 +39,50 @@ def test_every_readme_command_runs_and_leaves_what_it_promises(tmp_path):
     assert not failed, f"{failed[0].source}: `{failed[0].command}` failed: {failed[0].why}"
     ran = [o for o in outcomes if o.status == "passed"]
     assert len(ran) >= 20, table(outcomes)
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
-    missing = [p for p in prose_paths(text) if not glob.glob(str(tmp_path / p))]
-    assert not missing, f"the README names these, but the commands it shows did not make them: {missing}"
+    missing = [f"{f.relative_to(ROOT)}: {p}" for f in readme_files() for p in prose_paths(f.read_text(encoding="utf-8"))
+               if not glob.glob(str(tmp_path / p))]
+    assert not missing, f"the README (or its page) names these, but the commands it shows did not make them: {missing}"
+
+
+#: what a command reads from an earlier one's output: these options, and these --set keys
+READ_OPTIONS = ("--checkpoint", "--evaluation")
+READ_KEYS = ("sft.init", "dpo.init", "rl.init", "train.init", "tokenizer.dir", "data.dir")
+
+
+def unmade_inputs(blocks: list[Block]) -> list[str]:
+    """Each `runs/...` a command of `blocks` reads (a checkpoint, an init, a tokenizer or data
+    folder, an evaluation) that no command before it in the run order makes (`--out`, or
+    `make speedrun`'s runs/speedrun): a page of docs/ moved or renamed so that it runs before the
+    page whose outputs it uses."""
+    made: list[str] = []
+    out = []
+    for b in blocks:
+        for c in b.commands:
+            w = c.words
+            reads = [v for o in READ_OPTIONS if (v := option(w, o))]
+            reads += [w[i + 1].partition("=")[2] for i, x in enumerate(w[:-1])
+                      if x == "--set" and w[i + 1].partition("=")[0] in READ_KEYS]
+            for r in reads:
+                if r.startswith("runs/") and not any(r == m or r.startswith(m.rstrip("/") + "/") for m in made):
+                    out.append(f"{b.source}: `{COMMENT.sub('', c.text)}` reads {r}, which no earlier command makes")
+            if c.program == "make" and "speedrun" in w:
+                made.append("runs/speedrun")
+            if option(w, "--out"):
+                made.append(option(w, "--out"))
+    return out
+
+
+def test_each_command_reads_only_what_an_earlier_command_made():
+    """README.md runs first and docs/*.md in name order, in one folder: a page may use
+    runs/speedrun and what an earlier page made (docs/preference-tuning.md tunes
+    docs/fine-tuning.md's runs/smol-sft), never what a later one makes."""
+    assert unmade_inputs(all_blocks()) == []
+    late = parse_blocks(ROOT / "x.md", "```sh\nlmforge dpo --set dpo.init=runs/a-sft --out runs/b\n"
+                                       "lmforge sft --set sft.init=runs/speedrun/pretrain --out runs/a-sft\n```\n")
+    assert unmade_inputs(late) == ["x.md:1: `lmforge dpo --set dpo.init=runs/a-sft --out runs/b` reads runs/a-sft, "
+                                   "which no earlier command makes",
+                                   "x.md:1: `lmforge sft --set sft.init=runs/speedrun/pretrain --out runs/a-sft` reads "
+                                   "runs/speedrun/pretrain, which no earlier command makes"]
 
 
 def test_commands_that_need_what_is_missing_are_listed():
