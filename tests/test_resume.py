@@ -287,42 +287,5 @@ def test_optimizer_state_of_another_model_is_refused(tiny_run, tmp_path):
         ckpt.load_optimizer_state(a.raw_model, a.optimizer, state)
 
 
-@pytest.mark.slow
-def test_a_compiled_run_resumed_in_a_new_process_equals_the_straight_run(tiny_run, tmp_path):
-    """`train.compile = true` under bf16 autocast (the recipe's): the straight run in one process; its folder cut
-    back to the step-1 checkpoint (the first step: the compile's own) and to the step-6 one, each resumed in
-    another process with an empty compile cache (a machine that compiles afresh): every loss and the final
-    weights, optimizer state and data position bit-identical. Inductor's CPU kernels are generated
-    deterministically for the same graph and thread count."""
-    import shutil
-
-    from lmforge.runtime import compiler_available
-
-    if not compiler_available(torch.device("cpu")):
-        pytest.skip("no C++ compiler: train.compile trains eagerly here")
-    cfg, _ = tiny_run
-    cfg = with_train(cfg, steps=12, checkpoint_every=1, keep_last=0, compile=True, precision="bf16")  # the recipe's
-    cfg.save(tmp_path / "cfg.toml")
-
-    def pretrain(out: Path, *extra: str, cache: str) -> None:
-        env = dict(os.environ, OMP_NUM_THREADS="1", TORCHINDUCTOR_CACHE_DIR=str(tmp_path / cache))
-        res = subprocess.run([sys.executable, "-m", "lmforge", "pretrain", "--config", str(tmp_path / "cfg.toml"),
-                              "--out", str(out), "--no-progress", *extra], capture_output=True, text=True, env=env,
-                             timeout=900)
-        assert res.returncode == 0, res.stderr[-3000:]
-
-    straight = tmp_path / "straight"
-    pretrain(straight, cache="inductor-a")
-    a = read_metrics(straight)
-    assert a[-1]["loss"] < a[0]["loss"]  # it trained
-    for cut in (1, 6):
-        split = tmp_path / f"split-{cut}"
-        shutil.copytree(straight, split)
-        for k in range(cut + 1, 13):  # as if stopped after the step-`cut` checkpoint
-            shutil.rmtree(split / f"step_{k:06d}")
-        pretrain(split, "--resume", cache=f"inductor-{cut}")
-        b = read_metrics(split)
-        assert [m["step"] for m in b] == list(range(1, 13))
-        for key in ("loss", "grad_norm", "lr"):
-            assert [m[key] for m in a] == [m[key] for m in b], (cut, key)
-        assert_same_state(straight / "step_000012", split / "step_000012")
+# The compiled run resumed in a new process (warm and cold inductor caches, two threads, stopped by the
+# time limit as a user's run is): tests/test_issue53_resume.py.
