@@ -52,7 +52,7 @@ def batched(texts: list[str], n: int) -> list[list[str]]:
 
 def encode_throughput(tok, texts: list[str], warmup: int, repeat: int) -> dict[str, common.Stats]:
     from lmforge.data.fast_encode import FastEncoder, batch_encoder
-    from lmforge.data.shards import BATCH_DOCS
+    from lmforge.data.prepare import BATCH_DOCS
 
     fast = batch_encoder(tok)
     if not isinstance(fast, FastEncoder):
@@ -129,7 +129,7 @@ def synthetic_corpus(folder: Path, megabytes: float, texts: list[tuple[str, str]
 _PREPARE_CHILD = """
 import json, resource, sys, time
 sys.path.insert(0, {src!r})
-from lmforge.data.shards import prepare
+from lmforge.data.prepare import prepare
 from lmforge.tokenizer import Tokenizer
 tok = Tokenizer.load({tok!r})
 t0 = time.perf_counter()
@@ -235,7 +235,7 @@ print(json.dumps({{"seconds": time.perf_counter() - t0, "tokens": tokens}}))
 _LMFORGE_CHILD = """
 import json, sys, time
 sys.path.insert(0, {src!r})
-from lmforge.data.shards import prepare
+from lmforge.data.prepare import prepare
 from lmforge.tokenizer import Tokenizer
 tok = Tokenizer.load({tok!r})
 t0 = time.perf_counter()

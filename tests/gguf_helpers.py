@@ -60,7 +60,7 @@ def family_tokenizer(family: str, texts: list[str], vocab_size: int = 800):
     """An HF `tokenizers.Tokenizer` of `family` (see FAMILIES) trained on `texts`."""
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
-    from lmforge.export.gguf import LLAMA3_PATTERN, QWEN2_PATTERN
+    from lmforge.export.gguf_vocab import LLAMA3_PATTERN, QWEN2_PATTERN
 
     spec = FAMILIES[family]
     kind = spec["kind"]

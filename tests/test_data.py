@@ -11,14 +11,15 @@ import numpy as np
 import pytest
 
 from lmforge.contract import Contract
-from lmforge.data.shards import META_FILE, Shard, preflight, prepare
+from lmforge.data.shards import META_FILE, Shard, preflight
+from lmforge.data.prepare import prepare
 from lmforge.data.sources import (
     SourceStats,
     iter_documents,
     module_name,
     split_of,
-    stdlib_root,
 )
+from lmforge.data.inputs import stdlib_root
 from lmforge.errors import ContractError, DataError
 from lmforge.stages import prepare_stage
 from lmforge.tokenizer import Tokenizer

@@ -25,7 +25,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent / "robustness"))
 from test_bad_inputs import tree_hash  # noqa: E402
 
-from lmforge.data.shards import prepare
+from lmforge.data.prepare import prepare
 from lmforge.data.sources import iter_documents
 from lmforge.errors import DataError
 
@@ -349,7 +349,7 @@ def test_seen_hashes_find_every_repeat_across_merges():
     sides of 2**63 (where numpy's scalar conversion once made each lookup convert the array)."""
     import random
 
-    from lmforge.data.shards import SeenHashes, hash64
+    from lmforge.data.prepare import SeenHashes, hash64
 
     rng = random.Random(3)
     values = [0, 1, 2**63 - 1, 2**63, 2**63 + 1, 2**64 - 1] + [rng.getrandbits(64) for _ in range(500)]

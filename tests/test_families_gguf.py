@@ -30,7 +30,8 @@ from lmforge.config import ModelConfig
 from lmforge.contract import Contract
 from lmforge.export import ExportError
 from lmforge.export.families import FAMILIES, GEMMA_CHAT_TEMPLATE, family_of
-from lmforge.export.gguf import gguf_arch, write_gguf
+from lmforge.export.gguf import write_gguf
+from lmforge.export.llama_cpp import gguf_arch
 from lmforge.model import Transformer, load_model
 from lmforge.model.io import model_state
 from lmforge.tokenizer import Tokenizer

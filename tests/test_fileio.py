@@ -85,7 +85,7 @@ def test_a_failure_mid_write_keeps_the_previous_output_and_leaves_no_temporary(t
 @pytest.mark.parametrize("exchange", [True, False], ids=["renameat2-exchange", "two-renames"])
 def test_replacing_swaps_in_the_complete_new_folder(tmp_path, monkeypatch, exchange):
     if not exchange:  # a kernel or file system without RENAME_EXCHANGE
-        monkeypatch.setattr(fileio.durable, "_exchange", lambda a, b: False)
+        monkeypatch.setattr(fileio.durable, "exchange_paths", lambda a, b: False)
     out = tmp_path / "out"
     for content in (b"one", b"two"):
         with atomic_dir(out, "prepare") as tmp:

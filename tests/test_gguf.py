@@ -21,7 +21,8 @@ from lmforge.cli import main
 from lmforge.config import ModelConfig
 from lmforge.fileio import OutputError
 from lmforge.export import ExportError, export_gguf
-from lmforge.export.gguf import _permute_rope_rows, gguf_arch, gguf_tensors, gguf_vocab, write_gguf
+from lmforge.export.gguf import _permute_rope_rows, gguf_tensors, gguf_vocab, write_gguf
+from lmforge.export.llama_cpp import gguf_arch
 from lmforge.tokenizer import CHAT_TEMPLATE
 from lmforge.model import load_model
 from lmforge.model.io import model_state

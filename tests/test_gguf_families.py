@@ -24,7 +24,8 @@ import torch
 from gguf_helpers import FAMILIES, hf_family_folder
 from lmforge.contract import Contract
 from lmforge.export import ExportError, export_gguf
-from lmforge.export.gguf import GPT2_PATTERN, LLAMA3_PATTERN, gguf_vocab
+from lmforge.export.gguf import gguf_vocab
+from lmforge.export.gguf_vocab import GPT2_PATTERN, LLAMA3_PATTERN
 from lmforge.export.hf_in import import_hf
 from lmforge.tokenizer import Tokenizer
 
@@ -344,7 +345,7 @@ def test_import_family_architecture(imported_models, family, tmp_path):
 def test_qk_norm_with_biases_refused(imported_models):
     import dataclasses
 
-    from lmforge.export.gguf import gguf_arch
+    from lmforge.export.llama_cpp import gguf_arch
     from lmforge.model import load_model
 
     m = load_model(imported_models["qwen2"][1])[0].config

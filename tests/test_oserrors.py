@@ -311,7 +311,7 @@ def test_native_write_failure_at_the_file_size_limit_is_efbig(tmp_path):
 
 
 def test_a_native_failure_inside_a_writer_becomes_one_explained_error(tmp_path, monkeypatch):
-    monkeypatch.setattr(fileio.failures, "_NEARLY_FULL", 1 << 62)  # as if the disk were full
+    monkeypatch.setattr(fileio.failures, "NEARLY_FULL", 1 << 62)  # as if the disk were full
     before = tree_hash(tmp_path)
     with pytest.raises(FileSystemError, match=r"out: cannot write it \(No space left on device, ENOSPC\); the disk "
                                               r"is full.*Nothing was written"):

@@ -257,10 +257,11 @@ def test_a_pool_leaves_no_process_folder_or_descriptor(isolated):
 
 
 def test_a_malformed_report_is_the_harness_fault_before_ready_and_the_candidates_after():
-    from lmforge.sandbox import _Judge, plan_job
+    from lmforge.sandbox import plan_job
 
+    from lmforge.sandbox.jobs import Judge
     def judge():
-        return _Judge(plan_job(GOOD))
+        return Judge(plan_job(GOOD))
 
     j = judge()
     assert j.feed(["n", "obs", "value", "1", "(1,)"])[0] == "ERROR"  # before "ready": only the harness writes

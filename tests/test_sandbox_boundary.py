@@ -25,9 +25,9 @@ def test_the_start_up_line_names_the_install_where_bubblewrap_is_missing(monkeyp
     monkeypatch.setattr(shutil, "which", lambda name, *a, **k: None)
     from lmforge.sandbox import isolate
 
-    isolate._bwrap.cache_clear()
+    isolate.bwrap_probe.cache_clear()
     try:
         line = isolation_line()
     finally:
-        isolate._bwrap.cache_clear()
+        isolate.bwrap_probe.cache_clear()
     assert "a plain process (bwrap is not installed)" in line and "`make sandbox`" in line

@@ -30,14 +30,14 @@ import torch
 import test_bad_inputs as table
 from test_bad_inputs import C, SFT_SETS, Row, project, write  # noqa: F401  (project: a fixture)
 
-from lmforge.config import BOUNDS, MAX_STEPS, _SECTION_TYPES, _field_types, load_config
+from lmforge.config import BOUNDS, MAX_STEPS, _SECTION_TYPES, field_types, load_config
 from lmforge.errors import ConfigError
 from lmforge.export.hf import ExportError, check_dtype_range
 
 
 # -- bounds ---------------------------------------------------------------------------------------
 def test_every_number_of_the_config_has_a_bound():
-    numeric = {f"{s}.{k}" for s, cls in _SECTION_TYPES.items() for k, t in _field_types(cls).items()
+    numeric = {f"{s}.{k}" for s, cls in _SECTION_TYPES.items() for k, t in field_types(cls).items()
                if t in (int, float)}
     assert numeric == set(BOUNDS), numeric ^ set(BOUNDS)
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from lmforge.config.core import AUTO_MICRO_BATCH
 from lmforge.config.fields import suggest
-from lmforge.config.schema import _SECTION_TYPES, OVERLAY_ENV, Config, _default
+from lmforge.config.schema import SECTION_TYPES, OVERLAY_ENV, Config, default_of
 from lmforge.errors import ConfigError, os_advice
 from lmforge.fileio import path_from_text
 
@@ -24,12 +24,12 @@ from lmforge.fileio import path_from_text
 CONFIG_FILE = "config.toml"
 
 
-def _field_types(cls: type) -> dict[str, type]:
+def field_types(cls: type) -> dict[str, type]:
     hints = typing.get_type_hints(cls)
     return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
 
 
-def _coerce(section: str, key: str, value: Any, typ: type, where: str) -> Any:
+def coerce(section: str, key: str, value: Any, typ: type, where: str) -> Any:
     """Check `value` against the dataclass field type (int/float/bool/str); floats must be
     finite (NaN and infinity pass `x <= 0` checks and then fail deep inside torch)."""
     name = f"{section}.{key}"
@@ -45,7 +45,7 @@ def _coerce(section: str, key: str, value: Any, typ: type, where: str) -> Any:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             if not math.isfinite(value):
                 raise ConfigError(f"{where}: {name} = {value!r}: expected a finite number (default "
-                                  f"{_default(section, key)!r}).")
+                                  f"{default_of(section, key)!r}).")
             return float(value)
     elif typ is str:
         if isinstance(value, str):
@@ -54,7 +54,7 @@ def _coerce(section: str, key: str, value: Any, typ: type, where: str) -> Any:
             if bad is not None:
                 raise ConfigError(f"{where}: {name} = {value!r} holds the control character {bad!r} (a line break, a "
                                   f"tab, ...): every text field of the config is one line. Give the value on one line "
-                                  f"(default {_default(section, key)!r}).")
+                                  f"(default {default_of(section, key)!r}).")
             return value
     elif typing.get_origin(typ) is list:
         (item,) = typing.get_args(typ)
@@ -67,26 +67,26 @@ def _coerce(section: str, key: str, value: Any, typ: type, where: str) -> Any:
         expected = f"a list of {'tables' if item is dict else 'texts' if item is str else item.__name__}"
     raise ConfigError(
         f"{where}: {name} = {shown} has type {type(value).__name__}, expected {expected}. "
-        f"Fix the value (for example {name}={_default(section, key)!r}, the default)."
+        f"Fix the value (for example {name}={default_of(section, key)!r}, the default)."
     )
 def from_dict(raw: dict[str, Any], where: str = "config") -> Config:
     """Build a Config from nested dicts, strictly (unknown keys are errors)."""
     cfg = Config()
     for section, values in raw.items():
-        if section not in _SECTION_TYPES:
+        if section not in SECTION_TYPES:
             raise ConfigError(
-                f"{where}: unknown section [{section}].{suggest(section, list(_SECTION_TYPES))}"
+                f"{where}: unknown section [{section}].{suggest(section, list(SECTION_TYPES))}"
             )
         if not isinstance(values, dict):
             raise ConfigError(f"{where}: [{section}] must be a table of keys, got {values!r}.")
         obj = getattr(cfg, section)
-        types = _field_types(type(obj))
+        types = field_types(type(obj))
         for key, value in values.items():
             if key not in types:
                 raise ConfigError(
                     f"{where}: unknown key {section}.{key}.{suggest(key, list(types))}"
                 )
-            setattr(obj, key, _coerce(section, key, value, types[key], where))
+            setattr(obj, key, coerce(section, key, value, types[key], where))
     return cfg
 
 
@@ -125,11 +125,11 @@ def apply_overrides(cfg: Config, overrides: list[str] | None) -> Config:
                 f"--set {item!r}: unknown key {section}.{key}.{suggest(key, list(raw[section]))}"
             )
         value = _parse_override_value(text.strip())
-        typ = _field_types(type(getattr(cfg, section)))[key]
+        typ = field_types(type(getattr(cfg, section)))[key]
         if typ is str and isinstance(value, (list, dict)):
             kind = "a list" if isinstance(value, list) else "a table"
             raise ConfigError(f"--set {item!r}: {section}.{key} is a text field, and {text.strip()!r} is {kind}. Give "
-                              f"one value (default {_default(section, key)!r}); quote it (\"...\") if the brackets are "
+                              f"one value (default {default_of(section, key)!r}); quote it (\"...\") if the brackets are "
                               f"part of it.")
         if typ is str and not isinstance(value, str):
             value = text.strip()  # e.g. --set sft.init=123 names a folder "123"

@@ -83,23 +83,23 @@ SECTIONS: dict[str, type] = {"tokenizer": TokenizerConfig, "data": DataConfig, "
                              "train": TrainConfig, "sft": SFTConfig, "lora": LoRAConfig, "dpo": DPOConfig,
                              "rl": RLConfig,
                              "generate": SamplingConfig}
-_SECTION_TYPES = SECTIONS
+SECTION_TYPES = SECTIONS
 #: The fine-tuning sections (each a TuningConfig).
-TUNING_SECTIONS = tuple(s for s, cls in _SECTION_TYPES.items() if issubclass(cls, TuningConfig))
+TUNING_SECTIONS = tuple(s for s, cls in SECTION_TYPES.items() if issubclass(cls, TuningConfig))
 #: Every number of the config and its range: (low, high, low_open, high_open), from the fields'
 #: declarations. `validate` checks each; the error names the field, the value, the range and the
 #: default. tests/robustness/test_bounds_readers.py asserts every int and float field has a row.
-BOUNDS: dict[str, Bound] = {f"{s}.{k}": meta["bounds"] for s, cls in _SECTION_TYPES.items()
+BOUNDS: dict[str, Bound] = {f"{s}.{k}": meta["bounds"] for s, cls in SECTION_TYPES.items()
                             for k, meta in declared(cls).items() if "bounds" in meta}
 #: Every text field with a fixed set of values, and its values; the tables that dispatch on them
 #: (attention backends, dpo losses, optimizers, schedules) are held equal to these by
 #: tests/test_config.py::test_every_dispatch_table_equals_its_fields_choices.
-CHOICES: dict[str, tuple[str, ...]] = {f"{s}.{k}": meta["choices"] for s, cls in _SECTION_TYPES.items()
+CHOICES: dict[str, tuple[str, ...]] = {f"{s}.{k}": meta["choices"] for s, cls in SECTION_TYPES.items()
                                        for k, meta in declared(cls).items() if "choices" in meta}
 
 
-def _default(section: str, key: str) -> Any:
-    return getattr(_SECTION_TYPES[section](), key)
+def default_of(section: str, key: str) -> Any:
+    return getattr(SECTION_TYPES[section](), key)
 
 
 def check_bounds(name: str, value: float, shown: str | None = None) -> None:
@@ -173,7 +173,7 @@ def validate(cfg: Config) -> Config:
     fields; every error says what to change. The checks that depend on the number of ranks are
     `check_parallel`'s, run by the training start-up."""
     cfg.generate.validate()  # the server's wording, shared
-    for section, cls in _SECTION_TYPES.items():
+    for section, cls in SECTION_TYPES.items():
         for key in declared(cls):
             check_field(cls, key, getattr(getattr(cfg, section), key), f"{section}.{key}")
     _check_model_shape(cfg.model)
@@ -181,7 +181,7 @@ def validate(cfg: Config) -> Config:
     if d.seq_len > m.max_seq_len:
         raise ConfigError(f"data.seq_len = {d.seq_len} exceeds model.max_seq_len = {m.max_seq_len}. "
                           f"Lower data.seq_len or raise model.max_seq_len.")
-    if d.sources and d.source != _default("data", "source"):
+    if d.sources and d.source != default_of("data", "source"):
         raise ConfigError(f"data.source = {d.source!r} and data.sources ({len(d.sources)} sources) are both set: a "
                           f"mixture reads data.sources only. Add {d.source!r} to data.sources (with its weight), or "
                           f"remove data.sources to prepare data.source alone.")

@@ -68,10 +68,10 @@ class Batch:
         return int(self.loss_mask.sum())
 
     def to(self, device: torch.device | str) -> "Batch":
-        return Batch(*(getattr(self, f).to(device, non_blocking=True) for f in _FIELDS))
+        return Batch(*(getattr(self, f).to(device, non_blocking=True) for f in FIELDS))
 
 
-_FIELDS = ("tokens", "targets", "loss_mask", "document_ids", "positions")
+FIELDS = ("tokens", "targets", "loss_mask", "document_ids", "positions")
 
 
 def split_pieces(sample: int, n_pairs: int, seq_len: int) -> list[Piece]:
@@ -181,7 +181,7 @@ def build_row(
 
 
 def collate(rows: Sequence[dict[str, np.ndarray]]) -> Batch:
-    return Batch(*(torch.from_numpy(np.stack([r[f] for r in rows])) for f in _FIELDS))
+    return Batch(*(torch.from_numpy(np.stack([r[f] for r in rows])) for f in FIELDS))
 
 
 def padding_fraction(rows: Sequence[Sequence[Piece]], seq_len: int) -> float:

@@ -49,7 +49,7 @@ import numpy as np
 import torch
 
 from lmforge.data.conversations import cap_examples, validate_messages
-from lmforge.data.packing import _FIELDS, Batch, Piece, RowStream, build_row, collate, plan_packed
+from lmforge.data.packing import FIELDS, Batch, Piece, RowStream, build_row, collate, plan_packed
 from lmforge.data.records import check_text, content_key, read_items, short
 from lmforge.data.sources import split_of
 from lmforge.errors import DataError
@@ -265,7 +265,7 @@ class PairBatch(Batch):
         return int(self.pair_index.shape[0])
 
     def to(self, device: torch.device | str) -> "PairBatch":
-        return PairBatch(*(getattr(self, f).to(device, non_blocking=True) for f in _FIELDS),
+        return PairBatch(*(getattr(self, f).to(device, non_blocking=True) for f in FIELDS),
                          groups=self.groups.to(device, non_blocking=True), completion_tokens=self.completion_tokens,
                          pair_index=self.pair_index)
 
@@ -311,7 +311,7 @@ class PairStream(RowStream):
                 groups[r, at: at + m] = j
                 at += m
         batch = collate(built)
-        return PairBatch(*(getattr(batch, f) for f in _FIELDS), groups=torch.from_numpy(groups),
+        return PairBatch(*(getattr(batch, f) for f in FIELDS), groups=torch.from_numpy(groups),
                          completion_tokens=torch.tensor([int(m[1:].sum()) for m in mask], dtype=torch.int64),
                          pair_index=torch.tensor(index, dtype=torch.int64))
 

@@ -25,7 +25,6 @@ import numpy as np
 
 from lmforge.contract import CONTRACT_FILE, Contract, check_match
 from lmforge.data.prepare import HASHES_SUFFIX, META_FILE
-from lmforge.data.prepare import BATCH_DOCS, SeenHashes, hash64, prepare  # noqa: F401  (the tests' and bench's import)
 from lmforge.data.sources import SPLITS
 from lmforge.errors import DataError, os_error
 from lmforge.fileio import shown_path

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lmforge.data.inputs import InputFile, SourceStats, list_inputs
-from lmforge.data.inputs import stdlib_root  # noqa: F401  (tests/test_data.py's import)
 from lmforge.data.records import MissingColumn, check_text, content_key, iter_records, record_suffix, short
 from lmforge.errors import DataError
 from lmforge.fileio import shown_path

@@ -92,9 +92,7 @@ from lmforge.contract import Contract
 from lmforge.export.options import EXPORT_DTYPES, ExportError, check_dtype_range, check_export_options
 from lmforge.export.card import gguf_facts
 from lmforge.export.families import FAMILIES, Family, by_gguf_arch
-from lmforge.export.gguf_vocab import GPT2_PATTERN, LLAMA3_PATTERN, QWEN2_PATTERN  # noqa: F401  (the tests' import)
 from lmforge.export.gguf_vocab import gguf_vocab, tokenizer_keys
-from lmforge.export.llama_cpp import gguf_arch  # noqa: F401  (the tests' import)
 from lmforge.export.llama_cpp import LLAMA_CPP_ARCHS, gguf_family, gguf_tensor_names, require_gguf
 from lmforge.fileio import check_user_file, user_file
 from lmforge.loading import load_checkpoint

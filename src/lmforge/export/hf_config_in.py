@@ -11,91 +11,14 @@ field. The way out is `export/hf_config_out.py`, whose names for what both direc
 
 from __future__ import annotations
 
-import math
-
 from lmforge.config import ModelConfig
 from lmforge.config.fields import check_number
 from lmforge.errors import ConfigError
 from lmforge.export import families as families_mod
 from lmforge.export.hf_config_out import FAMILIES, GELU_TANH, HF_LAYER_TYPES
+from lmforge.export.hf_rope_in import flag, gemma3_rope, number, rope_settings
 from lmforge.export.options import ExportError
 from lmforge.tokenizer import short_repr
-
-
-#: rope_type values that mean plain RoPE (transformers writes "default"; older configs nothing).
-PLAIN_ROPE = (None, "default")
-
-
-def _rope_settings(cfg: dict, where: str, keys: dict | None = None) -> dict:
-    """The RoPE settings of a config as ModelConfig keys: rope_theta and, for Llama 3.1's
-    scaling, rope_scaling = "llama3" and its four numbers. Reads transformers >= 5's
-    `rope_parameters` and older `rope_theta` + `rope_scaling` (null, or rope_type / type
-    "default" for plain RoPE).
-
-    `keys` (when given) gets, per ModelConfig field set, the config.json key it came from and
-    the value written there (for `_check_ranges`).
-
-    Raises:
-        ExportError: another scaling (linear, dynamic, yarn, longrope, ...), partial rotation.
-    """
-    keys = {} if keys is None else keys
-    source, rope = "rope_parameters", {}
-    for key in ("rope_parameters", "rope_scaling"):  # both may be present: a scaling in either counts
-        value = cfg.get(key)
-        if value is None:
-            continue
-        if not isinstance(value, dict):
-            raise ExportError(f"{where}: {key} = {value!r}: expected an object or null.")
-        if not rope or value.get("rope_type", value.get("type")) not in PLAIN_ROPE:
-            source, rope = key, {**rope, **value} if key == "rope_scaling" else value
-    kind = rope.get("rope_type", rope.get("type"))
-    theta_key = f"{source}.rope_theta" if "rope_theta" in rope else "rope_theta"
-    theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
-    out: dict = {"rope_theta": _number(theta, theta_key, float, where)}
-    keys["rope_theta"] = (theta_key, theta)
-    for key in ("partial_rotary_factor",):
-        value = cfg.get(key, rope.get(key))
-        if value not in (None, 1, 1.0):
-            raise ExportError(f"{where}: {key} = {value!r}, expected 1.0: lmforge rotates the whole head.")
-    if rope.get("attention_factor") not in (None, 1, 1.0):
-        raise ExportError(f"{where}: rope attention_factor = {rope['attention_factor']!r}, expected 1.0: lmforge "
-                          f"does not scale attention; this model cannot be imported.")
-    if kind in PLAIN_ROPE:
-        return out
-    if kind != "llama3":
-        raise ExportError(f"{where}: {source} has rope_type = {kind!r}: lmforge implements plain RoPE (\"default\") and Llama "
-                          f"3.1's \"llama3\" scaling only; this model cannot be imported.")
-    out["rope_scaling"] = "llama3"
-    for field, key, typ in (("rope_factor", "factor", float), ("rope_low_freq_factor", "low_freq_factor", float),
-                            ("rope_high_freq_factor", "high_freq_factor", float),
-                            ("rope_original_max_seq_len", "original_max_position_embeddings", int)):
-        out[field] = _number(rope.get(key), f"{source}.{key}", typ, where)
-        keys[field] = (f"{source}.{key}", rope.get(key))
-    if not out["rope_high_freq_factor"] > out["rope_low_freq_factor"]:
-        raise ExportError(f"{where}: {source}.high_freq_factor = {rope.get('high_freq_factor')!r} and "
-                          f"{source}.low_freq_factor = {rope.get('low_freq_factor')!r}: expected high_freq_factor "
-                          f"above low_freq_factor (Llama 3.1: 4 and 1; the band between them is interpolated). Fix "
-                          f"{source} in config.json.")
-    return out
-
-
-def _number(value, key: str, typ: type, where: str):
-    if value is None:
-        raise ExportError(f"{where}: missing field {key!r}; a transformers config.json of this family has it.")
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) \
-        and (typ is float or value == int(value))
-    if not ok:
-        raise ExportError(f"{where}: {key} = {value!r}: expected {'an integer' if typ is int else 'a number'}. Fix "
-                          f"{key} in config.json (or use the folder transformers saved).")
-    return typ(value)
-
-
-def _flag(value, key: str, where: str) -> bool:
-    """A JSON true / false, refused otherwise (a string "false" is not false)."""
-    if not isinstance(value, bool):
-        raise ExportError(f"{where}: {key} = {value!r}: expected true or false (a JSON boolean, not a string or a "
-                          f"number). Fix {key} in config.json (or use the folder transformers saved).")
-    return value
 
 
 def _check_ranges(model: ModelConfig, keys: dict, where: str) -> None:
@@ -161,7 +84,7 @@ def _layer_kinds(cfg: dict, family: str, n_layers: int, where: str, say) -> list
     types = cfg.get("layer_types")
     if types is None and family == "gemma3_text":
         key = "sliding_window_pattern" if "sliding_window_pattern" in cfg else "_sliding_window_pattern"
-        pattern = _number(cfg.get(key, 6), key, int, where)
+        pattern = number(cfg.get(key, 6), key, int, where)
         if pattern < 1:
             raise ExportError(f"{where}: {key} = {pattern}: expected a positive layer count.")
         types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n_layers)]
@@ -183,58 +106,6 @@ def _layer_kinds(cfg: dict, family: str, n_layers: int, where: str, say) -> list
                           f"imported.")
     kinds = ["sliding" if t == "sliding_attention" else "full" for t in types]
     return kinds if "sliding" in kinds else []
-
-
-def _gemma3_rope(cfg: dict, where: str, keys: dict | None = None) -> dict:
-    """Gemma 3's RoPE as ModelConfig keys: rope_theta (full layers) and rope_theta_sliding, from
-    transformers 5's `rope_parameters` keyed by layer type, or older `rope_theta` +
-    `rope_local_base_freq` (+ `rope_scaling`, which transformers applies to the full layers).
-
-    Raises:
-        ExportError: any scaling (rope_type other than "default", linear included), partial
-        rotation or an attention factor, naming the entry; `rope_parameters` not keyed by layer type.
-    """
-    params = cfg.get("rope_parameters")
-    entries: dict = {}
-    if isinstance(params, dict) and set(params) & {"full_attention", "sliding_attention"}:
-        full, sliding = params.get("full_attention") or {}, params.get("sliding_attention") or {}
-        entries = {"rope_parameters.full_attention": full, "rope_parameters.sliding_attention": sliding}
-    elif params is None or params == {}:
-        full, sliding = {}, {}
-    else:
-        raise ExportError(f"{where}: rope_parameters = {short_repr(params)}: expected a Gemma 3 entry per layer "
-                          f"type ({{\"full_attention\": {{...}}, \"sliding_attention\": {{...}}}}) or null; this "
-                          f"config.json is not one transformers writes for Gemma3ForCausalLM.")
-    if cfg.get("rope_scaling") is not None:
-        entries["rope_scaling"] = cfg["rope_scaling"]
-    for name, entry in entries.items():
-        if not isinstance(entry, dict):
-            raise ExportError(f"{where}: {name} = {entry!r}: expected an object.")
-        kind = entry.get("rope_type", entry.get("type"))
-        if kind not in PLAIN_ROPE:
-            raise ExportError(
-                f"{where}: {name}.rope_type = {kind!r}: lmforge imports Gemma with plain RoPE (\"default\") only "
-                f"(linear scaling of the global layers, as the 4B and larger models have, is not implemented); "
-                f"this model cannot be imported.")
-        for key, want in (("partial_rotary_factor", 1.0), ("attention_factor", 1.0)):
-            if entry.get(key) not in (None, 1, 1.0):
-                raise ExportError(f"{where}: {name}.{key} = {entry[key]!r}, expected {want}: lmforge rotates the whole "
-                                  f"head unscaled; this model cannot be imported.")
-    if cfg.get("partial_rotary_factor") not in (None, 1, 1.0):
-        raise ExportError(f"{where}: partial_rotary_factor = {cfg['partial_rotary_factor']!r}, expected 1.0: lmforge "
-                          f"rotates the whole head.")
-    keys = {} if keys is None else keys
-    theta_key = "rope_parameters.full_attention.rope_theta" if "rope_theta" in full else "rope_theta"
-    local_key = "rope_parameters.sliding_attention.rope_theta" if "rope_theta" in sliding else "rope_local_base_freq"
-    theta = full.get("rope_theta", cfg.get("rope_theta", 1_000_000.0))
-    local = sliding.get("rope_theta", cfg.get("rope_local_base_freq", 10_000.0))
-    out = {"rope_theta": _number(theta, theta_key, float, where),
-           "rope_theta_sliding": _number(local, local_key, float, where)}
-    if not out["rope_theta_sliding"] > 1:
-        raise ExportError(f"{where}: {local_key} = {local!r}: expected a RoPE base above 1, as rope_theta (Gemma 3: "
-                          f"10000; a base <= 1 gives no spread of rotations). Fix {local_key} in config.json.")
-    keys.update(rope_theta=(theta_key, theta), rope_theta_sliding=(local_key, local))
-    return out
 
 
 def _family_of_config(cfg: dict, where: str, say) -> families_mod.Family:
@@ -319,12 +190,12 @@ def model_config_from_hf(cfg: dict, where: str, log=None) -> ModelConfig:
         if cfg.get(key) is not None and cfg[key] != want:  # a key left out (or null) is transformers' default
             raise ExportError(f"{where}: {key} = {cfg[key]!r}, expected {want!r}: {why}; this model cannot be "
                               f"imported.")
-    max_pos = _number(_get(cfg, name, "max_position_embeddings", 2048), "max_position_embeddings", int, where)
-    dim, n_heads = _number(cfg.get("hidden_size"), "hidden_size", int, where), \
-        _number(cfg.get("num_attention_heads"), "num_attention_heads", int, where)
-    n_layers = _number(cfg.get("num_hidden_layers"), "num_hidden_layers", int, where)
-    n_kv_heads = _number(cfg.get("num_key_value_heads", n_heads), "num_key_value_heads", int, where)
-    ffn_dim = _number(cfg.get("intermediate_size"), "intermediate_size", int, where)
+    max_pos = number(_get(cfg, name, "max_position_embeddings", 2048), "max_position_embeddings", int, where)
+    dim, n_heads = number(cfg.get("hidden_size"), "hidden_size", int, where), \
+        number(cfg.get("num_attention_heads"), "num_attention_heads", int, where)
+    n_layers = number(cfg.get("num_hidden_layers"), "num_hidden_layers", int, where)
+    n_kv_heads = number(cfg.get("num_key_value_heads", n_heads), "num_key_value_heads", int, where)
+    ffn_dim = number(cfg.get("intermediate_size"), "intermediate_size", int, where)
     sizes = {"hidden_size": dim, "num_attention_heads": n_heads, "num_hidden_layers": n_layers,
              "num_key_value_heads": n_kv_heads, "intermediate_size": ffn_dim, "max_position_embeddings": max_pos}
     bad = [f"{k} = {v}" for k, v in sizes.items() if v <= 0]
@@ -345,7 +216,7 @@ def model_config_from_hf(cfg: dict, where: str, log=None) -> ModelConfig:
     # null derives it (transformers would build heads of size 0 from a 0)
     head_dim = _get(cfg, name, "head_dim")
     if head_dim is not None:
-        head_dim = _number(head_dim, "head_dim", int, where)
+        head_dim = number(head_dim, "head_dim", int, where)
         if head_dim <= 0:
             raise ExportError(f"{where}: head_dim = {head_dim}: expected a positive head size, or null (or no key) for "
                               f"hidden_size / num_attention_heads = {dim // n_heads if dim % n_heads == 0 else 'n/a'}. "
@@ -367,7 +238,7 @@ def model_config_from_hf(cfg: dict, where: str, log=None) -> ModelConfig:
     layer_types = _layer_kinds(cfg, name, n_layers, where, say)
     window = _get(cfg, name, "sliding_window")
     if name == "mistral" and window is not None:
-        window = _number(window, "sliding_window", int, where)
+        window = number(window, "sliding_window", int, where)
         if window < max_pos:  # transformers' Mistral slides the window in every layer
             layer_types = ["sliding"] * n_layers
             say(f"config.json: sliding_window = {window} < max_position_embeddings = {max_pos}: every layer attends "
@@ -376,25 +247,25 @@ def model_config_from_hf(cfg: dict, where: str, log=None) -> ModelConfig:
         if window is None:
             raise ExportError(f"{where}: layer_types has sliding_attention layers but sliding_window = null; expected "
                               f"the window (keys a sliding layer sees, its own included).")
-        window = _number(window, "sliding_window", int, where)
+        window = number(window, "sliding_window", int, where)
         if window < 1:
             raise ExportError(f"{where}: sliding_window = {window}: expected at least 1 key.")
         mech.update(layer_types=layer_types, sliding_window=window)
         keys["sliding_window"] = ("sliding_window", window)
     # -- RoPE
     if name == "gemma3_text":
-        rope = _gemma3_rope(cfg, where, keys)
+        rope = gemma3_rope(cfg, where, keys)
         if "sliding" not in layer_types or rope["rope_theta_sliding"] == rope["rope_theta"]:
             rope["rope_theta_sliding"] = 0.0  # the full layers' base
             keys.pop("rope_theta_sliding")
     else:
-        rope = _rope_settings(cfg, where, keys)
+        rope = rope_settings(cfg, where, keys)
         if rope.get("rope_scaling", "none") != "none" and "rope_scaling" not in family.settable:
             raise ExportError(f"{where}: rope_type = {rope['rope_scaling']!r}: lmforge imports {arch} with plain RoPE "
                               f"(\"default\") only; this model cannot be imported.")
     # -- Gemma's scales and soft-caps
     if name in GEMMA:
-        scalar = _number(_get(cfg, name, "query_pre_attn_scalar"), "query_pre_attn_scalar", float, where)
+        scalar = number(_get(cfg, name, "query_pre_attn_scalar"), "query_pre_attn_scalar", float, where)
         if scalar <= 0:
             raise ExportError(f"{where}: query_pre_attn_scalar = {scalar}: expected a positive number.")
         mech["embed_scale"] = dim ** 0.5  # transformers: hidden_size ** 0.5
@@ -405,7 +276,7 @@ def model_config_from_hf(cfg: dict, where: str, log=None) -> ModelConfig:
         caps = {}
         for key in ("attn_logit_softcapping", "final_logit_softcapping"):
             value = _get(cfg, name, key)
-            caps[key] = 0.0 if value is None else _number(value, key, float, where)
+            caps[key] = 0.0 if value is None else number(value, key, float, where)
             if caps[key] < 0:
                 raise ExportError(f"{where}: {key} = {value}: expected a positive number or null.")
         if name == "gemma3_text" and caps["attn_logit_softcapping"]:
@@ -417,12 +288,12 @@ def model_config_from_hf(cfg: dict, where: str, log=None) -> ModelConfig:
             keys["attn_softcap"] = ("attn_logit_softcapping", _get(cfg, name, "attn_logit_softcapping"))
         mech["final_softcap"] = caps["final_logit_softcapping"]
         keys["final_softcap"] = ("final_logit_softcapping", _get(cfg, name, "final_logit_softcapping"))
-    eps = _number(_get(cfg, name, "rms_norm_eps", 1e-6), "rms_norm_eps", float, where)
+    eps = number(_get(cfg, name, "rms_norm_eps", 1e-6), "rms_norm_eps", float, where)
     keys["norm_eps"] = ("rms_norm_eps", _get(cfg, name, "rms_norm_eps", 1e-6))
     tie = _get(cfg, name, "tie_word_embeddings", False)
     model = ModelConfig(
         dim=dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv_heads, ffn_dim=ffn_dim, norm_eps=eps,
-        max_seq_len=max_pos, tie_embeddings=False if tie is None else _flag(tie, "tie_word_embeddings", where),
+        max_seq_len=max_pos, tie_embeddings=False if tie is None else flag(tie, "tie_word_embeddings", where),
         **{**family.fixed, **mech, **rope},
     )
     _check_ranges(model, keys, where)

@@ -25,7 +25,8 @@ from lmforge.contract import padded_vocab_size
 from lmforge.errors import CheckpointError, ConfigError, LmforgeError
 from lmforge.export.families import chat_template_of
 from lmforge.export.hf import HF_CONFIG_FILE, IMPORT_OUTPUT, WEIGHTS_FILE, WEIGHTS_INDEX_FILE, from_hf_state
-from lmforge.export.hf_config_in import _number, family_of_hf_config, model_config_from_hf
+from lmforge.export.hf_config_in import family_of_hf_config, model_config_from_hf
+from lmforge.export.hf_rope_in import number
 from lmforge.export.options import ExportError
 from lmforge.fileio import atomic_dir, check_readable, load_hf_tokenizer, loads_json, load_safetensors
 from lmforge.model.io import MODEL_FILE, load_weights, write_model_files
@@ -205,7 +206,7 @@ def import_hf(folder: str | Path, out: str | Path, log=None, eos_token: str = ""
     model_cfg = model_config_from_hf(raw, str(cfg_path), log=say)
     hf_vocab = raw.get("vocab_size")
     if hf_vocab is not None:
-        hf_vocab = _number(hf_vocab, "vocab_size", int, str(cfg_path))
+        hf_vocab = number(hf_vocab, "vocab_size", int, str(cfg_path))
         if hf_vocab <= 0:
             raise ExportError(f"{cfg_path}: vocab_size = {hf_vocab}: expected the number of embedding rows (> 0).")
     family = family_of_hf_config(raw, str(cfg_path))

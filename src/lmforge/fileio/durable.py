@@ -37,7 +37,7 @@ def fsync_tree(folder: Path) -> None:
 _RENAME_EXCHANGE = 2
 
 
-def _exchange(a: Path, b: Path) -> bool:
+def exchange_paths(a: Path, b: Path) -> bool:
     """Atomically swap two existing paths (Linux renameat2 RENAME_EXCHANGE); False if unsupported."""
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
@@ -78,7 +78,7 @@ def replace_dir(new: Path, out: Path) -> None:
         old = None
     else:
         check_removable(out)  # before the swap: never a new output beside an old one that cannot go
-        if _exchange(new, out):
+        if exchange_paths(new, out):
             old = new  # `new` now holds the previous output
         else:
             old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))

@@ -22,7 +22,7 @@ from lmforge.errors import FileSystemError, LmforgeError, os_error
 # -- what the operating system refused ----------------------------------------------------------
 _OS_ERROR_IN_TEXT = re.compile(r"\(os error (\d+)\)|\[Errno (\d+)\]")
 #: Free space below which a write that failed without saying why is taken as "disk full".
-_NEARLY_FULL = 16 << 20
+NEARLY_FULL = 16 << 20
 
 
 def write_failure(exc: BaseException, folder: Path) -> OSError | None:
@@ -53,7 +53,7 @@ def write_failure(exc: BaseException, folder: Path) -> OSError | None:
     with contextlib.suppress(OSError):
         st = os.statvfs(folder if folder.is_dir() else folder.parent)
         free = (st.f_bfree if os.geteuid() == 0 else st.f_bavail) * st.f_frsize
-        if free < _NEARLY_FULL:
+        if free < NEARLY_FULL:
             return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
     return exc if isinstance(exc, OSError) else None
 
@@ -69,7 +69,7 @@ def _shown_path(name, tmp: Path, out: Path) -> Path:
     return out / rel if str(rel) != "." else out
 
 
-def _failure_or_none(exc: BaseException, tmp: Path, out: Path) -> FileSystemError | None:
+def failure_or_none(exc: BaseException, tmp: Path, out: Path) -> FileSystemError | None:
     """The FileSystemError for a failed write of `out` (being built in `tmp`), naming the path
     that failed as the user knows it; None when the failure is not the file system's (or is
     already explained, or is Ctrl-C)."""

@@ -18,7 +18,7 @@ from lmforge.fileio.ownership import OutputError
 
 
 # -- locking -----------------------------------------------------------------------------------
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -63,7 +63,7 @@ def output_lock(out: Path) -> Iterator[None]:
                 pid = int(lock.read_text().strip() or 0)
             except (OSError, ValueError):
                 pid = 0
-            if pid and _pid_alive(pid):
+            if pid and pid_alive(pid):
                 raise OutputError(f"{out} is being written by another lmforge process (pid {pid}, lock {lock}). "
                                   f"Wait for it to finish, or stop it first.") from None
             lock.unlink(missing_ok=True)  # stale: its process is gone

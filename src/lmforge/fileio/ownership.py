@@ -195,7 +195,7 @@ def _check_owner(out: Path, command: str, what: str, replace_whole: bool) -> Non
                       f"Choose an empty or new folder.")
 
 
-def _manifest(folder: Path) -> list[str]:
+def listed_files(folder: Path) -> list[str]:
     """Every path under `folder` (relative, '/'-separated), for the marker: what lmforge wrote."""
     return sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.name != MARKER_FILE)
 
@@ -206,7 +206,7 @@ def _unlisted(folder: Path, marker: dict) -> set[str]:
     listed = marker.get("files")
     if not isinstance(listed, list):
         return set()
-    return set(_manifest(folder)) - set(listed)
+    return set(listed_files(folder)) - set(listed)
 
 
 def check_not_inside_output(path: Path) -> None:

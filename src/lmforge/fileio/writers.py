@@ -26,9 +26,9 @@ from pathlib import Path
 
 from lmforge.errors import FileSystemError, os_advice, os_error
 from lmforge.fileio.durable import check_removable, fsync_path, fsync_tree, replace_dir
-from lmforge.fileio.failures import _failure_or_none
+from lmforge.fileio.failures import failure_or_none
 from lmforge.fileio.locking import make_parent, output_lock
-from lmforge.fileio.ownership import (MARKER_FILE, OutputError, _manifest, check_not_input, check_not_inside_output,
+from lmforge.fileio.ownership import (MARKER_FILE, OutputError, listed_files, check_not_input, check_not_inside_output,
                                       check_output, describe, read_marker, special_kind)
 
 
@@ -74,12 +74,12 @@ def atomic_dir(out: str | Path, command: str, fsync: bool = False, what: str | N
                               f"written.") from None
         try:
             yield tmp
-            write_marker(tmp, command, files=_manifest(tmp))
+            write_marker(tmp, command, files=listed_files(tmp))
             if fsync:
                 fsync_tree(tmp)
             replace_dir(tmp, out)
         except BaseException as exc:
-            failure = _failure_or_none(exc, tmp, out)
+            failure = failure_or_none(exc, tmp, out)
             shutil.rmtree(tmp, ignore_errors=True)
             if failure is not None:
                 raise failure from None
@@ -93,7 +93,7 @@ def _sweep_interrupted(out: Path, what: str) -> None:
     what it removed (the new write starts over)."""
     import re
 
-    from lmforge.fileio.locking import _pid_alive
+    from lmforge.fileio.locking import pid_alive
 
     pattern = re.compile(re.escape(f".{out.name}.tmp-") + r"(\d+)-[A-Za-z0-9_]+")
     try:
@@ -102,7 +102,7 @@ def _sweep_interrupted(out: Path, what: str) -> None:
         return
     for path in siblings:
         m = pattern.fullmatch(path.name)
-        if not m or not path.is_dir() or path.is_symlink() or _pid_alive(int(m.group(1))):
+        if not m or not path.is_dir() or path.is_symlink() or pid_alive(int(m.group(1))):
             continue
         size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and not f.is_symlink())
         shutil.rmtree(path, ignore_errors=True)
@@ -143,7 +143,7 @@ def atomic_file(path: str | Path, fsync: bool = False, replace: bool = True) -> 
             fsync_path(tmp)
         os.replace(tmp, path)
     except BaseException as exc:
-        failure = _failure_or_none(exc, tmp, path)
+        failure = failure_or_none(exc, tmp, path)
         with contextlib.suppress(OSError):
             tmp.unlink(missing_ok=True)
         if failure is not None:

@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from lmforge.errors import ConfigError
-from lmforge.model.cpu_attention import _cpu_attention_applies, cpu_attention
+from lmforge.model.cpu_attention import cpu_attention_applies, cpu_attention
 
 
 def window_mask(T: int, S: int, offset: int, window: int, device) -> torch.Tensor:
@@ -91,7 +91,7 @@ def _one_training_graph(device: torch.device, dtype: torch.dtype, document_ids: 
     2026-11-26) and the step compiles one graph instead of two (the recipe's stage: 25-30 s
     of its 460 s budget; 2026-11-26). Elsewhere `one_segment_per_row` picks plain causal."""
     B, T = document_ids.shape
-    return _cpu_attention_applies(device, dtype, B * n_heads * T * T)
+    return cpu_attention_applies(device, dtype, B * n_heads * T * T)
 
 
 def cache_mask(T: int, offset: int, key_mask: torch.Tensor | None, S: int, device, window: int = 0) -> torch.Tensor:
@@ -197,9 +197,9 @@ def eager_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Attent
 
 
 def _takes_cpu_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask) -> bool:
-    """Whether this call goes through `cpu_attention` (`_cpu_attention_applies`, bf16 q/k/v
+    """Whether this call goes through `cpu_attention` (`cpu_attention_applies`, bf16 q/k/v
     with gradients wanted, T == S: training and prefill, plain causal or a document mask)."""
-    return (_cpu_attention_applies(q.device, q.dtype, q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2])
+    return (cpu_attention_applies(q.device, q.dtype, q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2])
             and q.dtype == k.dtype == v.dtype and (q.requires_grad or k.requires_grad or v.requires_grad)
             and mask.block_mask is None and (mask.is_causal or mask.attn_mask is not None)
             and q.shape[-2] == k.shape[-2])

@@ -1,7 +1,7 @@
 """Attention for compiled bf16 training on CPU: sdpa's CPU flash forward with FlashAttention's
 backward written as whole batched matrix products (`cpu_attention`, `_CpuAttention`), its switch
 and size cap (CPU_ATTENTION, CPU_ATTENTION_MAX_SCORES), and when it serves
-(`_cpu_attention_applies`). `attention.sdpa_attend` routes a call here
+(`cpu_attention_applies`). `attention.sdpa_attend` routes a call here
 (`attention._takes_cpu_attention`); `attention.prepare_mask` keeps the document mask where it
 serves (one compiled graph).
 """
@@ -20,7 +20,7 @@ CPU_ATTENTION = True
 CPU_ATTENTION_MAX_SCORES = 1 << 24
 
 
-def _cpu_attention_applies(device: torch.device, dtype: torch.dtype, scores: int) -> bool:
+def cpu_attention_applies(device: torch.device, dtype: torch.dtype, scores: int) -> bool:
     """The setting `cpu_attention` serves: switched on, under torch.compile (eager, its
     backward's elementwise work unfused is slower than sdpa's), on CPU, bf16, gradients
     enabled, at most CPU_ATTENTION_MAX_SCORES score elements (B x H x T x S)."""

@@ -58,7 +58,6 @@ the report).
 from lmforge.sandbox.isolate import ISOLATION_ENV, ISOLATIONS, isolation, isolation_line, network_isolation
 from lmforge.sandbox.jobs import (MAX_TIMEOUT_S, MIN_MEMORY_BYTES, TIMEOUT_S, VERDICTS, Result, SandboxError, check_limits,
                                   plan_job)
-from lmforge.sandbox.jobs import _Judge  # noqa: F401  (tests/test_sandbox.py's import)
 from lmforge.sandbox.runner import MAX_ERROR_SHARE, Pool, check_errors, run_job
 
 __all__ = ["ISOLATIONS", "ISOLATION_ENV", "MAX_ERROR_SHARE", "MAX_TIMEOUT_S", "MIN_MEMORY_BYTES", "Pool", "Result",

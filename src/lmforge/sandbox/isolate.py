@@ -40,13 +40,13 @@ def network_isolation() -> str:
     return f"{unshare} -rn" if ok else ""
 
 
-def _bwrap_args(bwrap: str, folder: str) -> list[str]:
+def bwrap_args(bwrap: str, folder: str) -> list[str]:
     return [bwrap, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--size", str(TMP_BYTES), "--tmpfs",
             "/tmp", "--bind", folder, folder, "--chdir", folder, "--unshare-all", "--die-with-parent", "--"]
 
 
 @functools.cache
-def _bwrap() -> tuple[str, str]:
+def bwrap_probe() -> tuple[str, str]:
     """(bwrap's path, "") when bubblewrap runs this interpreter here, else ("", why not). Probed
     once per process: `python -I` started inside it exactly as a job is."""
     bwrap = shutil.which("bwrap")
@@ -54,7 +54,7 @@ def _bwrap() -> tuple[str, str]:
         return "", "bwrap is not installed"
     folder = tempfile.mkdtemp(prefix="lmforge-sandbox-probe-")
     try:
-        cmd = _bwrap_args(bwrap, folder) + [sys.executable, "-I", "-c", "import os; os.write(1, b'ok')"]
+        cmd = bwrap_args(bwrap, folder) + [sys.executable, "-I", "-c", "import os; os.write(1, b'ok')"]
         r = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, timeout=30, cwd=folder)
         if r.returncode == 0 and r.stdout == b"ok":
             return bwrap, ""
@@ -81,7 +81,7 @@ def isolation(requested: str | None = None) -> str:
     if requested is None:
         value = os.environ.get(ISOLATION_ENV, "").strip().lower()
         if value in ("", "auto"):
-            return "bubblewrap" if _bwrap()[0] else "process"
+            return "bubblewrap" if bwrap_probe()[0] else "process"
         if value not in ("0", "1"):
             raise SandboxError(f"{ISOLATION_ENV}={os.environ[ISOLATION_ENV]!r}: expected 1 (run generated code in "
                                f"bubblewrap), 0 (a plain process) or auto (bubblewrap where it works).")
@@ -91,8 +91,8 @@ def isolation(requested: str | None = None) -> str:
         if requested not in ISOLATIONS:
             raise ValueError(f"isolation={requested!r}: expected one of {ISOLATIONS} or None (automatic)")
         where = "isolation='bubblewrap'"
-    if requested == "bubblewrap" and not _bwrap()[0]:
-        raise SandboxError(f"{where} asks for bubblewrap, and {_bwrap()[1]}. Install bubblewrap (apt install "
+    if requested == "bubblewrap" and not bwrap_probe()[0]:
+        raise SandboxError(f"{where} asks for bubblewrap, and {bwrap_probe()[1]}. Install bubblewrap (apt install "
                            f"bubblewrap), allow unprivileged user namespaces, or set {ISOLATION_ENV}=0.")
     return requested
 
@@ -104,7 +104,7 @@ def isolation_line() -> str:
     else:
         net = "no network (user namespace)" if network_isolation() else \
             "network not removed (no user namespace here; sockets refused by the audit hook)"
-        why = _bwrap()[1] if os.environ.get(ISOLATION_ENV, "").strip() != "0" else f"{ISOLATION_ENV}=0"
+        why = bwrap_probe()[1] if os.environ.get(ISOLATION_ENV, "").strip() != "0" else f"{ISOLATION_ENV}=0"
         how = f"a plain process ({why}), {net}"
         if not shutil.which("bwrap") and os.environ.get(ISOLATION_ENV, "").strip() != "0":
             how += "; add the boundary with `make sandbox` (apt-get install bubblewrap)"

@@ -1,7 +1,7 @@
 """What a sandbox job is and what it comes to, decided in lmforge's own process: the limits a job
 runs under (`check_limits`), its validation into what the child receives and what lmforge keeps
 (`plan_job`: the child never gets an expected result), the judge that reads the child's report
-line by line (`_Judge`), and the verdict (`Result`: one of VERDICTS, or NODOC). No process starts
+line by line (`Judge`), and the verdict (`Result`: one of VERDICTS, or NODOC). No process starts
 here: `runner.py` runs the child (`child.py`) and feeds its report to the judge.
 """
 
@@ -103,7 +103,7 @@ def _args(value: object, where: str) -> str:
 
 
 @dataclass
-class _Plan:
+class Plan:
     """A validated job: what the child receives (`child`: never an expected result) and what
     lmforge keeps to judge its report (`expected`)."""
 
@@ -113,7 +113,7 @@ class _Plan:
     names: tuple = ()  # probe: the functions probed
 
 
-def plan_job(job: object) -> _Plan:
+def plan_job(job: object) -> Plan:
     """Validate `job` (the shape `run_job` documents) and split it into what the child runs and
     what lmforge keeps.
 
@@ -151,7 +151,7 @@ def plan_job(job: object) -> _Plan:
                                                                                      and 0 < call_s <= 60):
             raise ValueError(f"job['call_s'] = {_short(call_s)}: expected seconds in (0, 60]")
         child.update(probes={n: list(v) for n, v in probes.items()}, call_s=float(call_s))
-        return _Plan(kind, child, None, tuple(probes))
+        return Plan(kind, child, None, tuple(probes))
     function = job.get("function")
     if not isinstance(function, str):
         raise TypeError(f"job['function'] = {_short(function)}: expected the function's name (a str)")
@@ -174,14 +174,14 @@ def plan_job(job: object) -> _Plan:
             expected.append((_text(case[1], f"job['cases'][{i}][1]"),
                              _text(case[2], f"job['cases'][{i}][2]") if len(case) == 3 else None))
         child["args"] = args
-        return _Plan(kind, child, expected)
+        return Plan(kind, child, expected)
     doc = job.get("doc")
     if doc is None:  # the reference's docstring, which the child reads before the candidate exists
         child["examples"] = None
-        return _Plan(kind, child, None)
+        return Plan(kind, child, None)
     examples = _examples(_text(doc, "job['doc']"))
     child["examples"] = [ex.source for ex in examples]
-    return _Plan(kind, child, [(ex.want, ex.exc_msg) for ex in examples])
+    return Plan(kind, child, [(ex.want, ex.exc_msg) for ex in examples])
 
 
 def _examples(doc: str) -> list:
@@ -194,11 +194,11 @@ def _examples(doc: str) -> list:
 
 
 # -- judging what the child reports (in lmforge's process) ------------------------------------------
-class _Judge:
+class Judge:
     """lmforge's side of one job: fed the child's report line by line, it says the verdict
     (verdict, detail, data) as soon as the report decides it, else None."""
 
-    def __init__(self, plan: _Plan):
+    def __init__(self, plan: Plan):
         self.plan = plan
         self.expected = plan.expected
         self.ready = False

@@ -1,6 +1,6 @@
 """Running jobs, one sandboxed interpreter each: `_Worker` starts a fresh `python -I` running
 `child.py` (in its own session, temporary folder and isolation, `isolate.py`), hands it its job on
-stdin, reads its report from a private pipe and has `jobs._Judge` decide the verdict as lines
+stdin, reads its report from a private pipe and has `jobs.Judge` decide the verdict as lines
 arrive, then kills its process group and removes its folder. `run_job` runs one job, `Pool` keeps
 interpreters started ahead of their jobs, and `check_errors` refuses a batch whose share of the
 harness's own faults (ERROR) passes MAX_ERROR_SHARE.
@@ -8,6 +8,7 @@ harness's own faults (ERROR) passes MAX_ERROR_SHARE.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -24,8 +25,8 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from lmforge.sandbox.isolate import _bwrap, _bwrap_args, isolation, isolation_line, network_isolation
-from lmforge.sandbox.jobs import (FILE_BYTES, MEMORY_BYTES, TIMEOUT_S, Result, SandboxError, _Judge, _Plan, check_limits,
+from lmforge.sandbox.isolate import bwrap_probe, bwrap_args, isolation, isolation_line, network_isolation
+from lmforge.sandbox.jobs import (FILE_BYTES, MEMORY_BYTES, TIMEOUT_S, Result, SandboxError, Judge, Plan, check_limits,
                                   plan_job)
 
 #: The share of ERROR verdicts (the harness's own faults) a batch may have before it is refused.
@@ -54,17 +55,13 @@ def _forget_workers() -> None:
     try:
         for worker in list(_WORKERS):
             stdin = worker.proc.stdin if worker.proc is not None else None
-            if stdin is not None and not stdin.closed:
-                try:
+            with contextlib.suppress(OSError, ValueError):
+                if stdin is not None and not stdin.closed:
                     os.dup2(null, stdin.fileno())
-                except (OSError, ValueError):
-                    pass
-            if worker.read_fd >= 0:
-                try:
+            with contextlib.suppress(OSError):
+                if worker.read_fd >= 0:
                     os.close(worker.read_fd)
-                except OSError:
-                    pass
-                worker.read_fd = -1
+            worker.read_fd = -1
     finally:
         os.close(null)
 
@@ -91,7 +88,7 @@ class _Worker:
             self.folder = tempfile.mkdtemp(prefix="lmforge-sandbox-")
             cmd = [sys.executable, "-I", "-c", _HARNESS, str(write_fd), str(int(memory_bytes)), str(FILE_BYTES)]
             if how == "bubblewrap":
-                cmd = _bwrap_args(_bwrap()[0], self.folder) + cmd
+                cmd = bwrap_args(bwrap_probe()[0], self.folder) + cmd
             elif network_isolation():
                 cmd = network_isolation().split() + cmd
             env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LANG": "C.UTF-8", "PYTHONHASHSEED": "0"}
@@ -118,7 +115,7 @@ class _Worker:
             except (ProcessLookupError, PermissionError):
                 pass
 
-    def send(self, plan: _Plan, timeout: float) -> None:
+    def send(self, plan: Plan, timeout: float) -> None:
         """Hand the worker its job (the clock of its time limit starts here)."""
         self.started, self.timeout = time.perf_counter(), timeout
         if self.proc is None:
@@ -130,7 +127,7 @@ class _Worker:
         except OSError:
             pass  # the child died before reading its job: its report (none) says so
 
-    def wait(self, plan: _Plan) -> Result:
+    def wait(self, plan: Plan) -> Result:
         """The job's verdict, decided here from the child's report; the process group is killed
         as soon as it is decided, the folder removed."""
         try:
@@ -139,8 +136,8 @@ class _Worker:
             self.close()
         return Result(verdict[0], str(verdict[1])[:200], time.perf_counter() - self.started, verdict[2])
 
-    def _judge(self, plan: _Plan) -> tuple:
-        judge = _Judge(plan)
+    def _judge(self, plan: Plan) -> tuple:
+        judge = Judge(plan)
         deadline = self.started + self.timeout
         poller = select.poll()
         poller.register(self.read_fd, select.POLLIN | select.POLLHUP | select.POLLERR)
@@ -302,7 +299,7 @@ class Pool:
                 return
         worker.close()
 
-    def _run(self, plan: _Plan, timeout: float, stop: threading.Event) -> Result:
+    def _run(self, plan: Plan, timeout: float, stop: threading.Event) -> Result:
         if plan.kind == "doctest" and plan.expected == []:
             return Result("NODOC", "the docstring has no >>> examples", 0.0)
         if stop.is_set():  # the map was given up (a Ctrl-C): nothing more starts
@@ -383,19 +380,15 @@ class Pool:
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
     proc.wait()
 
 
 def check_errors(results: list[Result], what: str) -> None:
     """Refuse a batch of verdicts whose ERROR share (the harness's own faults) passes MAX_ERROR_SHARE.
 
-    Raises:
-        SandboxError: naming the count, the share and the first reason.
-    """
+    Raises: SandboxError, naming the count, the share and the first reason."""
     errors = [r for r in results if r.verdict == "ERROR"]
     if results and len(errors) / len(results) > MAX_ERROR_SHARE:
         raise SandboxError(f"{what}: {len(errors)} of {len(results)} sandbox runs failed in the harness itself "

@@ -30,10 +30,8 @@ A new one of lmforge's: a function here, a row in `REWARDS` (the fields it reads
 `config.RL_REWARDS`; tests/test_rl_rewards.py runs the examples of its docstring.
 
 A reward of yours is imported guarded (`user_rewards.guarded`) and called in a process of its own
-(`user_rewards.RewardProcess`: forked from lmforge's at its first call, kept for the run): each
-call may take `rl.reward_timeout_s` per completion, after which its process group is killed,
-whatever the reward does with SIGALRM, timers, handlers or `except:`; threads it leaves and signals
-it sets stay in that process; a fork of it that returns is ended unheard. A call that exceeds the
+(`reward_process.RewardProcess`, which says what the reward cannot escape there): each call may take
+`rl.reward_timeout_s` per completion, after which its process group is killed. A call that exceeds the
 limit, calls sys.exit (or does so while it is imported), ends its process (os._exit), changes the
 working folder (put back at once), raises, or returns anything but numbers in [0, 1] or None stops
 the run with a RewardError naming it. A prompt field named `completions` or `prompts` is the data
@@ -64,7 +62,8 @@ from lmforge.sandbox import Pool, Result
 from lmforge.scorers.behaviour import Behaviour
 from lmforge.scorers.doctests import doctest_job
 from lmforge.scorers.static import parse_body, static_verdict
-from lmforge.scorers.user_rewards import Failure, RewardProcess, as_reward, deliver, describe, import_reward, shown
+from lmforge.scorers.reward_process import RewardProcess
+from lmforge.scorers.user_rewards import Failure, as_reward, deliver, describe, import_reward, shown
 
 
 class RewardError(LmforgeError):

@@ -33,7 +33,7 @@ from lmforge.data.records import check_text
 from lmforge.errors import LmforgeError
 from lmforge.serve.echo import echo_response, token_prompts
 from lmforge.serve.engine import Engine, QueueFull, Request, request_id
-from lmforge.serve.request import (MAX_DEPTH, MAX_INT_DIGITS, BadRequest, _type_name, check_fields,
+from lmforge.serve.request import (MAX_DEPTH, MAX_INT_DIGITS, BadRequest, type_name, check_fields,
                                    error_body, error_response, parse_body, parse_common, parse_messages)
 
 # -- the server ---------------------------------------------------------------------------------
@@ -185,7 +185,7 @@ class Server:
                              "tokens); send \"echo\": true to score a prompt, or leave logprobs out.", "logprobs",
                              "unsupported_parameter")
         if body.get("echo") not in (None, False, True):
-            raise BadRequest(f"echo = {_type_name(body['echo'])}: expected a boolean.", "echo", "invalid_type")
+            raise BadRequest(f"echo = {type_name(body['echo'])}: expected a boolean.", "echo", "invalid_type")
         if body.get("echo") is True:
             return body, []  # scoring: the prompts are read by lmforge.serve.echo
         prompt = body.get("prompt")

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from lmforge.serve.request import BadRequest, _short, _type_name
+from lmforge.serve.request import BadRequest, short, type_name
 
 #: The most `logprobs` (alternatives per position) a request may ask for (OpenAI's limit).
 MAX_LOGPROBS = 5
@@ -49,7 +49,7 @@ def token_prompts(prompt: Any, tok, vocab_size: int, context: int, many: bool) -
                                                   or all(isinstance(x, list) for x in prompt)):
         batch = list(prompt)
     else:
-        raise BadRequest(f"prompt = {_short(prompt)} is {_type_name(prompt)}: expected a string, an array of strings, "
+        raise BadRequest(f"prompt = {short(prompt)} is {type_name(prompt)}: expected a string, an array of strings, "
                          f"an array of token ids or an array of arrays of token ids.", "prompt",
                          "invalid_type" if prompt is not None else "missing_required_parameter")
     if not many and len(batch) != 1:
@@ -67,7 +67,7 @@ def token_prompts(prompt: Any, tok, vocab_size: int, context: int, many: bool) -
             bad = next((x for x in p if isinstance(x, bool) or not isinstance(x, int) or not 0 <= x < vocab_size),
                        None) if p else "empty"
             if bad is not None:
-                raise BadRequest(f"{where} holds {_short(bad)}: token ids are integers in [0, {vocab_size}) and a "
+                raise BadRequest(f"{where} holds {short(bad)}: token ids are integers in [0, {vocab_size}) and a "
                                  f"prompt has at least one.", "prompt", "invalid_value")
             ids = list(p)
         if len(ids) > context:
@@ -86,12 +86,12 @@ def echo_options(body: dict) -> tuple[int, int]:
     k = body.get("logprobs")
     k = 0 if k is None or k is False else k
     if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_LOGPROBS:
-        raise BadRequest(f"logprobs = {_short(body.get('logprobs'))}: expected an integer in [0, {MAX_LOGPROBS}] "
+        raise BadRequest(f"logprobs = {short(body.get('logprobs'))}: expected an integer in [0, {MAX_LOGPROBS}] "
                          f"(the most likely tokens to list at each position).", "logprobs", "invalid_value")
     n = body.get("max_tokens")
     n = 16 if n is None else n  # OpenAI's default, refused below: scoring asks for 0 or 1
     if isinstance(n, bool) or not isinstance(n, int) or n not in (0, 1):
-        raise BadRequest(f"max_tokens = {_short(n)} with \"echo\": true: this server scores a prompt and adds at most "
+        raise BadRequest(f"max_tokens = {short(n)} with \"echo\": true: this server scores a prompt and adds at most "
                          f"the greedy next token; send max_tokens 0 or 1.", "max_tokens", "invalid_value")
     return k, n
 

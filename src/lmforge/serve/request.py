@@ -69,7 +69,7 @@ def error_response(e: BadRequest, headers: dict | None = None):
 
 
 # -- the body -----------------------------------------------------------------------------------
-def _short(v: Any, limit: int = 80) -> str:
+def short(v: Any, limit: int = 80) -> str:
     text = json.dumps(v)
     return text if len(text) <= limit else text[:limit] + "..."
 
@@ -133,7 +133,7 @@ def parse_body(raw: bytes) -> dict:
         raise BadRequest(f"the request body is nested too deeply to parse: expected at most {MAX_DEPTH} levels.",
                          None, "invalid_json") from None
     if not isinstance(body, dict):
-        raise BadRequest(f"the request body is {_type_name(body)}: expected a JSON object.", None, "invalid_json")
+        raise BadRequest(f"the request body is {type_name(body)}: expected a JSON object.", None, "invalid_json")
     _check_tree(body)
     return body
 
@@ -183,7 +183,7 @@ def _check_text(s: str, where: str, field: str | None) -> None:
 
 
 # -- the fields ---------------------------------------------------------------------------------
-def _type_name(v: Any) -> str:
+def type_name(v: Any) -> str:
     return {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "an array",
             dict: "an object", type(None): "null"}.get(type(v), type(v).__name__)
 
@@ -193,10 +193,10 @@ def _int(body: dict, name: str, lo: int | None = None, hi: int | None = None, de
     if v is None:
         return default
     if isinstance(v, bool) or not isinstance(v, int):
-        raise BadRequest(f"{name} = {_short(v)} is {_type_name(v)}: expected an integer.", name, "invalid_type")
+        raise BadRequest(f"{name} = {short(v)} is {type_name(v)}: expected an integer.", name, "invalid_type")
     if lo is not None and v < lo or hi is not None and v > hi:
         want = f"<= {hi}" if lo is None else f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
-        raise BadRequest(f"{name} = {_short(v)}: expected an integer {want}.", name, "invalid_value")
+        raise BadRequest(f"{name} = {short(v)}: expected an integer {want}.", name, "invalid_value")
     return v
 
 
@@ -205,7 +205,7 @@ def _num(body: dict, name: str, default: float) -> float:
     if v is None:
         return default
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-        raise BadRequest(f"{name} = {_short(v)} is {_type_name(v)}: expected a finite number.", name, "invalid_type")
+        raise BadRequest(f"{name} = {short(v)} is {type_name(v)}: expected a finite number.", name, "invalid_type")
     return float(v)
 
 
@@ -224,7 +224,7 @@ def check_fields(body: dict, chat: bool) -> None:
             continue
         if not any(type(v) is type(d) and v == d for d in neutral):
             ok = f"leave it out{' or set it to ' + ' / '.join(map(json.dumps, neutral)) if neutral else ''}"
-            raise BadRequest(f"{name} = {_short(v)} is not supported by this server ({ok}).", name,
+            raise BadRequest(f"{name} = {short(v)} is not supported by this server ({ok}).", name,
                              "unsupported_parameter")
 
 
@@ -298,26 +298,26 @@ def parse_common(body: dict, server: Any, prompt_tokens: int, prompt_param: str)
     elif isinstance(stop, str):
         stop = [stop]
     if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
-        raise BadRequest(f"stop = {_short(body.get('stop'))}: expected a non-empty string or an array of up to 4 "
+        raise BadRequest(f"stop = {short(body.get('stop'))}: expected a non-empty string or an array of up to 4 "
                          f"non-empty strings.", "stop", "invalid_value")
     stream = body.get("stream")
     if stream is None:
         stream = False
     if not isinstance(stream, bool):
-        raise BadRequest(f"stream = {_short(stream)} is {_type_name(stream)}: expected a boolean.", "stream",
+        raise BadRequest(f"stream = {short(stream)} is {type_name(stream)}: expected a boolean.", "stream",
                          "invalid_type")
     opts = body.get("stream_options")
     opts = {} if opts is None else opts
     if not isinstance(opts, dict) or any(k != "include_usage" for k in opts):
-        raise BadRequest(f"stream_options = {_short(opts)}: expected an object such as {{\"include_usage\": true}}.",
+        raise BadRequest(f"stream_options = {short(opts)}: expected an object such as {{\"include_usage\": true}}.",
                          "stream_options", "invalid_type")
     include_usage = opts.get("include_usage", False)
     if not isinstance(include_usage, bool):
-        raise BadRequest(f"stream_options.include_usage = {_short(include_usage)} is {_type_name(include_usage)}: "
+        raise BadRequest(f"stream_options.include_usage = {short(include_usage)} is {type_name(include_usage)}: "
                          f"expected a boolean.", "stream_options.include_usage", "invalid_type")
     for key in ("model", "user"):
         if body.get(key) is not None and not isinstance(body[key], str):
-            raise BadRequest(f"{key} = {_short(body[key])} is {_type_name(body[key])}: expected a string.", key,
+            raise BadRequest(f"{key} = {short(body[key])} is {type_name(body[key])}: expected a string.", key,
                              "invalid_type")
     return {
         "max_tokens": max_tokens, "stop": stop, "stream": stream, "include_usage": include_usage,

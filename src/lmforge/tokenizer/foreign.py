@@ -15,10 +15,10 @@ from lmforge.errors import ContractError, DataError
 from lmforge.fileio import OutputError, check_not_input, check_output, load_hf_tokenizer
 from lmforge.tokenizer.chat import ChatTemplate
 from lmforge.tokenizer.hf_json import (
-    _prefix_space_settings,
-    _read_json,
-    _template_vars,
-    _token_text,
+    prefix_space_settings,
+    read_json,
+    template_vars,
+    token_text,
     check_prefix_space,
 )
 from lmforge.tokenizer.runtime import Tokenizer
@@ -54,7 +54,7 @@ def _foreign_config(src: Path) -> dict:
     config: dict = {}
     for name in ("special_tokens_map.json", TOKENIZER_CONFIG_FILE):
         if (src / name).is_file():
-            config.update(_read_json(src / name))
+            config.update(read_json(src / name))
     return config
 
 
@@ -131,13 +131,13 @@ def import_tokenizer(src_dir: str | Path, out_dir: str | Path,
         raise ContractError(f"{path}: HF tokenizers cannot read it ({exc}). Use a tokenizer.json that "
                             f"`tokenizers.Tokenizer.from_file` loads.") from None
     config = _foreign_config(src)
-    tokenizer_json = _read_json(path)
+    tokenizer_json = read_json(path)
     check_prefix_space(tokenizer_json, config, path, cfg_path)
-    prefix = _prefix_space_settings(tokenizer_json.get("pre_tokenizer"))
+    prefix = prefix_space_settings(tokenizer_json.get("pre_tokenizer"))
     vocab = hf.get_vocab(with_added_tokens=True)
 
     def declared(name: str) -> str | None:
-        text = _token_text(config.get(f"{name}_token"))
+        text = token_text(config.get(f"{name}_token"))
         if text is not None and text not in vocab:
             raise ContractError(
                 f"{cfg_path}: {name}_token = {text!r} is not a token of {path}. Set {name}_token to a "
@@ -166,7 +166,7 @@ def import_tokenizer(src_dir: str | Path, out_dir: str | Path,
         if eos_declared:
             say(f"eos: eos_token {eos_declared!r} ends a chat turn; documents end with {eos!r}, the vocabulary's "
                 f"document terminator")
-    unk = _token_text(config.get("unk_token"))
+    unk = token_text(config.get("unk_token"))
     # -- the chat template: the model's own, its family's, or lmforge's ChatML -------------------------
     template = _foreign_template(src, config)
     own = template is not None and template != CHAT_TEMPLATE  # said below, as before
@@ -217,7 +217,7 @@ def import_tokenizer(src_dir: str | Path, out_dir: str | Path,
     spell = {"eos": eos, "bos": bos if add_bos or bos is not None else None, **chat}
     # -- the end of a chat turn: what the template closes an assistant turn with ---------------------
     if spell["im_end"] is None:
-        spell["im_end"] = _turn_end_of(template, {**_template_vars(config), "eos_token": eos_declared or eos},
+        spell["im_end"] = _turn_end_of(template, {**template_vars(config), "eos_token": eos_declared or eos},
                                        turn_specials, src)
     pad = declared("pad")
     if pad is None or pad in spell.values() or pad == unk or pad not in specials:
@@ -254,7 +254,7 @@ def import_tokenizer(src_dir: str | Path, out_dir: str | Path,
     if unk and unk in vocab:
         extra["unk_token"] = unk
     if template != CHAT_TEMPLATE:  # what transformers and the template see stays the model's own
-        extra.update({k: v for k, v in _template_vars(config).items() if k in ("bos_token", "eos_token")})
+        extra.update({k: v for k, v in template_vars(config).items() if k in ("bos_token", "eos_token")})
         extra["add_bos_token"] = add_bos
         extra["additional_special_tokens"] = None
     return save_tokenizer(hf, out, spell, extra, extra_files=extra_files, chat_template=template, add_bos=add_bos)

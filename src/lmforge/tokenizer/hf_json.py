@@ -10,7 +10,7 @@ from lmforge.errors import ContractError, os_error
 from lmforge.fileio import loads_json
 
 
-def _read_json(path: str | Path) -> dict:
+def read_json(path: str | Path) -> dict:
     try:
         raw = loads_json(Path(path).read_text(encoding="utf-8"))
     except OSError as exc:  # the system's refusal, in its own words (not a damaged file)
@@ -22,14 +22,14 @@ def _read_json(path: str | Path) -> dict:
     return raw
 
 
-def _token_text(value) -> str | None:
+def token_text(value) -> str | None:
     """A special token as tokenizer_config.json stores it: a string, or {"content": ...}."""
     if isinstance(value, dict):
         value = value.get("content")
     return value if isinstance(value, str) and value else None
 
 
-def _prefix_space_settings(node) -> list[tuple[str, bool]]:
+def prefix_space_settings(node) -> list[tuple[str, bool]]:
     """(type, adds a prefix space) for each ByteLevel / Metaspace in a pre-tokenizer JSON tree."""
     found: list[tuple[str, bool]] = []
     if isinstance(node, dict):
@@ -40,10 +40,10 @@ def _prefix_space_settings(node) -> list[tuple[str, bool]]:
             scheme = node.get("prepend_scheme", "always" if node.get("add_prefix_space", True) else "never")
             found.append((kind, scheme != "never"))
         for value in node.values():
-            found += _prefix_space_settings(value)
+            found += prefix_space_settings(value)
     elif isinstance(node, list):
         for value in node:
-            found += _prefix_space_settings(value)
+            found += prefix_space_settings(value)
     return found
 
 
@@ -58,7 +58,7 @@ def check_prefix_space(tokenizer_json: dict, config: dict, tokenizer_path: str |
     want = config.get("add_prefix_space")
     if want is None:
         return
-    for kind, has in _prefix_space_settings(tokenizer_json.get("pre_tokenizer")):
+    for kind, has in prefix_space_settings(tokenizer_json.get("pre_tokenizer")):
         if has != bool(want):
             raise ContractError(
                 f"{config_path} sets add_prefix_space = {bool(want)}, but the {kind} pre-tokenizer in "
@@ -67,10 +67,10 @@ def check_prefix_space(tokenizer_json: dict, config: dict, tokenizer_path: str |
             )
 
 
-def _template_vars(config: dict) -> dict[str, str]:
+def template_vars(config: dict) -> dict[str, str]:
     out = {}
     for name in ("bos_token", "eos_token", "unk_token", "pad_token"):
-        text = _token_text(config.get(name))
+        text = token_text(config.get(name))
         if text:
             out[name] = text
     return out

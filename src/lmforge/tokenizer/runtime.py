@@ -12,7 +12,7 @@ from lmforge.contract import CONTRACT_FILE, TOKENIZER_CONFIG_FILE, TOKENIZER_FIL
 from lmforge.errors import ContractError, DataError
 from lmforge.fileio import load_hf_tokenizer
 from lmforge.tokenizer.chat import ChatRendering, ChatTemplate
-from lmforge.tokenizer.hf_json import _read_json, _template_vars, _token_text, check_prefix_space
+from lmforge.tokenizer.hf_json import read_json, template_vars, token_text, check_prefix_space
 from lmforge.tokenizer.specials import CHAT_TEMPLATE, SPECIAL_TOKENS, special_ids_of, spellings_of, vocab_size_of
 
 
@@ -74,14 +74,14 @@ class Tokenizer:
                 f"the ids in {path}: {ids} (spellings {spellings}). "
                 f"Re-create the folder with `lmforge train-tokenizer` or `lmforge import-tokenizer`."
             )
-        config = _read_json(folder / TOKENIZER_CONFIG_FILE) if (folder / TOKENIZER_CONFIG_FILE).is_file() else {}
-        check_prefix_space(_read_json(path), config, path, folder / TOKENIZER_CONFIG_FILE)
+        config = read_json(folder / TOKENIZER_CONFIG_FILE) if (folder / TOKENIZER_CONFIG_FILE).is_file() else {}
+        check_prefix_space(read_json(path), config, path, folder / TOKENIZER_CONFIG_FILE)
         # tokenizer_config.json names the same tokens (an imported model's eos_token may be its turn end)
         agree = {"eos_token": {spellings["eos"], spellings["im_end"]}, "pad_token": {spellings["pad"]}}
         if contract.add_bos:
             agree["bos_token"] = {spellings["bos"]}
         for key, allowed in agree.items():
-            text = _token_text(config.get(key))
+            text = token_text(config.get(key))
             if text is not None and text not in allowed:
                 raise ContractError(
                     f"{folder / TOKENIZER_CONFIG_FILE}: {key} = {text!r}, but the special_tokens of "
@@ -170,7 +170,7 @@ class Tokenizer:
         """What `transformers` passes a chat template besides the messages: tokenizer_config.json's
         special-token strings (bos_token, eos_token, unk_token, pad_token), where set."""
         path = self.folder / TOKENIZER_CONFIG_FILE
-        return _template_vars(_read_json(path) if path.is_file() else {})
+        return template_vars(read_json(path) if path.is_file() else {})
 
     def _check_one_bos(self, ids: Sequence[int]) -> None:
         """A chat rendering never starts with two BOS tokens (the double-BOS pitfall: a template

@@ -113,8 +113,7 @@ class Trainer:
         # validation runs this one, never the compiled graph: under no_grad torch.compile builds a
         # second graph, 20 s of the speedrun's pretraining for 4 batches of validation
         self.eval_model = self.model
-        # a compiled CPU step runs its forward and backward with deterministic kernels: inductor's
-        # embedding backward otherwise adds the tokens' rows from several threads in a racy order (issue 53)
+        # a compiled CPU step runs with deterministic kernels (runtime.deterministic_kernels says why)
         self._deterministic = False
         if self.cfg.train.compile and compiler_available(self.device, self.log if self.dist.is_main else None):
             self.model = torch.compile(self.model)
