@@ -30,14 +30,14 @@ import torch
 import test_bad_inputs as table
 from test_bad_inputs import C, SFT_SETS, Row, project, write  # noqa: F401  (project: a fixture)
 
-from lmforge.config import BOUNDS, MAX_STEPS, _SECTION_TYPES, field_types, load_config
+from lmforge.config import BOUNDS, MAX_STEPS, SECTION_TYPES, field_types, load_config
 from lmforge.errors import ConfigError
 from lmforge.export.hf import ExportError, check_dtype_range
 
 
 # -- bounds ---------------------------------------------------------------------------------------
 def test_every_number_of_the_config_has_a_bound():
-    numeric = {f"{s}.{k}" for s, cls in _SECTION_TYPES.items() for k, t in field_types(cls).items()
+    numeric = {f"{s}.{k}" for s, cls in SECTION_TYPES.items() for k, t in field_types(cls).items()
                if t in (int, float)}
     assert numeric == set(BOUNDS), numeric ^ set(BOUNDS)
 
@@ -85,7 +85,7 @@ def test_the_message_names_field_value_range_and_default(name):
     low, high, low_open, high_open = BOUNDS[name]
     value = _beyond(name)[0]
     section, key = name.split(".")
-    default = getattr(_SECTION_TYPES[section](), key)
+    default = getattr(SECTION_TYPES[section](), key)
     want = (f"{name} = {value!r}: expected {low} {'<' if low_open else '<='} value {'<' if high_open else '<='} "
             f"{high} (default {default!r}).")
     with pytest.raises(ConfigError, match="^" + re.escape(want) + "$"):
