@@ -286,16 +286,16 @@ def check_tokenizer_hash(contract: Contract, contract_path: str | Path, tokenize
     Raises:
         ContractError: either file was edited or swapped (names both, with both hashes).
     """
-    if file_sha256(tokenizer_json) == contract.tokenizer_sha256:
-        return
-    try:
+    try:  # today's contracts first: one read of the file, not two
         actual = tokenizer_sha256(tokenizer_json)
     except ContractError:
-        actual = file_sha256(tokenizer_json)
-    if actual != contract.tokenizer_sha256:
-        raise ContractError(
-            f"{contract_path}: tokenizer_sha256 = {contract.tokenizer_sha256[:16]}… but "
-            f"{tokenizer_json} hashes to {actual[:16]}…. The tokenizer or the contract was edited or "
-            f"swapped; restore the original files, or re-run `lmforge train-tokenizer` (or `lmforge "
-            f"import-tokenizer`) to make a new folder."
-        )
+        actual = ""
+    if actual == contract.tokenizer_sha256 or file_sha256(tokenizer_json) == contract.tokenizer_sha256:
+        return
+    actual = actual or file_sha256(tokenizer_json)
+    raise ContractError(
+        f"{contract_path}: tokenizer_sha256 = {contract.tokenizer_sha256[:16]}… but "
+        f"{tokenizer_json} hashes to {actual[:16]}…. The tokenizer or the contract was edited or "
+        f"swapped; restore the original files, or re-run `lmforge train-tokenizer` (or `lmforge "
+        f"import-tokenizer`) to make a new folder."
+    )
