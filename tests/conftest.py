@@ -106,5 +106,10 @@ isolate_compile_cache()
 
 @pytest.fixture(autouse=True)
 def _seed():
+    """Each test starts seeded and with no signal recorded by an earlier one (the tests send this
+    process SIGINT/SIGTERM; a test's verdict must not hang on which ran before it in a worker)."""
+    from lmforge.errors import clear_stop_requests
+
+    clear_stop_requests()
     torch.manual_seed(0)
     random.seed(0)

@@ -94,9 +94,13 @@ def report_stop(signum: int, named: bool, resumable: bool, handlers: dict) -> No
 
 def restore_handlers(previous: dict, interrupted: bool, own_process: bool) -> None:
     """Put back the handlers `command_handlers` replaced. The process's own command (`own_process`)
-    stopped by a signal exits next: a further Ctrl-C is ignored there, never a traceback."""
+    stopped by a signal exits next: a further Ctrl-C is ignored there, never a traceback. A command
+    called from Python (not `own_process`) forgets its signals once its exit code says them: the
+    caller's next call of lmforge (a stage, the tokenizer trainer) is not stopped by them."""
     for s, handler in previous.items():
         signal.signal(s, signal.SIG_IGN if interrupted and own_process and s != signal.SIGXFSZ else handler)
+    if not own_process:
+        clear_stop_requests()
     if interrupted:
         keyboard_interrupt_handled()
 
