@@ -1,6 +1,6 @@
 """Issue 54: one chat format for a model whichever door it comes in by.
 
-A transformers folder without a chat template, of a family whose record (`export/families.py`)
+A transformers folder without a chat template, of a family whose record (`export/families/`)
 has a template, is imported by `lmforge import-hf` with that template, as `lmforge import-gguf`
 imports the same model's template-less GGUF: the same contract chat template and special ids, no
 token added (the embedding keeps its rows), the one log line saying so, and a chat rendered by

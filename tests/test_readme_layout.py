@@ -12,21 +12,22 @@ PACKAGE = ROOT / "src" / "lmforge"
 
 def layout_modules() -> list[str]:
     """The module paths the Layout block names, e.g. "model/attention.py" (a line "  name/"
-    opens a package, a more indented "name.py" line is one of its modules)."""
+    opens a package, a more indented "name.py" line is one of its modules; packages nest)."""
     text = (ROOT / "README.md").read_text(encoding="utf-8")
     section = text[text.index("## Layout"):]
     block = section[section.index("```\nsrc/lmforge/") + 4:]
     block = block[: block.index("```")]
-    names, package = [], ""
+    names, open_packages = [], []  # (indent, "name/") of the packages the next line may be in
     for line in block.splitlines()[1:]:
         m = re.match(r"^( +)(\S+)", line)
         if not m:
             continue
         indent, word = len(m.group(1)), m.group(2)
+        open_packages = [(i, p) for i, p in open_packages if i < indent]
         if word.endswith("/"):
-            package = word
+            open_packages.append((indent, word))
         elif word.endswith(".py"):
-            names.append((package if indent > 2 else "") + word)
+            names.append("".join(p for _, p in open_packages) + word)
     return names
 
 
@@ -41,4 +42,4 @@ def test_layout_lists_every_module_once():
 
 def test_the_check_reads_packages_and_top_level_modules():
     listed = layout_modules()
-    assert "errors.py" in listed and "model/attention.py" in listed and "export/families.py" in listed
+    assert "errors.py" in listed and "model/attention.py" in listed and "export/families/gemma3.py" in listed

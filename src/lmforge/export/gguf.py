@@ -91,9 +91,9 @@ from lmforge.config import ModelConfig
 from lmforge.contract import Contract
 from lmforge.export.options import EXPORT_DTYPES, ExportError, check_dtype_range, check_export_options
 from lmforge.export.card import gguf_facts
-from lmforge.export.families import FAMILIES, Family, by_gguf_arch
+from lmforge.export.families import FAMILIES, LLAMA_CPP_ARCHS, Family, by_gguf_arch
 from lmforge.export.gguf_vocab import gguf_vocab, tokenizer_keys
-from lmforge.export.llama_cpp import LLAMA_CPP_ARCHS, gguf_family, gguf_tensor_names, require_gguf
+from lmforge.export.llama_cpp import gguf_family, gguf_tensor_names, require_gguf
 from lmforge.fileio import check_user_file, user_file
 from lmforge.loading import load_checkpoint
 from lmforge.model.io import model_state

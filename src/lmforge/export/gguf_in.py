@@ -51,9 +51,9 @@ import numpy as np
 import torch
 
 from lmforge.config import ModelConfig
-from lmforge.export.families import FAMILIES, Family
+from lmforge.export.families import FAMILIES, LLAMA_CPP_ARCHS, Family
 from lmforge.export.gguf_in_tokenizer import rebuild_tokenizer, typed_key
-from lmforge.export.llama_cpp import LLAMA_CPP_ARCHS, require_gguf
+from lmforge.export.llama_cpp import require_gguf
 from lmforge.export.hf_in import import_hf, renamed
 from lmforge.errors import LmforgeError
 from lmforge.export.options import ExportError
@@ -93,7 +93,7 @@ def _hf_config(family: Family, kv: dict, path: Path, real, size, shape: dict) ->
     Raises:
         ExportError: a key whose value llama.cpp ignores or lmforge cannot hold (named).
     """
-    arch, rt = family.gguf_arch, LLAMA_CPP_ARCHS[family.gguf_arch]
+    arch = family.gguf_arch
     dim, n_heads, n_layers, hd = shape["dim"], shape["n_heads"], shape["n_layers"], shape["head_dim"]
     theta = real("rope.freq_base", 10000.0, "rope_theta")
     for key in ("rope.scaling.type", "rope.scaling.factor"):
@@ -107,58 +107,14 @@ def _hf_config(family: Family, kv: dict, path: Path, real, size, shape: dict) ->
               "rms_norm_eps": real("attention.layer_norm_rms_epsilon", None, "norm_eps"),
               "max_position_embeddings": size("context_length"), "vocab_size": shape["vocab_size"],
               "tie_word_embeddings": shape["tied"], "torch_dtype": "float32"}
+    if family.gguf_in_config is not None:  # what llama.cpp computes for the architecture (Gemma's)
+        return family.gguf_in_config(family, kv, path, real, size, shape, config, theta)
     window = kv.get(f"{arch}.attention.sliding_window")
-    if not rt.swa_pattern:
-        if window:
-            raise ExportError(f"{path}: {arch}.attention.sliding_window = {window!r}: lmforge imports {arch} "
-                              f"files without sliding-window attention (expected none; OLMo 3's, for olmo2) only; "
-                              f"import the model's Hugging Face folder with `lmforge import-hf` instead.")
-        config.update(hidden_act="silu", rope_theta=theta, rope_scaling=None)
-        if arch == "qwen2":  # q/k/v biases always, and no key for them
-            config.update(use_sliding_window=False)
-        else:
-            config.update(attention_bias=False, **({"mlp_bias": False} if arch == "llama" else {}))
-        return config
-
-    # Gemma: what llama.cpp computes, whatever else the file says
-    if arch == "gemma3" and not window:
-        raise ExportError(f"{path}: no {arch}.attention.sliding_window (or 0): every Gemma 3 has sliding layers "
-                          f"(expected the window, as llama.cpp's convert_hf_to_gguf.py writes it; older llama.cpp "
-                          f"builds refuse such a file too). Re-convert the model with it.")
-    window = size("attention.sliding_window", 4096)  # gemma2's default in llama.cpp
-    kinds = ["sliding_attention" if s else "full_attention" for s in rt.sliding(n_layers)]
-    swa_theta = real("rope.freq_base_swa", None) if f"{arch}.rope.freq_base_swa" in kv else None
-    want_swa = rt.rope_theta_sliding or theta
-    if swa_theta is not None and swa_theta != want_swa:
-        raise ExportError(f"{path}: {arch}.rope.freq_base_swa = {swa_theta!r}: llama.cpp's {arch} rotates the sliding "
-                          f"layers with base {want_swa!r} whatever this key says (expected {want_swa!r}), so the file "
-                          f"does not say which model it is. Import the model's Hugging Face folder instead.")
-    attn_cap = real("attn_logit_softcapping", None, "attn_softcap") if f"{arch}.attn_logit_softcapping" in kv else None
-    final_cap = real("final_logit_softcapping", None, "final_softcap") if f"{arch}.final_logit_softcapping" in kv \
-        else None
-    if not rt.attn_softcap and attn_cap:
-        raise ExportError(f"{path}: {arch}.attn_logit_softcapping = {attn_cap!r}: llama.cpp's {arch} never soft-caps "
-                          f"attention scores (expected none). Import the model's Hugging Face folder instead.")
-    if rt.final_softcap == "without_swa" and final_cap:
-        raise ExportError(f"{path}: {arch}.final_logit_softcapping = {final_cap!r}: llama.cpp's {arch} drops the final "
-                          f"soft-cap in its graph with sliding layers (expected none). Import the model's Hugging Face "
-                          f"folder instead.")
-    scale = rt.attn_scale(dim, n_heads, n_layers, hd)
-    config.update(
-        hidden_activation="gelu_pytorch_tanh",
-        # llama.cpp scales queries by 1/sqrt(head_dim) (1/sqrt(dim / heads) at the 27B's depth), never
-        # by the model's own query_pre_attn_scalar, which the file does not keep
-        query_pre_attn_scalar=round(scale ** -2), sliding_window=window, layer_types=kinds,
-        attention_bias=False, use_bidirectional_attention=False,
-        final_logit_softcapping=float(final_cap if final_cap is not None else 30.0) if rt.final_softcap == "always"
-        else None,
-        attn_logit_softcapping=float(attn_cap if attn_cap is not None else 50.0) if rt.attn_softcap else None)
-    if rt.rope_theta_sliding:  # per layer type: transformers 5's rope_parameters and older versions' keys
-        config.update(rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": theta},
-                                       "sliding_attention": {"rope_type": "default", "rope_theta": want_swa}},
-                      rope_theta=theta, rope_local_base_freq=want_swa)
-    else:
-        config.update(rope_theta=theta, rope_scaling=None)
+    if window:
+        raise ExportError(f"{path}: {arch}.attention.sliding_window = {window!r}: lmforge imports {arch} "
+                          f"files without sliding-window attention (expected none; OLMo 3's, for olmo2) only; "
+                          f"import the model's Hugging Face folder with `lmforge import-hf` instead.")
+    config.update(hidden_act="silu", rope_theta=theta, rope_scaling=None, **family.gguf_in_keys)
     return config
 
 

@@ -8,7 +8,7 @@ An exported folder is what `transformers` writes for the model's family:
     tokenizer_config.json    with the chat template and the special tokens
     generation_config.json   eos_token_id = every stop id (<|eos|>, <|im_end|>), pad_token_id
 
-The family is `families.family_of(model)`: the first record of `export/families.py` (one per
+The family is `families.family_of(model)`: the first record of `export/families/` (one per
 family) that carries every mechanism the model sets. A plain model is a `LlamaForCausalLM`;
 `model.qk_norm` makes it a `Qwen3ForCausalLM`, `model.qkv_bias` a `Qwen2ForCausalLM`, a window
 sliding in every layer a `MistralForCausalLM`; an imported Gemma 3 (`Gemma3ForCausalLM`, model_type
@@ -61,10 +61,10 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 # -- names: the one place lmforge and Hugging Face names meet --------------------------
-#: Without a family: Llama's layout with Qwen2's q/k/v biases and Qwen3's QK-norm (what
-#: `map_name` has always taken; the PEFT export's names).
-_LLAMA_LAYOUT = tuple(dict.fromkeys(pair for name in ("llama", "qwen2", "qwen3")
-                                    for pair in families.FAMILIES[name].hf_names))
+#: Without a family: Llama's layout with Qwen2's q/k/v biases and Qwen3's QK-norm, the names of
+#: every family with pre-norms only (what `map_name` has always taken; the PEFT export's names).
+_LLAMA_LAYOUT = tuple(dict.fromkeys(pair for f in families.FAMILIES.values() if f.fixed.get("norm_placement") == "pre"
+                                    for pair in f.hf_names))
 
 
 def _pattern(template: str) -> re.Pattern:

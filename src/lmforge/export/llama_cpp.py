@@ -1,11 +1,12 @@
 """llama.cpp's architectures, as GGUF export and import see them: which `general.architecture` a
 model is written as (`gguf_family`, `gguf_arch`), what llama.cpp's runtime hard-codes for each
-(`LlamaCppArch`, `LLAMA_CPP_ARCHS`; `export/gguf_in.py` reads files back through the same table),
+(`families.LlamaCppArch`, one in each family's record, `families.LLAMA_CPP_ARCHS` by architecture;
+`export/gguf_in.py` reads files back through the same records),
 the tensor names each may load (`gguf_tensor_names`), and the `gguf` package (`require_gguf`).
 
 Families. Which llama.cpp architecture a model is, its tensor names and storage rules come from
-its family record (`export/families.py`: `Family.gguf_arch`, `gguf_names`, `gguf_norm_shift`,
-`gguf_permute_qk`; `families.family_of` picks the record by the model's mechanisms):
+its family record (`export/families/`: `Family.gguf_arch`, `gguf_names`, `gguf_norm_shift`,
+`gguf_permute_qk`, `llama_cpp`; `families.family_of` picks the record by the model's mechanisms):
 
     family (HF model_type)   general.architecture  what llama.cpp adds to Llama
     llama, mistral           llama     Q/K rows permuted; Llama 3.1 RoPE scaling as rope_freqs
@@ -35,11 +36,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
 
 from lmforge.config import ModelConfig
 from lmforge.errors import require_package
-from lmforge.export.families import MECHANISMS, Family, family_of
+from lmforge.export.families import LLAMA_CPP_ARCHS, MECHANISMS, Family, LlamaCppArch, family_of
 from lmforge.export.options import ExportError
 
 #: Model options of Llama's shape, which every family shares; the mechanisms (families.MECHANISMS)
@@ -58,59 +58,6 @@ def require_gguf():
     return require_package("gguf", "gguf", "GGUF export")
 
 
-@dataclass(frozen=True)
-class LlamaCppArch:
-    """What llama.cpp's runtime hard-codes for one `general.architecture`, beyond the keys it
-    reads (`llama_model::load_hparams` in src/llama-model.cpp, the graphs in src/models/). The
-    family records (`export/families.py`) say which architecture a family is and its names;
-    this says what that architecture computes, so that export refuses what it cannot hold and
-    import (`gguf_in`) writes back what a file computes.
-
-    swa_pattern: `set_swa_pattern(p)`: layer il attends through the sliding window iff
-        il % p < p - 1, whatever the file says; 0: no sliding-window attention at all.
-    rope_theta_sliding: the sliding layers' RoPE base, hard-coded (gemma3: 10000, whatever
-        `rope.freq_base_swa` says); 0: the sliding layers use `rope.freq_base` (or `freq_base_swa`).
-    embed_scale_sqrt_dim: token embeddings are multiplied by sqrtf(n_embd) (Gemma).
-    attn_scale_dim_layers: the block count at which queries are scaled by 1/sqrt(n_embd / n_head)
-        (integer division; Gemma 2 27B: 46, Gemma 3 27B: 62) instead of 1/sqrt(head_dim).
-    attn_softcap: scores are always soft-capped (gemma2: `attn_logit_softcapping`, 50 when absent).
-    final_softcap: "always" (gemma2: `final_logit_softcapping`, 30 when absent), "without_swa"
-        (gemma3: only in its graph without sliding layers), "none".
-    rope_freqs: Llama 3.1's RoPE scaling is read as the `rope_freqs` tensor (llama only).
-    """
-
-    swa_pattern: int = 0
-    rope_theta_sliding: float = 0.0
-    embed_scale_sqrt_dim: bool = False
-    attn_scale_dim_layers: int = 0
-    attn_softcap: bool = False
-    final_softcap: str = "none"
-    rope_freqs: bool = False
-
-    def sliding(self, n_layers: int) -> list[bool]:
-        """Which of `n_layers` layers llama.cpp runs through the sliding window."""
-        p = self.swa_pattern
-        return [bool(p) and il % p < p - 1 for il in range(n_layers)]
-
-    def attn_scale(self, dim: int, n_heads: int, n_layers: int, head_dim: int) -> float:
-        """The scale llama.cpp multiplies queries by (`f_attention_scale`, or 1/sqrt(head_dim))."""
-        if self.attn_scale_dim_layers and n_layers == self.attn_scale_dim_layers:
-            return (dim // n_heads) ** -0.5
-        return head_dim ** -0.5
-
-
-#: llama.cpp's runtime, by `general.architecture` (every `Family.gguf_arch` has an entry)
-LLAMA_CPP_ARCHS: dict[str, LlamaCppArch] = {
-    "llama": LlamaCppArch(rope_freqs=True),
-    "qwen2": LlamaCppArch(),
-    "qwen3": LlamaCppArch(),
-    "olmo2": LlamaCppArch(),  # its sliding window (OLMo 3's, pattern 4) is not OLMo 2's
-    "gemma3": LlamaCppArch(swa_pattern=6, rope_theta_sliding=10000.0, embed_scale_sqrt_dim=True,
-                           attn_scale_dim_layers=62, final_softcap="without_swa"),
-    "gemma2": LlamaCppArch(swa_pattern=2, embed_scale_sqrt_dim=True, attn_scale_dim_layers=46, attn_softcap=True,
-                           final_softcap="always"),
-}
-
 _FIX = "Export with --format hf (transformers computes it), or change the model."
 
 
@@ -119,23 +66,10 @@ def _short(value) -> str:
     return text if len(text) <= 120 else text[:117] + "..."
 
 
-def gguf_family(model: ModelConfig) -> Family:
-    """The family record (`export/families.py`) the model is written as, checked against what
-    llama.cpp's runtime for its architecture computes (`LLAMA_CPP_ARCHS`).
-
-    The family is `families.family_of` of the model without the fields llama.cpp decides for
-    itself (layer kinds, window, sliding RoPE base, soft-caps, NoPE layers); those are then
-    checked here against the architecture, each refusal naming the field.
-
-    Raises:
-        ExportError: a model option no family carries (named, with its value: `family_of`), or one
-        llama.cpp cannot represent: sliding layers other than its hard-coded pattern (or any, for
-        an architecture without sliding-window attention: llama, so Mistral, qwen2/3, olmo2); a
-        sliding-layer RoPE base other than the one it hard-codes; an attention scale or embedding
-        scale other than its own; a soft-cap it does not apply (or lacks one it always applies);
-        NoPE layers; RoPE scaling outside llama; an untied head where the architecture has no
-        output tensor (gemma2).
-    """
+def _refuse_other_options(model: ModelConfig) -> None:
+    """A model option outside Llama's shape and the families' mechanisms, set away from its
+    default: no llama.cpp architecture has it. Qwen3's QK-norm with Qwen2's biases, RoPE scaling
+    outside llama, NoPE layers: no architecture lmforge writes computes them."""
     known = _LLAMA_FIELDS | set(MECHANISMS)
     for f in dataclasses.fields(model):
         if f.name in known:
@@ -146,7 +80,7 @@ def gguf_family(model: ModelConfig) -> Family:
         if value != default:
             raise ExportError(
                 f"config.toml model.{f.name} = {value!r} (default {default!r}): GGUF export maps the families of "
-                f"export/families.py only, and llama.cpp has no architecture with this option, so the file would "
+                f"export/families/ only, and llama.cpp has no architecture with this option, so the file would "
                 f"compute something else. Export with --format hf if transformers supports it, or train with "
                 f"model.{f.name} = {default!r}."
             )
@@ -164,26 +98,18 @@ def gguf_family(model: ModelConfig) -> Family:
         raise ExportError(f"config.toml model.nope_layers = {_short(model.nope_layers)}: llama.cpp rotates q and k in "
                           f"every layer of the architectures lmforge writes (only its smollm3 skips RoPE, in every 4th "
                           f"layer), so the file would compute something else. {_FIX}")
-    hd = model.resolved_head_dim()
-    plain = dataclasses.replace(  # what llama.cpp decides for itself is checked below, field by field
-        model, layer_types=[], sliding_window=0, rope_theta_sliding=0.0, attn_softcap=0.0, final_softcap=0.0,
-        head_dim=0 if model.head_dim * model.n_heads == model.dim else model.head_dim,
-        attn_scale=0.0 if math.isclose(model.attn_scale, hd ** -0.5, rel_tol=1e-9) else model.attn_scale)
-    family = family_of(plain)
-    if family.gguf_arch is None or family.gguf_arch not in LLAMA_CPP_ARCHS:
-        raise ExportError(f"model family {family.model_type!r} has no llama.cpp architecture lmforge writes. {_FIX}")
-    arch, rt = family.gguf_arch, LLAMA_CPP_ARCHS[family.gguf_arch]
-    where = f"llama.cpp's {arch} architecture"
 
+
+def _check_layers(model: ModelConfig, rt: LlamaCppArch, where: str) -> list[bool]:
+    """The model's sliding layers and their RoPE base against what the architecture hard-codes;
+    returns which layers slide."""
     sliding = [model.is_sliding(i) for i in range(model.n_layers)]
     want = rt.sliding(model.n_layers)
     if not rt.swa_pattern and any(sliding):
-        why = (" (llama.cpp never implemented Mistral's sliding window: ggml-org/llama.cpp#3377)"
-               if arch == "llama" else "")
         raise ExportError(
             f"config.toml model.layer_types = {_short(model.layer_types)} with model.sliding_window = "
-            f"{model.sliding_window}: {where} has no sliding-window attention{why}, so every layer of the file "
-            f"would attend to all earlier keys (expected every layer \"full\"). {_FIX}")
+            f"{model.sliding_window}: {where} has no sliding-window attention{rt.no_swa_note}, so every layer of the "
+            f"file would attend to all earlier keys (expected every layer \"full\"). {_FIX}")
     if rt.swa_pattern and sliding != want:
         pattern = ["sliding" if s else "full" for s in want]
         raise ExportError(
@@ -199,6 +125,12 @@ def gguf_family(model: ModelConfig) -> Family:
         raise ExportError(
             f"config.toml model.rope_theta_sliding = {theta_sliding!r}: {where} has one RoPE base for every layer "
             f"(expected rope_theta = {model.rope_theta!r}, or 0). {_FIX}")
+    return sliding
+
+
+def _check_scales(model: ModelConfig, rt: LlamaCppArch, where: str) -> None:
+    """The attention and embedding scales against the ones the architecture applies."""
+    hd = model.resolved_head_dim()
     scale = model.attn_scale or hd ** -0.5
     want_scale = rt.attn_scale(model.dim, model.n_heads, model.n_layers, hd)
     if not math.isclose(scale, want_scale, rel_tol=1e-6):
@@ -212,6 +144,11 @@ def gguf_family(model: ModelConfig) -> Family:
         raise ExportError(
             f"config.toml model.embed_scale = {model.embed_scale!r}: {where} multiplies the embeddings by "
             f"{want_embed:.6g}{' (sqrt(dim))' if rt.embed_scale_sqrt_dim else ''} (expected that). {_FIX}")
+
+
+def _check_softcaps(model: ModelConfig, rt: LlamaCppArch, where: str, sliding: list[bool]) -> None:
+    """The attention and final soft-caps against the ones the architecture applies (always, never,
+    or only without sliding layers)."""
     if rt.attn_softcap and not model.attn_softcap:
         raise ExportError(
             f"config.toml model.attn_softcap = 0: {where} always soft-caps the attention scores (50 when "
@@ -231,15 +168,47 @@ def gguf_family(model: ModelConfig) -> Family:
             f"config.toml model.final_softcap = {model.final_softcap!r}"
             f"{' with sliding layers' if any(sliding) else ''}: {where} {why}, so the file would give uncapped "
             f"logits (expected 0). {_FIX}")
-    if scaling != "none" and not rt.rope_freqs:
-        raise ExportError(f"config.toml model.rope_scaling = {scaling!r}: llama.cpp reads Llama 3.1's RoPE scaling "
-                          f"(rope_freqs) for its llama architecture only, not {arch}. {_FIX}")
+
+
+def gguf_family(model: ModelConfig) -> Family:
+    """The family record (`export/families/`) the model is written as, checked against what
+    llama.cpp's runtime for its architecture computes (`Family.llama_cpp`, `LLAMA_CPP_ARCHS`).
+
+    The family is `families.family_of` of the model without the fields llama.cpp decides for
+    itself (layer kinds, window, sliding RoPE base, soft-caps, NoPE layers); those are then
+    checked here against the architecture, each refusal naming the field.
+
+    Raises:
+        ExportError: a model option no family carries (named, with its value: `family_of`), or one
+        llama.cpp cannot represent: sliding layers other than its hard-coded pattern (or any, for
+        an architecture without sliding-window attention: llama, so Mistral, qwen2/3, olmo2); a
+        sliding-layer RoPE base other than the one it hard-codes; an attention scale or embedding
+        scale other than its own; a soft-cap it does not apply (or lacks one it always applies);
+        NoPE layers; RoPE scaling outside llama; an untied head where the architecture has no
+        output tensor (gemma2).
+    """
+    _refuse_other_options(model)
+    hd = model.resolved_head_dim()
+    plain = dataclasses.replace(  # what llama.cpp decides for itself is checked below, field by field
+        model, layer_types=[], sliding_window=0, rope_theta_sliding=0.0, attn_softcap=0.0, final_softcap=0.0,
+        head_dim=0 if model.head_dim * model.n_heads == model.dim else model.head_dim,
+        attn_scale=0.0 if math.isclose(model.attn_scale, hd ** -0.5, rel_tol=1e-9) else model.attn_scale)
+    family = family_of(plain)
+    if family.gguf_arch is None or family.gguf_arch not in LLAMA_CPP_ARCHS:
+        raise ExportError(f"model family {family.model_type!r} has no llama.cpp architecture lmforge writes. {_FIX}")
+    arch, rt = family.gguf_arch, LLAMA_CPP_ARCHS[family.gguf_arch]
+    where = f"llama.cpp's {arch} architecture"
+    sliding = _check_layers(model, rt, where)
+    _check_scales(model, rt, where)
+    _check_softcaps(model, rt, where, sliding)
+    if model.rope_scaling != "none" and not rt.rope_freqs:
+        raise ExportError(f"config.toml model.rope_scaling = {model.rope_scaling!r}: llama.cpp reads Llama 3.1's RoPE "
+                          f"scaling (rope_freqs) for its llama architecture only, not {arch}. {_FIX}")
     gguf = require_gguf()
     if not model.tie_embeddings and gguf.MODEL_TENSOR.OUTPUT not in gguf.MODEL_TENSORS[_model_arch(gguf, arch)]:
         raise ExportError(f"config.toml model.tie_embeddings = false: {where} has no output tensor (its head is "
                           f"always token_embd), so an untied head cannot be written (expected true). {_FIX}")
     return family
-
 
 def gguf_arch(model: ModelConfig) -> str:
     """llama.cpp's `general.architecture` for the model: its family's (`gguf_family`): "llama"
@@ -267,4 +236,4 @@ def gguf_tensor_names(gguf, arch: str, n_layers: int) -> set[str]:
     return names
 
 
-__all__ = ["LLAMA_CPP_ARCHS", "LlamaCppArch", "gguf_arch", "gguf_family", "gguf_tensor_names", "require_gguf"]
+__all__ = ["gguf_arch", "gguf_family", "gguf_tensor_names", "require_gguf"]
