@@ -27,6 +27,9 @@ SentencePiece-style), wrapped in
              template as OLMo 2 Instruct ships it
     mistral_sliding  MistralForCausalLM with sliding_window 6 (< max_position_embeddings):
              the window slides; Mistral's tokenizer and template
+    smollm3  SmolLM3ForCausalLM: 4 layers, the last without RoPE (transformers' default every 4th),
+             tied head; byte-level BPE with Llama 3's <|begin_of_text|> (not prepended), eos_token
+             <|im_end|>, SmolLM3's ChatML without its metadata block
 
 Every model is built with attn_implementation="eager" and every norm weight is random (Gemma's
 zero-initialised (1 + w) norms would hide offset and placement bugs).
@@ -140,6 +143,12 @@ OLMO2_TEMPLATE = (
     "{% if loop.last and add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}{% endfor %}"
 )
 
+#: SmolLM3's ChatML without its metadata system block (which calls strftime_now) and /think switches
+SMOLLM3_TEMPLATE = (
+    "{%- for message in messages -%}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{%- endfor -%}{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\n' }}{%- endif -%}"
+)
+
 GEMMA_SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
 _GEMMA_TOKENIZER = (GEMMA_SPECIALS, dict(bos_token="<bos>", eos_token="<eos>", unk_token="<unk>", pad_token="<pad>"),
                     "<bos>", GEMMA3_TEMPLATE)
@@ -163,6 +172,9 @@ TOKENIZERS = {
               dict(bos_token="<|endoftext|>", eos_token="<|endoftext|>", pad_token="<|pad|>"), None, OLMO2_TEMPLATE),
     "mistral_sliding": (["<unk>", "<s>", "</s>"], dict(bos_token="<s>", eos_token="</s>", unk_token="<unk>"), "<s>",
                         MISTRAL_TEMPLATE),
+    "smollm3": (["<|begin_of_text|>", "<|end_of_text|>", "<|im_start|>", "<|im_end|>", "<|finetune_right_pad_id|>"],
+                dict(bos_token="<|begin_of_text|>", eos_token="<|im_end|>", pad_token="<|finetune_right_pad_id|>"), None,
+                SMOLLM3_TEMPLATE),
 }
 
 #: families whose tokenizer is SentencePiece-style BPE (Gemma's), not byte-level
@@ -258,6 +270,11 @@ def build_model(family: str, vocab_size: int, seed: int = 0, **overrides):
             max_position_embeddings=256, attn_logit_softcapping=2.0, final_logit_softcapping=3.0,
             tie_word_embeddings=True, pad_token_id=0, eos_token_id=1, bos_token_id=2,
             rope_parameters={"rope_type": "default", "rope_theta": 1e4})
+    elif family == "smollm3":  # 4 layers: layer 3 skips RoPE (no_rope_layer_interval 4)
+        common.pop("head_dim")
+        cls, cfg = transformers.SmolLM3ForCausalLM, transformers.SmolLM3Config(
+            **{**common, "num_hidden_layers": 4}, tie_word_embeddings=True, pad_token_id=4, bos_token_id=0,
+            eos_token_id=3)
     elif family == "olmo2":
         common.pop("head_dim")
         cls, cfg = transformers.Olmo2ForCausalLM, transformers.Olmo2Config(

@@ -166,7 +166,8 @@ def test_every_family_record_is_llama_cpps():
             assert theirs.format(i=0).rsplit(".", 1)[0] in allowed, (f.model_type, theirs)
         assert {ours for ours, _ in f.gguf_names} <= {ours for ours, _ in f.hf_names}, f.model_type
         assert f.gguf_norm_shift == (1.0 if f.fixed.get("norm_offset") == 1.0 else 0.0), f.model_type
-        assert f.gguf_permute_qk is (f.gguf_arch == "llama"), f.model_type
+        # llama.cpp's converter permutes q/k rows for the architectures it converts as LlamaModel
+        assert f.gguf_permute_qk is (f.gguf_arch in ("llama", "smollm3")), f.model_type
 
 
 # -- F7: export -----------------------------------------------------------------------------------
@@ -301,7 +302,7 @@ REFUSALS = [
     (_gemma3(attn_softcap=50.0), r"model\.attn_softcap = 50\.0: llama\.cpp's gemma3 architecture never soft-caps"),
     (_gemma3(final_softcap=30.0), r"model\.final_softcap = 30\.0 with sliding layers: .*drops it"),
     (_gemma3(embed_scale=1.0), r"model\.embed_scale = 1\.0: .*sqrt\(dim\)"),
-    (_gemma3(nope_layers=[3]), r"model\.nope_layers = \[3\]: llama\.cpp rotates"),
+    (_gemma3(nope_layers=[3]), r"model\.nope_layers = \[3\]: llama\.cpp.s gemma3 architecture rotates"),
     (_gemma3(rope_scaling="llama3"), r"model\.rope_scaling = 'llama3'"),
     (_gemma2(layer_types=pattern(4, 6)), r"model\.layer_types = .*il % 2 < 1"),
     (_gemma2(attn_softcap=0.0), r"model\.attn_softcap = 0: llama\.cpp's gemma2 architecture always soft-caps"),
@@ -503,10 +504,12 @@ def test_rewritten_file_imports(exported, tmp_path):
 # -- F8: GGUF import = HF import, from a transformers folder -------------------------------------------
 #: tests/hf_families.py's tiny models, with what llama.cpp can represent: query_pre_attn_scalar =
 #: head_dim (llama.cpp scales by 1/sqrt(head_dim), never by the config's scalar)
-HF_OVERRIDES = {"gemma3": {"query_pre_attn_scalar": 48}, "gemma2": {"query_pre_attn_scalar": 48}, "olmo2": {}}
+HF_OVERRIDES = {"gemma3": {"query_pre_attn_scalar": 48}, "gemma2": {"query_pre_attn_scalar": 48}, "olmo2": {},
+                "smollm3": {}}
+ARCH["smollm3"] = "smollm3"  # SmolLM3: llama.cpp's smollm3 skips RoPE in every 4th layer, as transformers' default
 
 
-@pytest.mark.parametrize("family", FAMS)
+@pytest.mark.parametrize("family", FAMS + ("smollm3",))
 def test_gguf_import_equals_hf_import(family, tmp_path):
     """transformers folder -> import-hf -> export --format gguf -> import-gguf: tensor for tensor the
     import-hf checkpoint (Gemma norms through float32 1 + w), the same config and contract, and
@@ -538,19 +541,25 @@ def test_gguf_import_equals_hf_import(family, tmp_path):
 
 @pytest.mark.parametrize("family,match", [
     ("mistral_sliding", r"model\.layer_types = \['sliding'.*llama\.cpp never implemented Mistral's sliding window"),
+    ("smollm3_nope_1", r"model\.nope_layers = \[1\]: llama\.cpp's smollm3 architecture skips RoPE in every 4th layer"
+                       r".*expected \[3\]"),
     ("gemma3", r"model\.attn_scale = .*query_pre_attn_scalar = 40.*never reads query_pre_attn_scalar"),
 ])
 def test_imported_models_llama_cpp_cannot_run_are_refused(family, match, tmp_path):
     """From transformers folders: a Mistral whose window slides (llama.cpp's llama has none) and a
-    Gemma 3 with query_pre_attn_scalar 40 != head_dim 48 (llama.cpp scales by 1/sqrt(head_dim))
-    import, and `export --format gguf` refuses them, leaving no file."""
+    Gemma 3 with query_pre_attn_scalar 40 != head_dim 48 (llama.cpp scales by 1/sqrt(head_dim)) and
+    a SmolLM3 whose NoPE layer is not llama.cpp's every 4th import, and `export --format gguf`
+    refuses them, leaving no file."""
     pytest.importorskip("transformers")
     from hf_families import build_folder
 
     from lmforge.export import export_gguf
     from lmforge.export.hf_in import import_hf
 
-    build_folder(family, tmp_path / "hf")
+    if family == "smollm3_nope_1":  # SmolLM3 with layer 1 the NoPE one: llama.cpp's smollm3 hard-codes layer 3
+        build_folder("smollm3", tmp_path / "hf", no_rope_layers=[1, 0, 1, 1])
+    else:
+        build_folder(family, tmp_path / "hf")
     ckpt = import_hf(tmp_path / "hf", tmp_path / "ckpt")
     with pytest.raises(ExportError, match=match):
         export_gguf(ckpt, tmp_path / "m.gguf")

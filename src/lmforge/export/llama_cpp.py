@@ -69,7 +69,7 @@ def _short(value) -> str:
 def _refuse_other_options(model: ModelConfig) -> None:
     """A model option outside Llama's shape and the families' mechanisms, set away from its
     default: no llama.cpp architecture has it. Qwen3's QK-norm with Qwen2's biases, RoPE scaling
-    outside llama, NoPE layers: no architecture lmforge writes computes them."""
+    outside llama: no architecture lmforge writes computes them."""
     known = _LLAMA_FIELDS | set(MECHANISMS)
     for f in dataclasses.fields(model):
         if f.name in known:
@@ -94,10 +94,6 @@ def _refuse_other_options(model: ModelConfig) -> None:
         raise ExportError(f"config.toml model.rope_scaling = {scaling!r} with model.{'qk_norm' if qk_norm else 'qkv_bias'} "
                           f"= true: llama.cpp reads Llama 3.1's RoPE scaling (rope_freqs) for its llama architecture "
                           f"only. Export with --format hf.")
-    if model.nope_layers:
-        raise ExportError(f"config.toml model.nope_layers = {_short(model.nope_layers)}: llama.cpp rotates q and k in "
-                          f"every layer of the architectures lmforge writes (only its smollm3 skips RoPE, in every 4th "
-                          f"layer), so the file would compute something else. {_FIX}")
 
 
 def _check_layers(model: ModelConfig, rt: LlamaCppArch, where: str) -> list[bool]:
@@ -193,11 +189,23 @@ def gguf_family(model: ModelConfig) -> Family:
         model, layer_types=[], sliding_window=0, rope_theta_sliding=0.0, attn_softcap=0.0, final_softcap=0.0,
         head_dim=0 if model.head_dim * model.n_heads == model.dim else model.head_dim,
         attn_scale=0.0 if math.isclose(model.attn_scale, hd ** -0.5, rel_tol=1e-9) else model.attn_scale)
-    family = family_of(plain)
+    try:  # NoPE layers pick a family that has them (SmolLM3); elsewhere they are refused below, named
+        family = family_of(plain)
+    except ExportError:
+        if not model.nope_layers:
+            raise
+        family = family_of(dataclasses.replace(plain, nope_layers=[]))
     if family.gguf_arch is None or family.gguf_arch not in LLAMA_CPP_ARCHS:
         raise ExportError(f"model family {family.model_type!r} has no llama.cpp architecture lmforge writes. {_FIX}")
     arch, rt = family.gguf_arch, LLAMA_CPP_ARCHS[family.gguf_arch]
     where = f"llama.cpp's {arch} architecture"
+    want_nope = rt.nope_layers(model.n_layers)
+    if sorted(model.nope_layers) != want_nope:
+        raise ExportError(f"config.toml model.nope_layers = {_short(model.nope_layers)}: {where} "
+                          + (f"skips RoPE in every {rt.nope_step}th layer, whatever the file says (expected "
+                             f"{_short(want_nope)})" if rt.nope_step else
+                             "rotates q and k in every layer (only llama.cpp's smollm3 skips RoPE, in every 4th "
+                             "layer)") + f", so the file would compute something else. {_FIX}")
     sliding = _check_layers(model, rt, where)
     _check_scales(model, rt, where)
     _check_softcaps(model, rt, where, sliding)

@@ -41,6 +41,8 @@ class LlamaCppArch:
         (gemma3: only in its graph without sliding layers), "none".
     rope_freqs: Llama 3.1's RoPE scaling is read as the `rope_freqs` tensor (llama only).
     window_required: a file without `{arch}.attention.sliding_window` is refused (gemma3).
+    nope_step: layer il skips RoPE iff (il + 1) % nope_step == 0 (smollm3: 4, `n_no_rope_layer_step`);
+        0: every layer rotates q and k.
     no_swa_note: said when a sliding model is refused for an architecture without sliding windows.
     """
 
@@ -53,6 +55,11 @@ class LlamaCppArch:
     rope_freqs: bool = False
     window_required: bool = False
     no_swa_note: str = ""
+    nope_step: int = 0
+
+    def nope_layers(self, n_layers: int) -> list[int]:
+        """The layers llama.cpp runs without RoPE."""
+        return [il for il in range(n_layers) if self.nope_step and (il + 1) % self.nope_step == 0]
 
     def sliding(self, n_layers: int) -> list[bool]:
         """Which of `n_layers` layers llama.cpp runs through the sliding window."""
