@@ -314,21 +314,8 @@ def _generate(model, prompts, stop_ids, cfg: SamplingConfig, pad_id: int, trunca
     B, n_new = len(rows), cfg.max_new_tokens
     tokens, positions, key_mask = left_pad(rows, pad_id, n_new, device)
     L = tokens.shape[1]
-    padded = not bool(key_mask.all())
     project = output_projection(model)
-    # A prompt given more than once (RL's group of completions of one prompt) is prefilled once:
-    # its cache rows and last logits are copied to every row that repeats it, which then samples
-    # on its own (the same sampler draws as a prefill of every row: the rows' values, not the work)
-    first, source = _first_rows(rows) if SHARE_PREFILL else (range(B), range(B))
-    if len(first) < B:
-        pick = torch.tensor(first, device=device)
-        cache = model.new_cache(len(first), L + n_new, key_mask[pick] if padded else None)
-        logits = project(model.hidden(tokens[pick], positions[pick], cache=cache)[:, -1])  # (unique, V)
-        cache = cache.gather_rows(torch.tensor(source, device=device), key_mask if padded else None)
-        logits = logits[torch.tensor(source, device=device)]  # (B, V)
-    else:
-        cache = model.new_cache(B, L + n_new, key_mask if padded else None)
-        logits = project(model.hidden(tokens, positions, cache=cache)[:, -1])  # (B, V)
+    cache, logits = _prefill(model, rows, tokens, positions, key_mask, n_new, project, device)
     next_pos = positions[:, -1] + 1  # (B,)
 
     seen = None
@@ -373,7 +360,33 @@ def _generate(model, prompts, stop_ids, cfg: SamplingConfig, pad_id: int, trunca
             logits[live] = model.decode_step(nxt[live], next_pos[live], cache, batch_invariant=True)
         next_pos = next_pos + 1
 
-    out = out[:, :steps].cpu()
+    return _cut_at_stops(out[:, :steps].cpu(), stops, steps)
+
+
+def _prefill(model, rows, tokens, positions, key_mask, n_new: int, project, device):
+    """The prompts (`left_pad`'s (B, L) tensors) run into a new cache of L + n_new positions:
+    (cache, (B, V) logits of each row's last position)."""
+    B, L = len(rows), tokens.shape[1]
+    padded = not bool(key_mask.all())
+    # A prompt given more than once (RL's group of completions of one prompt) is prefilled once:
+    # its cache rows and last logits are copied to every row that repeats it, which then samples
+    # on its own (the same sampler draws as a prefill of every row: the rows' values, not the work)
+    first, source = _first_rows(rows) if SHARE_PREFILL else (range(B), range(B))
+    if len(first) < B:
+        pick = torch.tensor(first, device=device)
+        cache = model.new_cache(len(first), L + n_new, key_mask[pick] if padded else None)
+        logits = project(model.hidden(tokens[pick], positions[pick], cache=cache)[:, -1])  # (unique, V)
+        cache = cache.gather_rows(torch.tensor(source, device=device), key_mask if padded else None)
+        logits = logits[torch.tensor(source, device=device)]  # (B, V)
+    else:
+        cache = model.new_cache(B, L + n_new, key_mask if padded else None)
+        logits = project(model.hidden(tokens, positions, cache=cache)[:, -1])  # (B, V)
+    return cache, logits
+
+
+def _cut_at_stops(out: torch.Tensor, stops: torch.Tensor, steps: int) -> list[list[int]]:
+    """(B, steps) new ids (CPU) -> each row's ids up to and including its first stop id."""
+    B = out.shape[0]
     if stops.numel():
         hit = torch.isin(out, stops.cpu())
         first = torch.where(hit.any(1), hit.int().argmax(1) + 1, torch.full((B,), steps))

@@ -108,6 +108,12 @@ def hash64(data: bytes) -> int:
 def prepare_into(tmp: Path, source: str, tokenizer: Tokenizer, val_fraction: float, include_tests: bool,
                   on_bad_utf8: str, progress: bool, seq_len: int = 0, text_field: str = "text",
                   input: dict | None = None) -> dict:
+    """`prepare`'s work in `tmp`, a folder its caller writes (`prepare`, a mixture's sources): shards,
+    `{split}.hashes`, meta.json (with `input`, what a mixture compares to reuse it, when given),
+    report.json, contract.json. Returns the meta dict with the data report under "report".
+    Raises:
+        DataError: missing/empty source, or a split left with no documents.
+    """
     contract = tokenizer.contract
     dtype = contract.dtype
     meta: dict = {"source": source, "val_fraction": val_fraction, "splits": {}}
@@ -144,71 +150,96 @@ def prepare_into(tmp: Path, source: str, tokenizer: Tokenizer, val_fraction: flo
                 m["bytes"] += nbytes
                 m["max_id"] = max(m["max_id"], int(arr.max()))
                 report.add(doc.name, split, ids, len(arr), nbytes)
-            if bar.total is None and stats.input_bytes:
-                bar.total = stats.input_bytes
-            bar.update(max(0, min(stats.input_read(), stats.input_bytes) - bar.n))
-            text = sum(m["bytes"] for m in split_meta.values())
-            bar.set_postfix_str(f"{report.documents:,} documents, {text / 1e6:,.1f} MB of text", refresh=False)
+            _show_progress(bar, stats, report, split_meta)
 
-        from lmforge.data.sources import split_of
-
-        batch: list = []
-        seen = SeenHashes()
-        names: dict[int, str] = {}
-        duplicates = 0
-        for doc in iter_documents(source, None, val_fraction, include_tests, on_bad_utf8, stats, text_field):
-            data = doc.text.encode("utf-8")
-            h = hash64(data)
-            if not seen.add(h):  # exact duplicates are kept once, so no val text is trained on
-                duplicates += 1
-                report.duplicate(names.get(h, "an earlier document"), doc.name)
-                continue
-            if len(names) < NAMED_DOCUMENTS:
-                names[h] = doc.name
-            batch.append((doc, split_of(doc.key, val_fraction), h, len(data)))
-            if len(batch) >= BATCH_DOCS:
-                write(batch)
-                batch = []
-        if batch:
-            write(batch)
-        bar.close()
-        for f in (*files.values(), *idx_files.values(), *hash_files.values()):
-            f.close()
-        total = sum(m["documents"] for m in split_meta.values())
-        if total == 0:
-            raise DataError(
-                f"data.source = {source!r} yielded no documents (all empty or skipped: "
-                f"{stats.bad_utf8} not UTF-8, {stats.empty} empty, {stats.not_regular} not regular files, "
-                f"{stats.other} files of other types" + (f": {', '.join(stats.skipped_names[:3])}"
-                                                          if stats.skipped_names else "")
-                + "). Point data.source at real text."
-            )
-        for s in SPLITS:
-            if split_meta[s]["documents"] == 0:
-                raise DataError(
-                    f"data.source = {source!r}: the {s!r} split has no documents ({total} in all, "
-                    f"data.val_fraction = {val_fraction}). Add documents or change data.val_fraction"
-                    + (f" (about 3 of {total} documents: --set data.val_fraction={min(0.5, 3 / total):.2g})."
-                       if s == "val" and total >= 6 else ".")
-                )
+        duplicates = _write_unique(source, val_fraction, include_tests, on_bad_utf8, stats, text_field, report, write)
+        _close(bar, files, idx_files, hash_files)
+        _check_splits(source, split_meta, stats, val_fraction)
         meta["splits"] = split_meta
-        meta["skipped_bad_utf8"] = stats.bad_utf8
-        meta["skipped_empty"] = stats.empty
-        meta["skipped_not_regular"] = stats.not_regular
-        meta["skipped_other"] = stats.other
-        meta["skipped_names"] = stats.skipped_names[:20]
-        meta["skipped_duplicates"] = duplicates
+        meta.update(_skipped(stats, duplicates))
         meta["seconds"] = round(time.perf_counter() - t0, 2)
         (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
         data_report = report.finish(seq_len)
         (tmp / REPORT_FILE).write_text(json.dumps(data_report, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
         contract.save(tmp)
     finally:
-        if bar is not None:  # its last state ends with a newline before any error line (stderr not a terminal)
-            bar.close()
-        for f in (*files.values(), *idx_files.values(), *hash_files.values()):
-            f.close()
+        _close(bar, files, idx_files, hash_files)  # the bar's last state ends with a newline before any error line
     return {**meta, "report": data_report}
+
+
+def _show_progress(bar, stats: SourceStats, report: DataReport, split_meta: dict) -> None:
+    """Move the prepare bar to the input bytes read so far (its total once the source is listed)."""
+    if bar.total is None and stats.input_bytes:
+        bar.total = stats.input_bytes
+    bar.update(max(0, min(stats.input_read(), stats.input_bytes) - bar.n))
+    text = sum(m["bytes"] for m in split_meta.values())
+    bar.set_postfix_str(f"{report.documents:,} documents, {text / 1e6:,.1f} MB of text", refresh=False)
+
+
+def _write_unique(source: str, val_fraction: float, include_tests: bool, on_bad_utf8: str, stats: SourceStats,
+                  text_field: str, report: DataReport, write) -> int:
+    """Pass the first copy of each document of `source` to `write`, in batches of BATCH_DOCS
+    (document, split, hash64, UTF-8 bytes) tuples; report the exact duplicates dropped and return
+    their count."""
+    from lmforge.data.sources import split_of
+
+    batch: list = []
+    seen = SeenHashes()
+    names: dict[int, str] = {}
+    duplicates = 0
+    for doc in iter_documents(source, None, val_fraction, include_tests, on_bad_utf8, stats, text_field):
+        data = doc.text.encode("utf-8")
+        h = hash64(data)
+        if not seen.add(h):  # exact duplicates are kept once, so no val text is trained on
+            duplicates += 1
+            report.duplicate(names.get(h, "an earlier document"), doc.name)
+            continue
+        if len(names) < NAMED_DOCUMENTS:
+            names[h] = doc.name
+        batch.append((doc, split_of(doc.key, val_fraction), h, len(data)))
+        if len(batch) >= BATCH_DOCS:
+            write(batch)
+            batch = []
+    if batch:
+        write(batch)
+    return duplicates
+
+
+def _close(bar, *groups: dict) -> None:
+    """Close the progress bar (when made; stderr not a terminal: its last state ends with a
+    newline) and every file of `groups` ({split: open file})."""
+    if bar is not None:
+        bar.close()
+    for f in (f for group in groups for f in group.values()):
+        f.close()
+
+
+def _check_splits(source: str, split_meta: dict, stats: SourceStats, val_fraction: float) -> None:
+    """DataError when the source gave no document at all, or a split none."""
+    total = sum(m["documents"] for m in split_meta.values())
+    if total == 0:
+        raise DataError(
+            f"data.source = {source!r} yielded no documents (all empty or skipped: "
+            f"{stats.bad_utf8} not UTF-8, {stats.empty} empty, {stats.not_regular} not regular files, "
+            f"{stats.other} files of other types" + (f": {', '.join(stats.skipped_names[:3])}"
+                                                      if stats.skipped_names else "")
+            + "). Point data.source at real text."
+        )
+    for s in SPLITS:
+        if split_meta[s]["documents"] == 0:
+            raise DataError(
+                f"data.source = {source!r}: the {s!r} split has no documents ({total} in all, "
+                f"data.val_fraction = {val_fraction}). Add documents or change data.val_fraction"
+                + (f" (about 3 of {total} documents: --set data.val_fraction={min(0.5, 3 / total):.2g})."
+                   if s == "val" and total >= 6 else ".")
+            )
+
+
+def _skipped(stats: SourceStats, duplicates: int) -> dict:
+    """meta.json's counts of what was not kept (and the first 20 names skipped), in its order."""
+    return {"skipped_bad_utf8": stats.bad_utf8, "skipped_empty": stats.empty,
+            "skipped_not_regular": stats.not_regular, "skipped_other": stats.other,
+            "skipped_names": stats.skipped_names[:20], "skipped_duplicates": duplicates}
 
 
 __all__ = ["BATCH_DOCS", "HASHES_SUFFIX", "META_FILE", "PREPARE_OUTPUT", "REPORT_FILE", "SeenHashes", "hash64", "prepare",

@@ -23,7 +23,8 @@ monkeypatches `os.path`, builtins or this module, or reaches a frame, cannot swi
 
 
 def main():
-    import ast, builtins, doctest, importlib, io, itertools, json, os, signal, sys
+    # all imported before the limits below (`_prepare` and `_observe` import them again: loaded)
+    import ast, builtins, doctest, importlib, io, itertools, json, os, signal, sys  # noqa: F401
     fd = int(sys.argv[1])
     _limits(int(sys.argv[2]), int(sys.argv[3]))
     # everything used after the candidate exists is a local captured now (builtins and C functions)
@@ -56,40 +57,7 @@ def main():
     # -- trusted: nothing of the candidate's exists yet ------------------------------------------
     kind, name = job["kind"], job.get("function", "")
     try:
-        _limits_cpu(job["cpu_s"])
-        mod = importlib.import_module(job["module"]) if job["module"] else None
-        ref = getattr(mod, name, None) if mod is not None and name else None
-        ns = dict(vars(mod)) if mod is not None else {"__name__": "__sandbox__", "__builtins__": builtins}
-        doc, items = "", []
-        if kind == "doctest":
-            sources = job.get("examples")
-            if sources is None:  # the reference's own docstring: the parent reads its expected outputs
-                doc = getattr(ref, "__doc__", None) or ""
-                doc = doc if type(doc) is str else ""
-                try:
-                    sources = [ex.source for ex in doctest.DocTestParser().get_examples(doc)]
-                except ValueError:
-                    sources = []
-            for i, text in enumerate(sources):
-                try:
-                    items.append((compile(text, f"<example {i + 1}>", "single"), ""))
-                except (SyntaxError, ValueError, OverflowError) as exc:  # the example's own fault: it "raised"
-                    items.append((None, line(exc)))
-        elif kind == "cases":
-            items = [ast.literal_eval(a) for a in job["args"]]
-        elif kind == "probe":
-            items = list(job["probes"].items())
-        else:
-            raise ValueError(f"unknown job kind {kind!r}")
-        # the reference stays reachable under other names (another module's import of it, a
-        # default argument): its code becomes a call of the module's `name` (the candidate, soon),
-        # and its module's code may not run again (a reload would bring the reference back)
-        stand_in, ref_file = None, ""
-        if kind != "probe" and type(ref) is type(_expire) and ref.__closure__ is None and name:
-            scope = {}
-            exec(compile(f"def {name}(*args, **kwargs):\n    return {name}(*args, **kwargs)\n", "<the candidate>",
-                         "exec"), scope)
-            stand_in, ref_file = scope[name].__code__, ref.__code__.co_filename
+        mod, ref, ns, doc, items, stand_in, ref_file = _prepare(job, kind, name, line)
     except BaseException as exc:
         emit("error", f"the harness could not prepare the job ({job.get('module')!r}): {type(exc).__name__}: "
                       f"{str(exc)[:120]}")
@@ -105,6 +73,58 @@ def main():
                 emit("kept", fname, args, result, after)
         emit("done")
         exit_now(0)
+    # entered before any candidate code exists: no name is looked up here once it does
+    _observe(job, kind, name, items, mod, ref, ns, stand_in, emit, seen, line, exit_now,
+             (repr_, type_, list_, islice, hasattr_, isinstance_, exec_, base))
+
+
+def _prepare(job, kind, name, line):
+    """The trusted part of `main` (no candidate code exists yet): (mod, ref, ns, doc, items,
+    stand_in, ref_file): the reference's module and function, the candidate's namespace, the
+    docstring "ready" sends, the job's items by kind, and the reference's stand-in code and file."""
+    import ast, builtins, doctest, importlib
+    _limits_cpu(job["cpu_s"])
+    mod = importlib.import_module(job["module"]) if job["module"] else None
+    ref = getattr(mod, name, None) if mod is not None and name else None
+    ns = dict(vars(mod)) if mod is not None else {"__name__": "__sandbox__", "__builtins__": builtins}
+    doc, items = "", []
+    if kind == "doctest":
+        sources = job.get("examples")
+        if sources is None:  # the reference's own docstring: the parent reads its expected outputs
+            doc = getattr(ref, "__doc__", None) or ""
+            doc = doc if type(doc) is str else ""
+            try:
+                sources = [ex.source for ex in doctest.DocTestParser().get_examples(doc)]
+            except ValueError:
+                sources = []
+        for i, text in enumerate(sources):
+            try:
+                items.append((compile(text, f"<example {i + 1}>", "single"), ""))
+            except (SyntaxError, ValueError, OverflowError) as exc:  # the example's own fault: it "raised"
+                items.append((None, line(exc)))
+    elif kind == "cases":
+        items = [ast.literal_eval(a) for a in job["args"]]
+    elif kind == "probe":
+        items = list(job["probes"].items())
+    else:
+        raise ValueError(f"unknown job kind {kind!r}")
+    # the reference stays reachable under other names (another module's import of it, a
+    # default argument): its code becomes a call of the module's `name` (the candidate, soon),
+    # and its module's code may not run again (a reload would bring the reference back)
+    stand_in, ref_file = None, ""
+    if kind != "probe" and type(ref) is type(_expire) and ref.__closure__ is None and name:
+        scope = {}
+        exec(compile(f"def {name}(*args, **kwargs):\n    return {name}(*args, **kwargs)\n", "<the candidate>",
+                     "exec"), scope)
+        stand_in, ref_file = scope[name].__code__, ref.__code__.co_filename
+    return mod, ref, ns, doc, items, stand_in, ref_file
+
+
+def _observe(job, kind, name, items, mod, ref, ns, stand_in, emit, seen, line, exit_now, captured):
+    """`main` from the candidate's compilation on; ends the process. Called before any candidate
+    code exists (its running code cannot be swapped); uses the builtins `main` captured."""
+    import ast, io, sys
+    repr_, type_, list_, islice, hasattr_, isinstance_, exec_, base = captured
     try:
         tree = ast.parse(job["source"], "<candidate>")
         defs = (ast.FunctionDef, ast.AsyncFunctionDef)
@@ -164,7 +184,8 @@ def _hook(home, os, ref_file=""):
     """The audit hook: refuses sockets, processes, frames, ... and writes outside `home`, and
     running the code of `ref_file` (the reference's module) again. Its state is in its defaults
     (unreadable: reading __defaults__ is audited and refused), its helpers are C functions; it
-    looks up no global or builtin name when it runs."""
+    looks up no global or builtin name when it runs. It stays long: the hook must be built here,
+    its state bound as defaults when it is defined, and it is one function by design (below)."""
     WRITE = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
     REFUSED = ("socket.", "subprocess.", "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.fork",
                "os.forkpty", "os.kill", "os.killpg", "os.setsid", "os.setns", "os.unshare", "ctypes.", "sys._getframe",
@@ -185,6 +206,7 @@ def _hook(home, os, ref_file=""):
              _bytes=bytes, _int=int, _len=len, _isinstance=isinstance, _getcwd=os.getcwd, _lstat=os.lstat,
              _readlink=os.readlink, _error=PermissionError, _exception=Exception, _ref_file=ref_file,
              _code=type(_hook.__code__)):
+        """One function, not split: a Python helper it called could be reached and swapped (`__code__`)."""
         if event.startswith(_refused):
             raise _error(f"sandbox: {event} is refused")
         if event == "exec":

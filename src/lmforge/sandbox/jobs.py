@@ -136,22 +136,7 @@ def plan_job(job: object) -> Plan:
         raise ValueError(f"job['module'] = {module!r}: expected a dotted module name, or '' for none")
     child: dict = {"kind": kind, "module": module}
     if kind == "probe":
-        probes = job.get("probes")
-        if not isinstance(probes, dict):
-            raise TypeError(f"job['probes'] = {_short(probes)}: expected a dict {{function name: [args, ...]}}")
-        for name, inputs in probes.items():
-            if not isinstance(name, str) or not _is_name(name):
-                raise ValueError(f"job['probes'] has the key {_short(name)}: expected a function's name")
-            if not isinstance(inputs, (list, tuple)):
-                raise TypeError(f"job['probes'][{name!r}] = {_short(inputs)}: expected a list of argument tuples' text")
-            for i, a in enumerate(inputs):
-                _args(a, f"job['probes'][{name!r}][{i}]")
-        call_s = job.get("call_s", 0.25)
-        if isinstance(call_s, bool) or not isinstance(call_s, (int, float)) or not (math.isfinite(call_s)
-                                                                                     and 0 < call_s <= 60):
-            raise ValueError(f"job['call_s'] = {_short(call_s)}: expected seconds in (0, 60]")
-        child.update(probes={n: list(v) for n, v in probes.items()}, call_s=float(call_s))
-        return Plan(kind, child, None, tuple(probes))
+        return _plan_probe(job, child)
     function = job.get("function")
     if not isinstance(function, str):
         raise TypeError(f"job['function'] = {_short(function)}: expected the function's name (a str)")
@@ -159,22 +144,7 @@ def plan_job(job: object) -> Plan:
         raise ValueError(f"job['function'] = {function!r}: expected an identifier (not a keyword)")
     child.update(function=function, source=_text(job.get("source"), "job['source']"))
     if kind == "cases":
-        cases = job.get("cases")
-        if not isinstance(cases, (list, tuple)):
-            raise TypeError(f"job['cases'] = {_short(cases)}: expected a list of [args, want] or [args, want, "
-                            f"args_after]")
-        if not cases:
-            raise ValueError("job['cases'] is empty: expected at least one case (none would pass anything)")
-        args, expected = [], []
-        for i, case in enumerate(cases):
-            if not isinstance(case, (list, tuple)) or len(case) not in (2, 3):
-                raise ValueError(f"job['cases'][{i}] = {_short(case)}: expected [args, want] or [args, want, "
-                                 f"args_after] (texts)")
-            args.append(_args(case[0], f"job['cases'][{i}][0]"))
-            expected.append((_text(case[1], f"job['cases'][{i}][1]"),
-                             _text(case[2], f"job['cases'][{i}][2]") if len(case) == 3 else None))
-        child["args"] = args
-        return Plan(kind, child, expected)
+        return _plan_cases(job, child)
     doc = job.get("doc")
     if doc is None:  # the reference's docstring, which the child reads before the candidate exists
         child["examples"] = None
@@ -182,6 +152,47 @@ def plan_job(job: object) -> Plan:
     examples = _examples(_text(doc, "job['doc']"))
     child["examples"] = [ex.source for ex in examples]
     return Plan(kind, child, [(ex.want, ex.exc_msg) for ex in examples])
+
+
+def _plan_probe(job: dict, child: dict) -> Plan:
+    """`plan_job` for a "probe" job (`child`: its kind and module so far): the probes and call_s checked."""
+    probes = job.get("probes")
+    if not isinstance(probes, dict):
+        raise TypeError(f"job['probes'] = {_short(probes)}: expected a dict {{function name: [args, ...]}}")
+    for name, inputs in probes.items():
+        if not isinstance(name, str) or not _is_name(name):
+            raise ValueError(f"job['probes'] has the key {_short(name)}: expected a function's name")
+        if not isinstance(inputs, (list, tuple)):
+            raise TypeError(f"job['probes'][{name!r}] = {_short(inputs)}: expected a list of argument tuples' text")
+        for i, a in enumerate(inputs):
+            _args(a, f"job['probes'][{name!r}][{i}]")
+    call_s = job.get("call_s", 0.25)
+    if isinstance(call_s, bool) or not isinstance(call_s, (int, float)) or not (math.isfinite(call_s)
+                                                                                 and 0 < call_s <= 60):
+        raise ValueError(f"job['call_s'] = {_short(call_s)}: expected seconds in (0, 60]")
+    child.update(probes={n: list(v) for n, v in probes.items()}, call_s=float(call_s))
+    return Plan(child["kind"], child, None, tuple(probes))
+
+
+def _plan_cases(job: dict, child: dict) -> Plan:
+    """`plan_job` for a "cases" job (`child`: its kind, module, function and source so far): the
+    arguments go to the child, the expected texts (want, args_after or None) stay."""
+    cases = job.get("cases")
+    if not isinstance(cases, (list, tuple)):
+        raise TypeError(f"job['cases'] = {_short(cases)}: expected a list of [args, want] or [args, want, "
+                        f"args_after]")
+    if not cases:
+        raise ValueError("job['cases'] is empty: expected at least one case (none would pass anything)")
+    args, expected = [], []
+    for i, case in enumerate(cases):
+        if not isinstance(case, (list, tuple)) or len(case) not in (2, 3):
+            raise ValueError(f"job['cases'][{i}] = {_short(case)}: expected [args, want] or [args, want, "
+                             f"args_after] (texts)")
+        args.append(_args(case[0], f"job['cases'][{i}][0]"))
+        expected.append((_text(case[1], f"job['cases'][{i}][1]"),
+                         _text(case[2], f"job['cases'][{i}][2]") if len(case) == 3 else None))
+    child["args"] = args
+    return Plan(child["kind"], child, expected)
 
 
 def _examples(doc: str) -> list:

@@ -85,32 +85,7 @@ def guarded(call: Callable[[], object], limit_s: float | None = None) -> object:
     except OSError:  # the current folder was removed: nothing to put back
         cwd = None
     if main:
-        def forward(signum, frame):
-            handler = previous[signum]
-            if handler == signal.SIG_IGN:
-                return
-            seen.append(signum)
-            if handler == signal.SIG_DFL:  # what would have happened: the default action
-                signal.signal(signum, signal.SIG_DFL)
-                signal.raise_signal(signum)
-            elif callable(handler):
-                try:
-                    handler(signum, frame)
-                except BaseException as exc:
-                    stops.append(exc)
-                    raise
-
-        def expire(signum, frame):
-            timer["fired"] = True
-            if timer["armed"]:
-                raise Timeout
-
-        for s in SIGNALS:
-            if signal.getsignal(s) is not None:  # None: installed outside Python, which cannot put it back
-                previous[s] = signal.signal(s, forward)
-        if limit_s and signal.getsignal(signal.SIGALRM) is not None:
-            alarm = signal.signal(signal.SIGALRM, expire)
-            old_timer = signal.setitimer(signal.ITIMER_REAL, limit_s)
+        alarm, old_timer = _take_signals(limit_s, seen, stops, timer, previous)
     failure: BaseException | None = None
     result = None
     try:
@@ -131,13 +106,58 @@ def guarded(call: Callable[[], object], limit_s: float | None = None) -> object:
         for s, handler in previous.items():
             signal.signal(s, handler)
         moved = put_back(cwd)
+    return _verdict(result, failure, stops, seen, timer["fired"], limit_s, moved)
+
+
+def _take_signals(limit_s: float | None, seen: list[int], stops: list[BaseException], timer: dict,
+                  previous: dict) -> tuple[object, tuple[float, float]]:
+    """`guarded`'s handlers, in the main thread: SIGINT/SIGTERM go on to the handlers in place
+    (kept in `previous`; the signals in `seen`, what the handlers raised in `stops`); with
+    `limit_s`, SIGALRM raises Timeout while `timer["armed"]` (`timer["fired"]` set) and the timer
+    is armed. Returns (the SIGALRM handler replaced, or None: none installed; the real-time timer
+    replaced: (seconds left, interval))."""
+    alarm, old_timer = None, (0.0, 0.0)
+
+    def forward(signum, frame):
+        handler = previous[signum]
+        if handler == signal.SIG_IGN:
+            return
+        seen.append(signum)
+        if handler == signal.SIG_DFL:  # what would have happened: the default action
+            signal.signal(signum, signal.SIG_DFL)
+            signal.raise_signal(signum)
+        elif callable(handler):
+            try:
+                handler(signum, frame)
+            except BaseException as exc:
+                stops.append(exc)
+                raise
+
+    def expire(signum, frame):
+        timer["fired"] = True
+        if timer["armed"]:
+            raise Timeout
+
+    for s in SIGNALS:
+        if signal.getsignal(s) is not None:  # None: installed outside Python, which cannot put it back
+            previous[s] = signal.signal(s, forward)
+    if limit_s and signal.getsignal(signal.SIGALRM) is not None:
+        alarm = signal.signal(signal.SIGALRM, expire)
+        old_timer = signal.setitimer(signal.ITIMER_REAL, limit_s)
+    return alarm, old_timer
+
+
+def _verdict(result: object, failure: BaseException | None, stops: list[BaseException], seen: list[int],
+             fired: bool, limit_s: float | None, moved: tuple[str, str, str] | None) -> object:
+    """`guarded`'s judgement once all is put back: the stop a handler asked for, Signalled,
+    Failure (in that order of precedence), or the call's `result`."""
     if stops:
         raise failure if failure is not None and any(failure is x for x in stops) else stops[0]
     if isinstance(failure, (KeyboardInterrupt, Interrupted)):  # its own: a Ctrl-C its code saw first
         raise Signalled(seen[0] if seen else getattr(failure, "signum", signal.SIGINT), bool(seen)) from None
     if seen:  # what it did while the signal arrived may be the signal's doing (its subprocess got it too)
         raise Signalled(seen[0], True, NOTHING if failure is not None else result) from None
-    if timer["fired"]:
+    if fired:
         raise Failure("timeout", limit_s)
     if moved:
         raise Failure("chdir", moved)

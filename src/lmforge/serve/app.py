@@ -139,7 +139,7 @@ def bind(host: str, port: int) -> socket.socket:
 
 def guarded_protocol(io_timeout_s: float):
     """uvicorn's h11 protocol with two timers (an h11 subclass: uvicorn itself bounds only the
-    idle time between keep-alive requests):
+    idle time between keep-alive requests; the timers are `_ProtocolGuards`'):
 
       - request timer, armed when the connection opens and at the first byte of each later
         request: the request's headers and body must be in within `io_timeout_s`, else a 408
@@ -152,90 +152,101 @@ def guarded_protocol(io_timeout_s: float):
     import h11
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
-    def raw_response(status: str, message: str, code: str) -> bytes:
-        """A complete HTTP/1.1 response with the OpenAI error body, closing the connection
-        (written straight to the transport: h11 cannot answer a request it has not parsed)."""
-        body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None,
-                                     "code": code}}).encode()
-        return (b"HTTP/1.1 %s\r\ncontent-type: application/json\r\nconnection: close\r\ncontent-length: %d\r\n"
-                b"\r\n%s" % (status.encode(), len(body), body))
-
-    timeout_response = raw_response("408 Request Timeout", f"the request was not received within the server's I/O "
-                                    f"timeout of {io_timeout_s:g} s (--io-timeout); send it at once.",
-                                    "request_timeout")
-    invalid_response = raw_response("400 Bad Request", "the request is not valid HTTP/1.1 (request line or headers "
-                                    "malformed, or headers over 16 KiB).", "invalid_http")
-
-    class GuardedH11Protocol(H11Protocol):
-        _request_timer = None
-        _write_timer = None
-
-        def connection_made(self, transport) -> None:
-            super().connection_made(transport)
-            transport.set_write_buffer_limits(high=WRITE_HIGH_WATER)
-            self._arm_request()
-
-        def connection_lost(self, exc) -> None:
-            self._disarm("_request_timer")
-            self._disarm("_write_timer")
-            super().connection_lost(exc)
-
-        def _disarm(self, name: str) -> None:
-            timer = getattr(self, name)
-            if timer is not None:
-                timer.cancel()
-                setattr(self, name, None)
-
-        def _arm_request(self) -> None:
-            self._disarm("_request_timer")
-            self._request_timer = self.loop.call_later(io_timeout_s, self._request_timed_out)
-
-        def _request_timed_out(self) -> None:
-            self._request_timer = None
-            if self.transport.is_closing():
-                return
-            if self.cycle is not None and self.cycle.response_started and not self.cycle.response_complete:
-                self.transport.abort()
-                return
-            if self.conn.their_state is h11.IDLE and not self.conn.trailing_data[0]:
-                self.transport.close()  # a connection that never said anything: nobody to answer
-                return
-            self.transport.write(timeout_response)
-            self.transport.close()
-
-        def send_400_response(self, msg: str) -> None:  # uvicorn's is plain text
-            self.transport.write(invalid_response)
-            self.transport.close()
-
-        def data_received(self, data: bytes) -> None:
-            if self._request_timer is None and self.conn.their_state is h11.IDLE:
-                self._arm_request()  # the first bytes of a keep-alive connection's next request
-            super().data_received(data)
-
-        def handle_events(self) -> None:
-            super().handle_events()
-            if self.conn.their_state in (h11.DONE, h11.MUST_CLOSE, h11.CLOSED):
-                self._disarm("_request_timer")
-
-        def on_response_complete(self) -> None:
-            super().on_response_complete()  # idle keep-alive connections: uvicorn's own timer
-            if not self.transport.is_closing() and self.conn.their_state is h11.SEND_BODY:
-                self._arm_request()  # answered early (413, 415): the rest of the body must come in time
-
-        def pause_writing(self) -> None:
-            super().pause_writing()
-            self._disarm("_write_timer")
-            self._write_timer = self.loop.call_later(io_timeout_s, self._write_timed_out)
-
-        def resume_writing(self) -> None:
-            self._disarm("_write_timer")
-            super().resume_writing()
-
-        def _write_timed_out(self) -> None:
-            self._write_timer = None
-            self.transport.abort()
+    class GuardedH11Protocol(_ProtocolGuards, H11Protocol):
+        _guard_h11 = h11
+        _guard_s = io_timeout_s
+        _timeout_response = _raw_error_response(
+            "408 Request Timeout", f"the request was not received within the server's I/O timeout of "
+            f"{io_timeout_s:g} s (--io-timeout); send it at once.", "request_timeout")
+        _invalid_response = _raw_error_response(
+            "400 Bad Request", "the request is not valid HTTP/1.1 (request line or headers malformed, or "
+            "headers over 16 KiB).", "invalid_http")
 
     return GuardedH11Protocol
+
+
+def _raw_error_response(status: str, message: str, code: str) -> bytes:
+    """A complete HTTP/1.1 response with the OpenAI error body, closing the connection
+    (written straight to the transport: h11 cannot answer a request it has not parsed)."""
+    body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None,
+                                 "code": code}}).encode()
+    return (b"HTTP/1.1 %s\r\ncontent-type: application/json\r\nconnection: close\r\ncontent-length: %d\r\n"
+            b"\r\n%s" % (status.encode(), len(body), body))
+
+
+class _ProtocolGuards:
+    """The request and write timers of `guarded_protocol`'s protocol, mixed in before uvicorn's
+    H11Protocol. The subclass there sets `_guard_h11` (the h11 module), `_guard_s` (the I/O
+    timeout, seconds) and the raw 408 / 400 responses (`_timeout_response`, `_invalid_response`)."""
+
+    _request_timer = None
+    _write_timer = None
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        transport.set_write_buffer_limits(high=WRITE_HIGH_WATER)
+        self._arm_request()
+
+    def connection_lost(self, exc) -> None:
+        self._disarm("_request_timer")
+        self._disarm("_write_timer")
+        super().connection_lost(exc)
+
+    def _disarm(self, name: str) -> None:
+        timer = getattr(self, name)
+        if timer is not None:
+            timer.cancel()
+            setattr(self, name, None)
+
+    def _arm_request(self) -> None:
+        self._disarm("_request_timer")
+        self._request_timer = self.loop.call_later(self._guard_s, self._request_timed_out)
+
+    def _request_timed_out(self) -> None:
+        self._request_timer = None
+        if self.transport.is_closing():
+            return
+        if self.cycle is not None and self.cycle.response_started and not self.cycle.response_complete:
+            self.transport.abort()
+            return
+        if self.conn.their_state is self._guard_h11.IDLE and not self.conn.trailing_data[0]:
+            self.transport.close()  # a connection that never said anything: nobody to answer
+            return
+        self.transport.write(self._timeout_response)
+        self.transport.close()
+
+    def send_400_response(self, msg: str) -> None:  # uvicorn's is plain text
+        self.transport.write(self._invalid_response)
+        self.transport.close()
+
+    def data_received(self, data: bytes) -> None:
+        if self._request_timer is None and self.conn.their_state is self._guard_h11.IDLE:
+            self._arm_request()  # the first bytes of a keep-alive connection's next request
+        super().data_received(data)
+
+    def handle_events(self) -> None:
+        super().handle_events()
+        h11 = self._guard_h11
+        if self.conn.their_state in (h11.DONE, h11.MUST_CLOSE, h11.CLOSED):
+            self._disarm("_request_timer")
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()  # idle keep-alive connections: uvicorn's own timer
+        if not self.transport.is_closing() and self.conn.their_state is self._guard_h11.SEND_BODY:
+            self._arm_request()  # answered early (413, 415): the rest of the body must come in time
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        self._disarm("_write_timer")
+        self._write_timer = self.loop.call_later(self._guard_s, self._write_timed_out)
+
+    def resume_writing(self) -> None:
+        self._disarm("_write_timer")
+        super().resume_writing()
+
+    def _write_timed_out(self) -> None:
+        self._write_timer = None
+        self.transport.abort()
 
 
 def uvicorn_config(app, io_timeout_s: float = IO_TIMEOUT_S):

@@ -28,7 +28,7 @@ from lmforge.train import budget as time_budget
 from lmforge.train.distributed import DistInfo, all_reduce_min, all_reduce_sum, barrier, init_distributed, shutdown
 from lmforge.data.mixture import MIXTURE_FILE, mixture_lines
 from lmforge.train.objective import TokenObjective
-from lmforge.train.plan import PLAN_FILE, auto_micro_batch, make_plan, plan_lines
+from lmforge.train.plan import PLAN_FILE, auto_micro_batch, make_plan, mixture_plan, plan_lines
 from lmforge.train.trainer import Trainer
 
 
@@ -325,7 +325,7 @@ def run_training(session: TrainingSession, contract_dir: Path, model: Transforme
     def on_steps(revised: Config) -> None:  # the budget's revision: the run folder says the count it trains
         session.cfg = revised
         plan["steps"] = revised.train.steps
-        _mixture_plan(plan, stream, revised, info.world_size)
+        mixture_plan(plan, stream, revised, info.world_size)
         write_text(out / CONFIG_FILE, revised.to_toml())
         write_text(out / PLAN_FILE, json.dumps(plan, indent=2) + "\n")
 
@@ -334,27 +334,25 @@ def run_training(session: TrainingSession, contract_dir: Path, model: Transforme
     if resume and not trainer.resume(session.command):
         log(f"--resume: no checkpoint in {out} yet; starting from step 0")
     plan = make_plan(trainer)
-    _mixture_plan(plan, stream, cfg, info.world_size)
+    mixture_plan(plan, stream, cfg, info.world_size)
     if info.is_main:  # rank 0 alone says the plan and writes the run folder's files
-        log(plan_lines(plan))
-        if "mixture" in plan:
-            log(mixture_lines(plan["mixture"], cfg.data.seq_len))
-        # every text made first: a side file that cannot be written leaves no half-made run folder
-        texts = {CONFIG_FILE: cfg.to_toml(), PLAN_FILE: json.dumps(plan, indent=2) + "\n", **(side_files or {})}
-        if fingerprints:  # a stage with data inputs records them for --resume
-            texts[INPUTS_FILE] = json.dumps(fingerprints, indent=2) + "\n"
-        copy_contract_files(Path(contract_dir), out)
-        for name, text in texts.items():
-            write_text(out / name, text, skip_same=True)
+        _start_run_folder(out, Path(contract_dir), cfg, plan, side_files, fingerprints)
     return trainer.fit()
 
 
-def _mixture_plan(plan: dict, stream, cfg: Config, world: int) -> None:
-    """plan.json's "mixture" for a stream of several sources (`MixtureStream.plan_report`): the
-    rows each source gives to the run's train.steps, their share and the epochs they make."""
-    if hasattr(stream, "plan_report"):
-        t = cfg.train
-        plan["mixture"] = stream.plan_report(t.steps * t.micro_batch_size * t.grad_accum_steps * world)
+def _start_run_folder(out: Path, contract_dir: Path, cfg: Config, plan: dict, side_files: dict[str, str] | None,
+                      fingerprints: dict[str, dict]) -> None:
+    """Say the plan; write config.toml, plan.json, the side files, INPUTS_FILE and the contract files."""
+    log(plan_lines(plan))
+    if "mixture" in plan:
+        log(mixture_lines(plan["mixture"], cfg.data.seq_len))
+    # every text made first: a side file that cannot be written leaves no half-made run folder
+    texts = {CONFIG_FILE: cfg.to_toml(), PLAN_FILE: json.dumps(plan, indent=2) + "\n", **(side_files or {})}
+    if fingerprints:  # a stage with data inputs records them for --resume
+        texts[INPUTS_FILE] = json.dumps(fingerprints, indent=2) + "\n"
+    copy_contract_files(contract_dir, out)
+    for name, text in texts.items():
+        write_text(out / name, text, skip_same=True)
 
 
 def dry_run_step(model: Transformer, stream, runtime: Runtime, objective: TokenObjective | None = None,

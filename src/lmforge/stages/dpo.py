@@ -115,28 +115,36 @@ def dpo_stage(cfg: Config, out: str | Path, resume: bool = False, dry_run: bool 
             return pair_batches(val, d.seq_len, t.micro_batch_size, tok.pad_id, p.packing)
 
         if info.is_main:
-            report = {split: {"documents": 2 * len(smp), "tokens": smp.counts()["tokens"],
-                              "max_id": max((int(x.max()) for side in smp.ids.values() for x in side), default=-1)}
-                      for split, smp in samples.items()}
-            log(f"dpo: init {init} (also the reference: {_reference_line(cfg)}); data {p.data!r}; loss {p.loss}, "
-                f"beta {p.beta:g}")
-            log(startup_report(model, tok, report, cfg, info.world_size, rt, objective))
-            log(f"dpo: {chat_template_line(tok)}")
-            if cfg.lora.rank > 0:
-                log(f"dpo: {lora_line(cfg, model, init)}")
-            for split, smp in samples.items():
-                c = smp.counts()
-                kinds = data_info.get("kinds", {}).get(split)
-                log(f"dpo data {split}: {c['pairs']} pairs, {c['truncated']} truncated to seq_len {d.seq_len} "
-                    f"(tail cut), {c['dropped_empty']} dropped (a completion was cut away entirely), "
-                    f"{c['completion_tokens']:,} completion tokens" + (f"; kinds {kinds}" if kinds else ""))
-            log(f"dpo rows: {'packed (each side its own segment)' if p.packing else 'right-padded, one side a row'}, "
-                f"padding {data_info['padding_fraction']:.1%} of the training rows; data read and rendered in "
-                f"{data_info['seconds']:.1f}s")
+            _say_startup(cfg, model, tok, init, rt, objective, info.world_size, samples, data_info)
         side = {DPO_DATA_FILE: json.dumps(data_info, indent=2, default=str) + "\n"}
         return run_training(session, tok.folder, model, stream, val_batches if len(val) else None,
                             resume=resume, dry_run=dry_run, progress=progress, side_files=side,
                             objective=objective, inputs={} if p.data == "stdlib" else {"dpo.data": Path(p.data)})
+
+
+def _say_startup(cfg: Config, model, tok, init: Path, rt, objective, world_size: int, samples: dict,
+                 data_info: dict) -> None:
+    """The start-up lines of a DPO run (the main process's): the run, `startup_report`, the
+    template, LoRA, each split's pairs (`samples`: rendered, by split) and the rows."""
+    d, p = cfg.data, cfg.dpo
+    report = {split: {"documents": 2 * len(smp), "tokens": smp.counts()["tokens"],
+                      "max_id": max((int(x.max()) for side in smp.ids.values() for x in side), default=-1)}
+              for split, smp in samples.items()}
+    log(f"dpo: init {init} (also the reference: {_reference_line(cfg)}); data {p.data!r}; loss {p.loss}, "
+        f"beta {p.beta:g}")
+    log(startup_report(model, tok, report, cfg, world_size, rt, objective))
+    log(f"dpo: {chat_template_line(tok)}")
+    if cfg.lora.rank > 0:
+        log(f"dpo: {lora_line(cfg, model, init)}")
+    for split, smp in samples.items():
+        c = smp.counts()
+        kinds = data_info.get("kinds", {}).get(split)
+        log(f"dpo data {split}: {c['pairs']} pairs, {c['truncated']} truncated to seq_len {d.seq_len} "
+            f"(tail cut), {c['dropped_empty']} dropped (a completion was cut away entirely), "
+            f"{c['completion_tokens']:,} completion tokens" + (f"; kinds {kinds}" if kinds else ""))
+    log(f"dpo rows: {'packed (each side its own segment)' if p.packing else 'right-padded, one side a row'}, "
+        f"padding {data_info['padding_fraction']:.1%} of the training rows; data read and rendered in "
+        f"{data_info['seconds']:.1f}s")
 
 
 def _reference_line(cfg: Config) -> str:

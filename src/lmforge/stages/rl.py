@@ -128,22 +128,8 @@ def rl_stage(cfg: Config, out: str | Path, resume: bool = False, dry_run: bool =
             return [list(range(i, min(i + VAL_BATCH, len(val)))) for i in range(0, len(val), VAL_BATCH)]
 
         if info.is_main:
-            report = {split: {"documents": len(ids), "tokens": sum(map(len, ids)),
-                              "max_id": max((max(x) for x in ids), default=-1)}
-                      for split, ids in (("train", train_ids), ("val", val_ids))}
-            log(f"rl: init {init}; prompts {p.data!r}; rewards {', '.join(p.rewards)}; {p.group_size} completions "
-                f"per prompt at temperature {p.temperature:g}, at most {p.max_new_tokens} tokens; loss {p.loss_type}"
-                + (f", KL to the init x {p.beta:g}" if p.beta > 0 else ", no KL term (no reference model)")
-                + ("; rollouts packed in rows (each its own segment)" if p.packing else
-                   "; one rollout a right-padded row"))
-            log(startup_report(model, tok, report, cfg, info.world_size, rt, objective))
-            log(f"rl: {chat_template_line(tok)}")
-            if cfg.lora.rank > 0:
-                log(f"rl: {lora_line(cfg, model, init)}")
-            log(f"rl data: {len(train)} training prompts, {len(val)} held out; {dropped + val_dropped} left out "
-                f"(longer than {budget} tokens)")
-            if SANDBOXED & set(p.rewards) or (p.data == "stdlib" and val):  # a reward or val_behaviour runs code
-                log(isolation_line())
+            _say_startup(cfg, model, tok, init, rt, objective, info.world_size, train_ids, val_ids,
+                         dropped + val_dropped, budget)
         side = {RL_DATA_FILE: json.dumps(data_info, indent=2, default=str) + "\n"}  # what the run was fed
         try:
             return run_training(session, tok.folder, model, stream, val_batches if val else None,
@@ -151,6 +137,30 @@ def rl_stage(cfg: Config, out: str | Path, resume: bool = False, dry_run: bool =
                                 objective=objective, inputs={} if p.data == "stdlib" else {"rl.data": Path(p.data)})
         finally:
             rewards.close()  # the sandbox's waiting interpreters, whatever stopped the run
+
+
+def _say_startup(cfg: Config, model, tok, init: Path, rt, objective, world_size: int, train_ids: list,
+                 val_ids: list, dropped: int, budget: int) -> None:
+    """The start-up lines of an RL run (the main process's): the run, `startup_report`, the
+    template, LoRA, the prompts (`*_ids`: each prompt's rendered ids; `dropped`: left out as
+    longer than `budget` tokens) and, where code runs, the sandbox's isolation."""
+    p = cfg.rl
+    report = {split: {"documents": len(ids), "tokens": sum(map(len, ids)),
+                      "max_id": max((max(x) for x in ids), default=-1)}
+              for split, ids in (("train", train_ids), ("val", val_ids))}
+    log(f"rl: init {init}; prompts {p.data!r}; rewards {', '.join(p.rewards)}; {p.group_size} completions "
+        f"per prompt at temperature {p.temperature:g}, at most {p.max_new_tokens} tokens; loss {p.loss_type}"
+        + (f", KL to the init x {p.beta:g}" if p.beta > 0 else ", no KL term (no reference model)")
+        + ("; rollouts packed in rows (each its own segment)" if p.packing else
+           "; one rollout a right-padded row"))
+    log(startup_report(model, tok, report, cfg, world_size, rt, objective))
+    log(f"rl: {chat_template_line(tok)}")
+    if cfg.lora.rank > 0:
+        log(f"rl: {lora_line(cfg, model, init)}")
+    log(f"rl data: {len(train_ids)} training prompts, {len(val_ids)} held out; {dropped} left out "
+        f"(longer than {budget} tokens)")
+    if SANDBOXED & set(p.rewards) or (p.data == "stdlib" and val_ids):  # a reward or val_behaviour runs code
+        log(isolation_line())
 
 
 __all__ = ["rl_stage", "load_prompts", "RL_DATA_FILE"]

@@ -89,34 +89,14 @@ def speedrun_stage(cfg: Config, out: str | Path, resume: bool = False, progress:
         OutputError: `out` is, holds or lies inside data.source or a train.eval_tasks file (it
             writes its tokenizer, data and runs there), or is another command's output.
     """
-    if cfg.data.sources:
-        raise ConfigError(f"data.sources lists {len(cfg.data.sources)} sources, but the speedrun scores the "
-                          f"held-out split of one corpus (data.source) in its summary. Run a mixture with "
-                          f"`lmforge prepare` and `lmforge pretrain` (docs/data.md: your own corpus), or remove "
-                          f"data.sources.")
-    # never an input: not inside the corpus (its stages' folders would join it), never holding it or a task file
-    inputs = [("data.source", source_path(cfg.data.source)),
-              *(("train.eval_tasks", str(t)) for t in cfg.train.eval_tasks if str(t).endswith((".jsonl", ".parquet")))]
-    check_not_input(out, inputs, own_check=lambda: check_output(Path(out), SPEEDRUN_OUTPUT))
-    # absent, empty, or an earlier speedrun (which needs --resume once a stage wrote into it): nothing else is touched
-    out = open_run_dir(out, SPEEDRUN_OUTPUT, resume, has_stage_output)
+    out = _open_output(cfg, out, resume)
     cfg = replace(cfg, tokenizer=replace(cfg.tokenizer, dir=str(out / "tokenizer")),
                   data=replace(cfg.data, dir=str(out / "data")))
     times: dict[str, float] = {}
     # decided once: the held-out loss is scored as training computes it, samples and SFT bodies
     # are decoded as `lmforge generate` decodes (pretrain and sft decide their own, as commands)
     score_rt, decode_rt = training_runtime(cfg.train.precision), decode_runtime()
-
-    # (step, command, folder, its marker = its key in times): what an earlier run finished is kept on --resume
-    for step, command, folder, marker, stage in ((1, "train-tokenizer", "tokenizer", "tokenizer", train_tokenizer_stage),
-                                                 (2, "prepare", "data", "prepare", prepare_stage)):
-        t0 = time.perf_counter()
-        if resume and (read_marker(out / folder) or {}).get("command") == marker:
-            log(f"speedrun: {out / folder} already written by `{command}`, kept")
-        else:
-            log(f"== {step}/5 {command}")
-            stage(cfg, progress=progress)
-        times[marker] = time.perf_counter() - t0
+    _tokenizer_and_data(cfg, out, resume, progress, times)
 
     t0 = time.perf_counter()
     log("== 3/5 pretrain")
@@ -128,6 +108,53 @@ def speedrun_stage(cfg: Config, out: str | Path, resume: bool = False, progress:
 
     t0 = time.perf_counter()
     log("== 4/5 evaluate and sample")
+    model, ckpt_path, scored = _evaluate_and_sample(cfg, out, run_dir, score_rt, decode_rt)
+    times["eval"] = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    sft_summary = sft_speedrun(cfg, out, ckpt_path, decode_rt, resume, progress)
+    times["sft"] = time.perf_counter() - t0
+
+    summary = _summary(model, run_dir, times, scored, last, ckpt_path, sft_summary)
+    write_json(out / "summary.json", summary)
+    table = format_summary(summary)
+    write_text(out / "summary.md", table + "\n")
+    print(table, flush=True)
+    return summary
+
+
+def _open_output(cfg: Config, out: str | Path, resume: bool) -> Path:
+    """The speedrun's folder, checked (one corpus; not an input) and opened (`fileio.open_run_dir`)."""
+    if cfg.data.sources:
+        raise ConfigError(f"data.sources lists {len(cfg.data.sources)} sources, but the speedrun scores the "
+                          f"held-out split of one corpus (data.source) in its summary. Run a mixture with "
+                          f"`lmforge prepare` and `lmforge pretrain` (docs/data.md: your own corpus), or remove "
+                          f"data.sources.")
+    # never an input: not inside the corpus (its stages' folders would join it), never holding it or a task file
+    inputs = [("data.source", source_path(cfg.data.source)),
+              *(("train.eval_tasks", str(t)) for t in cfg.train.eval_tasks if str(t).endswith((".jsonl", ".parquet")))]
+    check_not_input(out, inputs, own_check=lambda: check_output(Path(out), SPEEDRUN_OUTPUT))
+    # absent, empty, or an earlier speedrun (which needs --resume once a stage wrote into it): nothing else is touched
+    return open_run_dir(out, SPEEDRUN_OUTPUT, resume, has_stage_output)
+
+
+def _tokenizer_and_data(cfg: Config, out: Path, resume: bool, progress: bool, times: dict[str, float]) -> None:
+    """Stages 1 and 2 (train-tokenizer, prepare), each timed into `times` (seconds, by marker)."""
+    # (step, command, folder, its marker = its key in times): what an earlier run finished is kept on --resume
+    for step, command, folder, marker, stage in ((1, "train-tokenizer", "tokenizer", "tokenizer", train_tokenizer_stage),
+                                                 (2, "prepare", "data", "prepare", prepare_stage)):
+        t0 = time.perf_counter()
+        if resume and (read_marker(out / folder) or {}).get("command") == marker:
+            log(f"speedrun: {out / folder} already written by `{command}`, kept")
+        else:
+            log(f"== {step}/5 {command}")
+            stage(cfg, progress=progress)
+        times[marker] = time.perf_counter() - t0
+
+
+def _evaluate_and_sample(cfg: Config, out: Path, run_dir: Path, score_rt: Runtime, decode_rt: Runtime):
+    """Stage 4 on pretrain's newest checkpoint: (model, its path, {"val": evaluate_shard's figures,
+    "xz": xz bits per byte of the same text, "samples", "plot": loss.png or None, "suite"})."""
     model, tok, _, ckpt_path = load_checkpoint(run_dir, device=score_rt.device)
     val = Shard.open(cfg.data.dir, "val", tok.contract, ckpt_path / CONTRACT_FILE)
     res = evaluate_shard(model, val, cfg.data.seq_len, cfg.train.micro_batch_size or 16, score_rt,
@@ -140,15 +167,17 @@ def speedrun_stage(cfg: Config, out: str | Path, resume: bool = False, progress:
                for i, p in enumerate(SAMPLE_PROMPTS)]
     plot = plot_loss(run_dir, out / "loss.png")
     suite = evaluation_suite(model, tok, cfg, score_rt.device)
-    times["eval"] = time.perf_counter() - t0
+    return model, ckpt_path, {"val": res, "xz": xz, "samples": samples, "plot": plot, "suite": suite}
 
-    t0 = time.perf_counter()
-    sft_summary = sft_speedrun(cfg, out, ckpt_path, decode_rt, resume, progress)
-    times["sft"] = time.perf_counter() - t0
 
+def _summary(model, run_dir: Path, times: dict[str, float], scored: dict, last: dict, ckpt_path: Path,
+             sft_summary: dict) -> dict:
+    """summary.json: the model's size, pretraining's throughput (metrics.jsonl), the stages' seconds,
+    `scored` (`_evaluate_and_sample`), pretraining's last step `last`, and `sft_summary`."""
     rows = [json.loads(line) for line in (run_dir / METRICS_FILE).read_text().splitlines() if line.strip()]
     train_time = rows[-1]["elapsed_s"] if rows else 0.0
-    summary = {
+    res, plot = scored["val"], scored["plot"]
+    return {
         "parameters": model.num_parameters(),
         "non_embedding_parameters": model.num_parameters(non_embedding=True),
         "tokens_trained": rows[-1]["tokens"] if rows else 0,
@@ -158,22 +187,17 @@ def speedrun_stage(cfg: Config, out: str | Path, resume: bool = False, progress:
         "val_loss": res["loss"],
         "val_perplexity": res["perplexity"],
         "val_bits_per_byte": res["bits_per_byte"],
-        "xz_bits_per_byte": xz,
+        "xz_bits_per_byte": scored["xz"],
         "val_tokens": res["tokens"],
         "val_bytes": res["bytes"],
         "final_train_loss": last.get("loss"),
         "pretrain_health": (last.get("health") or {}).get("verdict", "-"),
         "checkpoint": str(ckpt_path),
         "loss_plot": str(plot) if plot else None,
-        "samples": samples,
-        "suite": suite,
+        "samples": scored["samples"],
+        "suite": scored["suite"],
         **sft_summary,
     }
-    write_json(out / "summary.json", summary)
-    table = format_summary(summary)
-    write_text(out / "summary.md", table + "\n")
-    print(table, flush=True)
-    return summary
 
 
 def format_summary(s: dict) -> str:

@@ -111,8 +111,63 @@ def import_tokenizer(src_dir: str | Path, out_dir: str | Path,
     """
     say = log or (lambda _msg: None)
     src, out = Path(src_dir), Path(out_dir)
+    _check_folders(src, out, inputs)
+    hf = _read_foreign(src / TOKENIZER_FILE)
+    spell, extra, template, add_bos = _derive_contract(hf, src, eos_token, family, say)
+    return save_tokenizer(hf, out, spell, extra, extra_files=extra_files, chat_template=template, add_bos=add_bos)
+
+
+def _derive_contract(hf, src: Path, eos_token: str, family: FamilyTemplate | None,
+                     say: Callable[[str], None]) -> tuple[dict, dict, str, bool]:
+    """`import_tokenizer`'s derivation, checks in its order: (spell: the special tokens' texts by
+    SPECIAL_TOKENS name, extra: tokenizer_config.json's own entries, chat template, add_bos).
+    Adds the special tokens to `hf` and switches off its padding and truncation."""
     path = src / TOKENIZER_FILE
     cfg_path = src / TOKENIZER_CONFIG_FILE
+    config = _foreign_config(src)
+    tokenizer_json = read_json(path)
+    check_prefix_space(tokenizer_json, config, path, cfg_path)
+    prefix = prefix_space_settings(tokenizer_json.get("pre_tokenizer"))
+    vocab = hf.get_vocab(with_added_tokens=True)
+
+    def declared(name: str) -> str | None:
+        return _declared(config, vocab, name, path, cfg_path)
+
+    specials = {a.content for a in hf.get_added_tokens_decoder().values() if a.special}
+    eos_declared = declared("eos")
+    eos = _document_terminator(eos_token, eos_declared, vocab, specials, src, path, cfg_path, say)
+    unk = token_text(config.get("unk_token"))
+    template, own, turn_specials, chat = _chat_setup(src, config, family, eos, vocab, specials, say)
+    bos, add_bos = _bos_convention(hf, config, declared("bos"), eos, chat["im_start"], specials, cfg_path, say)
+    spell = {"eos": eos, "bos": bos if add_bos or bos is not None else None, **chat}
+    # -- the end of a chat turn: what the template closes an assistant turn with ---------------------
+    if spell["im_end"] is None:
+        spell["im_end"] = _turn_end_of(template, {**template_vars(config), "eos_token": eos_declared or eos},
+                                       turn_specials, src)
+    spell["pad"] = _pad_token(declared("pad"), spell, unk, vocab, specials, say)
+    spell = {name: spell[name] for name in SPECIAL_TOKENS}
+    hf.add_special_tokens([AddedToken(text, special=True, normalized=False)
+                           for text in spell.values() if text is not None])
+    hf.no_padding()
+    hf.no_truncation()
+    hf.encode_special_tokens = True
+    _check_round_trips(hf, spell, path)
+    if own:
+        say(f"chat template: the model's own ({len(template)} characters); turns end with {spell['im_end']!r}")
+    extra: dict = {"add_prefix_space": prefix[0][1]} if prefix else {}
+    if unk and unk in vocab:
+        extra["unk_token"] = unk
+    if template != CHAT_TEMPLATE:  # what transformers and the template see stays the model's own
+        extra.update({k: v for k, v in template_vars(config).items() if k in ("bos_token", "eos_token")})
+        extra["add_bos_token"] = add_bos
+        extra["additional_special_tokens"] = None
+    return spell, extra, template, add_bos
+
+
+def _check_folders(src: Path, out: Path, inputs) -> None:
+    """Refuse a source without tokenizer.json and an `out` that is, holds or lies in an input,
+    or holds files that are not a tokenizer's; before any work (ContractError / OutputError)."""
+    path = src / TOKENIZER_FILE
     if not path.is_file():
         raise ContractError(
             f"--from {src}: no {TOKENIZER_FILE} there. lmforge imports the folder that `transformers` "
@@ -125,49 +180,57 @@ def import_tokenizer(src_dir: str | Path, out_dir: str | Path,
     check_not_input(out, [("--from", src), *inputs],
                     own_check=lambda: check_output(out, TOKENIZER_OUTPUT, "import-tokenizer", replace_whole=True))
     check_output(out, TOKENIZER_OUTPUT, "import-tokenizer", replace_whole=True)  # before any work
+
+
+def _read_foreign(path: Path):
+    """The HF `tokenizers.Tokenizer` in `path`; ContractError where the library cannot read it."""
     try:
-        hf = load_hf_tokenizer(path)
+        return load_hf_tokenizer(path)
     except Exception as exc:  # the Rust library raises plain Exception subclasses
         raise ContractError(f"{path}: HF tokenizers cannot read it ({exc}). Use a tokenizer.json that "
                             f"`tokenizers.Tokenizer.from_file` loads.") from None
-    config = _foreign_config(src)
-    tokenizer_json = read_json(path)
-    check_prefix_space(tokenizer_json, config, path, cfg_path)
-    prefix = prefix_space_settings(tokenizer_json.get("pre_tokenizer"))
-    vocab = hf.get_vocab(with_added_tokens=True)
 
-    def declared(name: str) -> str | None:
-        text = token_text(config.get(f"{name}_token"))
-        if text is not None and text not in vocab:
-            raise ContractError(
-                f"{cfg_path}: {name}_token = {text!r} is not a token of {path}. Set {name}_token to a "
-                f"token the tokenizer has, or remove it."
-            )
-        return text
 
-    specials = {a.content for a in hf.get_added_tokens_decoder().values() if a.special}
-    eos_declared = declared("eos")
-    # -- the document terminator (P2): the declared eos_token, unless it ends a chat turn -----------
+def _declared(config: dict, vocab: dict, name: str, path: Path, cfg_path: Path) -> str | None:
+    """The text of the config's `{name}_token` (None: unset); ContractError where the vocab lacks it."""
+    text = token_text(config.get(f"{name}_token"))
+    if text is not None and text not in vocab:
+        raise ContractError(
+            f"{cfg_path}: {name}_token = {text!r} is not a token of {path}. Set {name}_token to a "
+            f"token the tokenizer has, or remove it."
+        )
+    return text
+
+
+def _document_terminator(eos_token: str, eos_declared: str | None, vocab: dict, specials: set[str],
+                         src: Path, path: Path, cfg_path: Path, say: Callable[[str], None]) -> str:
+    """The document terminator (P2): the setting `eos_token`, else the declared eos_token unless it
+    ends a chat turn, else the first of TERMINATOR_SPELLINGS that is a special token."""
     if eos_token:
         if eos_token not in vocab:
             raise ContractError(f"tokenizer.eos_token = {eos_token!r} is not a token of {path}; set it to a token "
                                 f"the vocabulary has (for example one of {list(TERMINATOR_SPELLINGS)}).")
-        eos = eos_token
-    elif eos_declared is not None and eos_declared not in TURN_END_SPELLINGS:
-        eos = eos_declared
-    else:
-        eos = next((t for t in TERMINATOR_SPELLINGS if t in specials), None)
-        if eos is None:
-            seen = f"eos_token = {eos_declared!r} ends a chat turn" if eos_declared else f"{cfg_path} sets no eos_token"
-            raise ContractError(
-                f"--from {src}: {seen}, and the vocabulary has no document terminator (none of "
-                f"{list(TERMINATOR_SPELLINGS)} is a special token). lmforge ends every document with one (P2). "
-                f"Name the token that ends a document: --set tokenizer.eos_token=TOKEN.")
-        if eos_declared:
-            say(f"eos: eos_token {eos_declared!r} ends a chat turn; documents end with {eos!r}, the vocabulary's "
-                f"document terminator")
-    unk = token_text(config.get("unk_token"))
-    # -- the chat template: the model's own, its family's, or lmforge's ChatML -------------------------
+        return eos_token
+    if eos_declared is not None and eos_declared not in TURN_END_SPELLINGS:
+        return eos_declared
+    eos = next((t for t in TERMINATOR_SPELLINGS if t in specials), None)
+    if eos is None:
+        seen = f"eos_token = {eos_declared!r} ends a chat turn" if eos_declared else f"{cfg_path} sets no eos_token"
+        raise ContractError(
+            f"--from {src}: {seen}, and the vocabulary has no document terminator (none of "
+            f"{list(TERMINATOR_SPELLINGS)} is a special token). lmforge ends every document with one (P2). "
+            f"Name the token that ends a document: --set tokenizer.eos_token=TOKEN.")
+    if eos_declared:
+        say(f"eos: eos_token {eos_declared!r} ends a chat turn; documents end with {eos!r}, the vocabulary's "
+            f"document terminator")
+    return eos
+
+
+def _chat_setup(src: Path, config: dict, family: FamilyTemplate | None, eos: str, vocab: dict,
+                specials: set[str], say: Callable[[str], None]) -> tuple[str, bool, set[str], dict]:
+    """The chat template (the model's own, its family's, or lmforge's ChatML), whether it is the
+    model's own, the specials its turn end is looked among, and the chat tokens ({"im_start",
+    "im_end"}: text or None; None im_end: found from the template later)."""
     template = _foreign_template(src, config)
     own = template is not None and template != CHAT_TEMPLATE  # said below, as before
     turn_specials = specials  # where the template's turn end is looked for: the family's end of turn too
@@ -176,14 +239,14 @@ def import_tokenizer(src_dir: str | Path, out_dir: str | Path,
             template, end = family.template, family.end_of_turn
             made = ", made a special token" if end is not None and end not in specials else ""
             turns = f", turns closed by {end!r}{made}" if end is not None else ""
-            say(f"chat template: {src} has none; using {family.name}'s chat template (export/families.py){turns}; "
+            say(f"chat template: {src} has none; using {family.name}'s chat template (export/families/){turns}; "
                 f"no token added")
             turn_specials = specials | ({end} if end is not None else set())
         else:
-            why = (f"{family.name}'s chat template (export/families.py) closes turns with {family.end_of_turn!r}, "
+            why = (f"{family.name}'s chat template (export/families/) closes turns with {family.end_of_turn!r}, "
                    f"which the vocabulary lacks")
     elif template is None:
-        why = (f"{family.name}'s record in export/families.py has no chat template" if family is not None
+        why = (f"{family.name}'s record in export/families/ has no chat template" if family is not None
                else "no model family's template applies")
     if template is None:
         say(f"chat template: {src} has none and {why}; using lmforge's ChatML")
@@ -198,8 +261,13 @@ def import_tokenizer(src_dir: str | Path, out_dir: str | Path,
     else:
         chat = {"im_start": SPECIAL_TOKENS["im_start"] if SPECIAL_TOKENS["im_start"] in specials else None,
                 "im_end": None}
-    # -- BOS: the model's own convention ------------------------------------------------------------
-    bos = declared("bos")
+    return template, own, turn_specials, chat
+
+
+def _bos_convention(hf, config: dict, bos: str | None, eos: str, im_start: str | None, specials: set[str],
+                    cfg_path: Path, say: Callable[[str], None]) -> tuple[str | None, bool]:
+    """(bos, add_bos): the model's own BOS convention; `bos` (the declared bos_token) becomes None
+    where it is not prepended and is EOS, the chat-turn start or not a special token."""
     add_bos = config.get("add_bos_token")
     if not isinstance(add_bos, bool):  # what tokenizer.json's post-processor does
         probe = hf.encode("a", add_special_tokens=True).ids
@@ -207,32 +275,31 @@ def import_tokenizer(src_dir: str | Path, out_dir: str | Path,
     if add_bos and bos is None:
         raise ContractError(f"{cfg_path}: add_bos_token is true but there is no bos_token; set bos_token to the "
                             f"token documents start with, or add_bos_token to false.")
-    if bos is not None and (bos in (eos, chat["im_start"]) or bos not in specials):
+    if bos is not None and (bos in (eos, im_start) or bos not in specials):
         if add_bos:
             raise ContractError(f"{cfg_path}: bos_token = {bos!r} is prepended to every document but is also the "
                                 f"{'EOS' if bos == eos else 'chat-turn start or not a special token'}; lmforge "
                                 f"cannot tell documents apart. Use another tokenizer.")
         bos = None  # SmolLM2 names <|im_start|> its bos_token but never prepends it
     say(f"bos: documents start with {bos!r}" if add_bos else "bos: none (the model's tokenizer prepends no BOS)")
-    spell = {"eos": eos, "bos": bos if add_bos or bos is not None else None, **chat}
-    # -- the end of a chat turn: what the template closes an assistant turn with ---------------------
-    if spell["im_end"] is None:
-        spell["im_end"] = _turn_end_of(template, {**template_vars(config), "eos_token": eos_declared or eos},
-                                       turn_specials, src)
-    pad = declared("pad")
+    return bos, add_bos
+
+
+def _pad_token(pad: str | None, spell: dict, unk: str | None, vocab: dict, specials: set[str],
+               say: Callable[[str], None]) -> str:
+    """The declared pad_token where it is a distinct special token, else `<|pad|>` (said in one line)."""
     if pad is None or pad in spell.values() or pad == unk or pad not in specials:
         added = SPECIAL_TOKENS["pad"] not in vocab
         say(f"pad: {'pad_token ' + repr(pad) + ' is also EOS/BOS/UNK/end of turn' if pad else 'no pad_token'}; "
             f"using {SPECIAL_TOKENS['pad']!r}{' (one added token)' if added else ''}; it only pads (labels are "
             f"masked by loss_mask, never by pad id)")
         pad = SPECIAL_TOKENS["pad"]
-    spell["pad"] = pad
-    spell = {name: spell[name] for name in SPECIAL_TOKENS}
-    hf.add_special_tokens([AddedToken(text, special=True, normalized=False)
-                           for text in spell.values() if text is not None])
-    hf.no_padding()
-    hf.no_truncation()
-    hf.encode_special_tokens = True
+    return pad
+
+
+def _check_round_trips(hf, spell: dict, path: Path) -> None:
+    """ContractError unless ROUND_TRIP_PROBES and the special tokens' own texts round-trip exactly
+    and encode, as plain text, to no special-token id (P4)."""
     special_ids = {hf.token_to_id(t) for t in spell.values() if t is not None}
     for text in (*ROUND_TRIP_PROBES, *(t for t in spell.values() if t is not None)):
         ids = hf.encode(text, add_special_tokens=False).ids
@@ -248,16 +315,6 @@ def import_tokenizer(src_dir: str | Path, out_dir: str | Path,
                 f"{path}: the plain text {text!r} encodes to a special-token id {sorted(special_ids & set(ids))}; "
                 f"text that spells a special token must stay plain text. Use another tokenizer."
             )
-    if own:
-        say(f"chat template: the model's own ({len(template)} characters); turns end with {spell['im_end']!r}")
-    extra: dict = {"add_prefix_space": prefix[0][1]} if prefix else {}
-    if unk and unk in vocab:
-        extra["unk_token"] = unk
-    if template != CHAT_TEMPLATE:  # what transformers and the template see stays the model's own
-        extra.update({k: v for k, v in template_vars(config).items() if k in ("bos_token", "eos_token")})
-        extra["add_bos_token"] = add_bos
-        extra["additional_special_tokens"] = None
-    return save_tokenizer(hf, out, spell, extra, extra_files=extra_files, chat_template=template, add_bos=add_bos)
 
 
 #: eos_token spellings that end a chat turn rather than a document (SmolLM2, Qwen2.5-Instruct:

@@ -46,8 +46,11 @@ import math
 import statistics
 from collections import Counter, deque
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
+
+from lmforge.errors import TrainingError
 
 WINDOW = 50
 COOLDOWN = 50
@@ -248,5 +251,28 @@ def verdict_line(verdict: dict) -> str:
     return "\n".join(lines)
 
 
+def broken_backward_error(step: int, loss: float, n_global: float, compile: bool, device_type: str) -> TrainingError:
+    """What stops step `step` (1-based), a process's first, when its loss (nats/token over `n_global`
+    supervised targets) is > 0 but its gradient norm exactly 0: the backward pass is broken."""
+    return TrainingError(
+        f"step {step}: the loss is {loss:.4f} nats/token over {int(n_global)} supervised "
+        f"targets but the gradient norm is exactly 0: the backward pass is broken, and every step "
+        f"would leave the weights as they are. train.compile = {str(compile).lower()} "
+        f"(torch {torch.__version__}, {device_type}): with true, set train.compile=false and run "
+        f"again; nothing was saved for this step.")
+
+
+def divergence_error(step: int, loss: float, grad_norm: float, lr: float, grad_clip: float,
+                     last: Path | None) -> TrainingError:
+    """What stops step `step` (1-based) before its optimizer step when its loss or gradient norm is
+    not finite (`lr`: the step's learning rate; `last`: the run's newest checkpoint, or None)."""
+    keep = (f"The newest finite checkpoint is {last}; --resume continues from it, and diverges again "
+            f"unless the recipe changes." if last else "No checkpoint of this run was written yet.")
+    return TrainingError(
+        f"step {step}: the loss is {loss} and the gradient norm {grad_norm}: training diverged "
+        f"(lr {lr:.3g}, train.grad_clip {grad_clip}). The step "
+        f"was not taken and nothing was saved for it. {keep} Lower train.lr or set train.grad_clip > 0.")
+
+
 __all__ = ["HealthMonitor", "HealthWarning", "verdict_line", "update_ratio", "weights_snapshot", "CAUSES", "WINDOW",
-           "COOLDOWN", "UPDATE_RATIO_EVERY"]
+           "COOLDOWN", "UPDATE_RATIO_EVERY", "broken_backward_error", "divergence_error"]

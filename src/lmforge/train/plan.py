@@ -185,6 +185,15 @@ def plan_lines(plan: dict) -> str:
 AUTO_MEMORY_SHARE = 0.4
 
 
+def mixture_plan(plan: dict, stream, cfg, world: int) -> None:
+    """plan.json's "mixture" for a stream of several sources (`MixtureStream.plan_report`): the
+    rows each source gives to the run's train.steps (on `world` ranks), their share and the epochs
+    they make. Nothing for a stream of one source."""
+    if hasattr(stream, "plan_report"):
+        t = cfg.train
+        plan["mixture"] = stream.plan_report(t.steps * t.micro_batch_size * t.grad_accum_steps * world)
+
+
 def auto_micro_batch(model_cfg, seq_len: int, rows_per_rank: int, available: int) -> tuple[int, str]:
     """`train.micro_batch_size = "auto"`: the largest divisor of `rows_per_rank` (the global
     batch over the data-parallel ranks) whose step fits AUTO_MEMORY_SHARE of `available` bytes
@@ -199,4 +208,5 @@ def auto_micro_batch(model_cfg, seq_len: int, rows_per_rank: int, available: int
     return micro, why
 
 
-__all__ = ["auto_micro_batch", "AUTO_MEMORY_SHARE", "make_plan", "plan_lines", "memory_estimate", "flops_per_token", "PLAN_FILE"]
+__all__ = ["auto_micro_batch", "AUTO_MEMORY_SHARE", "make_plan", "mixture_plan", "plan_lines", "memory_estimate",
+           "flops_per_token", "PLAN_FILE"]

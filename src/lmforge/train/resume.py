@@ -24,6 +24,7 @@ import json
 import math
 import os
 import random
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -99,6 +100,15 @@ def check_resume_config(saved: Config, new: Config, stage: str, step: int, where
                               f"run.")
     if not schedule:
         return []
+    _check_steps_taken(saved, new, step, where, schedule, overlay)
+    return [f"{'; '.join(schedule)}: the learning rates of the {step} steps taken are unchanged, so the run "
+            f"continues as if it had been started with the new value"]
+
+
+def _check_steps_taken(saved: Config, new: Config, step: int, where: str | Path, schedule: list[str],
+                       overlay: str) -> None:
+    """CheckpointError unless the changed schedule fields (`schedule`: their lines) leave the
+    learning rate of each of the `step` steps taken as it was."""
     for s in range(step):  # the schedule is a pure function of the step: compare every step taken
         before, after = lr_at(s, saved.train), lr_at(s, new.train)
         if before != after:
@@ -108,8 +118,6 @@ def check_resume_config(saved: Config, new: Config, stage: str, step: int, where
                 f"A schedule change continues exactly only when it leaves the {step} steps taken as they were (e.g. "
                 f"more train.steps before a wsd decay begins). Resume with the run's values{overlay}, or use "
                 f"another --out.")
-    return [f"{'; '.join(schedule)}: the learning rates of the {step} steps taken are unchanged, so the run "
-            f"continues as if it had been started with the new value"]
 
 
 # -- state.json and metrics.jsonl --------------------------------------------------------------
@@ -194,6 +202,18 @@ def check_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimiz
     if not all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in saved_groups):
         raise bad("a param group is not an object with a `params` list")
     names = {id(p): n for n, p in model.named_parameters()}
+    _check_param_groups(saved_groups, built_groups, names, bad)
+    saved_state = state["state"]
+    _check_param_states(saved_state, built_groups, dict(model.named_parameters()), names, bad)
+    extra = sorted(set(map(str, saved_state)) - set(names.values()))
+    if extra:
+        raise bad(f"state for parameters this model does not have: {extra[:5]}")
+
+
+def _check_param_groups(saved_groups: list[dict], built_groups: list[dict], names: dict[int, str],
+                        bad: Callable[[str], CheckpointError]) -> None:
+    """The saved param groups against the built ones (`names`: parameter id -> name): the same
+    count and kinds, members and hyperparameters (bar _FREE_GROUP_KEYS); raises `bad(what)`."""
     kind = "Muon + AdamW (train.optimizer = 'muon')" if any(group_kind(g) == "muon" for g in built_groups) \
         else "AdamW (train.optimizer = 'adamw')"
     if len(saved_groups) != len(built_groups) or [group_kind(g) for g in saved_groups] != \
@@ -211,8 +231,12 @@ def check_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimiz
             if key not in sg or key not in bg or sg[key] != bg[key]:
                 raise bad(f"param group {i} ({group_kind(bg)}) has {key} = {sg.get(key, '(missing)')!r}, this run "
                           f"builds {bg.get(key, '(none)')!r} from its config")
-    params = dict(model.named_parameters())
-    saved_state = state["state"]
+
+
+def _check_param_states(saved_state: dict, built_groups: list[dict], params: dict[str, torch.nn.Parameter],
+                        names: dict[int, str], bad: Callable[[str], CheckpointError]) -> None:
+    """Every built parameter's saved state: the keys its group's update keeps, each a finite float
+    tensor of the parameter's shape and dtype (`step`: a scalar >= 0); raises `bad(what)`."""
     for bg in built_groups:
         want = STATE_KEYS[group_kind(bg)]
         for p in bg["params"]:
@@ -234,9 +258,6 @@ def check_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimiz
                 if not bool(torch.isfinite(t).all()) or (key == "step" and float(t) < 0):
                     what = "a negative step" if key == "step" else "NaN or infinite values"
                     raise bad(f"{name!r} {key} holds {what}")
-    extra = sorted(set(map(str, saved_state)) - set(names.values()))
-    if extra:
-        raise bad(f"state for parameters this model does not have: {extra[:5]}")
 
 
 # -- rng.pt ---------------------------------------------------------------------------------------

@@ -39,14 +39,15 @@ from tqdm import tqdm
 from lmforge.config import Config
 from lmforge.contract import CONTRACT_FILE, Contract, check_match
 from lmforge.data.packing import Batch, RowStream
-from lmforge.errors import CheckpointError, LmforgeError, TrainingError
+from lmforge.errors import CheckpointError, LmforgeError
 from lmforge.model.io import (MODEL_FILE, OPTIMIZER_FILE, RNG_FILE, STEP_RE, is_sharded, latest_checkpoint,
                               load_weights, read_checkpoint_meta, step_dir_name)
 from lmforge.runtime import Runtime, compiler_available, deterministic_kernels, training_runtime
 from lmforge.signals import TrainingStop
 from lmforge.train import checkpoint as ckpt
 from lmforge.train.distributed import DistInfo, all_reduce_sum, gather_to_main, wrap_model
-from lmforge.train.health import UPDATE_RATIO_EVERY, HealthMonitor, update_ratio, verdict_line, weights_snapshot
+from lmforge.train.health import (UPDATE_RATIO_EVERY, HealthMonitor, broken_backward_error, divergence_error,
+                                  update_ratio, verdict_line, weights_snapshot)
 from lmforge.train.optim import build_optimizer
 from lmforge.train.objective import TokenObjective
 from lmforge.train.resume import (METRICS_FILE, check_optimizer_state, check_resume_config, check_rng_state,
@@ -251,24 +252,7 @@ class Trainer:
         local = torch.tensor(float(sum(self.objective.count(b) for b in batches)), dtype=torch.float64)
         n_global = float(all_reduce_sum(local.to(self.device), self.dist).item())  # the step's denominator (P3)
         scale = self.dist.world_size / max(n_global, 1.0)  # x world_size: DDP/FSDP average the ranks' gradients
-        loss_sum = torch.zeros((), dtype=torch.float64)
-        stat_sums = torch.zeros(len(self.objective.stats), dtype=torch.float64)
-        self.model.train()
-        for i, b in enumerate(batches):
-            b = b.to(self.device)
-            sync = i == len(batches) - 1  # gradients cross ranks once a step
-            ctx = contextlib.nullcontext()
-            if self._fsdp:  # FSDP2: reduce-scatter once, after the last micro-batch
-                self.raw_model.set_requires_gradient_sync(sync)
-            elif not sync and hasattr(self.model, "no_sync"):  # DDP: all-reduce once, likewise
-                ctx = self.model.no_sync()
-            with ctx, deterministic_kernels(self._deterministic):  # compiled and run (backward too) under it
-                with self.runtime.autocast():
-                    nats, stats = self.objective.loss(self.model, b)
-                (nats * scale).backward()
-            loss_sum += nats.detach().double().cpu()
-            if stats is not None:  # an objective with figures of its own (DPO's rewards)
-                stat_sums += stats.double().cpu()
+        loss_sum, stat_sums = self._backward(batches, scale)
         # the norm over all (for FSDP2: DTensor-sharded) gradients; the same on every rank
         grad_norm = torch.nn.utils.clip_grad_norm_(self.raw_model.parameters(),
                                                    cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
@@ -283,12 +267,7 @@ class Trainer:
             self._gradient_checked = True
             if self.objective.zero_gradient_is_a_fault and n_global > 0 and loss > 0 and float(grad_norm) == 0.0:
                 self.optimizer.zero_grad(set_to_none=True)
-                raise TrainingError(  # a loss with no gradient at all: the backward pass is broken
-                    f"step {self.step + 1}: the loss is {loss:.4f} nats/token over {int(n_global)} supervised "
-                    f"targets but the gradient norm is exactly 0: the backward pass is broken, and every step "
-                    f"would leave the weights as they are. train.compile = {str(self.cfg.train.compile).lower()} "
-                    f"(torch {torch.__version__}, {self.device.type}): with true, set train.compile=false and run "
-                    f"again; nothing was saved for this step.")
+                raise broken_backward_error(self.step + 1, loss, n_global, self.cfg.train.compile, self.device.type)
         # every UPDATE_RATIO_EVERY steps: |delta W| / |W| of this step, for the health monitor
         # (a copy of the trainable weights; not for FSDP2's DTensor shards)
         trained = [p for p in self.raw_model.parameters() if p.requires_grad]
@@ -309,15 +288,32 @@ class Trainer:
             m.update({name: float(v) for name, v in zip(self.objective.stats, totals)})
         return m
 
+    def _backward(self, batches: list, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward and backward of the micro-batches (gradients x `scale`): (summed nats, summed stats), float64."""
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        stat_sums = torch.zeros(len(self.objective.stats), dtype=torch.float64)
+        self.model.train()
+        for i, b in enumerate(batches):
+            b = b.to(self.device)
+            sync = i == len(batches) - 1  # gradients cross ranks once a step
+            ctx = contextlib.nullcontext()
+            if self._fsdp:  # FSDP2: reduce-scatter once, after the last micro-batch
+                self.raw_model.set_requires_gradient_sync(sync)
+            elif not sync and hasattr(self.model, "no_sync"):  # DDP: all-reduce once, likewise
+                ctx = self.model.no_sync()
+            with ctx, deterministic_kernels(self._deterministic):  # compiled and run (backward too) under it
+                with self.runtime.autocast():
+                    nats, stats = self.objective.loss(self.model, b)
+                (nats * scale).backward()
+            loss_sum += nats.detach().double().cpu()
+            if stats is not None:  # an objective with figures of its own (DPO's rewards)
+                stat_sums += stats.double().cpu()
+        return loss_sum, stat_sums
+
     def _non_finite(self, loss: float, grad_norm: float) -> None:
         """Stop before the optimizer step that would take non-finite values into the weights."""
-        last = latest_checkpoint(self.run_dir)
-        keep = (f"The newest finite checkpoint is {last}; --resume continues from it, and diverges again "
-                f"unless the recipe changes." if last else "No checkpoint of this run was written yet.")
-        raise TrainingError(
-            f"step {self.step + 1}: the loss is {loss} and the gradient norm {grad_norm}: training diverged "
-            f"(lr {lr_at(self.step, self.cfg.train):.3g}, train.grad_clip {self.cfg.train.grad_clip}). The step "
-            f"was not taken and nothing was saved for it. {keep} Lower train.lr or set train.grad_clip > 0.")
+        raise divergence_error(self.step + 1, loss, grad_norm, lr_at(self.step, self.cfg.train),
+                               self.cfg.train.grad_clip, latest_checkpoint(self.run_dir))
 
     def validate(self) -> dict:
         """The objective's validation figures ({"val_loss": ...}; {"val_loss": None} without
