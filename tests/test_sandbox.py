@@ -246,7 +246,11 @@ def test_limits_outside_their_range_are_refused(timeout, memory, error, message)
     assert run_job(GOOD, timeout=0.5, memory_bytes=MIN_MEMORY_BYTES).verdict == "PASS"
 
 
-def test_a_pool_leaves_no_process_folder_or_descriptor(isolated):
+def test_a_pool_leaves_no_process_folder_or_descriptor(isolated, tmp_path, monkeypatch):
+    # a temporary folder of this test's own: another process's sandbox (an xdist worker running
+    # another sandbox test) comes and goes in the system's at any time (CI failed on it)
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     before = (_children(), _fds(), _folders())
     with Pool(workers=2, timeout=2) as pool:
         got = [r.verdict for r in pool.map([GOOD] * 5 + [{**GOOD, "cases": [["(1,)", "2"]]}])]
