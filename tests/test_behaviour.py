@@ -127,9 +127,11 @@ def test_rewards_average_what_applies_and_a_users_none_is_allowed(pool, tmp_path
 
 
 @pytest.mark.parametrize("isolation", ["process", "bubblewrap"])
-def test_the_pool_gives_run_jobs_verdicts_in_order_and_leaves_no_folder(isolation):
+def test_the_pool_gives_run_jobs_verdicts_in_order_and_leaves_no_folder(isolation, tmp_path, monkeypatch):
     if isolation == "bubblewrap" and shutil.which("bwrap") is None:
         pytest.skip("bubblewrap is not installed here")
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # a folder of its own: another worker's sandboxes come and go in /tmp
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     before = set(glob.glob(os.path.join(tempfile.gettempdir(), "lmforge-sandbox-*")))
     job = {"kind": "cases", "module": "", "function": "f", "source": "def f(a, b):\n    return a // b\n"}
     jobs = [{**job, "cases": [[f"({i}, 2)", repr(i // 2)]]} for i in range(8)]

@@ -185,6 +185,15 @@ def _fds() -> set[str]:
     return set(os.listdir(f"/proc/{os.getpid()}/fd"))
 
 
+@pytest.fixture(autouse=True)
+def own_temporary_folder(tmp_path, monkeypatch):
+    """Each test's sandboxes make their folders in a temporary folder of the test's own: another
+    process's (an xdist worker running another sandbox test) come and go in the system's at any
+    time, and the no-leftover checks below compare folders (CI failed on it)."""
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+
+
 def _folders() -> set[str]:
     return set(glob.glob(os.path.join(tempfile.gettempdir(), "lmforge-sandbox-*")))
 
@@ -246,11 +255,7 @@ def test_limits_outside_their_range_are_refused(timeout, memory, error, message)
     assert run_job(GOOD, timeout=0.5, memory_bytes=MIN_MEMORY_BYTES).verdict == "PASS"
 
 
-def test_a_pool_leaves_no_process_folder_or_descriptor(isolated, tmp_path, monkeypatch):
-    # a temporary folder of this test's own: another process's sandbox (an xdist worker running
-    # another sandbox test) comes and goes in the system's at any time (CI failed on it)
-    monkeypatch.setenv("TMPDIR", str(tmp_path))
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+def test_a_pool_leaves_no_process_folder_or_descriptor(isolated):
     before = (_children(), _fds(), _folders())
     with Pool(workers=2, timeout=2) as pool:
         got = [r.verdict for r in pool.map([GOOD] * 5 + [{**GOOD, "cases": [["(1,)", "2"]]}])]
