@@ -27,6 +27,9 @@ SentencePiece-style), wrapped in
              template as OLMo 2 Instruct ships it
     mistral_sliding  MistralForCausalLM with sliding_window 6 (< max_position_embeddings):
              the window slides; Mistral's tokenizer and template
+    granite  GraniteForCausalLM: embedding multiplier 6, attention multiplier 0.1 (not
+             1/sqrt(16)), residual multiplier 0.22, logits divided by 0.5; tied head; byte-level BPE
+             with <|end_of_text|> (bos and eos, not prepended), Granite 3's roles without tools
     smollm3  SmolLM3ForCausalLM: 4 layers, the last without RoPE (transformers' default every 4th),
              tied head; byte-level BPE with Llama 3's <|begin_of_text|> (not prepended), eos_token
              <|im_end|>, SmolLM3's ChatML without its metadata block
@@ -149,6 +152,13 @@ SMOLLM3_TEMPLATE = (
     "{%- endfor -%}{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\n' }}{%- endif -%}"
 )
 
+#: Granite 3's chat format without its tools and documents blocks
+GRANITE_TEMPLATE = (
+    "{%- for message in messages -%}{{ '<|start_of_role|>' + message['role'] + '<|end_of_role|>' + message['content']"
+    " + '<|end_of_text|>\n' }}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|start_of_role|>assistant<|end_of_role|>' }}{%- endif -%}"
+)
+
 GEMMA_SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
 _GEMMA_TOKENIZER = (GEMMA_SPECIALS, dict(bos_token="<bos>", eos_token="<eos>", unk_token="<unk>", pad_token="<pad>"),
                     "<bos>", GEMMA3_TEMPLATE)
@@ -172,6 +182,9 @@ TOKENIZERS = {
               dict(bos_token="<|endoftext|>", eos_token="<|endoftext|>", pad_token="<|pad|>"), None, OLMO2_TEMPLATE),
     "mistral_sliding": (["<unk>", "<s>", "</s>"], dict(bos_token="<s>", eos_token="</s>", unk_token="<unk>"), "<s>",
                         MISTRAL_TEMPLATE),
+    "granite": (["<|end_of_text|>", "<fim_prefix>", "<|start_of_role|>", "<|end_of_role|>", "<|pad|>"],
+                dict(bos_token="<|end_of_text|>", eos_token="<|end_of_text|>", pad_token="<|pad|>"), None,
+                GRANITE_TEMPLATE),
     "smollm3": (["<|begin_of_text|>", "<|end_of_text|>", "<|im_start|>", "<|im_end|>", "<|finetune_right_pad_id|>"],
                 dict(bos_token="<|begin_of_text|>", eos_token="<|im_end|>", pad_token="<|finetune_right_pad_id|>"), None,
                 SMOLLM3_TEMPLATE),
@@ -275,6 +288,11 @@ def build_model(family: str, vocab_size: int, seed: int = 0, **overrides):
         cls, cfg = transformers.SmolLM3ForCausalLM, transformers.SmolLM3Config(
             **{**common, "num_hidden_layers": 4}, tie_word_embeddings=True, pad_token_id=4, bos_token_id=0,
             eos_token_id=3)
+    elif family == "granite":  # Granite 3.0 2B's four scalars (a smaller embedding multiplier: tiny weights)
+        common.pop("head_dim")
+        cls, cfg = transformers.GraniteForCausalLM, transformers.GraniteConfig(
+            **common, tie_word_embeddings=True, embedding_multiplier=6.0, attention_multiplier=0.1,
+            residual_multiplier=0.22, logits_scaling=0.5, bos_token_id=0, eos_token_id=0, pad_token_id=4)
     elif family == "olmo2":
         common.pop("head_dim")
         cls, cfg = transformers.Olmo2ForCausalLM, transformers.Olmo2Config(

@@ -19,7 +19,6 @@ norm weight random: Gemma's zero-initialised (1 + w) norms would hide an offset 
 from __future__ import annotations
 
 import dataclasses
-import math
 from pathlib import Path
 
 import numpy as np
@@ -167,7 +166,7 @@ def test_every_family_record_is_llama_cpps():
         assert {ours for ours, _ in f.gguf_names} <= {ours for ours, _ in f.hf_names}, f.model_type
         assert f.gguf_norm_shift == (1.0 if f.fixed.get("norm_offset") == 1.0 else 0.0), f.model_type
         # llama.cpp's converter permutes q/k rows for the architectures it converts as LlamaModel
-        assert f.gguf_permute_qk is (f.gguf_arch in ("llama", "smollm3")), f.model_type
+        assert f.gguf_permute_qk is (f.gguf_arch in ("llama", "smollm3", "granite")), f.model_type
 
 
 # -- F7: export -----------------------------------------------------------------------------------
@@ -352,15 +351,18 @@ def _compare_models(original: Transformer, back: Transformer, V: int, family: st
     the embedding's first V rows), the mechanisms, and the logits."""
     a, b = original.config, back.config
     for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "norm_offset", "norm_placement", "qk_norm",
-                "mlp_activation", "sliding_window", "attn_softcap", "final_softcap", "tie_embeddings"):
+                "mlp_activation", "sliding_window", "attn_softcap", "final_softcap", "tie_embeddings", "nope_layers"):
         assert getattr(a, key) == getattr(b, key), key
+    for key in ("residual_scale", "logit_scale"):  # GGUF keys are float32 (llama.cpp computes with those)
+        assert np.float32(getattr(a, key)) == np.float32(getattr(b, key)), key
     assert a.qk_norm_scope == b.qk_norm_scope or not a.qk_norm
     assert a.resolved_head_dim() == b.resolved_head_dim() and a.resolved_ffn_dim() == b.resolved_ffn_dim()
     assert [a.is_sliding(i) for i in range(a.n_layers)] == [b.is_sliding(i) for i in range(b.n_layers)]
     assert (b.rope_theta, b.rope_theta_sliding or b.rope_theta) == (a.rope_theta, a.rope_theta_sliding or a.rope_theta)
     hd = a.resolved_head_dim()
-    assert (a.attn_scale or hd ** -0.5) == pytest.approx(b.attn_scale or hd ** -0.5, rel=1e-12)
-    assert math.isclose(a.embed_scale, b.embed_scale, rel_tol=1e-12)
+    # to float32's precision: Granite's scales are the file's float32 keys (Gemma's are derived, exact)
+    assert np.float32(a.attn_scale or hd ** -0.5) == np.float32(b.attn_scale or hd ** -0.5)
+    assert np.float32(a.embed_scale) == np.float32(b.embed_scale)
     sa, sb = model_state(original), model_state(back)
     assert sa.keys() == sb.keys()
     one = torch.tensor(1.0 if family in GEMMA else 0.0)
@@ -505,11 +507,12 @@ def test_rewritten_file_imports(exported, tmp_path):
 #: tests/hf_families.py's tiny models, with what llama.cpp can represent: query_pre_attn_scalar =
 #: head_dim (llama.cpp scales by 1/sqrt(head_dim), never by the config's scalar)
 HF_OVERRIDES = {"gemma3": {"query_pre_attn_scalar": 48}, "gemma2": {"query_pre_attn_scalar": 48}, "olmo2": {},
-                "smollm3": {}}
+                "smollm3": {}, "granite": {}}
 ARCH["smollm3"] = "smollm3"  # SmolLM3: llama.cpp's smollm3 skips RoPE in every 4th layer, as transformers' default
+ARCH["granite"] = "granite"  # Granite: its four scalars are the file's keys
 
 
-@pytest.mark.parametrize("family", FAMS + ("smollm3",))
+@pytest.mark.parametrize("family", FAMS + ("smollm3", "granite"))
 def test_gguf_import_equals_hf_import(family, tmp_path):
     """transformers folder -> import-hf -> export --format gguf -> import-gguf: tensor for tensor the
     import-hf checkpoint (Gemma norms through float32 1 + w), the same config and contract, and

@@ -1,4 +1,5 @@
-"""Gemma 3 (text), Gemma 2, OLMo 2, Mistral with a window that slides and SmolLM3 (NoPE layers), through `lmforge
+"""Gemma 3 (text), Gemma 2, OLMo 2, Mistral with a window that slides, SmolLM3 (NoPE layers) and
+Granite (embedding, attention, residual and logit scalars), through `lmforge
 import-hf` and `lmforge export`, against `transformers` itself (eager attention, fp32, CPU).
 
 The tiny models of `hf_families` (every norm weight random; Gemma 3: 7 layers, 5 sliding : 1
@@ -40,11 +41,11 @@ from lmforge.export.families import FAMILIES as RECORDS  # noqa: E402
 from lmforge.fileio import load_safetensors  # noqa: E402
 from lmforge.model import load_model  # noqa: E402
 
-FAMILIES = ["gemma3", "gemma2", "olmo2", "mistral_sliding", "smollm3"]
+FAMILIES = ["gemma3", "gemma2", "olmo2", "mistral_sliding", "smollm3", "granite"]
 #: hf_families' family -> (model_type, architecture)
 NAMES = {"gemma3": ("gemma3_text", "Gemma3ForCausalLM"), "gemma2": ("gemma2", "Gemma2ForCausalLM"),
          "olmo2": ("olmo2", "Olmo2ForCausalLM"), "mistral_sliding": ("mistral", "MistralForCausalLM"),
-         "smollm3": ("smollm3", "SmolLM3ForCausalLM")}
+         "smollm3": ("smollm3", "SmolLM3ForCausalLM"), "granite": ("granite", "GraniteForCausalLM")}
 W = 6  # hf_families' sliding window (OLMo 2 has none: its T is the others')
 T1 = 3 * W + 5
 def hf_logits(model, tokens: torch.Tensor, **kwargs) -> torch.Tensor:
@@ -106,6 +107,8 @@ def test_config_maps_every_mechanism(imported):
         assert m.norm_placement == "post" and m.qk_norm and m.qk_norm_scope == "projection" and not m.layer_types
     if family == "mistral_sliding":
         assert m.sliding_window == W and any("every layer attends to its last 6 keys" in x for x in lines)
+    if family == "granite":  # the four scalars, each its own mechanism
+        assert (m.embed_scale, m.attn_scale, m.residual_scale, m.logit_scale) == (6.0, 0.1, 0.22, 0.5)
     if family == "smollm3":  # transformers' no_rope_layers [1, 1, 1, 0]: the last layer skips RoPE
         assert c.no_rope_layers == [1, 1, 1, 0] and m.nope_layers == [3] and not m.layer_types
 
@@ -193,6 +196,8 @@ FAMILY_KEYS = {
                "sliding_window", "attn_logit_softcapping", "final_logit_softcapping", "rms_norm_eps"],
     "olmo2": ["hidden_act", "tie_word_embeddings", "rms_norm_eps"],
     "mistral_sliding": ["sliding_window", "head_dim", "hidden_act", "tie_word_embeddings", "rms_norm_eps"],
+    "granite": ["embedding_multiplier", "attention_multiplier", "residual_multiplier", "logits_scaling", "hidden_act",
+                "tie_word_embeddings", "rms_norm_eps"],
     "smollm3": ["no_rope_layers", "hidden_act", "tie_word_embeddings", "rms_norm_eps"],
 }
 COMMON_KEYS = ["hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",

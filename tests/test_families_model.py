@@ -39,7 +39,10 @@ OLMO2 = dict(dim=64, n_layers=3, n_heads=4, n_kv_heads=4, norm_placement="post",
              qk_norm_scope="projection", ffn_dim=96)
 NOPE = dict(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, qk_norm=False, nope_layers=[1, 3],
             layer_types=["full", "sliding", "full", "sliding"], sliding_window=4)
-MECHANISMS = {"gemma3": GEMMA3, "gemma2": GEMMA2, "olmo2": OLMO2, "nope": NOPE}
+#: Granite's four scalars (a logit scale below 1: the logits grow, so a missed division shows)
+SCALARS = dict(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, qk_norm=False, embed_scale=6.0, attn_scale=0.1,
+               residual_scale=0.22, logit_scale=0.5)
+MECHANISMS = {"gemma3": GEMMA3, "gemma2": GEMMA2, "olmo2": OLMO2, "nope": NOPE, "scalars": SCALARS}
 
 
 def build(fields: dict, seed: int = 0, max_seq_len: int = 64) -> Transformer:
@@ -164,6 +167,25 @@ def test_fused_loss_with_final_softcap_equals_cross_entropy_of_capped_logits(chu
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-5)
     torch.testing.assert_close(gh, wh, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(gw, ww, rtol=1e-5, atol=1e-5)
+
+
+@torch.no_grad()
+def test_residual_and_logit_scales_act_where_granite_puts_them():
+    """residual_scale multiplies each sublayer's output before the residual add; logit_scale divides
+    the logits, in the loss too: the model equals one computed by hand from its own modules."""
+    m = build(SCALARS, seed=2)
+    x = torch.randint(0, VOCAB, (2, 11), generator=torch.Generator().manual_seed(1))
+    h = m.tok_embeddings(x) * 6.0
+    for block in m.layers:  # each block's modules, the residual scale written out
+        rope = tuple(t[torch.arange(11)][None, None] for t in (m.rope_cos, m.rope_sin))
+        mask = prepare_mask(block.attention.backend, 11, "cpu", torch.float32)
+        h = h + 0.22 * block.attention(block.attention_norm(h), rope, mask)
+        h = h + 0.22 * block.feed_forward(block.ffn_norm(h))
+    want = (m.norm(h) @ m.output.weight[:VOCAB].T) / 0.5
+    torch.testing.assert_close(m(x), want, rtol=1e-5, atol=1e-5)
+    targets = torch.roll(x, -1, 1)
+    torch.testing.assert_close(m(x, targets=targets), F.cross_entropy(want.reshape(-1, VOCAB), targets.reshape(-1),
+                                                                       reduction="sum"), rtol=1e-5, atol=1e-4)
 
 
 @torch.no_grad()

@@ -32,7 +32,7 @@ from lmforge.model import load_model, lora  # noqa: E402
 from lmforge.model.io import MODEL_FILE, load_weights, read_checkpoint_meta, resolve_checkpoint  # noqa: E402
 from lmforge.stages.sft import sft_stage  # noqa: E402
 
-FAMILIES = [f for f in ("gemma3", "gemma2", "olmo2", "smollm3") if f in hf_families.TOKENIZERS]
+FAMILIES = [f for f in ("gemma3", "gemma2", "olmo2", "smollm3", "granite") if f in hf_families.TOKENIZERS]
 HF_MODULES = ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
 CHATS = [
     [{"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "Hello! How can I help you today?"}],

@@ -218,7 +218,8 @@ def output_projection(model: Transformer):
     """
     w = model.output.weight[: model.vocab_size]
     dtype = compute_dtype(w.device, w.dtype)
-    if w.device.type != "cpu" or w.numel() * dtype.itemsize > HEAD_COPY_LIMIT or model.config.final_softcap:
+    if w.device.type != "cpu" or w.numel() * dtype.itemsize > HEAD_COPY_LIMIT or model.config.final_softcap \
+            or model.config.logit_scale != 1.0:
         return model.logits
     dw = model.decode_weights(dtype)  # made once per parameter version, shared with decode_step
     head = dw.head if dw.head_t else w.to(dtype).t().contiguous()  # (dim, V)

@@ -251,6 +251,12 @@ class ModelConfig:
     rotate as the full ones do, rope_theta and rope_scaling included (Mistral, Gemma 2)."""
     nope_layers: list[int] = items((), ARCH, check=lambda name, v: _check_layer_indices(name, v))
     """Layers that skip the rotary embedding (NoPE, Kazemnejad et al. 2023; SmolLM3's every 4th)."""
+    residual_scale: float = num(1.0, 0.0, 1e4, ARCH, low_open=True)
+    """Each block's attention and MLP outputs are multiplied by this before the residual add
+    (Granite's residual_multiplier); 1 = none."""
+    logit_scale: float = num(1.0, 0.0, 1e6, ARCH, low_open=True)
+    """The logits are divided by this, in the loss and in decoding too (Granite's logits_scaling,
+    llama.cpp's logit_scale); 1 = none."""
 
     def resolved_head_dim(self) -> int:
         return self.head_dim or self.dim // self.n_heads

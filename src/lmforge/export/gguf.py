@@ -268,6 +268,11 @@ def write_gguf(out: str | Path, model: ModelConfig, contract: Contract, state: d
         w.add_attn_logit_softcapping(float(model.attn_softcap))
     if model.final_softcap:
         w.add_final_logit_softcapping(float(model.final_softcap))
+    if rt.scales_from_file:  # granite: the four scalars, as llama.cpp's converter writes them
+        w.add_embedding_scale(float(model.embed_scale))
+        w.add_attention_scale(float(model.attn_scale or model.resolved_head_dim() ** -0.5))
+        w.add_residual_scale(float(model.residual_scale))
+        w.add_logit_scale(float(model.logit_scale))
 
     w.add_tokenizer_model(vocab.model)
     w.add_tokenizer_pre(vocab.pre)

@@ -125,7 +125,10 @@ def _check_layers(model: ModelConfig, rt: LlamaCppArch, where: str) -> list[bool
 
 
 def _check_scales(model: ModelConfig, rt: LlamaCppArch, where: str) -> None:
-    """The attention and embedding scales against the ones the architecture applies."""
+    """The attention and embedding scales against the ones the architecture applies (any, where
+    the file says them: granite)."""
+    if rt.scales_from_file:
+        return
     hd = model.resolved_head_dim()
     scale = model.attn_scale or hd ** -0.5
     want_scale = rt.attn_scale(model.dim, model.n_heads, model.n_layers, hd)

@@ -46,6 +46,7 @@ import torch.nn.functional as F
 
 from lmforge.errors import ConfigError
 from lmforge.model.cpu_attention import cpu_attention_applies, cpu_attention
+from lmforge.model.functional import key_allowed, softcap as soft_cap
 
 
 def window_mask(T: int, S: int, offset: int, window: int, device) -> torch.Tensor:
@@ -53,8 +54,7 @@ def window_mask(T: int, S: int, offset: int, window: int, device) -> torch.Tenso
     and with `window` W > 0 also i - j < W (the query's own key counts: W keys in all)."""
     q = torch.arange(offset, offset + T, device=device)[:, None]  # (T, 1)
     k = torch.arange(S, device=device)[None, :]  # (1, S)
-    allowed = k <= q
-    return allowed & (q - k < window) if window else allowed
+    return key_allowed(q, k, window)
 
 
 def document_mask(document_ids: torch.Tensor, window: int = 0) -> torch.Tensor:
@@ -185,8 +185,7 @@ def eager_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Attent
     if KV != H:
         k, v = k.repeat_interleave(H // KV, 1), v.repeat_interleave(H // KV, 1)
     scores = (q @ k.transpose(-1, -2)).float() * (hd ** -0.5 if scale is None else scale)  # (B, H, T, S)
-    if softcap:
-        scores = torch.tanh(scores / softcap) * softcap
+    scores = soft_cap(scores, softcap)
     allowed = window_mask(T, S, S - T, 0, q.device) if mask.is_causal else mask.attn_mask
     if allowed is not None:  # lmforge's float masks are 0 / -inf
         allowed = allowed if allowed.dtype == torch.bool else allowed == 0
@@ -247,7 +246,7 @@ def _compiled_flex():
 
 
 def _causal(b, h, q_idx, kv_idx):
-    return q_idx >= kv_idx
+    return key_allowed(q_idx, kv_idx)
 
 
 @torch.compiler.disable
@@ -266,8 +265,7 @@ def document_block_mask(document_ids: torch.Tensor | None, T: int, device: torch
     docs = document_ids.to(device)
 
     def same_document_causal(b, h, q_idx, kv_idx):
-        allowed = (q_idx >= kv_idx) & (docs[b, q_idx] == docs[b, kv_idx])
-        return allowed & (q_idx - kv_idx < window) if window else allowed
+        return key_allowed(q_idx, kv_idx, window) & (docs[b, q_idx] == docs[b, kv_idx])
 
     return create_block_mask(same_document_causal, docs.shape[0], None, T, T, device=device)
 
@@ -299,7 +297,7 @@ def flex_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Attenti
 def _softcap_score(cap: float):
     """A FlexAttention score_mod: cap * tanh(score / cap) (applied after scaling, before the mask)."""
     def score_mod(score, b, h, q_idx, kv_idx):
-        return torch.tanh(score / cap) * cap
+        return soft_cap(score, cap)
     return score_mod
 
 
@@ -330,7 +328,7 @@ def _causal_block_mask_cached(T: int, device: str, window: int = 0):
 def _causal_window(window: int):
     """A mask_mod: causal, and keys within the last `window` positions (a sliding layer)."""
     def causal_window(b, h, q_idx, kv_idx):
-        return (q_idx >= kv_idx) & (q_idx - kv_idx < window)
+        return key_allowed(q_idx, kv_idx, window)
     return causal_window
 
 

@@ -1,4 +1,4 @@
-"""The decode path: generation's KV cache and the fused T = 1 decode step.
+"""The decode path: generation's KV cache, the fused T = 1 decode step and the weights it computes from.
 
 The model (`transformer.py`) computes any T with `forward`/`hidden`, writing into a `KVCache`
 when it is given one (the prefill). The steps after it, one token per row, go through
@@ -6,17 +6,27 @@ when it is given one (the prefill). The steps after it, one token per row, go th
 matrix products, on CPU prepacked for oneDNN), with few small ops, for latency-bound decoding.
 `generate` uses one shared cache slot per step; `lmforge serve` per-row slots (continuous
 batching). `Transformer.decode_step`, `decode_weights` and `new_cache` are these functions.
+
+The step is built from the mechanisms the forward calls (`functional.py`: the norm with its
+offset, QK-norm, the rotary embedding or none, the window mask, soft-caps, the embedding scale,
+and `sublayer`, the one body of every norm placement), read from the model's own modules: an
+absent norm is the model's `nn.Identity`, a bias is the model's `nn.Linear` bias. What differs
+is only the layout: the pre-norm's gain folded into the matrix after it (`FoldedNorm`), q, k and
+v in one product, the rotary embedding of q and k in one multiply-add (`SignedRope`).
 """
 
 from __future__ import annotations
 
 import math
+from typing import Callable, NamedTuple
+
 import torch
 import torch.nn.functional as F
 
-from lmforge.runtime import compute_dtype
 from lmforge.model import lora
-from lmforge.model.functional import ACTIVATIONS, softcap
+from lmforge.model.functional import (Folded, FoldedNorm, SignedRope, apply_rope, identity, key_allowed, norm_gain,
+                                      norm_of, qk_norm, softcap, sublayer)
+from lmforge.runtime import compute_dtype
 
 # `model` below is a `lmforge.model.Transformer`; this module does not import it (the model
 # imports this module: one direction only).
@@ -70,21 +80,73 @@ class KVCache:
         return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
 
 
+def linear(mm: Callable, h: torch.Tensor | Folded, m: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """h (B, in), or `Folded` (its pre-norm's 1/rms scaling the product's rows), @ m (in, out) + bias;
+    `mm` the step's matrix product."""
+    y = mm(h[0], m).mul_(h[1]) if type(h) is Folded else mm(h, m)
+    return y if bias is None else y.add_(bias)
+
+
+def fuse(linears, norm: torch.nn.Module | None, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`linears`' weights concatenated along out and laid out (in, out), contiguous in `dtype`, with
+    the gain of `norm` (the pre-norm before them; an nn.Identity or None: none) folded into the rows;
+    and their biases concatenated (zeros for a Linear without), or None when none has one."""
+    w = torch.cat([m.weight for m in linears]).t()
+    if norm is not None and not isinstance(norm, torch.nn.Identity):
+        w = norm_gain(norm.weight, norm.offset)[:, None] * w
+    biases = [m.bias for m in linears]
+    if all(b is None for b in biases):
+        return w.to(dtype).contiguous(), None
+    bias = torch.cat([m.weight.new_zeros(m.weight.shape[0]) if b is None else b for m, b in zip(linears, biases)])
+    return w.to(dtype).contiguous(), bias.to(dtype)
+
+
+class DecodeLayer(NamedTuple):
+    """One layer in the decode layout (`DecodeWeights`), read from the model's `Block`."""
+
+    mats: tuple  # (wqkv, wo, w13, w2), (in, out) each
+    biases: tuple  # each matrix's bias, or None
+    norms: tuple  # (before attention, after it, before the MLP, after it): FoldedNorm, `norm_of` or identity
+    qk_norms: tuple  # (q's, k's) `norm_of` in the compute dtype, or (identity, identity)
+    qk_scope: str | bool  # "head", "projection" or False (`functional.qk_norm`)
+    rope: str | None  # "full", "sliding" or None (a NoPE layer)
+    window: int  # the sliding window, 0: full attention
+    scale: float  # the attention scores' scale
+    softcap: float  # the attention scores' soft-cap (0: none)
+    act: Callable  # the MLP's activation (the model's `FeedForward.act`)
+    residual_scale: float  # each sublayer's output times this before the residual add (1: none)
+
+    @staticmethod
+    def of(block: torch.nn.Module, dtype: torch.dtype) -> "DecodeLayer":
+        a, f = block.attention, block.feed_forward
+        (wqkv, bqkv), (wo, bo) = fuse((a.wq, a.wk, a.wv), block.attention_norm, dtype), fuse((a.wo,), None, dtype)
+        (w13, b13), (w2, b2) = fuse((f.w1, f.w3), block.ffn_norm, dtype), fuse((f.w2,), None, dtype)
+
+        def pre(norm):  # folded into the matrix after it (`fuse`), or absent
+            return identity if isinstance(norm, torch.nn.Identity) else FoldedNorm(norm.eps)
+
+        norms = (pre(block.attention_norm), norm_of(block.attention_post_norm, float32=True),
+                 pre(block.ffn_norm), norm_of(block.ffn_post_norm, float32=True))
+        return DecodeLayer((wqkv, wo, w13, w2), (bqkv, bo, b13, b2), norms,
+                           (norm_of(a.q_norm, dtype), norm_of(a.k_norm, dtype)), a.qk_norm, block.rope, block.window,
+                           a.scale or 1.0 / math.sqrt(a.head_dim), a.softcap, f.act, block.residual_scale)
+
 
 class DecodeWeights:
     """The model's weights laid out for T = 1 decode steps, computed from its parameters (which
     keep their names and layout: checkpoints and export do not change).
 
-    Per layer, transposed and contiguous, (in, out) so a step computes `x @ w` (row-major: on CPU
-    the small-batch product is up to 3x faster than F.linear's transposed access):
-    `wqkv` (dim, H*hd + 2*KV*hd) = cat(wq, wk, wv).T and `w13` (dim, 2*ffn) = cat(w1, w3).T, so
-    one matmul gives q, k and v and one the SwiGLU's two inputs, each with the RMSNorm weight before
-    it folded into its rows (rmsnorm(x) @ W = (x @ diag(g) W) / rms(x): the norm is then one
-    per-row scale); `wo` (H*hd, dim), `w2` (ffn, dim).
+    `layers`: one `DecodeLayer` a layer, its matrices transposed and contiguous, (in, out) so a step
+    computes `x @ w` (row-major: on CPU the small-batch product is up to 3x faster than F.linear's
+    transposed access): `wqkv` (dim, H*hd + 2*KV*hd) = cat(wq, wk, wv).T and `w13` (dim, 2*ffn) =
+    cat(w1, w3).T, so one matmul gives q, k and v and one the MLP's two inputs, each with the
+    pre-norm's gain folded into its rows (`FoldedNorm`: the norm is then one per-row scale);
+    `wo` (H*hd, dim), `w2` (ffn, dim); biases alongside (Qwen2's q/k/v: cat(bq, bk, bv)).
     `head` is (dim, vocab_size) likewise when its copy is at most HEAD_COPY_LIMIT bytes, else the
-    sliced output weight (vocab_size, dim) used with F.linear. `sin_signed` folds rotate_half's
-    minus sign into the sine table. Matrices are in the compute dtype (the autocast dtype under
-    autocast); norm weights stay as they are.
+    sliced output weight (vocab_size, dim) used with F.linear; `norm` the final norm. `tables`: each
+    rotary kind's (cos, sin_signed), (max_seq_len, 1, hd), rotate_half's minus sign folded into the
+    sine (`SignedRope`). Matrices are in the compute dtype (the autocast dtype under autocast); the
+    residual stream's norm weights stay as they are.
 
     On CPU in float32, `packed` holds the same matrices (and the head) prepacked for oneDNN's
     linear (`torch.ops.mkldnn._reorder_linear_weight`, the layout Inductor's CPU path uses):
@@ -100,57 +162,30 @@ class DecodeWeights:
     HEAD_COPY_LIMIT = 64 << 20
 
     def __init__(self, model: "Transformer", dtype: torch.dtype):
-        def t(*ws, norm=None):  # cat along out, then (in, out) contiguous; a norm's weight folded in
-            w = torch.cat(ws).t()
-            return (w if norm is None else norm[:, None] * w).to(dtype).contiguous()
-
         live = [n for n, m in lora.lora_layers(model) if not (m.merged or m.disabled)]
         if live:  # the fused step reads `weight` directly: an adapter beside it would be left out silently
             raise ValueError(f"{live[0]} has an unmerged LoRA adapter, which the fused decode step would ignore: "
                              f"merge it first (lmforge.model.lora.merge), or load the checkpoint with load_model, "
                              f"which merges")
-        c = model.config
-        off = c.norm_offset
-
-        def gain(norm):  # a norm's effective weight (offset + w), float32 when there is an offset
-            return norm.weight.float() + off if off else norm.weight
-
         with torch.no_grad():
-            self.layers = []
-            for b in model.layers:
-                a, f = b.attention, b.feed_forward
-                self.layers.append((t(a.wq.weight, a.wk.weight, a.wv.weight, norm=gain(b.attention_norm) if b.pre else None),
-                                    t(a.wo.weight), t(f.w1.weight, f.w3.weight, norm=gain(b.ffn_norm) if b.pre else None),
-                                    t(f.w2.weight)))
-            self.norm = gain(model.norm)
-            self.pre = c.norm_placement != "post"  # the pre-norms are folded into wqkv and w13 (else none)
-            # sandwich / post placement: each layer's (after-attention, after-MLP) norm weights
-            self.post_norms = [(gain(b.attention_post_norm), gain(b.ffn_post_norm)) for b in model.layers] \
-                if c.norm_placement != "pre" else None
-            self.rope = [b.rope for b in model.layers]  # "full", "sliding" or None (NoPE) per layer
-            self.windows = [b.window for b in model.layers]
-            # Qwen2's q/k/v biases: each layer's cat(bq, bk, bv) (H*hd + 2*KV*hd,), added after the norm scale
-            self.qkv_bias = [torch.cat((b.attention.wq.bias, b.attention.wk.bias, b.attention.wv.bias)).to(dtype)
-                             for b in model.layers] if model.config.qkv_bias else None
-            # QK-norm (Qwen3): each layer's (q_norm, k_norm) weights, (hd,) each, in the compute dtype
-            self.qk_norm = [(gain(b.attention.q_norm).to(dtype), gain(b.attention.k_norm).to(dtype))
-                            for b in model.layers] if model.config.qk_norm else None
+            self.layers = [DecodeLayer.of(b, dtype) for b in model.layers]
+            self.norm = norm_of(model.norm, float32=True)  # the final norm
+            self.windows = {L.window for L in self.layers} | {0}  # 0: full attention
             w = model.output.weight[: model.vocab_size]
             self.head_t = w.numel() * dtype.itemsize <= self.HEAD_COPY_LIMIT
-            self.head = t(w) if self.head_t else w.to(dtype)
-            half = model.config.resolved_head_dim() // 2
-            sign = torch.ones(model.config.resolved_head_dim(), device=w.device)
-            sign[:half] = -1
-            self.cos = model.rope_cos.to(dtype)  # (max_seq_len, hd)
-            self.sin_signed = (model.rope_sin * sign).to(dtype)
+            self.head = w.t().to(dtype).contiguous() if self.head_t else w.to(dtype)
+            hd = model.config.resolved_head_dim()
+            sign = torch.ones(hd, device=w.device)
+            sign[: hd // 2] = -1
+            # (max_seq_len, 1, hd): a step's rows (B, 1, hd) broadcast over the heads
+            self.tables = {"full": (model.rope_cos.to(dtype)[:, None], (model.rope_sin * sign).to(dtype)[:, None])}
             if hasattr(model, "rope_cos_sliding"):  # the sliding layers' own RoPE base
-                self.cos_sliding = model.rope_cos_sliding.to(dtype)
-                self.sin_signed_sliding = (model.rope_sin_sliding * sign).to(dtype)
+                self.tables["sliding"] = (model.rope_cos_sliding.to(dtype)[:, None],
+                                          (model.rope_sin_sliding * sign).to(dtype)[:, None])
             self.dtype = dtype
             self.packed = self.packed_head = None
             if w.device.type == "cpu" and dtype == torch.float32 and self.head_t:
-                self.packed, self.packed_head = _onednn_pack(self.layers, self.head)
-
+                self.packed, self.packed_head = _onednn_pack([L.mats for L in self.layers], self.head)
 
 
 def _onednn_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
@@ -179,13 +214,13 @@ def _onednn_pack(layers: list[tuple], head: torch.Tensor):
         return None, None
 
 
-
 def new_cache(model: "Transformer", batch: int, max_len: int, key_mask: torch.Tensor | None = None) -> KVCache:
+    """An empty KVCache for `batch` rows of `max_len` slots, in the compute dtype of `model`'s device
+    (the autocast dtype under autocast); `key_mask` (batch, max_len) bool, see KVCache."""
     p = model.output.weight
     dtype = compute_dtype(p.device, p.dtype)
     c = model.config
     return KVCache(c.n_layers, batch, c.n_kv_heads, max_len, c.resolved_head_dim(), dtype, p.device, key_mask)
-
 
 
 def decode_weights(model: "Transformer", dtype: torch.dtype | None = None) -> DecodeWeights:
@@ -202,13 +237,99 @@ def decode_weights(model: "Transformer", dtype: torch.dtype | None = None) -> De
     return w
 
 
-
-def _cache_weights(model: "Transformer", cache: KVCache, device: torch.device) -> DecodeWeights:
+def cache_weights(model: "Transformer", cache: KVCache, device: torch.device) -> DecodeWeights:
     """The cache's decode weights in the compute dtype of `device`, made on first use."""
     dtype = compute_dtype(device, model.output.weight.dtype)
     if cache.weights is None or cache.weights.dtype != dtype:
         cache.weights = decode_weights(model, dtype)
     return cache.weights
+
+
+class Step:
+    """What the layers of one decode step share: the batch's attention biases (by window), rotary
+    tables (by kind), cache slots, and the matrix product (oneDNN's prepacked, or torch.matmul)."""
+
+    def __init__(self, model: "Transformer", w: DecodeWeights, positions: torch.Tensor, cache: KVCache,
+                 slots: torch.Tensor | None, batch_invariant: bool):
+        c, B, dev = model.config, positions.shape[0], positions.device
+        self.B, self.H, self.KV, self.hd = B, c.n_heads, c.n_kv_heads, c.resolved_head_dim()
+        self.w, self.cache, self.slots = w, cache, slots
+        self.ropes = {None: None}  # a NoPE layer's
+        for kind, (cos, sin) in w.tables.items():
+            self.ropes[kind] = SignedRope(cos[positions], sin[positions])  # (B, 1, hd)
+        # under torch.compile (compiled_decode_step) inductor picks its own matmuls: the prepacked
+        # weights are oneDNN's opaque layout, which it takes only as frozen constants
+        self.packed = w.packed is not None and (B > 1 or batch_invariant) and not torch.compiler.is_compiling()
+        self.mm = _onednn_linear if self.packed else torch.matmul
+        if slots is None:  # every row writes slot `at` and sees slots [0, at] its key_mask allows (left padding)
+            self.at = cache.length
+            self.S = self.at + 1
+        else:  # row b writes slots[b] and sees slots [0, slots[b]] over the whole cache
+            self.S, self.rows = cache.max_len, torch.arange(B, device=dev)
+        key_mask = None if cache.key_mask is None else cache.key_mask[:, :self.S]  # (B, S)
+        self.biases = {}
+        for window in w.windows:
+            allowed = key_mask
+            if slots is not None or window:  # (the newest slot's query sees every slot before it)
+                query = slots[:, None] if slots is not None else torch.full((1, 1), self.at, device=dev)
+                allowed = key_allowed(query, torch.arange(self.S, device=dev)[None], window)  # (B or 1, S)
+                allowed = allowed if key_mask is None else allowed & key_mask
+            self.biases[window] = None if allowed is None else self.bias(allowed, w.dtype)
+
+    def bias(self, allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """(B or 1, S) bool -> (B*KV or 1, 1, S) additive: 0 where attended, -inf elsewhere."""
+        bias = torch.zeros(allowed.shape[0], 1, self.S, dtype=dtype, device=allowed.device)
+        bias.masked_fill_(~allowed[:, None], float("-inf"))
+        return bias.repeat_interleave(self.KV, 0) if bias.shape[0] == self.B else bias
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """(B, dim) -> (B, vocab_size): h @ output.weight[:vocab_size].T (`Transformer.logits`' product)."""
+        if not self.w.head_t:
+            return F.linear(h, self.w.head)
+        return self.mm(h, self.w.packed_head if self.packed else self.w.head)
+
+    def layer(self, x: torch.Tensor, L: DecodeLayer, layer: int) -> torch.Tensor:
+        """One layer on the residual stream x (B, dim): `functional.sublayer` twice, as `Block.forward`.
+        (A step is latency-bound: the attention of one query is written out here, not in helpers.)"""
+        B, H, KV, hd, S, mm = self.B, self.H, self.KV, self.hd, self.S, self.mm
+        wqkv, wo, w13, w2 = self.w.packed[layer] if self.packed else L.mats
+        bqkv, bo, b13, b2 = L.biases
+
+        def attention(h):  # h: (B, dim), or Folded -> (B, dim)
+            qkv = linear(mm, h, wqkv, bqkv)  # (B, (H + 2 KV) hd)
+            if L.qk_scope == "projection":  # (`qk_norm` at each stage: the slices and the cat only where it acts)
+                q, k = qk_norm(qkv[:, :H * hd], qkv[:, H * hd:(H + KV) * hd], L.qk_norms, L.qk_scope, "projection")
+                qkv = torch.cat((q, k, qkv[:, (H + KV) * hd:]), 1)
+            qkv = qkv.view(B, H + 2 * KV, hd)
+            qk, v = qkv[:, :H + KV], qkv[:, H + KV:]  # q and k side by side: one rotary product
+            if L.qk_scope == "head":
+                qk = torch.cat(qk_norm(qk[:, :H], qk[:, H:], L.qk_norms, L.qk_scope, "head"), 1)
+            qk = apply_rope(qk, self.ropes[L.rope])  # (B, H + KV, hd)
+            ck, cv = self.cache.k[layer], self.cache.v[layer]  # (B, KV, max_len, hd)
+            if self.slots is None:
+                ck[:, :, self.at], cv[:, :, self.at] = qk[:, H:], v
+            else:
+                ck[self.rows, :, self.slots], cv[self.rows, :, self.slots] = qk[:, H:], v
+            # grouped-query attention of one query: (B*KV, G, hd) @ (B*KV, hd, S); no K/V repeat
+            q, keys = qk[:, :H].reshape(B * KV, H // KV, hd), ck[:, :, :S].reshape(B * KV, S, hd).transpose(1, 2)
+            bias = self.biases[L.window]
+            if L.softcap:  # Gemma 2: c tanh(s / c) after scaling, before the mask
+                scores = softcap(torch.bmm(q, keys).mul_(L.scale), L.softcap)
+                scores = scores if bias is None else scores + bias
+            else:
+                scores = (torch.baddbmm(bias, q, keys, alpha=L.scale) if bias is not None
+                          else torch.bmm(q, keys).mul_(L.scale))  # (B*KV, G, S)
+            y = torch.bmm(scores.softmax(-1), cv[:, :, :S].reshape(B * KV, S, hd))  # (B*KV, G, hd)
+            y = mm(y.view(B, H * hd), wo)
+            return y if bo is None else y.add_(bo)
+
+        def feed_forward(h):  # h: (B, dim), or Folded -> (B, dim)
+            gate, up = linear(mm, h, w13, b13).chunk(2, -1)  # (B, ffn) each
+            y = mm(L.act(gate).mul_(up), w2)
+            return y if b2 is None else y.add_(b2)
+
+        x = sublayer(x, attention, L.norms[0], L.norms[1], L.residual_scale)
+        return sublayer(x, feed_forward, L.norms[2], L.norms[3], L.residual_scale)
 
 
 @torch.no_grad()
@@ -234,100 +355,14 @@ def decode_step(model: "Transformer", tokens: torch.Tensor, positions: torch.Ten
     Returns:
         logits (B, vocab_size) in the compute dtype.
     """
-    w = _cache_weights(model, cache, tokens.device)
-    dev, dtype = tokens.device, w.dtype
-    c = model.config
-    B, H, KV, hd = tokens.shape[0], c.n_heads, c.n_kv_heads, c.resolved_head_dim()
-    G, eps, scale = H // KV, c.norm_eps, c.attn_scale or 1.0 / math.sqrt(hd)
-    ropes = {"full": (w.cos[positions][:, None], w.sin_signed[positions][:, None])}  # (B, 1, hd), over heads
-    if hasattr(w, "cos_sliding"):
-        ropes["sliding"] = (w.cos_sliding[positions][:, None], w.sin_signed_sliding[positions][:, None])
-    if slots is None:
-        at = cache.length
-        S = at + 1
-        allowed = None if cache.key_mask is None else cache.key_mask[:, :S]  # (B, S): left padding
-        current = torch.full((1, 1), at, device=dev)  # the query's slot
-    else:
-        S = cache.max_len
-        rows = torch.arange(B, device=dev)
-        allowed = torch.arange(S, device=dev)[None] <= slots[:, None]  # (B, S)
-        if cache.key_mask is not None:  # left padding of a batch (compiled_decode_step)
-            allowed = allowed & cache.key_mask[:, :S]
-        current = slots[:, None]
-
-    def bias_of(allowed):  # (B or 1, S) bool -> (B*KV or 1, 1, S): 0 where attended, -inf elsewhere
-        if allowed is None:  # (the layout of the scores below)
-            return None
-        bias = torch.zeros(allowed.shape[0], 1, S, dtype=dtype, device=dev).masked_fill_(~allowed[:, None], float("-inf"))
-        return bias.repeat_interleave(KV, 0) if bias.shape[0] == B else bias
-
-    biases = {0: bias_of(allowed)}
-    for window in set(w.windows) - {0}:  # a sliding layer also sees only its last `window` slots
-        within = torch.arange(S, device=dev)[None] > current - window  # (B or 1, S)
-        biases[window] = bias_of(within if allowed is None else allowed & within)
-    # under torch.compile (compiled_decode_step) inductor picks its own matmuls: the prepacked
-    # weights are oneDNN's opaque layout, which it takes only as frozen constants
-    if w.packed is not None and (B > 1 or batch_invariant) and not torch.compiler.is_compiling():
-        layers, head, mm = w.packed, w.packed_head, _onednn_linear
-    else:
-        layers, head, mm = w.layers, w.head, torch.matmul
-    x = model.tok_embeddings(tokens)  # (B, dim); the residual stays in the parameters' dtype
-    if c.embed_scale != 1.0:
-        x = x * c.embed_scale
-    act = ACTIVATIONS[c.mlp_activation]
-
-    def inv_rms(x):  # (B, dim) -> (B, 1): 1 / rms(x), RMSNorm without its weight
-        return torch.rsqrt(x.pow(2).mean(-1, keepdim=True).add_(eps))
-
-    def pre(y, x):  # the pre-norm's 1 / rms(x) (its weight is folded into the matrix), or none
-        return y.mul_(inv_rms(x)) if w.pre else y
-
-    def post(y, weight):  # sandwich / post placement: RMSNorm of a branch before the residual add
-        return F.rms_norm(y.float(), (y.shape[-1],), weight.float(), eps).to(y.dtype)
-
-    for layer, (wqkv, wo, w13, w2) in enumerate(layers):
-        qkv = pre(mm(x, wqkv), x)
-        if w.qkv_bias is not None:
-            qkv = qkv.add_(w.qkv_bias[layer])
-        if w.qk_norm is not None and c.qk_norm_scope == "projection":  # over all of q, all of k (OLMo 2)
-            qn, kn = w.qk_norm[layer]
-            qkv = torch.cat((F.rms_norm(qkv[:, :H * hd], (H * hd,), qn, eps),
-                             F.rms_norm(qkv[:, H * hd:(H + KV) * hd], (KV * hd,), kn, eps), qkv[:, (H + KV) * hd:]), 1)
-        qkv = qkv.view(B, H + 2 * KV, hd)
-        qk = qkv[:, : H + KV]
-        if w.qk_norm is not None and c.qk_norm_scope == "head":  # per head of q and of k, before the rotary embedding
-            qn, kn = w.qk_norm[layer]
-            qk = torch.cat((F.rms_norm(qk[:, :H], (hd,), qn, eps), F.rms_norm(qk[:, H:], (hd,), kn, eps)), 1)
-        if w.rope[layer] is not None:  # rotary on q and k at once: x cos + rotate_half(x) sin
-            cos, sin = ropes[w.rope[layer]]
-            qk = torch.addcmul(qk * cos, qk.roll(hd // 2, -1), sin)  # (B, H + KV, hd)
-        k, v = qk[:, H:], qkv[:, H + KV:]  # (B, KV, hd)
-        ck, cv = cache.k[layer], cache.v[layer]  # (B, KV, max_len, hd)
-        if slots is None:
-            ck[:, :, at], cv[:, :, at] = k, v
-        else:
-            ck[rows, :, slots], cv[rows, :, slots] = k, v
-        # grouped-query attention of one query: (B*KV, G, hd) @ (B*KV, hd, S); no K/V repeat
-        q = qk[:, :H].reshape(B * KV, G, hd)
-        keys = ck[:, :, :S].reshape(B * KV, S, hd)
-        bias = biases[w.windows[layer]]
-        if c.attn_softcap:  # Gemma 2: c tanh(s / c) after scaling, before the mask
-            scores = softcap(torch.bmm(q, keys.transpose(1, 2)).mul_(scale), c.attn_softcap)
-            scores = scores if bias is None else scores + bias
-        else:
-            scores = (torch.baddbmm(bias, q, keys.transpose(1, 2), alpha=scale) if bias is not None
-                      else torch.bmm(q, keys.transpose(1, 2)).mul_(scale))  # (B*KV, G, S)
-        y = torch.bmm(scores.softmax(-1), cv[:, :, :S].reshape(B * KV, S, hd))  # (B*KV, G, hd)
-        y = mm(y.view(B, H * hd), wo)
-        x = x + (post(y, w.post_norms[layer][0]) if w.post_norms else y)
-        gate, up = pre(mm(x, w13), x).chunk(2, -1)  # (B, ffn) each
-        y = mm(act(gate).mul_(up), w2)
-        x = x + (post(y, w.post_norms[layer][1]) if w.post_norms else y)
+    w = cache_weights(model, cache, tokens.device)
+    step = Step(model, w, positions, cache, slots, batch_invariant)
+    x = model.embed(tokens)  # (B, dim); the residual stays in the parameters' dtype
+    for layer, L in enumerate(w.layers):
+        x = step.layer(x, L, layer)
     if slots is None:
         cache.length += 1
-    h = post(x, w.norm) if c.norm_offset else x * inv_rms(x) * w.norm  # Gemma's final norm in float32
-    logits = mm(h, head) if w.head_t else F.linear(h, w.head)
-    return softcap(logits, c.final_softcap)
+    return model.logits(w.norm(x), step.head)
 
 
 def compiled_decode_step(model: "Transformer"):
@@ -347,7 +382,7 @@ def compiled_decode_step(model: "Transformer"):
         compiled = torch.compile(decode_step, dynamic=True, options={"cpp_wrapper": True})
 
         def step(tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
-            _cache_weights(model, cache, tokens.device)  # made eagerly, outside the graph
+            cache_weights(model, cache, tokens.device)  # made eagerly, outside the graph
             slots = torch.full((tokens.shape[0],), cache.length, dtype=torch.long, device=tokens.device)
             logits = compiled(model, tokens, positions, cache, slots)
             cache.length += 1

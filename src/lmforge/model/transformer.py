@@ -1,7 +1,8 @@
 """One decoder-only Transformer: Llama's layout by default, and the mechanisms of the families
 lmforge imports (Gemma 3/2, OLMo 2, Mistral, Qwen2/3) as named `ModelConfig` fields, each with one
-code site here (or in attention.py / decode.py / loss.py), a test against a reference computed in
-the test (tests/test_families_model.py) and one parity test against transformers (tests/test_families_hf.py).
+code site (in functional.py, which the fused decode step of decode.py calls too; or here, attention.py,
+loss.py), a test against a reference computed in the test (tests/test_families_model.py) and one
+parity test against transformers (tests/test_families_hf.py).
 The family names themselves live at the edges (lmforge.export.families).
 
 Architecture choices (the defaults):
@@ -28,7 +29,6 @@ ffn_dim, norm_eps, rope_theta, max_seq_len); Hugging Face names live in export.p
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import replace
 
@@ -42,7 +42,8 @@ from lmforge.errors import ConfigError, ContractError
 from lmforge.model import decode
 from lmforge.model.attention import BACKENDS, AttentionMask, prepare_mask, resolve_backend
 from lmforge.model.decode import KVCache
-from lmforge.model.functional import ACTIVATIONS, softcap
+from lmforge.model.functional import (ACTIVATIONS, apply_rope, qk_norm, rms_norm, scale_embedding, scale_logits,
+                                      softcap, sublayer)
 from lmforge.model.loss import linear_cross_entropy_sum
 from lmforge.model.memory import ROPE_BLOCK_ELEMENTS, check_fits_in_memory
 from lmforge.runtime import compute_dtype
@@ -81,11 +82,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.full((dim,), 1.0 - offset))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.offset:  # Gemma: float32 throughout, one cast at the end
-            return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float() + self.offset, self.eps).to(x.dtype)
-        # bf16 q/k under autocast (qk_norm): the weight in x's dtype keeps the fused kernel
-        w = self.weight if self.weight.dtype == x.dtype else self.weight.to(x.dtype)
-        return F.rms_norm(x, (x.shape[-1],), w, self.eps)
+        return rms_norm(x, self.weight, self.eps, self.offset)
 
 
 def rope_tables(head_dim: int, max_seq_len: int, theta: float,
@@ -144,13 +141,6 @@ def llama3_inv_freq(inv_freq: torch.Tensor, factor: float, low_freq_factor: floa
     return torch.where(medium, smoothed, scaled)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: (B, h, T, hd); cos, sin: (B, 1, T, hd), in x's dtype."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
-
-
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
@@ -164,12 +154,11 @@ class Attention(nn.Module):
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=bias)
         self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=False)
         # QK-norm before the rotary embedding: over each head (Qwen3, Gemma 3) or over the whole
-        # q and k projections before the split into heads (OLMo 2)
+        # q and k projections before the split into heads (OLMo 2); `functional.qk_norm`
         self.qk_norm = cfg.qk_norm and cfg.qk_norm_scope
-        if cfg.qk_norm:
-            whole = cfg.qk_norm_scope == "projection"
-            self.q_norm = RMSNorm(self.head_dim * (cfg.n_heads if whole else 1), cfg.norm_eps, cfg.norm_offset)
-            self.k_norm = RMSNorm(self.head_dim * (cfg.n_kv_heads if whole else 1), cfg.norm_eps, cfg.norm_offset)
+        whole = cfg.qk_norm_scope == "projection"
+        self.q_norm, self.k_norm = (RMSNorm(self.head_dim * (n if whole else 1), cfg.norm_eps, cfg.norm_offset)
+                                    if cfg.qk_norm else nn.Identity() for n in (cfg.n_heads, cfg.n_kv_heads))
         self.backend = "sdpa"
 
     def forward(self, x, rope: tuple[torch.Tensor, torch.Tensor] | None, mask: AttentionMask,
@@ -177,15 +166,13 @@ class Attention(nn.Module):
         """x: (B, T, dim); rope: (cos, sin) (B, 1, T, hd) each, or None (a NoPE layer)."""
         B, T, _ = x.shape
         q, k, v = self.wq(x), self.wk(x), self.wv(x)  # (B, T, H*hd), (B, T, KV*hd) x 2
-        if self.qk_norm == "projection":
-            q, k = self.q_norm(q), self.k_norm(k)
+        norms = (self.q_norm, self.k_norm)
+        q, k = qk_norm(q, k, norms, self.qk_norm, "projection")
         q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, hd)
         k = k.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, KV, T, hd)
         v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, KV, T, hd)
-        if self.qk_norm == "head":
-            q, k = self.q_norm(q), self.k_norm(k)
-        if rope is not None:
-            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        q, k = qk_norm(q, k, norms, self.qk_norm, "head")
+        q, k = apply_rope(q, rope), apply_rope(k, rope)
         if cache is not None:
             k, v = cache.update(self.layer, k, v)  # (B, KV, offset + T, hd)
         y = BACKENDS[self.backend](q, k, v, mask, scale=self.scale, softcap=self.softcap)  # (B, H, T, hd)
@@ -208,35 +195,35 @@ class FeedForward(nn.Module):
 
 class Block(nn.Module):
     """One layer. Norms by `norm_placement`: "pre" (x + f(norm(x))), "sandwich" (x +
-    post_norm(f(norm(x))), Gemma 2/3), "post" (x + post_norm(f(x)), OLMo 2)."""
+    post_norm(f(norm(x))), Gemma 2/3), "post" (x + post_norm(f(x)), OLMo 2); an absent norm is an
+    `nn.Identity` (no parameters), and `functional.sublayer` the one body of every placement."""
 
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
-        norm = functools.partial(RMSNorm, cfg.dim, cfg.norm_eps, cfg.norm_offset)
-        self.pre = cfg.norm_placement in ("pre", "sandwich")
-        self.post = cfg.norm_placement in ("sandwich", "post")
-        if self.pre:
-            self.attention_norm = norm()
+        pre, post = cfg.norm_placement in ("pre", "sandwich"), cfg.norm_placement in ("sandwich", "post")
+
+        def norm(present):
+            return RMSNorm(cfg.dim, cfg.norm_eps, cfg.norm_offset) if present else nn.Identity()
+
+        self.attention_norm = norm(pre)
         self.attention = Attention(cfg, layer)
-        if self.post:
-            self.attention_post_norm = norm()
-        if self.pre:
-            self.ffn_norm = norm()
+        self.attention_post_norm = norm(post)
+        self.ffn_norm = norm(pre)
         self.feed_forward = FeedForward(cfg)
-        if self.post:
-            self.ffn_post_norm = norm()
+        self.ffn_post_norm = norm(post)
         # which of the forward's rotary tables and masks this layer takes
         # a sliding layer takes tables of its own only with its own base (Gemma 3's local RoPE, never
         # scaled); otherwise it rotates as the full layers do, rope_scaling included (Mistral)
         own = cfg.is_sliding(layer) and bool(cfg.rope_theta_sliding)
         self.rope = None if layer in cfg.nope_layers else "sliding" if own else "full"
         self.window = cfg.sliding_window if cfg.is_sliding(layer) else 0
+        self.residual_scale = cfg.residual_scale
 
     def forward(self, x, ropes: dict, masks: dict, cache=None):
-        h = self.attention(self.attention_norm(x) if self.pre else x, ropes.get(self.rope), masks[self.window], cache)
-        x = x + (self.attention_post_norm(h) if self.post else h)
-        h = self.feed_forward(self.ffn_norm(x) if self.pre else x)
-        return x + (self.ffn_post_norm(h) if self.post else h)
+        rope, mask = ropes.get(self.rope), masks[self.window]
+        x = sublayer(x, lambda h: self.attention(h, rope, mask, cache), self.attention_norm, self.attention_post_norm,
+                     self.residual_scale)
+        return sublayer(x, self.feed_forward, self.ffn_norm, self.ffn_post_norm, self.residual_scale)
 
 
 class Transformer(nn.Module):
@@ -336,19 +323,25 @@ class Transformer(nn.Module):
             else:
                 masks[window] = prepare_mask(backend, T, device, dtype, None, cache.length, cache.key_mask,
                                              cache.length + T, window=window)
-        x = self.tok_embeddings(tokens)  # (B, T, dim)
-        if self.config.embed_scale != 1.0:  # Gemma: sqrt(dim), in float32 (transformers: in the weights' dtype)
-            x = x * self.config.embed_scale
+        x = self.embed(tokens)  # (B, T, dim)
         for block in self.layers:
             x = block(x, ropes, masks, cache)
         if cache is not None:
             cache.length += T
         return self.norm(x)
 
-    def logits(self, h: torch.Tensor) -> torch.Tensor:
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """(...) int64 token ids -> (..., dim) embeddings in the parameters' dtype, times `embed_scale`
+        (Gemma: sqrt(dim), in float32; transformers: in the weights' dtype)."""
+        return scale_embedding(self.tok_embeddings(tokens), self.config.embed_scale)
+
+    def logits(self, h: torch.Tensor, product=None) -> torch.Tensor:
         """(..., dim) -> (..., vocab_size): the padding rows of the output never take part;
-        soft-capped with `final_softcap`."""
-        return softcap(F.linear(h, self.output.weight[: self.vocab_size]), self.config.final_softcap)
+        divided by `logit_scale`, soft-capped with `final_softcap`. `product`: h -> h @ output.weight[:vocab_size].T computed
+        another way (the decode step's prepacked head), the default F.linear."""
+        h = scale_logits(h, self.config.logit_scale)
+        y = F.linear(h, self.output.weight[: self.vocab_size]) if product is None else product(h)
+        return softcap(y, self.config.final_softcap)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
                 document_ids: torch.Tensor | None = None, cache: KVCache | None = None,
@@ -380,7 +373,8 @@ class Transformer(nn.Module):
         if loss_mask is None:
             loss_mask = torch.ones_like(targets, dtype=torch.bool)
         weight = self.output.weight[: self.vocab_size]
-        return linear_cross_entropy_sum(h, weight, targets, loss_mask, groups=groups, n_groups=n_groups,
+        return linear_cross_entropy_sum(scale_logits(h, self.config.logit_scale), weight, targets, loss_mask,
+                                        groups=groups, n_groups=n_groups,
                                         softcap=self.config.final_softcap, temperature=temperature)
 
     # -- the decode path (lmforge.model.decode): delegates, for the callers of these methods --

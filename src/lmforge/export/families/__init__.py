@@ -1,5 +1,5 @@
 """The model families lmforge imports and exports, one module each (`llama.py`, `mistral.py`,
-`qwen2.py`, `qwen3.py`, `gemma3.py`, `gemma2.py`, `olmo2.py`, `smollm3.py`; Gemma's shared pieces in
+`qwen2.py`, `qwen3.py`, `gemma3.py`, `gemma2.py`, `olmo2.py`, `smollm3.py`, `granite.py`; Gemma's shared pieces in
 `gemma.py`): everything family-specific lives in its module, at the edge (the model itself knows
 only mechanisms: the fields of `ModelConfig`, never a family's name). Import and export code asks
 a record (`Family`, `record.py`) and never tests a family's name.
@@ -33,7 +33,7 @@ code site in lmforge/model.
 from __future__ import annotations
 
 from lmforge.config import ModelConfig
-from lmforge.export.families import gemma2, gemma3, llama, mistral, olmo2, qwen2, qwen3, smollm3
+from lmforge.export.families import gemma2, gemma3, granite, llama, mistral, olmo2, qwen2, qwen3, smollm3
 from lmforge.export.families.gemma import GEMMA_CHAT_TEMPLATE
 from lmforge.export.families.record import MECHANISMS, Family, HfIn, LlamaCppArch
 from lmforge.tokenizer import FamilyTemplate
@@ -42,7 +42,7 @@ from lmforge.tokenizer import FamilyTemplate
 #: exported as the first)
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     llama.FAMILY, mistral.FAMILY, qwen2.FAMILY, qwen3.FAMILY, gemma3.FAMILY, gemma2.FAMILY, olmo2.FAMILY,
-    smollm3.FAMILY)}
+    smollm3.FAMILY, granite.FAMILY)}
 
 #: llama.cpp's runtime, by `general.architecture` (the first record of each architecture says it;
 #: every `Family.gguf_arch` has an entry)

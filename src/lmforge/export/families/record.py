@@ -14,7 +14,7 @@ from lmforge.export.hf_rope_in import number
 #: dim, n_layers, heads, ffn_dim, norm_eps, rope_theta, max_seq_len, tie_embeddings, attention).
 MECHANISMS = ("head_dim", "norm_offset", "norm_placement", "qk_norm", "qk_norm_scope", "qkv_bias", "mlp_activation",
               "embed_scale", "attn_scale", "attn_softcap", "final_softcap", "layer_types", "sliding_window",
-              "rope_theta_sliding", "nope_layers", "rope_scaling")
+              "rope_theta_sliding", "nope_layers", "rope_scaling", "residual_scale", "logit_scale")
 
 #: The mechanisms of Llama's layout, which most families fix
 LLAMA_SHAPE = dict(norm_offset=0.0, norm_placement="pre", mlp_activation="silu", embed_scale=1.0,
@@ -41,6 +41,8 @@ class LlamaCppArch:
         (gemma3: only in its graph without sliding layers), "none".
     rope_freqs: Llama 3.1's RoPE scaling is read as the `rope_freqs` tensor (llama only).
     window_required: a file without `{arch}.attention.sliding_window` is refused (gemma3).
+    scales_from_file: the embedding and attention scales are the file's keys (granite:
+        `embedding_scale`, `attention.scale`, with `residual_scale` and `logit_scale`), not hard-coded.
     nope_step: layer il skips RoPE iff (il + 1) % nope_step == 0 (smollm3: 4, `n_no_rope_layer_step`);
         0: every layer rotates q and k.
     no_swa_note: said when a sliding model is refused for an architecture without sliding windows.
@@ -56,6 +58,7 @@ class LlamaCppArch:
     window_required: bool = False
     no_swa_note: str = ""
     nope_step: int = 0
+    scales_from_file: bool = False
 
     def nope_layers(self, n_layers: int) -> list[int]:
         """The layers llama.cpp runs without RoPE."""
