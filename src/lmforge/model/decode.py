@@ -18,7 +18,8 @@ v in one product, the rotary embedding of q and k in one multiply-add (`SignedRo
 from __future__ import annotations
 
 import math
-from typing import Callable, NamedTuple
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -101,8 +102,10 @@ def fuse(linears, norm: torch.nn.Module | None, dtype: torch.dtype) -> tuple[tor
     return w.to(dtype).contiguous(), bias.to(dtype)
 
 
-class DecodeLayer(NamedTuple):
-    """One layer in the decode layout (`DecodeWeights`), read from the model's `Block`."""
+@dataclass(slots=True)
+class DecodeLayer:
+    """One layer in the decode layout (`DecodeWeights`), read from the model's `Block` (slots: a
+    step reads these fields a few dozen times)."""
 
     mats: tuple  # (wqkv, wo, w13, w2), (in, out) each
     biases: tuple  # each matrix's bias, or None
