@@ -374,17 +374,17 @@ def test_permuted_special_ids_pipeline(capsys, tiny_corpus, tiny_tokenizer, tmp_
         last["tok"] = tokens[:, -1]
         return real_hidden(self, tokens, *args, **kwargs)
 
-    def logits(self, h, out=None):  # after any token but the old EOS id: the old EOS id; after it: EOS
-        out = real_logits(self, h) if out is None else out
+    def logits(self, h, product=None):  # after any token but the old EOS id: the old EOS id; after it: EOS
+        out = real_logits(self, h, product)
         want = torch.where(last["tok"] == default_eos, c.eos_id, default_eos)
         boost = torch.nn.functional.one_hot(want, out.shape[-1]).to(out.dtype) * 1e4  # (B, V)
         return out + (boost[:, None] if out.dim() == 3 else boost)
 
     real_decode = Transformer.decode_step
 
-    def decode_step(self, tokens, *args, **kwargs):  # the fused decode path: same rule
+    def decode_step(self, tokens, *args, **kwargs):  # the fused decode path ends in model.logits: same rule
         last["tok"] = tokens
-        return logits(self, None, real_decode(self, tokens, *args, **kwargs))
+        return real_decode(self, tokens, *args, **kwargs)
 
     monkeypatch.setattr(Transformer, "hidden", hidden)
     monkeypatch.setattr(Transformer, "logits", logits)
