@@ -205,6 +205,52 @@ def _encode(gguf, array: np.ndarray, name: str, dtype: str) -> tuple[np.ndarray,
     return array.astype(np.float16), None
 
 
+def _add_model_keys(w, model: ModelConfig, rt, vocab_size: int) -> None:
+    """The `{arch}.*` keys of the model: Llama's shape, and what the architecture reads of its own
+    (`rt`: the family's `LlamaCppArch`): the window, the sliding RoPE base, soft-caps, Granite's scalars."""
+    w.add_context_length(model.max_seq_len)
+    w.add_embedding_length(model.dim)
+    w.add_block_count(model.n_layers)
+    w.add_feed_forward_length(model.resolved_ffn_dim())
+    w.add_head_count(model.n_heads)
+    w.add_head_count_kv(model.n_kv_heads)
+    w.add_key_length(model.resolved_head_dim())
+    w.add_value_length(model.resolved_head_dim())
+    w.add_rope_dimension_count(model.resolved_head_dim())
+    w.add_rope_freq_base(float(model.rope_theta))
+    w.add_layer_norm_rms_eps(float(model.norm_eps))
+    w.add_vocab_size(vocab_size)
+    if rt.swa_pattern:  # llama.cpp decides which layers slide (gguf_family checked the model's are those)
+        w.add_sliding_window(model.sliding_window)
+    if rt.rope_theta_sliding:  # what llama.cpp's converter writes (its runtime hard-codes the same value)
+        w.add_rope_freq_base_swa(float(model.rope_theta_sliding or model.rope_theta))
+    if model.attn_softcap:
+        w.add_attn_logit_softcapping(float(model.attn_softcap))
+    if model.final_softcap:
+        w.add_final_logit_softcapping(float(model.final_softcap))
+    if rt.scales_from_file:  # granite: the four scalars, as llama.cpp's converter writes them
+        w.add_embedding_scale(float(model.embed_scale))
+        w.add_attention_scale(float(model.attn_scale or model.resolved_head_dim() ** -0.5))
+        w.add_residual_scale(float(model.residual_scale))
+        w.add_logit_scale(float(model.logit_scale))
+
+
+def _add_tokenizer_keys(w, vocab, contract: Contract) -> None:
+    """The `tokenizer.ggml.*` keys: the vocabulary as llama.cpp reads it (`gguf_vocab`) and the contract's ids."""
+    w.add_tokenizer_model(vocab.model)
+    w.add_tokenizer_pre(vocab.pre)
+    w.add_token_list(vocab.tokens)
+    if vocab.scores is not None:
+        w.add_token_scores(vocab.scores)
+    w.add_token_types(vocab.token_types)
+    if vocab.merges:
+        w.add_token_merges(vocab.merges)
+    if vocab.add_space_prefix is not None:
+        w.add_add_space_prefix(vocab.add_space_prefix)
+    for key, value in tokenizer_keys(contract, vocab).items():
+        getattr(w, f"add_{key}")(value)
+
+
 def write_gguf(out: str | Path, model: ModelConfig, contract: Contract, state: dict[str, torch.Tensor],
                tokenizer_json: str | Path, dtype: str = "float32", name: str = "lmforge",
                facts: dict | None = None) -> Path:
@@ -248,44 +294,9 @@ def write_gguf(out: str | Path, model: ModelConfig, contract: Contract, state: d
         w.add_base_model_name(0, facts["base_model"])
     w.add_file_type(int(file_type))
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    w.add_context_length(model.max_seq_len)
-    w.add_embedding_length(model.dim)
-    w.add_block_count(model.n_layers)
-    w.add_feed_forward_length(model.resolved_ffn_dim())
-    w.add_head_count(model.n_heads)
-    w.add_head_count_kv(model.n_kv_heads)
-    w.add_key_length(model.resolved_head_dim())
-    w.add_value_length(model.resolved_head_dim())
-    w.add_rope_dimension_count(model.resolved_head_dim())
-    w.add_rope_freq_base(float(model.rope_theta))
-    w.add_layer_norm_rms_eps(float(model.norm_eps))
-    w.add_vocab_size(contract.vocab_size)
-    if rt.swa_pattern:  # llama.cpp decides which layers slide (gguf_family checked the model's are those)
-        w.add_sliding_window(model.sliding_window)
-    if rt.rope_theta_sliding:  # what llama.cpp's converter writes (its runtime hard-codes the same value)
-        w.add_rope_freq_base_swa(float(model.rope_theta_sliding or model.rope_theta))
-    if model.attn_softcap:
-        w.add_attn_logit_softcapping(float(model.attn_softcap))
-    if model.final_softcap:
-        w.add_final_logit_softcapping(float(model.final_softcap))
-    if rt.scales_from_file:  # granite: the four scalars, as llama.cpp's converter writes them
-        w.add_embedding_scale(float(model.embed_scale))
-        w.add_attention_scale(float(model.attn_scale or model.resolved_head_dim() ** -0.5))
-        w.add_residual_scale(float(model.residual_scale))
-        w.add_logit_scale(float(model.logit_scale))
+    _add_model_keys(w, model, rt, contract.vocab_size)
 
-    w.add_tokenizer_model(vocab.model)
-    w.add_tokenizer_pre(vocab.pre)
-    w.add_token_list(vocab.tokens)
-    if vocab.scores is not None:
-        w.add_token_scores(vocab.scores)
-    w.add_token_types(vocab.token_types)
-    if vocab.merges:
-        w.add_token_merges(vocab.merges)
-    if vocab.add_space_prefix is not None:
-        w.add_add_space_prefix(vocab.add_space_prefix)
-    for key, value in tokenizer_keys(contract, vocab).items():
-        getattr(w, f"add_{key}")(value)
+    _add_tokenizer_keys(w, vocab, contract)
 
     for tname, data, raw in encoded:
         w.add_tensor(tname, data, raw_dtype=raw)

@@ -115,6 +115,8 @@ def _hf_config(family: Family, kv: dict, path: Path, real, size, shape: dict) ->
                           f"files without sliding-window attention (expected none; OLMo 3's, for olmo2) only; "
                           f"import the model's Hugging Face folder with `lmforge import-hf` instead.")
     config.update(hidden_act="silu", rope_theta=theta, rope_scaling=None, **family.gguf_in_keys)
+    if family.gguf_in_extra is not None:  # what the architecture adds to Llama's keys (Granite's scalars)
+        config.update(family.gguf_in_extra(kv, arch, real, hd))
     nope = LLAMA_CPP_ARCHS[arch].nope_layers(n_layers)
     if nope:  # the layers llama.cpp runs without RoPE, whatever the file says (SmolLM3's every 4th)
         config["no_rope_layers"] = [0 if i in nope else 1 for i in range(n_layers)]

@@ -49,19 +49,14 @@ def scalars_in(hf: HfIn, dim: int) -> None:
         hf.keys[field] = (key, hf.get(key, 1.0), how)
 
 
-def gguf_in_config(family, kv: dict, path, real, size, shape: dict, config: dict, theta: float) -> dict:
-    """config.json of a GGUF file of llama.cpp's granite: Llama's keys and the four scalars the
-    file holds (llama.cpp: an absent or 0 one is 1, the attention scale 1/sqrt(head_dim))."""
-    arch = family.gguf_arch
-    if kv.get(f"{arch}.attention.sliding_window"):
-        raise ExportError(f"{path}: {arch}.attention.sliding_window = {kv[f'{arch}.attention.sliding_window']!r}: "
-                          f"llama.cpp's granite has no sliding-window attention (expected none).")
-    config.update(hidden_act="silu", rope_theta=theta, rope_scaling=None, **family.gguf_in_keys)
+def gguf_in_scalars(kv: dict, arch: str, real, head_dim: int) -> dict:
+    """The four scalars of a GGUF file of llama.cpp's granite as config.json keys (llama.cpp: an
+    absent or 0 one is 1, the attention scale 1/sqrt(head_dim))."""
+    out = {}
     for key, hf_key in GGUF_SCALARS.items():
         value = real(key, 0.0) if f"{arch}.{key}" in kv else 0.0
-        default = shape["head_dim"] ** -0.5 if key == "attention.scale" else 1.0
-        config[hf_key] = value or default
-    return config
+        out[hf_key] = value or (head_dim ** -0.5 if key == "attention.scale" else 1.0)
+    return out
 
 
 FAMILY = Family(
@@ -72,4 +67,4 @@ FAMILY = Family(
     settable=("embed_scale", "attn_scale", "residual_scale", "logit_scale"),
     note="Llama's layout with embedding, attention, residual and logit scalars",
     hf_config_out=hf_config, hf_mechanisms_in=scalars_in,
-    gguf_in_keys={"attention_bias": False, "mlp_bias": False}, gguf_in_config=gguf_in_config)
+    gguf_in_keys={"attention_bias": False, "mlp_bias": False}, gguf_in_extra=gguf_in_scalars)

@@ -113,7 +113,9 @@ class Family:
         hf_rope_in(hf) -> dict: RoPE as ModelConfig keys (Gemma 3's per-layer-kind bases).
         hf_mechanisms_in(hf, dim): reads the family's own keys into `hf.mech` (Gemma's scales, soft-caps).
         gguf_in_config(family, kv, path, real, size, shape, config) -> dict: the config.json of a
-            GGUF file of the architecture beyond the shared keys in `config` (Gemma's).
+            GGUF file of the architecture beyond the shared keys in `config` (Gemma's), in place of Llama's.
+        gguf_in_extra(kv, arch, real, head_dim) -> dict: config.json keys a GGUF file of the architecture
+            adds to Llama's (Granite's scalars).
     """
 
     model_type: str  # config.json's model_type
@@ -147,6 +149,7 @@ class Family:
     # -- GGUF in
     gguf_in_keys: dict = field(default_factory=dict)  # config.json keys of a GGUF file without sliding layers
     gguf_in_config: Callable | None = None
+    gguf_in_extra: Callable | None = None
 
 
 __all__ = ["Family", "HfIn", "LLAMA_SHAPE", "LlamaCppArch", "MECHANISMS"]
