@@ -33,6 +33,10 @@ SentencePiece-style), wrapped in
     smollm3  SmolLM3ForCausalLM: 4 layers, the last without RoPE (transformers' default every 4th),
              tied head; byte-level BPE with Llama 3's <|begin_of_text|> (not prepended), eos_token
              <|im_end|>, SmolLM3's ChatML without its metadata block
+    phi3     Phi3ForCausalLM (fused qkv_proj and gate_up_proj), 4 heads / 2 key-value heads, no
+             window, untied; byte-level BPE with Phi-3's specials (<s> not prepended, eos_token
+             <|endoftext|>, turns closed by <|end|>) and Phi-3-mini-4k-instruct's template
+    phi3_sliding  the same with sliding_window 6 (< max_position_embeddings): every layer slides
 
 Every model is built with attn_implementation="eager" and every norm weight is random (Gemma's
 zero-initialised (1 + w) norms would hide offset and placement bugs).
@@ -163,6 +167,15 @@ GEMMA_SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_o
 _GEMMA_TOKENIZER = (GEMMA_SPECIALS, dict(bos_token="<bos>", eos_token="<eos>", unk_token="<unk>", pad_token="<pad>"),
                     "<bos>", GEMMA3_TEMPLATE)
 
+PHI3_SPECIALS = ["<unk>", "<s>", "</s>", "<|endoftext|>", "<|assistant|>", "<|end|>", "<|user|>", "<|system|>"]
+#: Phi-3-mini-4k-instruct's tokenizer_config.json chat_template
+PHI3_TEMPLATE = (
+    "{% for message in messages %}{% if message['role'] == 'system' %}{{'<|system|>\n' + message['content'] + "
+    "'<|end|>\n'}}{% elif message['role'] == 'user' %}{{'<|user|>\n' + message['content'] + '<|end|>\n'}}"
+    "{% elif message['role'] == 'assistant' %}{{'<|assistant|>\n' + message['content'] + '<|end|>\n'}}{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% else %}{{ eos_token }}{% endif %}"
+)
+
 #: family -> (special tokens in id order, tokenizer kwargs, BOS prepended by the post-processor, template)
 TOKENIZERS = {
     "smollm": (["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
@@ -185,10 +198,16 @@ TOKENIZERS = {
     "granite": (["<|end_of_text|>", "<fim_prefix>", "<|start_of_role|>", "<|end_of_role|>", "<|pad|>"],
                 dict(bos_token="<|end_of_text|>", eos_token="<|end_of_text|>", pad_token="<|pad|>"), None,
                 GRANITE_TEMPLATE),
+    "phi3": (PHI3_SPECIALS, dict(bos_token="<s>", eos_token="<|endoftext|>", unk_token="<unk>",
+                                 pad_token="<|endoftext|>"), None, PHI3_TEMPLATE),
+    "phi3_sliding": (PHI3_SPECIALS, dict(bos_token="<s>", eos_token="<|endoftext|>", unk_token="<unk>",
+                                         pad_token="<|endoftext|>"), None, PHI3_TEMPLATE),
     "smollm3": (["<|begin_of_text|>", "<|end_of_text|>", "<|im_start|>", "<|im_end|>", "<|finetune_right_pad_id|>"],
                 dict(bos_token="<|begin_of_text|>", eos_token="<|im_end|>", pad_token="<|finetune_right_pad_id|>"), None,
                 SMOLLM3_TEMPLATE),
 }
+
+W_PHI3 = 6  # phi3_sliding's window
 
 #: families whose tokenizer is SentencePiece-style BPE (Gemma's), not byte-level
 SPM_FAMILIES = ("gemma3", "gemma2")
@@ -293,6 +312,11 @@ def build_model(family: str, vocab_size: int, seed: int = 0, **overrides):
         cls, cfg = transformers.GraniteForCausalLM, transformers.GraniteConfig(
             **common, tie_word_embeddings=True, embedding_multiplier=6.0, attention_multiplier=0.1,
             residual_multiplier=0.22, logits_scaling=0.5, bos_token_id=0, eos_token_id=0, pad_token_id=4)
+    elif family in ("phi3", "phi3_sliding"):  # Phi-3 derives head_dim = hidden_size / heads
+        common.pop("head_dim")
+        cls, cfg = transformers.Phi3ForCausalLM, transformers.Phi3Config(
+            **common, sliding_window=W_PHI3 if family == "phi3_sliding" else None, tie_word_embeddings=False,
+            bos_token_id=1, eos_token_id=3, pad_token_id=3)
     elif family == "olmo2":
         common.pop("head_dim")
         cls, cfg = transformers.Olmo2ForCausalLM, transformers.Olmo2Config(

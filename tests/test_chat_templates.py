@@ -34,6 +34,7 @@ LEARNED = {
     "qwen2": lambda c: c + "<|im_end|>",
     "llama3": lambda c: c.strip() + "<|eot_id|>",  # Llama 3's template trims each message
     "mistral": lambda c: c + "</s>",
+    "phi3": lambda c: c + "<|end|>",  # its closing eos_token (no generation prompt) is never learned
 }
 
 
@@ -108,3 +109,15 @@ def test_template_errors_and_special_spellings_are_data_errors(family_tok):
     if family == "mistral":
         with pytest.raises(DataError, match="roles must alternate"):
             tok.render_chat([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}])
+
+
+def test_conversation_close_is_the_text_only_a_conversations_end_gets():
+    """Phi-3's template writes its eos_token after the last message when no generation prompt is
+    asked: that text is the close; a template that rewrites earlier turns has none (None)."""
+    from lmforge.tokenizer.chat import conversation_close
+
+    tokens = ("<EOS>", "<u>", "")
+    assert conversation_close("<u>hi<a>yo<e>\n", "<u>hi<a>yo<e>\n<u>bye", tokens) == ""
+    assert conversation_close("<u>hi<a>yo<e>\n<EOS>", "<u>hi<a>yo<e>\n<u>bye<a>ok<e>\n<EOS>", tokens) == "<EOS>"
+    assert conversation_close("<u>hi<a>yo<e>\n<EOS>", "<u>hi<a>yo<e>\n<u>bye<a>ok<e>\n<EOS>", ("<u>",)) is None
+    assert conversation_close("<u>hi<a><think>x</think>yo<e>\n", "<u>hi<a>yo<e>\n<u>bye<a>ok<e>\n", tokens) is None

@@ -315,7 +315,7 @@ def _hf_folder(tmp_path: Path, exported, name: str = "edited", **changes) -> Pat
 
 
 @pytest.mark.parametrize("changes, message", [
-    ({"model_type": "phi3", "architectures": ["Phi3ForCausalLM"]}, "model_type = 'phi3'"),
+    ({"model_type": "phi", "architectures": ["PhiForCausalLM"]}, "model_type = 'phi'"),
     ({"attention_bias": True}, "attention_bias = True"),
     ({"mlp_bias": True}, "mlp_bias = True"),
     ({"hidden_act": "gelu"}, "hidden_act = 'gelu'"),

@@ -507,12 +507,13 @@ def test_rewritten_file_imports(exported, tmp_path):
 #: tests/hf_families.py's tiny models, with what llama.cpp can represent: query_pre_attn_scalar =
 #: head_dim (llama.cpp scales by 1/sqrt(head_dim), never by the config's scalar)
 HF_OVERRIDES = {"gemma3": {"query_pre_attn_scalar": 48}, "gemma2": {"query_pre_attn_scalar": 48}, "olmo2": {},
-                "smollm3": {}, "granite": {}}
+                "smollm3": {}, "granite": {}, "phi3": {}}
 ARCH["smollm3"] = "smollm3"  # SmolLM3: llama.cpp's smollm3 skips RoPE in every 4th layer, as transformers' default
 ARCH["granite"] = "granite"  # Granite: its four scalars are the file's keys
+ARCH["phi3"] = "phi3"  # Phi-3: fused attn_qkv and ffn_up (2 x ffn rows), NeoX rotation (no permutation)
 
 
-@pytest.mark.parametrize("family", FAMS + ("smollm3", "granite"))
+@pytest.mark.parametrize("family", FAMS + ("smollm3", "granite", "phi3"))
 def test_gguf_import_equals_hf_import(family, tmp_path):
     """transformers folder -> import-hf -> export --format gguf -> import-gguf: tensor for tensor the
     import-hf checkpoint (Gemma norms through float32 1 + w), the same config and contract, and
@@ -542,11 +543,54 @@ def test_gguf_import_equals_hf_import(family, tmp_path):
     torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
 
 
+def test_phi3_tensors_are_llama_cpps_fused_ones(tmp_path):
+    """Phi-3's GGUF holds attn_qkv = [q; k; v] and ffn_up = [gate; up] (2 x ffn rows, no ffn_gate),
+    as llama.cpp's converter writes them, bit for bit transformers' qkv_proj and gate_up_proj,
+    unpermuted (llama.cpp's phi3 rotates NeoX halves)."""
+    pytest.importorskip("transformers")
+    from hf_families import build_folder
+
+    from lmforge.export import export_gguf
+    from lmforge.export.hf_in import import_hf
+
+    hf, _ = build_folder("phi3", tmp_path / "hf")
+    out = export_gguf(import_hf(tmp_path / "hf", tmp_path / "ckpt"), tmp_path / "m.gguf")
+    _, tensors = read(out)
+    assert not any(n.endswith(("attn_q.weight", "attn_k.weight", "attn_v.weight", "ffn_gate.weight")) for n in tensors)
+    for i in range(2):
+        qkv, up = array(tensors[f"blk.{i}.attn_qkv.weight"]), array(tensors[f"blk.{i}.ffn_up.weight"])
+        assert qkv.shape == (4 * 16 + 2 * 2 * 16, 64) and up.shape == (2 * 96, 64)
+        layer = hf.model.layers[i]
+        assert np.array_equal(qkv, layer.self_attn.qkv_proj.weight.detach().numpy())
+        assert np.array_equal(up, layer.mlp.gate_up_proj.weight.detach().numpy())
+
+
+def test_phi3_file_window_is_not_applied_as_llama_cpp_does(tmp_path):
+    """llama.cpp's converter writes Phi-3-mini-4k's sliding_window (2047) and its runtime does not
+    apply it ("Phi SWA is currently disabled"): import-gguf reads such a file as full attention,
+    as llama.cpp computes it, and says so; the same key in a llama file is refused."""
+    pytest.importorskip("transformers")
+    from hf_families import build_folder
+
+    from lmforge.export import export_gguf, import_gguf
+    from lmforge.export.hf_in import import_hf
+
+    build_folder("phi3", tmp_path / "hf")
+    path = export_gguf(import_hf(tmp_path / "hf", tmp_path / "ckpt"), tmp_path / "m.gguf")
+    windowed = _rewritten(path, tmp_path / "w.gguf", lambda kv: kv.__setitem__(
+        "phi3.attention.sliding_window", (6, [gguf.GGUFValueType.UINT32])))
+    lines: list[str] = []
+    back = load_model(import_gguf(windowed, tmp_path / "back", log=lines.append))[0]
+    assert back.config.layer_types == [] and back.config.family == "phi3"
+    assert any("phi3.attention.sliding_window = 6: llama.cpp does not apply it" in x for x in lines)
+
+
 @pytest.mark.parametrize("family,match", [
     ("mistral_sliding", r"model\.layer_types = \['sliding'.*llama\.cpp never implemented Mistral's sliding window"),
     ("smollm3_nope_1", r"model\.nope_layers = \[1\]: llama\.cpp's smollm3 architecture skips RoPE in every 4th layer"
                        r".*expected \[3\]"),
     ("gemma3", r"model\.attn_scale = .*query_pre_attn_scalar = 40.*never reads query_pre_attn_scalar"),
+    ("phi3_sliding", r"model\.layer_types = \['sliding'.*llama\.cpp disables Phi-3's sliding window"),
 ])
 def test_imported_models_llama_cpp_cannot_run_are_refused(family, match, tmp_path):
     """From transformers folders: a Mistral whose window slides (llama.cpp's llama has none) and a

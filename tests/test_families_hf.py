@@ -1,5 +1,6 @@
-"""Gemma 3 (text), Gemma 2, OLMo 2, Mistral with a window that slides, SmolLM3 (NoPE layers) and
-Granite (embedding, attention, residual and logit scalars), through `lmforge
+"""Gemma 3 (text), Gemma 2, OLMo 2, Mistral with a window that slides, SmolLM3 (NoPE layers),
+Granite (embedding, attention, residual and logit scalars) and Phi-3 (fused qkv_proj and
+gate_up_proj; with and without a window), through `lmforge
 import-hf` and `lmforge export`, against `transformers` itself (eager attention, fp32, CPU).
 
 The tiny models of `hf_families` (every norm weight random; Gemma 3: 7 layers, 5 sliding : 1
@@ -41,11 +42,12 @@ from lmforge.export.families import FAMILIES as RECORDS  # noqa: E402
 from lmforge.fileio import load_safetensors  # noqa: E402
 from lmforge.model import load_model  # noqa: E402
 
-FAMILIES = ["gemma3", "gemma2", "olmo2", "mistral_sliding", "smollm3", "granite"]
+FAMILIES = ["gemma3", "gemma2", "olmo2", "mistral_sliding", "smollm3", "granite", "phi3", "phi3_sliding"]
 #: hf_families' family -> (model_type, architecture)
 NAMES = {"gemma3": ("gemma3_text", "Gemma3ForCausalLM"), "gemma2": ("gemma2", "Gemma2ForCausalLM"),
          "olmo2": ("olmo2", "Olmo2ForCausalLM"), "mistral_sliding": ("mistral", "MistralForCausalLM"),
-         "smollm3": ("smollm3", "SmolLM3ForCausalLM"), "granite": ("granite", "GraniteForCausalLM")}
+         "smollm3": ("smollm3", "SmolLM3ForCausalLM"), "granite": ("granite", "GraniteForCausalLM"),
+         "phi3": ("phi3", "Phi3ForCausalLM"), "phi3_sliding": ("phi3", "Phi3ForCausalLM")}
 W = 6  # hf_families' sliding window (OLMo 2 has none: its T is the others')
 T1 = 3 * W + 5
 def hf_logits(model, tokens: torch.Tensor, **kwargs) -> torch.Tensor:
@@ -88,7 +90,7 @@ def test_config_maps_every_mechanism(imported):
     c = hf.config
     kinds = {"full_attention": "full", "sliding_attention": "sliding"}
     hf_types = [kinds[t] for t in getattr(c, "layer_types", None) or ["full_attention"] * c.num_hidden_layers]
-    if family == "mistral_sliding":  # transformers' Mistral: the window in every layer
+    if family in ("mistral_sliding", "phi3_sliding"):  # transformers' Mistral and Phi-3: the window in every layer
         hf_types = ["sliding"] * c.num_hidden_layers
     assert (m.layer_types or ["full"] * m.n_layers) == hf_types
     assert m.resolved_head_dim() == getattr(c, "head_dim", c.hidden_size // c.num_attention_heads)
@@ -109,6 +111,8 @@ def test_config_maps_every_mechanism(imported):
         assert m.sliding_window == W and any("every layer attends to its last 6 keys" in x for x in lines)
     if family == "granite":  # the four scalars, each its own mechanism
         assert (m.embed_scale, m.attn_scale, m.residual_scale, m.logit_scale) == (6.0, 0.1, 0.22, 0.5)
+    if family.startswith("phi3"):  # Llama's computation, exported back as Phi-3 by the family imported
+        assert m.family == "phi3" and m.n_kv_heads < m.n_heads and not m.qkv_bias
     if family == "smollm3":  # transformers' no_rope_layers [1, 1, 1, 0]: the last layer skips RoPE
         assert c.no_rope_layers == [1, 1, 1, 0] and m.nope_layers == [3] and not m.layer_types
 
@@ -199,6 +203,8 @@ FAMILY_KEYS = {
     "granite": ["embedding_multiplier", "attention_multiplier", "residual_multiplier", "logits_scaling", "hidden_act",
                 "tie_word_embeddings", "rms_norm_eps"],
     "smollm3": ["no_rope_layers", "hidden_act", "tie_word_embeddings", "rms_norm_eps"],
+    "phi3": ["sliding_window", "hidden_act", "tie_word_embeddings", "rms_norm_eps"],
+    "phi3_sliding": ["sliding_window", "hidden_act", "tie_word_embeddings", "rms_norm_eps"],
 }
 COMMON_KEYS = ["hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                "max_position_embeddings"]
@@ -326,8 +332,11 @@ def test_export_refuses_what_no_family_carries(gemma3_folder, tmp_path):
     import_hf(gemma3_folder, tmp_path / "ckpt")
     model, _, contract, _ = load_model(tmp_path / "ckpt")
     cfg = model.config
-    with pytest.raises(ExportError, match="no model family lmforge exports carries"):
-        hf_config(dataclasses.replace(cfg, attn_softcap=5.0, qk_norm=True), contract)  # Gemma 3 has no attention cap
+    with pytest.raises(ExportError, match="model.family = 'gemma3_text': Gemma3ForCausalLM cannot carry this "
+                                          "model's attn_softcap = 5.0"):  # the family imported, named
+        hf_config(dataclasses.replace(cfg, attn_softcap=5.0), contract)
+    with pytest.raises(ExportError, match="no model family lmforge exports carries"):  # Gemma 3 has no attention cap
+        hf_config(dataclasses.replace(cfg, attn_softcap=5.0, qk_norm=True, family=""), contract)
     with pytest.raises(ExportError, match="model.embed_scale = 2.0.*sqrt\\(hidden_size\\) = 8.0"):
         hf_config(dataclasses.replace(cfg, embed_scale=2.0), contract)
     with pytest.raises(ExportError, match="model.rope_scaling = 'llama3'"):
@@ -337,3 +346,57 @@ def test_export_refuses_what_no_family_carries(gemma3_folder, tmp_path):
     with pytest.raises(ExportError, match="MistralForCausalLM slides the window in every layer or in none"):
         hf_config(mistral, contract)
     assert hf_config(dataclasses.replace(mistral, layer_types=["sliding"] * 2), contract)["sliding_window"] == W
+
+
+# -- Phi-3: fused weights split at import, joined at export; the family kept by model.family --------
+@pytest.fixture(scope="module")
+def phi3_folder(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("phi3_src") / "hf"
+    build_folder("phi3", folder)
+    return folder
+
+
+def test_phi3_fused_weights_are_lmforges_parts(phi3_folder, tmp_path):
+    """qkv_proj rows = [wq; wk; wv] (H hd, KV hd, KV hd), gate_up_proj rows = [w1; w3]: the
+    imported weights are those slices of transformers' own, bit for bit."""
+    import_hf(phi3_folder, tmp_path / "ckpt")
+    ours = load_safetensors(tmp_path / "ckpt" / "model.safetensors")
+    theirs = load_safetensors(phi3_folder / "model.safetensors")
+    qkv, gate_up = theirs["model.layers.1.self_attn.qkv_proj.weight"], theirs["model.layers.1.mlp.gate_up_proj.weight"]
+    assert qkv.shape[0] == 4 * 16 + 2 * 2 * 16 and gate_up.shape[0] == 2 * 96
+    assert torch.equal(ours["layers.1.attention.wq.weight"], qkv[:64])
+    assert torch.equal(ours["layers.1.attention.wk.weight"], qkv[64:96])
+    assert torch.equal(ours["layers.1.attention.wv.weight"], qkv[96:])
+    assert torch.equal(ours["layers.1.feed_forward.w1.weight"], gate_up[:96])
+    assert torch.equal(ours["layers.1.feed_forward.w3.weight"], gate_up[96:])
+    assert not any("qkv" in k or "w13" in k for k in ours)
+
+
+def test_model_family_picks_the_export_and_is_checked(phi3_folder, tmp_path):
+    """model.family = "phi3" exports Phi3ForCausalLM; "" the first family carrying the mechanisms
+    (Llama: the same computation); a name no record has, or a family that cannot carry the
+    model, is refused naming model.family."""
+    import_hf(phi3_folder, tmp_path / "ckpt")
+    model, _, contract, _ = load_model(tmp_path / "ckpt")
+    cfg = model.config
+    assert hf_config(cfg, contract)["architectures"] == ["Phi3ForCausalLM"]
+    assert hf_config(dataclasses.replace(cfg, family=""), contract)["architectures"] == ["LlamaForCausalLM"]
+    with pytest.raises(ExportError, match="model.family = 'phi4': expected one of 'llama'"):
+        hf_config(dataclasses.replace(cfg, family="phi4"), contract)
+    with pytest.raises(ExportError, match="model.family = 'phi3': Phi3ForCausalLM cannot carry this model's qk_norm"):
+        hf_config(dataclasses.replace(cfg, qk_norm=True), contract)
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 5000.0, "partial_rotary_factor": 0.5}},
+     "partial_rotary_factor"),
+    ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 5000.0, "short_factor": [1.0] * 8,
+                          "long_factor": [2.0] * 8, "original_max_position_embeddings": 64}}, "longrope"),
+    ({"head_dim": 8}, "head_dim = 8 but hidden_size / num_attention_heads = 16"),
+    ({"num_key_value_heads": 4}, r"model.layers.0.self_attn.qkv_proj.weight has shape \(128, 64\); expected 192 rows"),
+])
+def test_phi3_refusals_name_the_field(phi3_folder, tmp_path, changes, message):
+    src = edited(phi3_folder, tmp_path / "src", **changes)
+    with pytest.raises(ExportError, match=message):
+        import_hf(src, tmp_path / "out")
+    assert not (tmp_path / "out").exists()

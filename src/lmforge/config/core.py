@@ -257,6 +257,11 @@ class ModelConfig:
     logit_scale: float = num(1.0, 0.0, 1e6, ARCH, low_open=True)
     """The logits are divided by this, in the loss and in decoding too (Granite's logits_scaling,
     llama.cpp's logit_scale); 1 = none."""
+    family: str = text("", allowed("read by export only: the model computes the same whatever it names"))
+    """The family export writes the model as (a `model_type` of `lmforge.export.families`: "phi3", ...);
+    "" = the first that carries its mechanisms. Not a mechanism (the model never reads it): import sets
+    it, so a model two families carry (Phi-3, a windowless Mistral: Llama's computation) exports as what
+    it came from; a family that cannot carry the model is refused by export, naming why."""
 
     def resolved_head_dim(self) -> int:
         return self.head_dim or self.dim // self.n_heads

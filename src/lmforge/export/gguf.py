@@ -92,6 +92,7 @@ from lmforge.contract import Contract
 from lmforge.export.options import EXPORT_DTYPES, ExportError, check_dtype_range, check_export_options
 from lmforge.export.card import gguf_facts
 from lmforge.export.families import FAMILIES, LLAMA_CPP_ARCHS, Family, by_gguf_arch
+from lmforge.export.families.shared import fuse
 from lmforge.export.gguf_vocab import gguf_vocab, tokenizer_keys
 from lmforge.export.llama_cpp import gguf_family, gguf_tensor_names, require_gguf
 from lmforge.fileio import check_user_file, user_file
@@ -129,7 +130,8 @@ def gguf_tensors(state: dict[str, torch.Tensor], model: ModelConfig, vocab_size:
     Names are the family's (`Family.gguf_names`), each checked against gguf-py's
     MODEL_TENSORS[arch]; every `*norm.weight` is stored as w + `Family.gguf_norm_shift` (Gemma:
     llama.cpp's RMSNorm multiplies by the stored weight, transformers' by 1 + w); q/k rows are
-    permuted where `Family.gguf_permute_qk` (llama rotates adjacent pairs).
+    permuted where `Family.gguf_permute_qk` (llama rotates adjacent pairs); a family's fused
+    weights (`Family.fused`: Phi-3's attn_qkv, ffn_up) are stacked from lmforge's parts.
 
     Args:
         state: lmforge weights (`model_state`: a tied output weight is absent); embedding and
@@ -151,7 +153,7 @@ def gguf_tensors(state: dict[str, torch.Tensor], model: ModelConfig, vocab_size:
     allowed = gguf_tensor_names(gguf, arch, model.n_layers)
     layer_re = re.compile(r"^layers\.(\d+)\.(.+)$")
     out = []
-    for name, t in state.items():
+    for name, t in fuse(state, family.fused).items():  # Phi-3's attn_qkv and ffn_up: parts stacked
         if name == "output.weight" and model.tie_embeddings:
             continue
         m = layer_re.match(name)

@@ -110,7 +110,7 @@ def _hf_config(family: Family, kv: dict, path: Path, real, size, shape: dict) ->
     if family.gguf_in_config is not None:  # what llama.cpp computes for the architecture (Gemma's)
         return family.gguf_in_config(family, kv, path, real, size, shape, config, theta)
     window = kv.get(f"{arch}.attention.sliding_window")
-    if window:
+    if window and not LLAMA_CPP_ARCHS[arch].window_ignored:  # phi3's is read and not applied
         raise ExportError(f"{path}: {arch}.attention.sliding_window = {window!r}: lmforge imports {arch} "
                           f"files without sliding-window attention (expected none; OLMo 3's, for olmo2) only; "
                           f"import the model's Hugging Face folder with `lmforge import-hf` instead.")
@@ -210,6 +210,10 @@ def hf_folder_from_gguf(path: str | Path, folder: Path, log=None) -> None:
     shape = {"dim": dim, "n_heads": n_heads, "n_kv_heads": n_kv, "head_dim": hd, "n_layers": size("block_count"),
              "vocab_size": int(state["model.embed_tokens.weight"].shape[0]), "tied": "lm_head.weight" not in state}
     config = _hf_config(family, kv, path, real, size, shape)
+    window = kv.get(f"{arch}.attention.sliding_window")
+    if window and LLAMA_CPP_ARCHS[arch].window_ignored and log is not None:
+        log(f"{path}: {arch}.attention.sliding_window = {window}: llama.cpp does not apply it (ggml-org/llama.cpp#13676); "
+            f"every layer attends to every key, as llama.cpp computes")
     tj, tok_config = rebuild_tokenizer(kv, path, family.end_of_turn)
     (folder / "config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
     save_safetensors(state, folder / "model.safetensors", metadata={"format": "pt"})

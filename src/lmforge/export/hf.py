@@ -42,7 +42,9 @@ import torch
 
 from lmforge.contract import Contract, padded_vocab_size
 from lmforge.errors import require_package
+from lmforge.config import ModelConfig
 from lmforge.export import families
+from lmforge.export.families.shared import fuse, unfuse
 from lmforge.export.options import ExportError, check_dtype_range, check_export_options
 from lmforge.export.card import MODEL_CARD_FILE, model_card, read_evaluation
 from lmforge.export.hf_config_out import hf_config
@@ -130,6 +132,9 @@ def to_hf_state(state: dict[str, torch.Tensor], vocab_size: int, tie_embeddings:
     Raises:
         ExportError: a weight beyond `dtype`'s range (`check_dtype_range`).
     """
+    record = families.FAMILIES[family] if isinstance(family, str) else family
+    if record is not None:  # Phi-3's qkv_proj and gate_up_proj: the parts stacked (`shared.fuse`)
+        state = fuse(state, record.fused)
     out = {}
     for name, t in state.items():
         if name == "output.weight" and tie_embeddings:
@@ -144,10 +149,11 @@ def to_hf_state(state: dict[str, torch.Tensor], vocab_size: int, tie_embeddings:
 
 
 def from_hf_state(state: dict[str, torch.Tensor], vocab_size: int, tie_embeddings: bool,
-                  where: str = "the weights",
-                  family: families.Family | str | None = None) -> dict[str, torch.Tensor]:
+                  where: str = "the weights", family: families.Family | str | None = None,
+                  model: ModelConfig | None = None) -> dict[str, torch.Tensor]:
     """HF state dict in `family`'s names (None: Llama's layout; see `map_name`) -> lmforge state
-    dict (float32), as `model_state` stores it.
+    dict (float32), as `model_state` stores it. A family's fused weights (`Family.fused`: Phi-3's
+    qkv_proj, gate_up_proj) are split into lmforge's, each part's rows from `model`.
 
     Embedding/output rows are cut to `vocab_size` (the tokenizer's; rows past it are
     unreachable by the tokenizer) and zero-padded to the multiple of 64 (P6). With
@@ -156,7 +162,8 @@ def from_hf_state(state: dict[str, torch.Tensor], vocab_size: int, tie_embedding
 
     Raises:
         ExportError: unknown names (biases, ...), fewer embedding rows than the tokenizer's
-        vocab, or an untied lm_head in a model that says it is tied.
+        vocab, an untied lm_head in a model that says it is tied, or a fused weight whose rows
+        are not its parts'.
     """
     padded = padded_vocab_size(vocab_size)
     out = {}
@@ -182,6 +189,9 @@ def from_hf_state(state: dict[str, torch.Tensor], vocab_size: int, tie_embedding
                 )
             t = torch.cat([t[:vocab_size], t.new_zeros(padded - vocab_size, t.shape[1])])
         out[ours] = t.contiguous()
+    record = families.FAMILIES[family] if isinstance(family, str) else family
+    if record is not None and record.fused:
+        out = unfuse(out, record.fused, model, where, dict(record.hf_names))
     if "tok_embeddings.weight" not in out:
         raise ExportError(f"{where}: no model.embed_tokens.weight; this is not the weights of a causal LM "
                           f"lmforge imports.")

@@ -254,7 +254,7 @@ def model_config_from_hf(cfg: dict, where: str, log=None) -> ModelConfig:
     eps = hf.number("rms_norm_eps", float, 1e-6)
     hf.keys["norm_eps"] = ("rms_norm_eps", hf.get("rms_norm_eps", 1e-6))
     tie = hf.get("tie_word_embeddings", False)
-    model = ModelConfig(**shape, norm_eps=eps,
+    model = ModelConfig(**shape, norm_eps=eps, family=family.model_type,
                         tie_embeddings=False if tie is None else flag(tie, "tie_word_embeddings", where),
                         **{**family.fixed, **hf.mech, **rope})
     _check_ranges(model, hf.keys, where)

@@ -235,7 +235,7 @@ def import_hf(folder: str | Path, out: str | Path, log=None, eos_token: str = ""
         dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in hf_state.values()} - {"float32"})
         if dtypes:
             say(f"weights: {', '.join(dtypes)} -> float32 (exact: every value is representable)")
-        state = from_hf_state(hf_state, original, model_cfg.tie_embeddings, str(folder), family)
+        state = from_hf_state(hf_state, original, model_cfg.tie_embeddings, str(folder), family, model_cfg)
         if contract.vocab_size > original:
             say(f"embedding: {contract.vocab_size - original} added token row(s) start as the mean of the "
                 f"{original} original rows")

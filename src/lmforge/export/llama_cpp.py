@@ -46,7 +46,8 @@ from lmforge.export.options import ExportError
 #: are the family records' to allow. Any other field must sit at its default.
 _LLAMA_FIELDS = {"dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_dim", "norm_eps", "rope_theta",
                  "max_seq_len", "tie_embeddings", "attention", "qk_norm", "qkv_bias", "rope_scaling", "rope_factor",
-                 "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_seq_len"}
+                 "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_seq_len",
+                 "family"}  # the family export writes (`families.family_of`), not a mechanism
 
 
 def require_gguf():
@@ -173,9 +174,10 @@ def gguf_family(model: ModelConfig) -> Family:
     """The family record (`export/families/`) the model is written as, checked against what
     llama.cpp's runtime for its architecture computes (`Family.llama_cpp`, `LLAMA_CPP_ARCHS`).
 
-    The family is `families.family_of` of the model without the fields llama.cpp decides for
-    itself (layer kinds, window, sliding RoPE base, soft-caps, NoPE layers); those are then
-    checked here against the architecture, each refusal naming the field.
+    The family is the one `model.family` names (the family imported), or else `families.family_of`
+    of the model without the fields llama.cpp decides for itself (layer kinds, window, sliding
+    RoPE base, soft-caps, NoPE layers); those are then checked here against the architecture,
+    each refusal naming the field.
 
     Raises:
         ExportError: a model option no family carries (named, with its value: `family_of`), or one
@@ -193,9 +195,9 @@ def gguf_family(model: ModelConfig) -> Family:
         head_dim=0 if model.head_dim * model.n_heads == model.dim else model.head_dim,
         attn_scale=0.0 if math.isclose(model.attn_scale, hd ** -0.5, rel_tol=1e-9) else model.attn_scale)
     try:  # NoPE layers pick a family that has them (SmolLM3); elsewhere they are refused below, named
-        family = family_of(plain)
+        family = family_of(model if model.family else plain)
     except ExportError:
-        if not model.nope_layers:
+        if not model.nope_layers or model.family:
             raise
         family = family_of(dataclasses.replace(plain, nope_layers=[]))
     if family.gguf_arch is None or family.gguf_arch not in LLAMA_CPP_ARCHS:

@@ -19,12 +19,14 @@ adapter keys); tests/test_lora.py turns that warning into a failure and compares
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import torch
 
-from lmforge.config import LORA_TARGETS
+from lmforge.config import LORA_TARGETS, LoRAConfig, ModelConfig
 from lmforge.export.families import Family, family_of
+from lmforge.export.families.shared import part_rows
 from lmforge.export.hf import map_name
 from lmforge.export.options import ExportError, check_export_options
 from lmforge.fileio import atomic_dir, check_output, save_safetensors
@@ -50,9 +52,46 @@ def peft_name(name: str, family: Family | None = None) -> str:
 
 
 def target_module(target: str, family: Family | None = None) -> str:
-    """A `lora.targets` entry (wq ... w3) as PEFT's target_modules name in `family`'s layout (q_proj ...)."""
+    """A `lora.targets` entry (wq ... w3) as PEFT's target_modules name in `family`'s layout (q_proj
+    ...; a part of a fused weight: the fused module, Phi-3's qkv_proj or gate_up_proj)."""
     where = "attention" if target in LORA_TARGETS[:4] else "feed_forward"
-    return map_name(f"layers.0.{where}.{target}.weight", family=family).split(".")[-2]
+    name = f"layers.{{i}}.{where}.{target}.weight"
+    group = next((g for g in (family.fused if family else ()) if name in g.parts), None)
+    return map_name((group.name if group else name).replace("{i}", "0"), family=family).split(".")[-2]
+
+
+def fuse_adapters(adapters: dict[str, torch.Tensor], family: Family, model: ModelConfig,
+                  lo: LoRAConfig) -> tuple[dict[str, torch.Tensor], dict, dict]:
+    """The adapters of a fused weight's parts (`Family.fused`: Phi-3's q, k, v -> qkv_proj) as one
+    LoRA of the fused weight, exactly: with n adapted parts of rank r, A = cat(A_1 .. A_n)
+    (n r, in) and B block-diagonal (the fused rows, n r) with each part's B at its rows and its
+    slot, so B A stacks each part's B_k A_k at its rows (zero rows for a part not adapted); the
+    scale stays alpha / r (alpha / sqrt(r) with rsLoRA) through PEFT's per-module rank and alpha
+    (LoraConfig's rank_pattern and alpha_pattern).
+
+    Returns:
+        (adapters with the parts' replaced by the fused weight's, PEFT rank_pattern, alpha_pattern).
+    """
+    out, rank_pattern, alpha_pattern = dict(adapters), {}, {}
+    for group in family.fused:
+        adapted = [k for k, p in enumerate(group.parts) if p.split(".")[-2] in lo.targets]
+        if not adapted:
+            continue
+        rows = [part_rows(model, p) for p in group.parts]
+        starts = [sum(rows[:k]) for k in range(len(rows))]
+        r, n = lo.rank, len(adapted)
+        for i in range(model.n_layers):
+            stems = [p.replace("{i}", str(i)).removesuffix(".weight") for p in group.parts]
+            a = torch.cat([out.pop(f"{stems[k]}.lora_a") for k in adapted])
+            b = a.new_zeros(sum(rows), n * r)
+            for slot, k in enumerate(adapted):
+                b[starts[k]:starts[k] + rows[k], slot * r:(slot + 1) * r] = out.pop(f"{stems[k]}.lora_b")
+            fused = group.name.replace("{i}", str(i)).removesuffix(".weight")
+            out[f"{fused}.lora_a"], out[f"{fused}.lora_b"] = a, b
+        module = map_name(group.name.replace("{i}", "0"), family=family).split(".")[-2]
+        rank_pattern[module] = n * r
+        alpha_pattern[module] = lo.alpha * (math.sqrt(n) if lo.use_rslora else n)
+    return out, rank_pattern, alpha_pattern
 
 
 def export_peft(checkpoint: str | Path, out: str | Path, dtype: str = "float32", verify: bool = False,
@@ -82,11 +121,13 @@ def export_peft(checkpoint: str | Path, out: str | Path, dtype: str = "float32",
     model = lora.inject(Transformer(resolve_model_config(cfg.model, contract)), lo)
     family = family_of(model.config)  # the layout `export --format hf` writes the base in
     adapters = read_weights(model, path / MODEL_FILE)  # names, shapes and finite values checked
+    adapters, rank_pattern, alpha_pattern = fuse_adapters(adapters, family, model.config, lo)
     tensors = {peft_name(k, family): v.to(torch.float32).contiguous() for k, v in sorted(adapters.items())}
     config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lo.rank, "lora_alpha": lo.alpha,
+        "rank_pattern": rank_pattern, "alpha_pattern": alpha_pattern,
         "lora_dropout": lo.dropout, "use_rslora": lo.use_rslora, "bias": "none", "fan_in_fan_out": False,
-        "target_modules": sorted(target_module(t, family) for t in lo.targets),
+        "target_modules": sorted({target_module(t, family) for t in lo.targets}),
         "modules_to_save": None, "init_lora_weights": True, "inference_mode": True,
         "base_model_name_or_path": None,
     }
@@ -96,4 +137,4 @@ def export_peft(checkpoint: str | Path, out: str | Path, dtype: str = "float32",
     return out
 
 
-__all__ = ["export_peft", "peft_name", "target_module", "PEFT_WEIGHTS_FILE", "PEFT_CONFIG_FILE"]
+__all__ = ["export_peft", "fuse_adapters", "peft_name", "target_module", "PEFT_WEIGHTS_FILE", "PEFT_CONFIG_FILE"]

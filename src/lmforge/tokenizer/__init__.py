@@ -35,7 +35,7 @@ This package is the one import surface: import from `lmforge.tokenizer`.
 from lmforge.contract import TOKENIZER_CONFIG_FILE, TOKENIZER_FILE
 from lmforge.tokenizer.specials import CHAT_TEMPLATE, SPECIAL_TOKENS, special_ids_of, spellings_of, vocab_size_of
 from lmforge.tokenizer.hf_json import check_prefix_space
-from lmforge.tokenizer.chat import ChatRendering, ChatTemplate
+from lmforge.tokenizer.chat import PROBE_CHAT, ChatRendering, ChatTemplate
 from lmforge.tokenizer.runtime import Tokenizer
 from lmforge.tokenizer.train import (
     MAX_TOKEN_BYTES,
@@ -48,7 +48,6 @@ from lmforge.tokenizer.train import (
     train_tokenizer,
 )
 from lmforge.tokenizer.foreign import (
-    PROBE_CHAT,
     ROUND_TRIP_PROBES,
     TERMINATOR_SPELLINGS,
     TURN_END_SPELLINGS,

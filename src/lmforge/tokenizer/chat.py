@@ -3,6 +3,7 @@ it, and a conversation rendered to ids with its assistant-only loss mask."""
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -20,6 +21,26 @@ class ChatRendering:
     loss_mask: list[int]
 
 
+#: The conversation a template is probed with (its turn end, its prefix property, its close).
+PROBE_CHAT = ({"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"},
+              {"role": "user", "content": "Bye"}, {"role": "assistant", "content": "Bye"})
+
+
+def conversation_close(upto: str, text: str, tokens) -> str | None:
+    """What a template writes only where a conversation ends, given the rendering `upto` of a
+    conversation's first turns and the rendering `text` of the whole: one of the special-token
+    strings `tokens` (the template's variables: Phi-3 ends with its eos_token when no generation
+    prompt is asked) that both end with, `upto` without it being a prefix of `text`. "" when
+    `upto` is itself a prefix of `text` (most templates); None otherwise (a template that rewrites
+    earlier turns)."""
+    if text.startswith(upto):
+        return ""
+    for token in sorted({t for t in tokens if isinstance(t, str) and t}, key=len, reverse=True):
+        if upto.endswith(token) and text.endswith(token) and text.startswith(upto[:-len(token)]):
+            return token
+    return None
+
+
 class ChatTemplate:
     """A Hugging Face chat template (Jinja), rendered the way `transformers`' apply_chat_template
     renders it: a sandboxed environment with trim_blocks and lstrip_blocks, loop controls,
@@ -32,7 +53,9 @@ class ChatTemplate:
     satisfy P ⊑ Q ⊑ render(messages) (string prefixes); the span is Q[len(P):] up to and
     including its last end-of-turn token (the contract's im_end). Tokens overlapping the span
     are learned (transformers' rule for `return_assistant_tokens_mask`). A template that breaks
-    the prefix property (one that rewrites earlier turns) is refused, never approximated.
+    the prefix property (one that rewrites earlier turns) is refused, never approximated. Text
+    a template adds only where a conversation ends (Phi-3's eos_token without a generation
+    prompt: `conversation_close`) is not part of Q for this rule, and never learned.
     """
 
     def __init__(self, source: str, variables: dict[str, str], name: str):
@@ -86,6 +109,16 @@ class ChatTemplate:
                             f"{[m.get('role') for m in messages]}. Change the conversation to the form the "
                             f"model's template accepts.") from None
 
+    @functools.cached_property
+    def close(self) -> str:
+        """What the template writes only where a conversation ends (`conversation_close` of the
+        probe chat: Phi-3's eos_token; "" for most templates, and for one the probe cannot render)."""
+        try:
+            return conversation_close(self.render(PROBE_CHAT[:2]), self.render(PROBE_CHAT),
+                                      self.variables.values()) or ""
+        except DataError:
+            return ""
+
     def render_ids(self, tok: "lmforge.tokenizer.Tokenizer", messages: Sequence[dict],
                    add_generation_prompt: bool) -> ChatRendering:
         """ids (tokenized as transformers does) and the assistant-only loss mask (class docstring)."""
@@ -105,13 +138,14 @@ class ChatTemplate:
                 continue
             prompt = self.render(messages[:i], add_generation_prompt=True)
             upto = self.render(messages[: i + 1])
-            if not (upto.startswith(prompt) and text.startswith(upto)):
+            core = upto[:len(upto) - len(self.close)] if self.close and upto.endswith(self.close) else upto
+            if not (upto.startswith(prompt) and text.startswith(core)):
                 raise DataError(
                     f"{self.name} cannot be rendered faithfully: the rendering of the conversation up to message "
                     f"{i} is not a prefix of the rendering of the next turns (the template changes earlier turns, "
                     f"or renders the generation prompt differently from a reply). lmforge trains only on templates "
                     f"whose turns render independently; use another template (--set in tokenizer_config.json).")
-            end = upto.rfind(turn_end, len(prompt))
+            end = core.rfind(turn_end, len(prompt))
             if end < 0:
                 raise DataError(f"{self.name}: the assistant message {i} renders without the end-of-turn token "
                                 f"{turn_end!r}; the model could not learn to stop. Use another template.")

@@ -13,7 +13,7 @@ from tokenizers import AddedToken
 from lmforge.contract import TOKENIZER_CONFIG_FILE, TOKENIZER_FILE
 from lmforge.errors import ContractError, DataError
 from lmforge.fileio import OutputError, check_not_input, check_output, load_hf_tokenizer
-from lmforge.tokenizer.chat import ChatTemplate
+from lmforge.tokenizer.chat import PROBE_CHAT, ChatTemplate, conversation_close
 from lmforge.tokenizer.hf_json import (
     prefix_space_settings,
     read_json,
@@ -322,9 +322,6 @@ def _check_round_trips(hf, spell: dict, path: Path) -> None:
 TURN_END_SPELLINGS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<end_of_turn>", "<|end|>")
 #: Document terminators of common vocabularies, in the order they are looked for.
 TERMINATOR_SPELLINGS = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")
-#: The conversation a template is probed with at import (its turn end, its prefix property).
-PROBE_CHAT = ({"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"},
-              {"role": "user", "content": "Bye"}, {"role": "assistant", "content": "Bye"})
 
 
 def _foreign_template(src: Path, config: dict) -> str | None:
@@ -373,12 +370,13 @@ def _turn_end_of(template: str, variables: dict, specials: set[str], src: Path) 
         whole = tpl.render(PROBE_CHAT)
     except DataError as exc:
         raise ContractError(f"{exc}") from None
-    if not (reply.startswith(prompt) and whole.startswith(reply)):
+    close = conversation_close(reply, whole, variables.values()) if reply.startswith(prompt) else None  # Phi-3's
+    if close is None:
         raise ContractError(
             f"{name} cannot be rendered faithfully: a reply's rendering is not a prefix of the longer "
             f"conversation's (the template changes earlier turns, e.g. drops their reasoning). lmforge refuses it "
             f"rather than train on a rendering the model is never served with.")
-    added = reply[len(prompt):]
+    added = reply[len(prompt):len(reply) - len(close)]
     found = max(((added.rfind(t), t) for t in specials if t in added), default=None)
     if found is None:
         raise ContractError(f"{name} ends an assistant reply ({added!r}) with no special token, so generation "

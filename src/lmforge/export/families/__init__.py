@@ -1,5 +1,5 @@
 """The model families lmforge imports and exports, one module each (`llama.py`, `mistral.py`,
-`qwen2.py`, `qwen3.py`, `gemma3.py`, `gemma2.py`, `olmo2.py`, `smollm3.py`, `granite.py`; Gemma's shared pieces in
+`qwen2.py`, `qwen3.py`, `gemma3.py`, `gemma2.py`, `olmo2.py`, `smollm3.py`, `granite.py`, `phi3.py`; Gemma's shared pieces in
 `gemma.py`): everything family-specific lives in its module, at the edge (the model itself knows
 only mechanisms: the fields of `ModelConfig`, never a family's name). Import and export code asks
 a record (`Family`, `record.py`) and never tests a family's name.
@@ -33,16 +33,16 @@ code site in lmforge/model.
 from __future__ import annotations
 
 from lmforge.config import ModelConfig
-from lmforge.export.families import gemma2, gemma3, granite, llama, mistral, olmo2, qwen2, qwen3, smollm3
+from lmforge.export.families import gemma2, gemma3, granite, llama, mistral, olmo2, phi3, qwen2, qwen3, smollm3
 from lmforge.export.families.gemma import GEMMA_CHAT_TEMPLATE
-from lmforge.export.families.record import MECHANISMS, Family, HfIn, LlamaCppArch
+from lmforge.export.families.record import MECHANISMS, Family, Fused, HfIn, LlamaCppArch
 from lmforge.tokenizer import FamilyTemplate
 
 #: model_type -> record; the order is `family_of`'s (Llama first: a model two families carry is
 #: exported as the first)
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     llama.FAMILY, mistral.FAMILY, qwen2.FAMILY, qwen3.FAMILY, gemma3.FAMILY, gemma2.FAMILY, olmo2.FAMILY,
-    smollm3.FAMILY, granite.FAMILY)}
+    smollm3.FAMILY, granite.FAMILY, phi3.FAMILY)}
 
 #: llama.cpp's runtime, by `general.architecture` (the first record of each architecture says it;
 #: every `Family.gguf_arch` has an entry)
@@ -72,14 +72,28 @@ def fits(family: Family, model: ModelConfig) -> list[str]:
 
 
 def family_of(model: ModelConfig) -> Family:
-    """The family a model is exported as: the first of FAMILIES (Llama first) that carries every
-    mechanism it sets.
+    """The family a model is exported as: the one `model.family` names (import-hf and import-gguf
+    set it to the family imported), or, when it names none, the first of FAMILIES (Llama first)
+    that carries every mechanism the model sets.
 
     Raises:
-        ExportError: no family represents the model, naming what each closest family lacks.
+        ExportError: `model.family` names no family, or one that cannot carry the model's
+        mechanisms (named); no family represents the model, naming what each closest family lacks.
     """
     from lmforge.export.options import ExportError
 
+    if model.family:
+        family = FAMILIES.get(model.family)
+        if family is None:
+            raise ExportError(f"model.family = {model.family!r}: expected one of {', '.join(map(repr, FAMILIES))}, or "
+                              f"\"\" for the first family that carries the model's mechanisms. Fix [model] family in "
+                              f"the checkpoint's config.toml.")
+        bad = fits(family, model)
+        if bad:
+            raise ExportError(f"model.family = {model.family!r}: {family.architecture} cannot carry this model's "
+                              f"{', '.join(bad)}. Set [model] family = \"\" in the checkpoint's config.toml to export "
+                              f"it as the first family that does.")
+        return family
     misses = {}
     for family in FAMILIES.values():
         bad = fits(family, model)
@@ -114,5 +128,5 @@ def by_gguf_arch(arch: str) -> list[Family]:
     return [f for f in FAMILIES.values() if f.gguf_arch == arch]
 
 
-__all__ = ["FAMILIES", "Family", "GEMMA_CHAT_TEMPLATE", "HfIn", "LLAMA_CPP_ARCHS", "LlamaCppArch", "MECHANISMS",
+__all__ = ["FAMILIES", "Family", "Fused", "GEMMA_CHAT_TEMPLATE", "HfIn", "LLAMA_CPP_ARCHS", "LlamaCppArch", "MECHANISMS",
            "by_architecture", "by_gguf_arch", "chat_template_of", "family_of", "fits"]

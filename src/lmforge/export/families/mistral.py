@@ -9,28 +9,21 @@ import torch
 from lmforge.config import ModelConfig
 from lmforge.contract import Contract
 from lmforge.export.families.record import LLAMA_SHAPE, Family
-from lmforge.export.families.shared import GGUF_COMMON, GGUF_PRE, HF_COMMON, HF_PRE, common_config, plain_rope
-from lmforge.export.options import ExportError
+from lmforge.export.families.shared import (GGUF_COMMON, GGUF_PRE, HF_COMMON, HF_PRE, common_config, plain_rope,
+                                            window_everywhere)
 
 MODEL_TYPE, ARCHITECTURE = "mistral", "MistralForCausalLM"
 
 
 def hf_config(model: ModelConfig, contract: Contract, dtype: torch.dtype = torch.float32) -> dict:
     """`config.json` of a MistralForCausalLM: Llama's layout with `sliding_window` keys in every
-    layer (null: full attention). transformers' Mistral has no per-layer choice (a `layer_types`
-    key would make it Ministral), so the model's layers must be all sliding or all full.
+    layer (null: full attention; `shared.window_everywhere`).
 
     Raises:
         ExportError: some layers sliding and some full.
     """
-    kinds = set(model.layer_types)
-    if "sliding" in kinds and "full" in kinds:
-        raise ExportError(f"model.layer_types = {model.layer_types}: MistralForCausalLM slides the window in every "
-                          f"layer or in none (expected every entry \"sliding\", or every entry \"full\"); this model "
-                          f"cannot be exported.")
-    window = model.sliding_window if "sliding" in kinds else None
     return {**common_config(model, contract, dtype, MODEL_TYPE, ARCHITECTURE), "head_dim": model.resolved_head_dim(),
-            "hidden_act": "silu", **plain_rope(model), "sliding_window": window}
+            "hidden_act": "silu", **plain_rope(model), "sliding_window": window_everywhere(model, ARCHITECTURE)}
 
 
 FAMILY = Family(

@@ -45,6 +45,8 @@ class LlamaCppArch:
         `embedding_scale`, `attention.scale`, with `residual_scale` and `logit_scale`), not hard-coded.
     nope_step: layer il skips RoPE iff (il + 1) % nope_step == 0 (smollm3: 4, `n_no_rope_layer_step`);
         0: every layer rotates q and k.
+    window_ignored: the file's `attention.sliding_window` is read and not applied: every layer
+        attends to every key (phi3: "Phi SWA is currently disabled", ggml-org/llama.cpp#13676).
     no_swa_note: said when a sliding model is refused for an architecture without sliding windows.
     """
 
@@ -59,6 +61,7 @@ class LlamaCppArch:
     no_swa_note: str = ""
     nope_step: int = 0
     scales_from_file: bool = False
+    window_ignored: bool = False
 
     def nope_layers(self, n_layers: int) -> list[int]:
         """The layers llama.cpp runs without RoPE."""
@@ -74,6 +77,19 @@ class LlamaCppArch:
         if self.attn_scale_dim_layers and n_layers == self.attn_scale_dim_layers:
             return (dim // n_heads) ** -0.5
         return head_dim ** -0.5
+
+
+@dataclass(frozen=True)
+class Fused:
+    """A weight a family stores as one tensor where lmforge keeps parts (Phi-3's `qkv_proj` =
+    [wq; wk; wv] and `gate_up_proj` = [w1; w3], stacked along the output rows, as torchtune's and
+    llama.cpp's converters do): `name` is the fused weight in lmforge's naming ("{i}" the layer;
+    it appears in the family's `hf_names` / `gguf_names` like any other weight), `parts` the
+    lmforge weights it stacks, in order. `shared.fuse` joins them at export, `shared.unfuse` splits
+    them at import (each part's rows from the model config: `shared.part_rows`)."""
+
+    name: str
+    parts: tuple[str, ...]
 
 
 @dataclass
@@ -150,6 +166,8 @@ class Family:
     gguf_in_keys: dict = field(default_factory=dict)  # config.json keys of a GGUF file without sliding layers
     gguf_in_config: Callable | None = None
     gguf_in_extra: Callable | None = None
+    # -- storage
+    fused: tuple[Fused, ...] = ()  # weights the family's files (HF and GGUF) hold fused
 
 
-__all__ = ["Family", "HfIn", "LLAMA_SHAPE", "LlamaCppArch", "MECHANISMS"]
+__all__ = ["Family", "Fused", "HfIn", "LLAMA_SHAPE", "LlamaCppArch", "MECHANISMS"]

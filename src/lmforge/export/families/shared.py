@@ -86,6 +86,64 @@ GGUF_POST = (  # llama.cpp's olmo2
     ("layers.{i}.ffn_post_norm.weight", "blk.{i}.post_ffw_norm.weight"),
 )
 
+# -- fused weights (`record.Fused`): joined at export, split at import -----------------------------
+def part_rows(model: ModelConfig, part: str) -> int:
+    """The output rows of lmforge weight `part` ("layers.{i}.attention.wk.weight", ...) in `model`:
+    wq H*hd, wk and wv KV*hd, w1 and w3 ffn_dim."""
+    hd, leaf = model.resolved_head_dim(), part.split(".")[-2]
+    return {"wq": model.n_heads * hd, "wk": model.n_kv_heads * hd, "wv": model.n_kv_heads * hd,
+            "w1": model.resolved_ffn_dim(), "w3": model.resolved_ffn_dim()}[leaf]
+
+
+def _layers(state: dict, template: str):
+    """(layer index, name) of each layer's `template` ("{i}" the layer) present in `state`, in order."""
+    i = 0
+    while template.replace("{i}", str(i)) in state:
+        yield i, template.replace("{i}", str(i))
+        i += 1
+
+
+def fuse(state: dict[str, torch.Tensor], fused: tuple) -> dict[str, torch.Tensor]:
+    """lmforge weights -> the same with each `record.Fused` group's parts stacked into its fused name
+    (rows in the parts' order: torch.cat along dim 0). No group: `state` itself."""
+    if not fused:
+        return state
+    out = dict(state)
+    for group in fused:
+        for i, _ in list(_layers(out, group.parts[0])):
+            out[group.name.replace("{i}", str(i))] = torch.cat(
+                [out.pop(p.replace("{i}", str(i))) for p in group.parts]).contiguous()
+    return out
+
+
+def unfuse(state: dict[str, torch.Tensor], fused: tuple, model: ModelConfig, where: str = "the weights",
+           theirs: dict | None = None) -> dict[str, torch.Tensor]:
+    """The inverse of `fuse`: each fused weight split into its parts, each part's rows from `model`
+    (`part_rows`). `theirs`: lmforge name -> the file's (a family's `hf_names`), for messages.
+
+    Raises:
+        ExportError: a fused weight whose rows are not the sum of its parts' (named, with both counts).
+    """
+    from lmforge.export.options import ExportError
+
+    if not fused:
+        return state
+    out = dict(state)
+    for group in fused:
+        rows = [part_rows(model, p) for p in group.parts]
+        for i, name in list(_layers(out, group.name)):
+            t = out.pop(name)
+            if t.dim() != 2 or t.shape[0] != sum(rows):
+                name = (theirs or {}).get(group.name, group.name).replace("{i}", str(i))
+                raise ExportError(f"{where}: {name} has shape {tuple(t.shape)}; "
+                                  f"expected {sum(rows)} rows ({' + '.join(map(str, rows))}, the "
+                                  f"{', '.join(p.split('.')[-2] for p in group.parts)} its config describes). The "
+                                  f"config and the weights disagree; use the folder transformers saved.")
+            for part, piece in zip(group.parts, t.split(rows)):
+                out[part.replace("{i}", str(i))] = piece.contiguous()
+    return out
+
+
 # -- config.json: Llama's shape -----------------------------------------------------------------
 #: lmforge's layer kinds <-> transformers' `layer_types` entries
 HF_LAYER_TYPES = {"full": "full_attention", "sliding": "sliding_attention"}
@@ -130,6 +188,25 @@ def plain_rope(model: ModelConfig) -> dict:
     return {"rope_theta": model.rope_theta, "rope_scaling": rope_scaling}
 
 
+def window_everywhere(model: ModelConfig, architecture: str) -> int | None:
+    """config.json's `sliding_window` of a family whose transformers class slides one window in
+    every layer or in none (Mistral, Phi-3: a `layer_types` key would make it another class):
+    the window, or None (null: full attention).
+
+    Raises:
+        ExportError: some layers sliding and some full.
+    """
+    from lmforge.export.options import ExportError
+
+    kinds = set(model.layer_types)
+    if "sliding" in kinds and "full" in kinds:
+        raise ExportError(f"model.layer_types = {model.layer_types}: {architecture} slides the window in every "
+                          f"layer or in none (expected every entry \"sliding\", or every entry \"full\"); this model "
+                          f"cannot be exported.")
+    return model.sliding_window if "sliding" in kinds else None
+
+
 __all__ = ["GELU_TANH", "GGUF_COMMON", "GGUF_POST", "GGUF_PRE", "GGUF_QKV_BIAS", "GGUF_QK_NORM", "GGUF_SANDWICH",
            "HF_COMMON", "HF_LAYER_TYPES", "HF_POST", "HF_PRE", "HF_QKV_BIAS", "HF_QK_NORM", "HF_SANDWICH",
-           "common_config", "plain_rope"]
+           "common_config", "fuse", "part_rows", "plain_rope", "unfuse",
+           "window_everywhere"]
