@@ -147,7 +147,8 @@ def test_chat_template_same_prompt_ids(family):
 INTEROP_OVERRIDES = {"gemma3": {"query_pre_attn_scalar": 48}, "gemma2": {"query_pre_attn_scalar": 48}}
 
 
-@pytest.fixture(scope="module", params=["smollm", "llama3", "mistral", "qwen2", "qwen3", "gemma3", "gemma2", "olmo2"])
+@pytest.fixture(scope="module", params=["smollm", "llama3", "mistral", "qwen2", "qwen3", "gemma3", "gemma2", "olmo2",
+                                        "smollm3", "granite", "phi3"])
 def imported(request, tmp_path_factory):
     """(name, HF model, original vocab, lmforge model, tokenizer, llama_cpp.Llama on the f32 GGUF).
     Gemma 3 (7 layers: llama.cpp's pattern of 5 sliding, 1 full; window 6, RoPE bases 1e6 / 1e4; its

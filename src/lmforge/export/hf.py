@@ -65,8 +65,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # -- names: the one place lmforge and Hugging Face names meet --------------------------
 #: Without a family: Llama's layout with Qwen2's q/k/v biases and Qwen3's QK-norm, the names of
 #: every family with pre-norms only (what `map_name` has always taken; the PEFT export's names).
-_LLAMA_LAYOUT = tuple(dict.fromkeys(pair for f in families.FAMILIES.values() if f.fixed.get("norm_placement") == "pre"
-                                    for pair in f.hf_names))
+_LLAMA_LAYOUT = tuple(dict.fromkeys(pair for f in families.FAMILIES.values()
+                                    if f.fixed.get("norm_placement") == "pre" and not f.fused for pair in f.hf_names))
 
 
 def _pattern(template: str) -> re.Pattern:
