@@ -35,7 +35,9 @@ SentencePiece-style), wrapped in
              <|im_end|>, SmolLM3's ChatML without its metadata block
     phi3     Phi3ForCausalLM (fused qkv_proj and gate_up_proj), 4 heads / 2 key-value heads, no
              window, untied; byte-level BPE with Phi-3's specials (<s> not prepended, eos_token
-             <|endoftext|>, turns closed by <|end|>) and Phi-3-mini-4k-instruct's template
+             <|endoftext|>, turns closed by <|end|>; each strips the whitespace after it, as
+             Phi-3's tokenizer.json says, but <unk>, <s> and <|endoftext|>) and
+             Phi-3-mini-4k-instruct's template
     phi3_sliding  the same with sliding_window 6 (< max_position_embeddings): every layer slides
 
 Every model is built with attn_implementation="eager" and every norm weight is random (Gemma's
@@ -209,6 +211,9 @@ TOKENIZERS = {
 
 W_PHI3 = 6  # phi3_sliding's window
 
+#: families whose special tokens have rstrip = true (Phi-3's tokenizer.json: all but <unk>, <s>, <|endoftext|>)
+RSTRIP_FAMILIES = ("phi3", "phi3_sliding")
+
 #: families whose tokenizer is SentencePiece-style BPE (Gemma's), not byte-level
 SPM_FAMILIES = ("gemma3", "gemma2")
 
@@ -218,7 +223,7 @@ TEXT = ("def add(a, b):\n    return a + b\n\nHello, world! The quick brown fox j
 
 def build_tokenizer(family: str, folder: Path, template: str | None = "family"):
     """A PreTrainedTokenizerFast for `family`, saved into `folder`; returns it."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
     specials, kwargs, bos, own_template = TOKENIZERS[family]
@@ -228,6 +233,9 @@ def build_tokenizer(family: str, folder: Path, template: str | None = "family"):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
+    if family in RSTRIP_FAMILIES:  # Phi-3's specials strip the whitespace after them (not <unk>, <s>, <|endoftext|>)
+        specials = [AddedToken(t, special=True, normalized=False, rstrip=t not in ("<unk>", "<s>", "<|endoftext|>"))
+                    for t in specials]
     trainer = trainers.BpeTrainer(vocab_size=420, special_tokens=specials,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator([TEXT] * 20, trainer=trainer)

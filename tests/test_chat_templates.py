@@ -69,6 +69,9 @@ def test_mask_is_each_reply_and_its_end_of_turn(family_tok):
         r = tok.render_chat(messages)
         learned = tok.decode([i for i, m in zip(r.ids, r.loss_mask) if m])
         want = "".join(LEARNED[family](m["content"]) for m in messages if m["role"] == "assistant")
+        if family == "phi3":  # <|assistant|> strips the whitespace after it (rstrip), a reply's leading spaces
+            learned = learned.replace("<|assistant|>", "")  # included: it overlaps the reply, so it is learned
+            want = "".join(LEARNED[family](m["content"].lstrip()) for m in messages if m["role"] == "assistant")
         # equal, up to the prompt's last whitespace when BPE merges it with a reply that starts with
         # whitespace (one token spans both; it is learned, as transformers' generation mask does)
         assert "".join(learned.split()) == "".join(want.split()) and 0 <= len(learned) - len(want) <= 2, \

@@ -565,6 +565,48 @@ def test_phi3_tensors_are_llama_cpps_fused_ones(tmp_path):
         assert np.array_equal(up, layer.mlp.gate_up_proj.weight.detach().numpy())
 
 
+def test_general_name_says_phi3_exactly_when_the_specials_strip(tmp_path):
+    """llama.cpp strips the spaces after special tokens iff general.name holds "phi3" / "phi-3" (its
+    rule for Phi-3's tokenizer, whose specials have rstrip = true); the format has no per-token flag.
+    Export writes a name that agrees with the tokenizer: a Phi-3 tokenizer in a folder of any name
+    gets "(phi3)", another tokenizer in a folder named after Phi-3 gets "phi 3"; import-gguf gives a
+    phi3-named file's specials rstrip, so lmforge tokenizes the chat as llama.cpp does; a tokenizer
+    whose stripping is not llama.cpp's set is refused, leaving no file."""
+    pytest.importorskip("transformers")
+    import json as _json
+
+    from hf_families import build_folder
+
+    from lmforge.export import export_gguf, import_gguf
+    from lmforge.export.hf_in import import_hf
+    from lmforge.tokenizer import Tokenizer
+
+    build_folder("phi3", tmp_path / "hf")
+    path = export_gguf(import_hf(tmp_path / "hf", tmp_path / "run" / "ckpt"), tmp_path / "p.gguf")
+    kv, _ = read(path)
+    assert kv["general.name"] == "run (phi3)"
+    back = import_gguf(path, tmp_path / "back")
+    chat = [{"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "Hello!"}]
+    ours, again = Tokenizer.load(tmp_path / "run" / "ckpt"), Tokenizer.load(back)
+    assert again.render_chat(chat).ids == ours.render_chat(chat).ids
+    ids, user, newline = ours.render_chat(chat).ids, ours.hf.token_to_id("<|user|>"), ours.encode("\n")
+    assert ids[ids.index(user) + 1:ids.index(user) + 1 + len(newline)] != newline  # the "\n" after <|user|> is stripped
+    build_folder("smollm3", tmp_path / "hf3")
+    plain = export_gguf(import_hf(tmp_path / "hf3", tmp_path / "my-Phi-3-run" / "ckpt"), tmp_path / "s.gguf")
+    assert read(plain)[0]["general.name"] == "my-Phi 3-run"
+    bad = tmp_path / "bad"
+    build_folder("phi3", bad)
+    tj = _json.loads((bad / "tokenizer.json").read_text())
+    for added in tj["added_tokens"]:
+        added["rstrip"] = added["content"] == "<|end|>"
+    (bad / "tokenizer.json").write_text(_json.dumps(tj))
+    ckpt = import_hf(bad, tmp_path / "bad-ckpt")
+    with pytest.raises(ExportError, match=r"added tokens \['<\|end\|>'\] strip the spaces after them.*llama.cpp does only "
+                                          r"for Phi-3"):
+        export_gguf(ckpt, tmp_path / "b.gguf")
+    assert not (tmp_path / "b.gguf").exists()
+
+
 def test_phi3_file_window_is_not_applied_as_llama_cpp_does(tmp_path):
     """llama.cpp's converter writes Phi-3-mini-4k's sliding_window (2047) and its runtime does not
     apply it ("Phi SWA is currently disabled"): import-gguf reads such a file as full attention,

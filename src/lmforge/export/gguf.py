@@ -93,7 +93,7 @@ from lmforge.export.options import EXPORT_DTYPES, ExportError, check_dtype_range
 from lmforge.export.card import gguf_facts
 from lmforge.export.families import FAMILIES, LLAMA_CPP_ARCHS, Family, by_gguf_arch
 from lmforge.export.families.shared import fuse
-from lmforge.export.gguf_vocab import gguf_vocab, tokenizer_keys
+from lmforge.export.gguf_vocab import gguf_name, gguf_vocab, tokenizer_keys
 from lmforge.export.llama_cpp import gguf_family, gguf_tensor_names, require_gguf
 from lmforge.fileio import check_user_file, user_file
 from lmforge.loading import load_checkpoint
@@ -274,14 +274,14 @@ def write_gguf(out: str | Path, model: ModelConfig, contract: Contract, state: d
         raise ExportError(f"--dtype {dtype!r}: GGUF export writes one of {', '.join(GGUF_DTYPES)}.")
     family = gguf_family(model)
     arch, rt = family.gguf_arch, LLAMA_CPP_ARCHS[family.gguf_arch]
-    vocab = gguf_vocab(tokenizer_json, contract.vocab_size)
+    vocab = gguf_vocab(tokenizer_json, contract.vocab_size, contract.pad_id)
     tensors = gguf_tensors(state, model, contract.vocab_size, family)
     file_type = {"float32": gguf.LlamaFileType.ALL_F32, "float16": gguf.LlamaFileType.MOSTLY_F16,
                  "bfloat16": gguf.LlamaFileType.MOSTLY_BF16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[dtype]
 
     encoded = [(tname, *_encode(gguf, array, tname, dtype)) for tname, array in tensors]  # refused before a write
     w = gguf.GGUFWriter(str(out), arch)
-    w.add_name(name)
+    w.add_name(gguf_name(name, vocab.rstrip))  # llama.cpp strips after specials by the name (Phi-3's rule)
     facts = facts or {}
     if facts.get("description"):
         w.add_description(facts["description"])

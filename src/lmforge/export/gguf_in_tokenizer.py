@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from lmforge.export.gguf_vocab import LLAMA3_PATTERN, QWEN2_PATTERN, SPM_SPACE
+from lmforge.export.gguf_vocab import LLAMA3_PATTERN, QWEN2_PATTERN, SPM_SPACE, rstrip_by_name, rstrip_rule
 from lmforge.export.llama_cpp import require_gguf
 from lmforge.export.options import ExportError
 
@@ -73,7 +73,9 @@ def rebuild_tokenizer(kv: dict, path: Path, end_of_turn: str | None = None) -> t
     ends generation (the file's EOS, EOT or EOM id, or spelled `end_of_turn`: the family's turn
     end, Gemma's "<end_of_turn>") is special even where the file types it NORMAL: llama.cpp's
     converter wrote Gemma's <end_of_turn> as a normal token, and llama.cpp's loader makes such a
-    token a control token (`llama_vocab::impl::load`); lmforge does as llama.cpp does.
+    token a control token (`llama_vocab::impl::load`); lmforge does as llama.cpp does. Where the
+    file's general.name holds "phi3" / "phi-3", llama.cpp strips the spaces after its specials
+    (`gguf_vocab.rstrip_rule`): those added tokens get rstrip = true.
 
     Raises:
         ExportError: a tokenizer model or pre-tokenizer lmforge does not rebuild; no tokens.
@@ -96,11 +98,12 @@ def rebuild_tokenizer(kv: dict, path: Path, end_of_turn: str | None = None) -> t
         if isinstance(i, int) and 0 <= i < len(tokens) and types[i] == T.NORMAL:
             types[i] = int(T.CONTROL)
     added, vocab = [], {}
+    stripped = rstrip_rule(tokens, types) if rstrip_by_name(typed_key(kv, "general.name", "str", path, "")) else set()
     for i, (text, kind) in enumerate(zip(tokens, types)):
         if kind == T.UNUSED:
             continue  # an id the tokenizer never produces
-        if kind in (T.CONTROL, T.USER_DEFINED):
-            added.append({"id": i, "content": text, "single_word": False, "lstrip": False, "rstrip": False,
+        if kind in (T.CONTROL, T.USER_DEFINED):  # rstrip: llama.cpp's Phi-3 rule, by the file's name
+            added.append({"id": i, "content": text, "single_word": False, "lstrip": False, "rstrip": i in stripped,
                           "normalized": False, "special": kind == T.CONTROL})
         vocab[text] = i  # added tokens too: HF gives an added token the model's id for its text
     unk = ids["unknown_token_id"]

@@ -85,6 +85,9 @@ class GGUFVocab:
         that llama.cpp's highest-score-first merging applies HF's merges in rank order.
     add_space_prefix: "llama" only: a "▁" is put before the text (and after each special token).
     unk_id: the model's unk token id, or None.
+    rstrip: the added tokens strip the spaces after them as llama.cpp's Phi-3 rule makes them
+        (`rstrip_rule`; Phi-3's own tokenizer): the file's general.name must then say "phi3"
+        (`gguf_name`), and must not otherwise.
     """
 
     model: str
@@ -95,6 +98,40 @@ class GGUFVocab:
     scores: list[float] | None = None
     add_space_prefix: bool | None = None
     unk_id: int | None = None
+    rstrip: bool = False
+
+
+#: llama.cpp strips the whitespace after special tokens iff the lowercased general.name holds
+#: "phi-3" or "phi3" (llama-vocab.cpp, `llama_vocab::impl::load`: a rule for Phi-3's tokenizer, whose
+#: specials have rstrip = true); the GGUF format has no per-token attribute for it.
+_PHI3_NAME = re.compile(r"phi-?3", re.IGNORECASE)
+#: the tokens that rule leaves alone, and one it strips after even when typed NORMAL
+_RSTRIP_EXEMPT, _RSTRIP_ALWAYS = ("<unk>", "<s>", "<|endoftext|>"), "</s>"
+
+
+def rstrip_rule(tokens: list[str], token_types: list[int]) -> set[int]:
+    """The ids llama.cpp's Phi-3 rule strips the spaces after: every CONTROL, USER_DEFINED and UNKNOWN
+    token (its `cache_special_tokens`) and "</s>", but "<unk>", "<s>" and "<|endoftext|>"."""
+    gguf = require_gguf()
+    T = gguf.TokenType
+    kinds = (int(T.CONTROL), int(T.USER_DEFINED), int(T.UNKNOWN))
+    return {i for i, (t, k) in enumerate(zip(tokens, token_types))
+            if t not in _RSTRIP_EXEMPT and (int(k) in kinds or t == _RSTRIP_ALWAYS)}
+
+
+def rstrip_by_name(name: str) -> bool:
+    """Whether llama.cpp applies its Phi-3 rule to a file of general.name `name`."""
+    return bool(_PHI3_NAME.search(name or ""))
+
+
+def gguf_name(name: str, rstrip: bool) -> str:
+    """general.name for a file whose tokenizer strips after its specials (`rstrip`) or not, so
+    that llama.cpp's name rule agrees: "phi3" added where it strips, "phi-3"/"phi3" written
+    "phi 3" where it does not (a run folder named after Phi-3 would otherwise change llama.cpp's
+    tokenization)."""
+    if rstrip:
+        return name if rstrip_by_name(name) else f"{name} (phi3)"
+    return _PHI3_NAME.sub(lambda m: m.group(0)[:3] + " 3", name)
 
 
 def _brief(obj) -> str:
@@ -213,7 +250,7 @@ def _spm_scores(tokens: list[str | None], merges: list[tuple[str, str]], path: P
     return [float(-first[t]) if t is not None and t in first else 0.0 for t in tokens]
 
 
-def gguf_vocab(tokenizer_json: str | Path, vocab_size: int) -> GGUFVocab:
+def gguf_vocab(tokenizer_json: str | Path, vocab_size: int, pad_id: int | None = None) -> GGUFVocab:
     """Read `tokenizer.json` and map it to the llama.cpp tokenizer that computes the same ids.
 
     By what the tokenizer is, never by its name:
@@ -230,10 +267,12 @@ def gguf_vocab(tokenizer_json: str | Path, vocab_size: int) -> GGUFVocab:
     Args:
         tokenizer_json: the checkpoint's tokenizer.json.
         vocab_size: the contract's vocab_size (ids 0..vocab_size-1).
+        pad_id: the contract's pad (never in text: its stripping does not matter).
     Raises:
         ExportError: anything llama.cpp would tokenize differently, named with what was seen: another
             model type (Unigram, WordPiece), a normalizer, a pre-tokenizer llama.cpp lacks, dropout,
-            a subword prefix/suffix, missing byte tokens, added tokens with lstrip/rstrip/single_word,
+            a subword prefix/suffix, missing byte tokens, added tokens with lstrip/single_word, or with
+            rstrip other than llama.cpp's Phi-3 set (`rstrip_rule`),
             two ids with one spelling, ids outside [0, vocab_size).
     """
     gguf = require_gguf()
@@ -289,9 +328,12 @@ def gguf_vocab(tokenizer_json: str | Path, vocab_size: int) -> GGUFVocab:
     unk_id = model.get("vocab", {}).get(unk) if unk else None
     if unk_id is not None:
         types[unk_id] = int(gguf.TokenType.UNKNOWN)
+    rstrip = set()
     for added in tj.get("added_tokens") or []:
         flags = [f for f in ("lstrip", "rstrip", "single_word") if added.get(f)]
-        if flags:
+        if flags == ["rstrip"]:  # llama.cpp's Phi-3 rule may hold it: checked below
+            rstrip.add(int(added["id"]))
+        elif flags:
             raise ExportError(f"{path}: added token {added['content']!r} (id {added['id']}) has "
                               f"{', '.join(f + ' = true' for f in flags)}: llama.cpp matches added tokens "
                               f"exactly, without stripping spaces around them. {fix}")
@@ -321,10 +363,15 @@ def gguf_vocab(tokenizer_json: str | Path, vocab_size: int) -> GGUFVocab:
             raise ExportError(f"{path}: merge {m!r} is not a pair of tokens without spaces. {fix}")
         pairs.append((pair[0], pair[1]))
     names = [t if t is not None else f"[PAD{i}]" for i, t in enumerate(tokens)]
+    if rstrip and (rstrip ^ rstrip_rule(names, types)) - {pad_id}:
+        raise ExportError(f"{path}: added tokens {sorted(names[i] for i in rstrip)[:6]} strip the spaces after them "
+                          f"(rstrip = true), which llama.cpp does only for Phi-3's set of tokens (every special but "
+                          f"<unk>, <s>, <|endoftext|>; expected {sorted(names[i] for i in rstrip_rule(names, types) - {pad_id})[:6]}"
+                          f"). {fix}")
     if spm:
         scores = _spm_scores(tokens, pairs, path, fix)
-        return GGUFVocab(kind, pre, names, types, [], scores, add_space_prefix, unk_id)
-    return GGUFVocab(kind, pre, names, types, [f"{a} {b}" for a, b in pairs], unk_id=unk_id)
+        return GGUFVocab(kind, pre, names, types, [], scores, add_space_prefix, unk_id, bool(rstrip))
+    return GGUFVocab(kind, pre, names, types, [f"{a} {b}" for a, b in pairs], unk_id=unk_id, rstrip=bool(rstrip))
 
 
 def tokenizer_keys(contract: Contract, vocab: GGUFVocab) -> dict:
@@ -356,4 +403,5 @@ def tokenizer_keys(contract: Contract, vocab: GGUFVocab) -> dict:
     return keys
 
 
-__all__ = ["GGUFVocab", "GPT2_PATTERN", "LLAMA3_PATTERN", "QWEN2_PATTERN", "SPM_SPACE", "gguf_vocab", "tokenizer_keys"]
+__all__ = ["GGUFVocab", "GPT2_PATTERN", "LLAMA3_PATTERN", "QWEN2_PATTERN", "SPM_SPACE", "gguf_name", "gguf_vocab",
+           "rstrip_by_name", "rstrip_rule", "tokenizer_keys"]

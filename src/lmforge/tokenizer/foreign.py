@@ -146,7 +146,10 @@ def _derive_contract(hf, src: Path, eos_token: str, family: FamilyTemplate | Non
                                        turn_specials, src)
     spell["pad"] = _pad_token(declared("pad"), spell, unk, vocab, specials, say)
     spell = {name: spell[name] for name in SPECIAL_TOKENS}
-    hf.add_special_tokens([AddedToken(text, special=True, normalized=False)
+    had = {a.content: a for a in hf.get_added_tokens_decoder().values()}  # strip flags kept (Phi-3's rstrip)
+    hf.add_special_tokens([AddedToken(text, special=True, normalized=False, lstrip=getattr(had.get(text), "lstrip", False),
+                                      rstrip=getattr(had.get(text), "rstrip", False),
+                                      single_word=getattr(had.get(text), "single_word", False))
                            for text in spell.values() if text is not None])
     hf.no_padding()
     hf.no_truncation()
