@@ -93,8 +93,8 @@ from lmforge.export.options import EXPORT_DTYPES, ExportError, check_dtype_range
 from lmforge.export.card import gguf_facts
 from lmforge.export.families import FAMILIES, LLAMA_CPP_ARCHS, Family, by_gguf_arch
 from lmforge.export.families.shared import fuse
-from lmforge.export.gguf_vocab import gguf_name, gguf_vocab, tokenizer_keys
-from lmforge.export.llama_cpp import gguf_family, gguf_tensor_names, require_gguf
+from lmforge.export.gguf_vocab import gguf_vocab, tokenizer_keys
+from lmforge.export.llama_cpp import gguf_family, gguf_name, gguf_tensor_names, require_gguf
 from lmforge.fileio import check_user_file, user_file
 from lmforge.loading import load_checkpoint
 from lmforge.model.io import model_state

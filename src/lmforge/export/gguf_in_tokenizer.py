@@ -9,8 +9,8 @@ from pathlib import Path
 
 import numpy as np
 
-from lmforge.export.gguf_vocab import LLAMA3_PATTERN, QWEN2_PATTERN, SPM_SPACE, rstrip_by_name, rstrip_rule
-from lmforge.export.llama_cpp import require_gguf
+from lmforge.export.gguf_vocab import LLAMA3_PATTERN, QWEN2_PATTERN, SPM_SPACE
+from lmforge.export.llama_cpp import require_gguf, rstrip_by_name, rstrip_rule
 from lmforge.export.options import ExportError
 
 
@@ -75,7 +75,7 @@ def rebuild_tokenizer(kv: dict, path: Path, end_of_turn: str | None = None) -> t
     converter wrote Gemma's <end_of_turn> as a normal token, and llama.cpp's loader makes such a
     token a control token (`llama_vocab::impl::load`); lmforge does as llama.cpp does. Where the
     file's general.name holds "phi3" / "phi-3", llama.cpp strips the spaces after its specials
-    (`gguf_vocab.rstrip_rule`): those added tokens get rstrip = true.
+    (`llama_cpp.rstrip_rule`): those added tokens get rstrip = true.
 
     Raises:
         ExportError: a tokenizer model or pre-tokenizer lmforge does not rebuild; no tokens.

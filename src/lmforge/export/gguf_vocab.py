@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lmforge.contract import Contract
-from lmforge.export.llama_cpp import require_gguf
+from lmforge.export.llama_cpp import require_gguf, rstrip_rule
 from lmforge.export.options import ExportError
 from lmforge.fileio import loads_json
 from lmforge.tokenizer import CHAT_TEMPLATE, SPLIT_PATTERN, byte_decoder
@@ -86,8 +86,8 @@ class GGUFVocab:
     add_space_prefix: "llama" only: a "▁" is put before the text (and after each special token).
     unk_id: the model's unk token id, or None.
     rstrip: the added tokens strip the spaces after them as llama.cpp's Phi-3 rule makes them
-        (`rstrip_rule`; Phi-3's own tokenizer): the file's general.name must then say "phi3"
-        (`gguf_name`), and must not otherwise.
+        (`llama_cpp.rstrip_rule`; Phi-3's own tokenizer): the file's general.name must then say "phi3"
+        (`llama_cpp.gguf_name`), and must not otherwise.
     """
 
     model: str
@@ -99,39 +99,6 @@ class GGUFVocab:
     add_space_prefix: bool | None = None
     unk_id: int | None = None
     rstrip: bool = False
-
-
-#: llama.cpp strips the whitespace after special tokens iff the lowercased general.name holds
-#: "phi-3" or "phi3" (llama-vocab.cpp, `llama_vocab::impl::load`: a rule for Phi-3's tokenizer, whose
-#: specials have rstrip = true); the GGUF format has no per-token attribute for it.
-_PHI3_NAME = re.compile(r"phi-?3", re.IGNORECASE)
-#: the tokens that rule leaves alone, and one it strips after even when typed NORMAL
-_RSTRIP_EXEMPT, _RSTRIP_ALWAYS = ("<unk>", "<s>", "<|endoftext|>"), "</s>"
-
-
-def rstrip_rule(tokens: list[str], token_types: list[int]) -> set[int]:
-    """The ids llama.cpp's Phi-3 rule strips the spaces after: every CONTROL, USER_DEFINED and UNKNOWN
-    token (its `cache_special_tokens`) and "</s>", but "<unk>", "<s>" and "<|endoftext|>"."""
-    gguf = require_gguf()
-    T = gguf.TokenType
-    kinds = (int(T.CONTROL), int(T.USER_DEFINED), int(T.UNKNOWN))
-    return {i for i, (t, k) in enumerate(zip(tokens, token_types))
-            if t not in _RSTRIP_EXEMPT and (int(k) in kinds or t == _RSTRIP_ALWAYS)}
-
-
-def rstrip_by_name(name: str) -> bool:
-    """Whether llama.cpp applies its Phi-3 rule to a file of general.name `name`."""
-    return bool(_PHI3_NAME.search(name or ""))
-
-
-def gguf_name(name: str, rstrip: bool) -> str:
-    """general.name for a file whose tokenizer strips after its specials (`rstrip`) or not, so
-    that llama.cpp's name rule agrees: "phi3" added where it strips, "phi-3"/"phi3" written
-    "phi 3" where it does not (a run folder named after Phi-3 would otherwise change llama.cpp's
-    tokenization)."""
-    if rstrip:
-        return name if rstrip_by_name(name) else f"{name} (phi3)"
-    return _PHI3_NAME.sub(lambda m: m.group(0)[:3] + " 3", name)
 
 
 def _brief(obj) -> str:
@@ -272,7 +239,7 @@ def gguf_vocab(tokenizer_json: str | Path, vocab_size: int, pad_id: int | None =
         ExportError: anything llama.cpp would tokenize differently, named with what was seen: another
             model type (Unigram, WordPiece), a normalizer, a pre-tokenizer llama.cpp lacks, dropout,
             a subword prefix/suffix, missing byte tokens, added tokens with lstrip/single_word, or with
-            rstrip other than llama.cpp's Phi-3 set (`rstrip_rule`),
+            rstrip other than llama.cpp's Phi-3 set (`llama_cpp.rstrip_rule`),
             two ids with one spelling, ids outside [0, vocab_size).
     """
     gguf = require_gguf()
@@ -403,5 +370,4 @@ def tokenizer_keys(contract: Contract, vocab: GGUFVocab) -> dict:
     return keys
 
 
-__all__ = ["GGUFVocab", "GPT2_PATTERN", "LLAMA3_PATTERN", "QWEN2_PATTERN", "SPM_SPACE", "gguf_name", "gguf_vocab",
-           "rstrip_by_name", "rstrip_rule", "tokenizer_keys"]
+__all__ = ["GGUFVocab", "GPT2_PATTERN", "LLAMA3_PATTERN", "QWEN2_PATTERN", "SPM_SPACE", "gguf_vocab", "tokenizer_keys"]

@@ -17,6 +17,13 @@ its family record (`export/families/`: `Family.gguf_arch`, `gguf_names`, `gguf_n
     gemma2                   gemma2    the same norms (no QK-norm), alternating sliding layers,
                                        soft-capped attention scores and logits
     olmo2                    olmo2     norms after attention and MLP only, QK-norm over the projection
+    smollm3                  smollm3   Q/K rows permuted; no RoPE in every 4th layer
+    granite                  granite   Q/K rows permuted; the four scalars as the file's keys
+    phi3                     phi3      fused attn_qkv and ffn_up; its sliding window never applied
+
+The tokenizer, by the file's name: llama.cpp strips the whitespace after special tokens exactly when
+general.name holds "phi3" / "phi-3" (`rstrip_rule`, `gguf_name`: Phi-3's tokenizer.json says so per
+token; GGUF keeps no such flag).
 
 What llama.cpp's runtime hard-codes for an architecture, whatever the file says, is
 `LLAMA_CPP_ARCHS` (read from `llama_model::load_hparams` and the graphs in src/models/): gemma3
@@ -36,6 +43,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 
 from lmforge.config import ModelConfig
 from lmforge.errors import require_package
@@ -234,6 +242,39 @@ def gguf_arch(model: ModelConfig) -> str:
     return gguf_family(model).gguf_arch  # type: ignore[return-value]
 
 
+#: llama.cpp strips the whitespace after special tokens iff the lowercased general.name holds
+#: "phi-3" or "phi3" (llama-vocab.cpp, `llama_vocab::impl::load`: a rule for Phi-3's tokenizer, whose
+#: specials have rstrip = true); the GGUF format has no per-token attribute for it.
+_PHI3_NAME = re.compile(r"phi-?3", re.IGNORECASE)
+#: the tokens that rule leaves alone, and one it strips after even when typed NORMAL
+_RSTRIP_EXEMPT, _RSTRIP_ALWAYS = ("<unk>", "<s>", "<|endoftext|>"), "</s>"
+
+
+def rstrip_rule(tokens: list[str], token_types: list[int]) -> set[int]:
+    """The ids llama.cpp's Phi-3 rule strips the spaces after: every CONTROL, USER_DEFINED and UNKNOWN
+    token (its `cache_special_tokens`) and "</s>", but "<unk>", "<s>" and "<|endoftext|>"."""
+    gguf = require_gguf()
+    T = gguf.TokenType
+    kinds = (int(T.CONTROL), int(T.USER_DEFINED), int(T.UNKNOWN))
+    return {i for i, (t, k) in enumerate(zip(tokens, token_types))
+            if t not in _RSTRIP_EXEMPT and (int(k) in kinds or t == _RSTRIP_ALWAYS)}
+
+
+def rstrip_by_name(name: str) -> bool:
+    """Whether llama.cpp applies its Phi-3 rule to a file of general.name `name`."""
+    return bool(_PHI3_NAME.search(name or ""))
+
+
+def gguf_name(name: str, rstrip: bool) -> str:
+    """general.name for a file whose tokenizer strips after its specials (`rstrip`) or not, so
+    that llama.cpp's name rule agrees: "phi3" added where it strips, "phi-3"/"phi3" written
+    "phi 3" where it does not (a run folder named after Phi-3 would otherwise change llama.cpp's
+    tokenization)."""
+    if rstrip:
+        return name if rstrip_by_name(name) else f"{name} (phi3)"
+    return _PHI3_NAME.sub(lambda m: m.group(0)[:3] + " 3", name)
+
+
 def _model_arch(gguf, arch: str):
     """gguf-py's MODEL_ARCH member named `arch`."""
     return next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
@@ -249,4 +290,4 @@ def gguf_tensor_names(gguf, arch: str, n_layers: int) -> set[str]:
     return names
 
 
-__all__ = ["gguf_arch", "gguf_family", "gguf_tensor_names", "require_gguf"]
+__all__ = ["gguf_arch", "gguf_family", "gguf_name", "gguf_tensor_names", "require_gguf", "rstrip_by_name", "rstrip_rule"]
