@@ -260,11 +260,16 @@ def test_f6_names_are_the_familys_own():
 
 
 # -- what import reads and refuses ---------------------------------------------------------------------
+def source_folder(tmp_path_factory, family: str) -> Path:
+    """hf_families' folder of `family`, built once for a module's fixture."""
+    folder = tmp_path_factory.mktemp(f"{family}_src") / "hf"
+    build_folder(family, folder)
+    return folder
+
+
 @pytest.fixture(scope="module")
 def gemma3_folder(tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("gemma3_src") / "hf"
-    build_folder("gemma3", folder)
-    return folder
+    return source_folder(tmp_path_factory, "gemma3")
 
 
 def test_older_gemma3_config_spelling_imports_to_the_same_model(gemma3_folder, tmp_path):
@@ -351,16 +356,18 @@ def test_export_refuses_what_no_family_carries(gemma3_folder, tmp_path):
 # -- Phi-3: fused weights split at import, joined at export; the family kept by model.family --------
 @pytest.fixture(scope="module")
 def phi3_folder(tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("phi3_src") / "hf"
-    build_folder("phi3", folder)
-    return folder
+    return source_folder(tmp_path_factory, "phi3")
 
 
-def test_phi3_fused_weights_are_lmforges_parts(phi3_folder, tmp_path):
+@pytest.fixture(scope="module")
+def phi3_ckpt(phi3_folder, tmp_path_factory) -> Path:
+    return import_hf(phi3_folder, tmp_path_factory.mktemp("phi3_ckpt") / "ckpt")
+
+
+def test_phi3_fused_weights_are_lmforges_parts(phi3_folder, phi3_ckpt):
     """qkv_proj rows = [wq; wk; wv] (H hd, KV hd, KV hd), gate_up_proj rows = [w1; w3]: the
     imported weights are those slices of transformers' own, bit for bit."""
-    import_hf(phi3_folder, tmp_path / "ckpt")
-    ours = load_safetensors(tmp_path / "ckpt" / "model.safetensors")
+    ours = load_safetensors(phi3_ckpt / "model.safetensors")
     theirs = load_safetensors(phi3_folder / "model.safetensors")
     qkv, gate_up = theirs["model.layers.1.self_attn.qkv_proj.weight"], theirs["model.layers.1.mlp.gate_up_proj.weight"]
     assert qkv.shape[0] == 4 * 16 + 2 * 2 * 16 and gate_up.shape[0] == 2 * 96
@@ -372,12 +379,11 @@ def test_phi3_fused_weights_are_lmforges_parts(phi3_folder, tmp_path):
     assert not any("qkv" in k or "w13" in k for k in ours)
 
 
-def test_model_family_picks_the_export_and_is_checked(phi3_folder, tmp_path):
+def test_model_family_picks_the_export_and_is_checked(phi3_ckpt):
     """model.family = "phi3" exports Phi3ForCausalLM; "" the first family carrying the mechanisms
     (Llama: the same computation); a name no record has, or a family that cannot carry the
     model, is refused naming model.family."""
-    import_hf(phi3_folder, tmp_path / "ckpt")
-    model, _, contract, _ = load_model(tmp_path / "ckpt")
+    model, _, contract, _ = load_model(phi3_ckpt)
     cfg = model.config
     assert hf_config(cfg, contract)["architectures"] == ["Phi3ForCausalLM"]
     assert hf_config(dataclasses.replace(cfg, family=""), contract)["architectures"] == ["LlamaForCausalLM"]

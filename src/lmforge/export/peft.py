@@ -78,14 +78,12 @@ def fuse_adapters(adapters: dict[str, torch.Tensor], family: Family, model: Mode
         if not adapted:
             continue
         rows = [part_rows(model, p) for p in group.parts]
-        starts = [sum(rows[:k]) for k in range(len(rows))]
         r, n = lo.rank, len(adapted)
         for i in range(model.n_layers):
             stems = [p.replace("{i}", str(i)).removesuffix(".weight") for p in group.parts]
             a = torch.cat([out.pop(f"{stems[k]}.lora_a") for k in adapted])
-            b = a.new_zeros(sum(rows), n * r)
-            for slot, k in enumerate(adapted):
-                b[starts[k]:starts[k] + rows[k], slot * r:(slot + 1) * r] = out.pop(f"{stems[k]}.lora_b")
+            b = torch.block_diag(*[out.pop(f"{stems[k]}.lora_b") if k in adapted else a.new_zeros(rows[k], 0)
+                                   for k in range(len(rows))])  # a part not adapted: its rows zero, no columns
             fused = group.name.replace("{i}", str(i)).removesuffix(".weight")
             out[f"{fused}.lora_a"], out[f"{fused}.lora_b"] = a, b
         module = map_name(group.name.replace("{i}", "0"), family=family).split(".")[-2]
