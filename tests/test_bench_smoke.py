@@ -315,3 +315,18 @@ def test_run_all_records_a_full_run_with_its_failures(fake_bench, capsys):
     assert '"x": 1' in text
     with pytest.raises(SystemExit):
         run_all.main(["--smoke", "--record"])
+
+
+@pytest.mark.slow
+def test_against_commit_smoke_loads_the_commit_as_a_second_package(tmp_path):
+    """bench/against_commit.py against HEAD: the commit's decode step gives this tree's logits
+    exactly (the same code, a second package) and its sampled ids are equal."""
+    if subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True).returncode:
+        pytest.skip("not a git checkout")
+    res = subprocess.run([sys.executable, str(BENCH / "against_commit.py"), "HEAD", "--smoke"], capture_output=True,
+                         text=True, timeout=300, cwd=tmp_path, env=smoke_env())
+    assert res.returncode == 0, res.stderr[-4000:]
+    assert "SMOKE RUN" in res.stdout
+    assert len(re.findall(r"max \|logit diff\| 0\.0e\+00", res.stdout)) == 2, res.stdout
+    assert "ids equal: True" in res.stdout
+    assert list(tmp_path.iterdir()) == []
