@@ -57,6 +57,7 @@ test-browser: $(STAMP)
 	$(PY) -m pytest -q tests/test_serve_browser.py
 
 bench: $(STAMP)
+	$(PY) -c "import trl, peft" 2>/dev/null || $(PY) -m pip install -q -e ".[bench]"
 	$(PY) bench/run_all.py
 
 # CUDA tests, compiled = eager gradients, flex = sdpa, the step vs transformers, a 60 s speedrun (bench/README.md)

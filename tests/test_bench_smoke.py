@@ -68,6 +68,14 @@ def test_smoke_mode_runs_and_prints_its_table(name, tmp_path):
     CHECKS.get(name, lambda out: None)(out)
 
 
+def check_finetune(out: str) -> None:
+    """Both sides trained the same tiny model on the same conversations: each arm has its figures,
+    and the held-out losses (each side's own scorer, after 3 steps from the same weights) agree."""
+    rows = dict(re.findall(r"^\| (lmforge-lora|trl-lora) +\| [\d,]+ +\| [\d,]+ +\| ([\d.]+) +\|", out, re.M))
+    assert set(rows) == {"lmforge-lora", "trl-lora"}, out
+    assert abs(float(rows["lmforge-lora"]) - float(rows["trl-lora"])) < 0.05, rows
+
+
 def check_decode(out: str) -> None:
     """lmforge's greedy ids equal transformers' (the exporter's Qwen3 twin), batch 1 and left-padded batch 3."""
     assert "Qwen3ForCausalLM" in out
@@ -101,7 +109,8 @@ def check_quality(out: str) -> None:
     assert [float(x) for x in re.findall(row, over.split("###")[0], re.M)] == bpb, out  # 1 seed: mean = it
 
 
-CHECKS = {"decode": check_decode, "train": check_train, "gguf": check_gguf, "quality": check_quality}
+CHECKS = {"decode": check_decode, "train": check_train, "gguf": check_gguf, "quality": check_quality,
+          "finetune": check_finetune}
 
 
 @pytest.mark.slow

@@ -1,0 +1,331 @@
+"""Fine-tuning a user's own model: `lmforge sft` against TRL's `SFTTrainer` with PEFT, side by side.
+
+The model is a `transformers` folder as a user brings it, built here with random weights (nothing is
+downloaded): the SmolLM2-135M shape (`LlamaForCausalLM`: hidden 576, 30 layers, 9 query / 3 KV
+heads, MLP 1,536, vocabulary 49,152, tied head) with a byte-level BPE of 49,152 tokens trained on
+the standard library (`common.stdlib_tokenizer`) and SmolLM2's chat template. lmforge reads it with
+`lmforge import-hf`; TRL loads it with `AutoModelForCausalLM.from_pretrained`.
+
+The same work on both sides:
+- the conversations: the speedrun's SFT set (standard-library functions: a user turn with the
+  signature and docstring, the body as the reply; `stdlib_examples`), written as a JSONL of
+  messages for lmforge and as TRL's conversational prompt/completion records (the loss on the
+  reply only, as lmforge's); the same held-out split (`split_conversations`);
+- rows of `--seq-len` tokens, `--batch` rows a step, packed on both sides (lmforge's
+  `sft.packing`; TRL's `packing=True`, best-fit decreasing, padding-free with per-sequence
+  positions, which transformers turns into block-diagonal attention);
+- AdamW with lmforge's SFT defaults (`sft.lr` 1e-3, betas 0.9/0.95, weight decay 0.1, clip 1.0,
+  10 warm-up steps), a cosine decay to lr x `train.min_lr_ratio` (TRL's `cosine_with_min_lr`;
+  lmforge's `sft.optimizer` and `sft.schedule` pinned to these, `PINNED`: TRL has neither Muon nor
+  WSD), the same precision (`precision = "auto"`:
+  bf16 autocast where the CPU has bf16 units, else float32; TRL's `bf16` likewise);
+- LoRA: rank 16, alpha 16, no dropout, every linear layer of the blocks (q, k, v, o, gate, up,
+  down); full: every weight.
+
+Each arm is its own process (`--arm`), so its peak resident memory is its own, and the arms
+alternate round by round (`--repeat`). Per arm: tokens/s of the optimizer steps after `--warmup`
+(real tokens: TRL's padding-free rows have no pad; lmforge's `step_tokens`), the process's peak RSS,
+and the held-out loss after the run (nats per reply token, reply tokens summed over the held-out
+conversations; each side's own scorer: lmforge's `val_loss`, and for TRL the same sum computed
+with the trained model on the rendered conversations).
+
+    python bench/bench_finetune.py [--steps 12] [--warmup 3] [--repeat 1] [--arms lmforge-lora,trl-lora,...]
+    python bench/bench_finetune.py --smoke     # a tiny Llama, seconds: proves the benchmark runs
+
+Needs `trl` and `peft` (`pip install -e ".[bench]"`; `make bench` installs them); without TRL the
+TRL arms are rows saying so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+SMOLLM2_135M = dict(vocab_size=49_152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                    num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192, rope_theta=100_000.0,
+                    rms_norm_eps=1e-5, tie_word_embeddings=True)
+SMOKE = dict(SMOLLM2_135M, vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2)
+#: SmolLM2-Instruct's chat template (the public text), with its default system prompt
+SMOLLM2_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}"
+    "{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+LORA_RANK, LORA_ALPHA = 16, 16.0
+HF_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+ARMS = ("lmforge-lora", "trl-lora", "lmforge-full", "trl-full")
+
+
+#: lmforge's SFT settings that TRL cannot take pinned to what it can: AdamW (lmforge's default is Muon for
+#: the blocks' matrices, AdamW for the rest) and a cosine decay to lr x train.min_lr_ratio (default: WSD)
+PINNED = {"sft.optimizer": "adamw", "sft.schedule": "cosine"}
+
+
+def hyper() -> dict:
+    """lmforge's SFT defaults (read from its config, so both sides get what lmforge would run)."""
+    from lmforge.config import Config
+
+    cfg = Config()
+    s, t = cfg.sft, cfg.train
+    return {"lr": s.lr, "warmup": s.warmup_steps, "beta1": t.beta1, "beta2": t.beta2, "weight_decay": t.weight_decay,
+            "clip": t.grad_clip, "min_lr_ratio": t.min_lr_ratio}
+
+
+def build_user_folder(folder: Path, smoke: bool) -> None:
+    """A SmolLM2-135M-shaped transformers folder (random weights, seed 0) with a 49,152-token BPE."""
+    import torch
+    import transformers
+    from tokenizers import Tokenizer, processors
+
+    shape = SMOKE if smoke else SMOLLM2_135M
+    if smoke:
+        common.smoke_tokenizer(folder.parent / "smoke-tok", shape["vocab_size"])
+        tok_file = folder.parent / "smoke-tok" / "tokenizer.json"
+    else:
+        common.stdlib_tokenizer(shape["vocab_size"])
+        tok_file = common.CACHE / f"tokenizer-stdlib-{shape['vocab_size']}" / "tokenizer.json"
+    # SmolLM2's document terminator is <|endoftext|>, lmforge's tokenizer calls it <|eos|>
+    tok = Tokenizer.from_str(tok_file.read_text().replace('"<|eos|>"', '"<|endoftext|>"'))
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)  # SmolLM2 prepends nothing
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, chat_template=SMOLLM2_TEMPLATE,
+                                                bos_token="<|im_start|>", eos_token="<|im_end|>", pad_token="<|pad|>")
+    fast.save_pretrained(str(folder))
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(**shape, bos_token_id=fast.bos_token_id, eos_token_id=fast.eos_token_id,
+                                   pad_token_id=fast.pad_token_id)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(str(folder))
+
+
+def conversations(work: Path, smoke: bool, val_examples: int) -> tuple[list, list]:
+    """The SFT set written as a JSONL of messages (lmforge's `sft.data`), and the (train, held-out)
+    conversations lmforge's SFT stage takes from that file (`split_conversations`, `cap_examples`)."""
+    from lmforge.config import Config
+    from lmforge.data.conversations import cap_examples, read_conversations, split_conversations
+    from lmforge.data.stdlib_functions import stdlib_examples
+
+    d, s = Config().data, Config().sft
+    examples = stdlib_examples(d.val_fraction, s.max_chars, 200 if smoke else s.max_examples)
+    path = work / "chats.jsonl"
+    path.write_text("".join(json.dumps({"messages": list(e.conversation().messages)}) + "\n"
+                            for e in examples["train"] + examples["val"]))
+    split = split_conversations(read_conversations(path), d.val_fraction)  # as the stage reads the file
+    return (cap_examples(split["train"], s.max_examples, lambda c: c.key),
+            cap_examples(split["val"], val_examples, lambda c: c.key))
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def run_lmforge(work: Path, arm: str, a) -> dict:
+    from lmforge.cli import main as cli
+
+    out = work / f"{arm}-{os.getpid()}"  # a fresh run folder for every round
+    sets = {"sft.init": work / "imported", "tokenizer.dir": work / "imported", "sft.data": work / "chats.jsonl",
+            "data.seq_len": a.seq_len, "sft.micro_batch_size": a.batch, "sft.steps": a.steps,
+            "sft.val_examples": a.val, "train.checkpoint_every": 0, "train.keep_last": 1, "train.seed": a.seed,
+            **PINNED}
+    if arm.endswith("lora"):
+        sets.update({"lora.rank": LORA_RANK, "lora.alpha": LORA_ALPHA})
+    argv = ["sft", "--out", str(out), "--no-progress"]
+    for k, v in sets.items():
+        argv += ["--set", f"{k}={v}"]
+    code = cli(argv)
+    if code:
+        raise SystemExit(f"lmforge sft exited {code}")
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    real = 1.0 - json.loads((out / "sft_data.json").read_text())["padding_fraction"]  # the rows' padding excluded
+    start, end = rows[a.warmup - 1] if a.warmup else {"tokens": 0, "elapsed_s": 0.0}, rows[-1]
+    # elapsed_s sums the steps' own times (validation excluded): tokens/s of the steps after the warm-up
+    tps = real * (end["tokens"] - start["tokens"]) / (end["elapsed_s"] - start["elapsed_s"])
+    val = [r["val_loss"] for r in rows if r.get("val_loss") is not None]
+    return {"tokens_per_s": tps, "val_loss": val[-1], "steps": rows[-1]["step"], "padding": 1.0 - real}
+
+
+def run_trl(work: Path, arm: str, a, val: list) -> dict:
+    import time
+
+    import torch
+    import transformers
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    from lmforge.runtime import resolve_precision
+
+    h = hyper()
+    bf16 = resolve_precision("auto", torch.device("cpu")) == torch.bfloat16
+    train = [json.loads(line)["messages"] for line in (work / "train.jsonl").read_text().splitlines()]
+    ds = Dataset.from_list([{"prompt": m[:-1], "completion": m[-1:]} for m in train])
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(work / "user"), dtype=torch.float32)
+    peft_config = None
+    if arm.endswith("lora"):
+        from peft import LoraConfig
+        peft_config = LoraConfig(r=LORA_RANK, lora_alpha=LORA_ALPHA, lora_dropout=0.0, target_modules=HF_TARGETS,
+                                 task_type="CAUSAL_LM")
+    args = SFTConfig(output_dir=str(work / f"{arm}-{os.getpid()}"), max_length=a.seq_len, packing=True, per_device_train_batch_size=a.batch,
+                     gradient_accumulation_steps=1, max_steps=a.steps, learning_rate=h["lr"],
+                     lr_scheduler_type="cosine_with_min_lr", lr_scheduler_kwargs={"min_lr_rate": h["min_lr_ratio"]},
+                     warmup_steps=h["warmup"], adam_beta1=h["beta1"], adam_beta2=h["beta2"],
+                     weight_decay=h["weight_decay"], max_grad_norm=h["clip"], optim="adamw_torch", bf16=bf16,
+                     use_cpu=True, logging_steps=1, save_strategy="no", report_to=[], seed=a.seed,
+                     dataloader_num_workers=0, include_num_input_tokens_seen=True, disable_tqdm=True)
+    marks: list[tuple[float, int]] = []
+
+    class Clock(transformers.TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            self.t0 = time.perf_counter()
+            self.seen = state.num_input_tokens_seen
+
+        def on_step_end(self, args, state, control, **kw):
+            marks.append((time.perf_counter() - self.t0, state.num_input_tokens_seen - self.seen))
+
+    trainer = SFTTrainer(model=model, args=args, train_dataset=ds, peft_config=peft_config, callbacks=[Clock()])
+    trainer.train()
+    timed = marks[a.warmup:]
+    if not sum(n for _, n in timed):
+        raise SystemExit(f"TRL counted no input tokens: {marks}")
+    tps = sum(n for _, n in timed) / sum(t for t, _ in timed)
+    return {"tokens_per_s": tps, "val_loss": held_out_loss(trainer.model, trainer.processing_class, val, a.seq_len),
+            "steps": len(marks)}
+
+
+def held_out_loss(model, tok, val: list, seq_len: int) -> float:
+    """Nats per reply token over the held-out conversations: -log p of each reply's tokens (its
+    end-of-turn included), summed, over their count (lmforge's val_loss, computed on TRL's model)."""
+    import torch
+
+    model.eval()
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for messages in val:
+            prompt = tok.apply_chat_template(messages[:-1], add_generation_prompt=True, tokenize=False)
+            full = tok.apply_chat_template(messages, tokenize=False)
+            p_ids = tok(prompt, add_special_tokens=False)["input_ids"]
+            ids = tok(full, add_special_tokens=False)["input_ids"]
+            ids = ids[:seq_len]  # cut as both sides cut a conversation longer than a row
+            if len(ids) <= len(p_ids):  # nothing of the reply left (lmforge drops these too)
+                continue
+            # the reply and its <|im_end|>; the template's trailing newline is not learned
+            end = ids.index(tok.eos_token_id, len(p_ids)) + 1 if tok.eos_token_id in ids[len(p_ids):] else len(ids)
+            x = torch.tensor([ids[:end]])
+            logp = model(input_ids=x).logits[0, :-1].float().log_softmax(-1)
+            target = x[0, 1:]
+            lp = logp.gather(1, target[:, None])[:, 0][len(p_ids) - 1:]
+            total -= lp.sum().item()
+            count += lp.numel()
+    return total / count if count else float("nan")
+
+
+def child(a) -> None:
+    """One arm in this process; its result as the last line of stdout (JSON)."""
+    work = a.work
+    if a.arm.startswith("lmforge"):
+        res = run_lmforge(work, a.arm, a)
+    else:
+        val = [json.loads(line)["messages"] for line in (work / "val.jsonl").read_text().splitlines()]
+        res = run_trl(work, a.arm, a, val)
+    res["peak_rss_mb"] = peak_rss_mb()
+    print(json.dumps(res))
+
+
+def prepare(work: Path, a) -> None:
+    """The user's folder, its import, and the conversations (train and held-out) for both sides."""
+    from lmforge.cli import main as cli
+
+    build_user_folder(work / "user", a.smoke)
+    if cli(["import-hf", str(work / "user"), "--out", str(work / "imported")]):
+        raise SystemExit("lmforge import-hf failed")
+    train, val = conversations(work, a.smoke, a.val)
+    for name, convs in (("train", train), ("val", val)):
+        (work / f"{name}.jsonl").write_text("".join(json.dumps({"messages": list(c.messages)}) + "\n" for c in convs))
+
+
+def arm_process(work: Path, arm: str, a) -> dict:
+    argv = [sys.executable, __file__, "--arm", arm, "--work", str(work), "--steps", str(a.steps), "--warmup",
+            str(a.warmup), "--seq-len", str(a.seq_len), "--batch", str(a.batch), "--val", str(a.val), "--seed",
+            str(a.seed)] + (["--smoke"] if a.smoke else [])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(common.ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    res = subprocess.run(argv, capture_output=True, text=True, env=env)
+    if res.returncode:
+        return {"failed": f"exit {res.returncode}: {res.stderr.strip().splitlines()[-1] if res.stderr.strip() else ''}",
+                "stderr": res.stderr[-3000:]}
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def trl_installed() -> bool:
+    try:
+        import peft  # noqa: F401
+        import trl  # noqa: F401
+        return True
+    except ImportError:
+        return False
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=12, help="optimizer steps a run")
+    ap.add_argument("--warmup", type=int, default=3, help="steps left out of tokens/s")
+    ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--batch", type=int, default=4, help="packed rows a step")
+    ap.add_argument("--val", type=int, default=64, help="held-out conversations scored")
+    ap.add_argument("--repeat", type=int, default=1, help="rounds of every arm, alternating")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--arms", default=",".join(ARMS))
+    ap.add_argument("--arm", help=argparse.SUPPRESS)
+    ap.add_argument("--work", type=Path, help=argparse.SUPPRESS)
+    common.smoke_flag(ap)
+    a = ap.parse_args(argv)
+    if a.smoke:  # LoRA's two arms only: every child process imports torch, transformers and TRL
+        a.steps, a.warmup, a.seq_len, a.batch, a.val, a.arms = 3, 1, 512, 2, 4, "lmforge-lora,trl-lora"
+    if a.arm:
+        child(a)
+        return {}
+    arms = [x for x in a.arms.split(",") if x]
+    with tempfile.TemporaryDirectory(prefix="lmforge-bench-finetune-") as tmp:
+        work = Path(tmp)
+        prepare(work, a)
+        results: dict[str, list[dict]] = {arm: [] for arm in arms}
+        have_trl = trl_installed()
+        for r in range(a.repeat):
+            for arm in (arms if r % 2 == 0 else arms[::-1]):
+                if arm.startswith("trl") and not have_trl:
+                    results[arm].append({"failed": "trl/peft not installed (pip install -e '.[bench]')"})
+                    continue
+                results[arm].append(arm_process(work, arm, a))
+    rows = []
+    for arm, runs in results.items():
+        ok = [x for x in runs if "failed" not in x]
+        if not ok:
+            rows.append([arm, runs[0]["failed"], "", "", "", ""])
+            continue
+        tps = statistics.median(x["tokens_per_s"] for x in ok)
+        rss = statistics.median(x["peak_rss_mb"] for x in ok)
+        loss = statistics.mean(x["val_loss"] for x in ok)
+        other = ("trl" if arm.startswith("lmforge") else "lmforge") + arm[arm.index("-"):]
+        ref = [x for x in results.get(other, []) if "failed" not in x]
+        ratio = (f"{tps / statistics.median(x['tokens_per_s'] for x in ref):.2f}x / "
+                 f"{rss / statistics.median(x['peak_rss_mb'] for x in ref):.2f}x") if ref and arm.startswith("lm") else ""
+        rows.append([arm, f"{tps:,.0f}", f"{rss:,.0f}", f"{loss:.4f}", ok[0]["steps"], ratio])
+    shape = "tiny Llama (SMOKE)" if a.smoke else "SmolLM2-135M shape"
+    print(common.table(["arm", "tokens/s", "peak RSS MB", "held-out loss (nats/reply token)", "steps",
+                        "lmforge / TRL: tokens/s, memory"], rows,
+                       title=f"SFT of a user's {shape}, {a.batch} x {a.seq_len} packed, {a.steps} steps "
+                             f"(tokens/s after {a.warmup}); {common.machine_line()}"
+                             + (" (SMOKE RUN: figures mean nothing)" if a.smoke else "")))
+    return {"results": results, "steps": a.steps, "seq_len": a.seq_len, "batch": a.batch}
+
+
+if __name__ == "__main__":
+    main()
