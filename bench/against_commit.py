@@ -102,12 +102,9 @@ def rollouts(gens: dict, contract, rounds: int, n_new: int) -> dict:
                         generator=torch.Generator().manual_seed(seed), return_logprobs=True)
 
     same = go("HEAD", 1)[0] == go("commit", 1)[0]
-    times = {name: [] for name in gens}
-    for r in range(rounds):
-        for name in (list(gens) if r % 2 == 0 else list(gens)[::-1]):
-            t0 = time.perf_counter()
-            go(name, r)
-            times[name].append(time.perf_counter() - t0)
+    seeds = iter(range(1 << 30))  # a new sampler seed a call; both trees draw the same ones, in turn
+    stats = common.interleaved({name: lambda name=name: go(name, next(seeds) // 2) for name in gens}, 0, rounds)
+    times = {name: st.samples for name, st in stats.items()}
     return {"times": times, "ids_equal": same, "tokens": len(prompts) * n_new}
 
 

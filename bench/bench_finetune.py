@@ -41,7 +41,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -115,7 +114,8 @@ def conversations(work: Path, smoke: bool, val_examples: int) -> tuple[list, lis
     from lmforge.data.conversations import cap_examples, read_conversations, split_conversations
     from lmforge.data.stdlib_functions import stdlib_examples
 
-    d, s = Config().data, Config().sft
+    cfg = Config()
+    d, s = cfg.data, cfg.sft
     examples = stdlib_examples(d.val_fraction, s.max_chars, 200 if smoke else s.max_examples)
     path = work / "chats.jsonl"
     path.write_text("".join(json.dumps({"messages": list(e.conversation().messages)}) + "\n"
@@ -123,10 +123,6 @@ def conversations(work: Path, smoke: bool, val_examples: int) -> tuple[list, lis
     split = split_conversations(read_conversations(path), d.val_fraction)  # as the stage reads the file
     return (cap_examples(split["train"], s.max_examples, lambda c: c.key),
             cap_examples(split["val"], val_examples, lambda c: c.key))
-
-
-def peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def run_lmforge(work: Path, arm: str, a) -> dict:
@@ -236,7 +232,7 @@ def child(a) -> None:
     else:
         val = [json.loads(line)["messages"] for line in (work / "val.jsonl").read_text().splitlines()]
         res = run_trl(work, a.arm, a, val)
-    res["peak_rss_mb"] = peak_rss_mb()
+    res["peak_rss_mb"] = common.peak_rss_mb()
     print(json.dumps(res))
 
 

@@ -110,52 +110,73 @@ def rebuild_tokenizer(kv: dict, path: Path, end_of_turn: str | None = None) -> t
     if unk is not None and not 0 <= unk < len(tokens):
         unk = None  # as llama.cpp: an id past the vocabulary names no token
     if model == "gpt2":
-        pre, ignore_merges = _byte_level_pre(typed_key(kv, "tokenizer.ggml.pre", "str", path, "gpt-2"), path)
-        raw_merges = typed_key(kv, "tokenizer.ggml.merges", "strs", path)
-        if raw_merges is None:
-            raise ExportError(f"{path}: tokenizer.ggml.model = 'gpt2' (a byte-level BPE) but the file has no "
-                              f"tokenizer.ggml.merges: without its merges the vocabulary would split text into single "
-                              f"bytes, not the tokens the model was trained on (llama.cpp refuses such a file: "
-                              f"\"cannot find tokenizer merges\"). Re-convert the model with its merges, or import its "
-                              f"Hugging Face folder with `lmforge import-hf`.")
-        bad = next((m for m in raw_merges if len(m.split(" ")) != 2), None)
-        if bad is not None:
-            raise ExportError(f"{path}: tokenizer.ggml.merges has the entry {bad!r}: expected two tokens separated by "
-                              f"one space (\"a b\"). Re-convert the model.")
-        merges = [m.split(" ") for m in raw_merges]
-        bpe = {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
-               "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": ignore_merges,
-               "vocab": vocab, "merges": merges}
-        tj = {"version": "1.0", "truncation": None, "padding": None, "added_tokens": added, "normalizer": None,
-              "pre_tokenizer": pre, "post_processor": None,
-              "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
-              "model": bpe}
+        tj = _byte_level_json(kv, path, vocab, added)
     elif model == "llama":
-        scores = typed_key(kv, "tokenizer.ggml.scores", "numbers", path) or [0.0] * len(tokens)
-        if len(scores) != len(tokens):
-            raise ExportError(f"{path}: tokenizer.ggml.scores has {len(scores)} entries for {len(tokens)} "
-                              f"tokenizer.ggml.tokens: expected one score per token. Re-convert the model.")
-        pieces = {t: i for t, i in vocab.items() if types[i] not in (T.CONTROL, T.USER_DEFINED, T.UNKNOWN, T.BYTE)}
-        merges = []  # every split into two pieces, by the score of the whole (transformers' SentencePiece converter)
-        for t in sorted(pieces, key=lambda t: (-scores[pieces[t]], pieces[t])):
-            splits = [(t[:k], t[k:]) for k in range(1, len(t)) if t[:k] in pieces and t[k:] in pieces]
-            merges += sorted(splits, key=lambda p: (pieces[p[0]], pieces[p[1]]))
-        prefix = typed_key(kv, "tokenizer.ggml.add_space_prefix", "bool", path, True)
-        replace = {"type": "Replace", "pattern": {"String": " "}, "content": SPM_SPACE}
-        norm = [{"type": "Prepend", "prepend": SPM_SPACE}, replace] if prefix else [replace]
-        decoder = [{"type": "Replace", "pattern": {"String": SPM_SPACE}, "content": " "}, {"type": "ByteFallback"},
-                   {"type": "Fuse"}] + ([{"type": "Strip", "content": " ", "start": 1, "stop": 0}] if prefix else [])
-        bpe = {"type": "BPE", "dropout": None, "unk_token": tokens[unk] if unk is not None else None,
-               "continuing_subword_prefix": None, "end_of_word_suffix": None, "fuse_unk": True, "byte_fallback": True,
-               "ignore_merges": False, "vocab": vocab, "merges": [list(m) for m in merges]}
-        tj = {"version": "1.0", "truncation": None, "padding": None, "added_tokens": added,
-              "normalizer": {"type": "Sequence", "normalizers": norm}, "pre_tokenizer": None, "post_processor": None,
-              "decoder": {"type": "Sequence", "decoders": decoder}, "model": bpe}
+        tj = _sentencepiece_json(kv, path, tokens, types, vocab, added, unk)
     else:
         raise ExportError(f"{path}: tokenizer.ggml.model = {model!r}; lmforge rebuilds `gpt2` (byte-level BPE) and "
                           f"`llama` (SentencePiece-style BPE) tokenizers.")
+    return tj, _tokenizer_config(kv, path, tokens, ids, add_bos_default=model == "llama")
+
+
+def _byte_level_json(kv: dict, path: Path, vocab: dict, added: list) -> dict:
+    """tokenizer.json of a `gpt2` GGUF tokenizer (byte-level BPE with its merges and pre-tokenizer)."""
+    pre, ignore_merges = _byte_level_pre(typed_key(kv, "tokenizer.ggml.pre", "str", path, "gpt-2"), path)
+    raw_merges = typed_key(kv, "tokenizer.ggml.merges", "strs", path)
+    if raw_merges is None:
+        raise ExportError(f"{path}: tokenizer.ggml.model = 'gpt2' (a byte-level BPE) but the file has no "
+                          f"tokenizer.ggml.merges: without its merges the vocabulary would split text into single "
+                          f"bytes, not the tokens the model was trained on (llama.cpp refuses such a file: "
+                          f"\"cannot find tokenizer merges\"). Re-convert the model with its merges, or import its "
+                          f"Hugging Face folder with `lmforge import-hf`.")
+    bad = next((m for m in raw_merges if len(m.split(" ")) != 2), None)
+    if bad is not None:
+        raise ExportError(f"{path}: tokenizer.ggml.merges has the entry {bad!r}: expected two tokens separated by "
+                          f"one space (\"a b\"). Re-convert the model.")
+    merges = [m.split(" ") for m in raw_merges]
+    bpe = {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+           "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": ignore_merges,
+           "vocab": vocab, "merges": merges}
+    tj = {"version": "1.0", "truncation": None, "padding": None, "added_tokens": added, "normalizer": None,
+          "pre_tokenizer": pre, "post_processor": None,
+          "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
+          "model": bpe}
+    return tj
+
+
+def _sentencepiece_json(kv: dict, path: Path, tokens: list, types: list, vocab: dict, added: list,
+                        unk: int | None) -> dict:
+    """tokenizer.json of a `llama` GGUF tokenizer (SentencePiece-style BPE: merges from the scores,
+    byte fallback, "▁" for spaces)."""
+    T = require_gguf().TokenType
+    scores = typed_key(kv, "tokenizer.ggml.scores", "numbers", path) or [0.0] * len(tokens)
+    if len(scores) != len(tokens):
+        raise ExportError(f"{path}: tokenizer.ggml.scores has {len(scores)} entries for {len(tokens)} "
+                          f"tokenizer.ggml.tokens: expected one score per token. Re-convert the model.")
+    pieces = {t: i for t, i in vocab.items() if types[i] not in (T.CONTROL, T.USER_DEFINED, T.UNKNOWN, T.BYTE)}
+    merges = []  # every split into two pieces, by the score of the whole (transformers' SentencePiece converter)
+    for t in sorted(pieces, key=lambda t: (-scores[pieces[t]], pieces[t])):
+        splits = [(t[:k], t[k:]) for k in range(1, len(t)) if t[:k] in pieces and t[k:] in pieces]
+        merges += sorted(splits, key=lambda p: (pieces[p[0]], pieces[p[1]]))
+    prefix = typed_key(kv, "tokenizer.ggml.add_space_prefix", "bool", path, True)
+    replace = {"type": "Replace", "pattern": {"String": " "}, "content": SPM_SPACE}
+    norm = [{"type": "Prepend", "prepend": SPM_SPACE}, replace] if prefix else [replace]
+    decoder = [{"type": "Replace", "pattern": {"String": SPM_SPACE}, "content": " "}, {"type": "ByteFallback"},
+               {"type": "Fuse"}] + ([{"type": "Strip", "content": " ", "start": 1, "stop": 0}] if prefix else [])
+    bpe = {"type": "BPE", "dropout": None, "unk_token": tokens[unk] if unk is not None else None,
+           "continuing_subword_prefix": None, "end_of_word_suffix": None, "fuse_unk": True, "byte_fallback": True,
+           "ignore_merges": False, "vocab": vocab, "merges": [list(m) for m in merges]}
+    tj = {"version": "1.0", "truncation": None, "padding": None, "added_tokens": added,
+          "normalizer": {"type": "Sequence", "normalizers": norm}, "pre_tokenizer": None, "post_processor": None,
+          "decoder": {"type": "Sequence", "decoders": decoder}, "model": bpe}
+    return tj
+
+
+def _tokenizer_config(kv: dict, path: Path, tokens: list, ids: dict, add_bos_default: bool) -> dict:
+    """tokenizer_config.json: the file's BOS/EOS/pad/unk tokens, whether it prepends the BOS
+    (`tokenizer.ggml.add_bos_token`, default `add_bos_default`), its chat template."""
     config: dict = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False,
-                    "add_bos_token": typed_key(kv, "tokenizer.ggml.add_bos_token", "bool", path, model == "llama"),
+                    "add_bos_token": typed_key(kv, "tokenizer.ggml.add_bos_token", "bool", path, add_bos_default),
                     "add_eos_token": False}
     for name, key in (("bos", "bos_token_id"), ("eos", "eos_token_id"), ("pad", "padding_token_id"),
                       ("unk", "unknown_token_id")):
@@ -167,7 +188,7 @@ def rebuild_tokenizer(kv: dict, path: Path, end_of_turn: str | None = None) -> t
     template = typed_key(kv, "tokenizer.chat_template", "str", path)
     if template:
         config["chat_template"] = template
-    return tj, config
+    return config
 
 
 __all__ = ["rebuild_tokenizer", "typed_key"]

@@ -242,7 +242,7 @@ def gguf_vocab(tokenizer_json: str | Path, vocab_size: int, pad_id: int | None =
             rstrip other than llama.cpp's Phi-3 set (`llama_cpp.rstrip_rule`),
             two ids with one spelling, ids outside [0, vocab_size).
     """
-    gguf = require_gguf()
+    require_gguf()  # the token types are gguf's: refused before any work when it is missing
     path = Path(tokenizer_json)
     try:
         tj = loads_json(path.read_text(encoding="utf-8"))
@@ -250,6 +250,21 @@ def gguf_vocab(tokenizer_json: str | Path, vocab_size: int, pad_id: int | None =
         raise ExportError(f"{path}: cannot read it as JSON ({exc}).") from None
     fix = ("The GGUF would tokenize differently from this checkpoint, so it is not written. Export with "
            "--format hf, or use a tokenizer llama.cpp computes (`lmforge train-tokenizer` makes one).")
+    model = tj.get("model") or {}
+    spm, kind, pre, add_space_prefix = _tokenizer_kind(tj, path, fix)
+    tokens, types, unk_id, rstrip = _token_table(tj, spm, vocab_size, path, fix)
+    pairs = _merge_pairs(model, path, fix)
+    names = [t if t is not None else f"[PAD{i}]" for i, t in enumerate(tokens)]
+    _check_rstrip(rstrip, names, types, pad_id, path, fix)
+    if spm:
+        scores = _spm_scores(tokens, pairs, path, fix)
+        return GGUFVocab(kind, pre, names, types, [], scores, add_space_prefix, unk_id, bool(rstrip))
+    return GGUFVocab(kind, pre, names, types, [f"{a} {b}" for a, b in pairs], unk_id=unk_id, rstrip=bool(rstrip))
+
+
+def _tokenizer_kind(tj: dict, path: Path, fix: str) -> tuple[bool, str, str, bool | None]:
+    """(SentencePiece-style?, GGUF tokenizer model, pre-tokenizer, add_space_prefix) of a
+    tokenizer.json; refuses a model type, option, normalizer or decoder llama.cpp lacks."""
     model = tj.get("model") or {}
     if model.get("type") != "BPE":
         raise ExportError(
@@ -276,7 +291,14 @@ def gguf_vocab(tokenizer_json: str | Path, vocab_size: int, pad_id: int | None =
         if (tj.get("decoder") or {}).get("type") != "ByteLevel":
             raise ExportError(f"{path}: decoder = {_brief(tj.get('decoder'))}, expected a ByteLevel decoder "
                               f"(a byte-level vocabulary). {fix}")
+    return spm, kind, pre, add_space_prefix
 
+
+def _token_table(tj: dict, spm: bool, vocab_size: int, path: Path, fix: str):
+    """(tokens, token types, unk id, ids of added tokens with rstrip) over ids 0..vocab_size-1 (None
+    and UNUSED where the tokenizer has no token); refuses what llama.cpp would match differently."""
+    gguf = require_gguf()
+    model = tj.get("model") or {}
     byte_of = byte_decoder()
     tokens: list[str | None] = [None] * vocab_size
     types = [int(gguf.TokenType.UNUSED)] * vocab_size
@@ -322,23 +344,27 @@ def gguf_vocab(tokenizer_json: str | Path, vocab_size: int, pad_id: int | None =
             raise ExportError(f"{path}: byte_fallback is on but {len(missing)} byte tokens are missing (first "
                               f"{missing[0]}): llama.cpp falls back to all 256 \"<0xNN>\" tokens, HF to the unk "
                               f"token. {fix}")
+    return tokens, types, unk_id, rstrip
 
+
+def _merge_pairs(model: dict, path: Path, fix: str) -> list[tuple[str, str]]:
+    """The merges of tokenizer.json's BPE model as pairs (either spelling: "a b" or ["a", "b"])."""
     pairs: list[tuple[str, str]] = []
     for m in model.get("merges") or []:
         pair = m.split(" ") if isinstance(m, str) else list(m)
         if len(pair) != 2 or any(" " in p for p in pair):
             raise ExportError(f"{path}: merge {m!r} is not a pair of tokens without spaces. {fix}")
         pairs.append((pair[0], pair[1]))
-    names = [t if t is not None else f"[PAD{i}]" for i, t in enumerate(tokens)]
+    return pairs
+
+
+def _check_rstrip(rstrip: set, names: list, types: list, pad_id: int | None, path: Path, fix: str) -> None:
+    """Added tokens with rstrip are written only when they are llama.cpp's Phi-3 set (the pad exempt)."""
     if rstrip and (rstrip ^ rstrip_rule(names, types)) - {pad_id}:
         raise ExportError(f"{path}: added tokens {sorted(names[i] for i in rstrip)[:6]} strip the spaces after them "
                           f"(rstrip = true), which llama.cpp does only for Phi-3's set of tokens (every special but "
                           f"<unk>, <s>, <|endoftext|>; expected {sorted(names[i] for i in rstrip_rule(names, types) - {pad_id})[:6]}"
                           f"). {fix}")
-    if spm:
-        scores = _spm_scores(tokens, pairs, path, fix)
-        return GGUFVocab(kind, pre, names, types, [], scores, add_space_prefix, unk_id, bool(rstrip))
-    return GGUFVocab(kind, pre, names, types, [f"{a} {b}" for a, b in pairs], unk_id=unk_id, rstrip=bool(rstrip))
 
 
 def tokenizer_keys(contract: Contract, vocab: GGUFVocab) -> dict:
