@@ -14,13 +14,21 @@ The same work on both sides:
 - rows of `--seq-len` tokens, `--batch` rows a step, packed on both sides (lmforge's
   `sft.packing`; TRL's `packing=True`, best-fit decreasing, padding-free with per-sequence
   positions, which transformers turns into block-diagonal attention);
-- AdamW with lmforge's SFT defaults (`sft.lr` 1e-3, betas 0.9/0.95, weight decay 0.1, clip 1.0,
-  10 warm-up steps), a cosine decay to lr x `train.min_lr_ratio` (TRL's `cosine_with_min_lr`;
-  lmforge's `sft.optimizer` and `sft.schedule` pinned to these, `PINNED`: TRL has neither Muon nor
-  WSD), the same precision (`precision = "auto"`:
-  bf16 autocast where the CPU has bf16 units, else float32; TRL's `bf16` likewise);
+- lmforge's SFT defaults on both sides: `sft.lr` 1e-3, betas 0.9/0.95, weight decay 0.1, clip 1.0,
+  10 warm-up steps, the warmup-stable-decay schedule (`sft.schedule = "wsd"`, the last
+  `train.decay_fraction` of the steps decaying linearly to lr x `train.min_lr_ratio`; TRL's
+  `warmup_stable_decay`), AdamW for the LoRA adapters (lmforge's adapters are on AdamW whatever
+  `sft.optimizer` says); full SFT pins `sft.optimizer = "adamw"` (`PINNED_FULL`: TRL has no Muon,
+  lmforge's default for the blocks' matrices); the same precision (`precision = "auto"`: bf16
+  autocast where the CPU has bf16 units, else float32; TRL's `bf16` likewise). The LoRA arms are
+  therefore `lmforge sft` as typed, with only the run's own keys (init, data, rows, steps);
 - LoRA: rank 16, alpha 16, no dropout, every linear layer of the blocks (q, k, v, o, gate, up,
   down); full: every weight.
+
+Activation checkpointing: TRL's `SFTConfig` turns it on by default (`gradient_checkpointing=True`:
+each decoder layer recomputed in backward), lmforge's `train.activation_checkpointing` is off by
+default; the `-ac` arms run lmforge with it on (`--set train.activation_checkpointing=true`), so the
+table has lmforge both ways against TRL as it comes.
 
 Each arm is its own process (`--arm`), so its peak resident memory is its own, and the arms
 alternate round by round (`--repeat`). Per arm: tokens/s of the optimizer steps after `--warmup`
@@ -64,12 +72,14 @@ SMOLLM2_TEMPLATE = (
 )
 LORA_RANK, LORA_ALPHA = 16, 16.0
 HF_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-ARMS = ("lmforge-lora", "trl-lora", "lmforge-full", "trl-full")
+ARMS = ("lmforge-lora", "lmforge-lora-ac", "trl-lora", "lmforge-full", "lmforge-full-ac", "trl-full")
 
 
-#: lmforge's SFT settings that TRL cannot take pinned to what it can: AdamW (lmforge's default is Muon for
-#: the blocks' matrices, AdamW for the rest) and a cosine decay to lr x train.min_lr_ratio (default: WSD)
-PINNED = {"sft.optimizer": "adamw", "sft.schedule": "cosine"}
+#: full SFT: lmforge's default optimizer (Muon for the blocks' matrices, AdamW for the rest) pinned to
+#: AdamW, which TRL has (LoRA's adapters are on AdamW either way: nothing pinned)
+PINNED_FULL = {"sft.optimizer": "adamw"}
+#: lmforge's activation checkpointing, the `-ac` arms (TRL's SFTConfig has it on by default)
+RECOMPUTE = {"train.activation_checkpointing": "true"}
 
 
 def hyper() -> dict:
@@ -79,7 +89,18 @@ def hyper() -> dict:
     cfg = Config()
     s, t = cfg.sft, cfg.train
     return {"lr": s.lr, "warmup": s.warmup_steps, "beta1": t.beta1, "beta2": t.beta2, "weight_decay": t.weight_decay,
-            "clip": t.grad_clip, "min_lr_ratio": t.min_lr_ratio}
+            "clip": t.grad_clip, "min_lr_ratio": t.min_lr_ratio, "decay_fraction": t.decay_fraction,
+            "schedule": s.schedule}
+
+
+def wsd_kwargs(h: dict, steps: int) -> dict:
+    """transformers' `warmup_stable_decay` arguments for lmforge's wsd over `steps` (its decay starts
+    at `lmforge.train.schedule.decay_start`, after the warm-up when the two overlap)."""
+    from lmforge.train.schedule import decay_start
+
+    start = max(h["warmup"], decay_start(steps, h["decay_fraction"]))
+    return {"num_stable_steps": start - min(h["warmup"], steps), "num_decay_steps": max(0, steps - start),
+            "decay_type": "linear", "min_lr_ratio": h["min_lr_ratio"]}
 
 
 def build_user_folder(folder: Path, smoke: bool) -> None:
@@ -131,10 +152,11 @@ def run_lmforge(work: Path, arm: str, a) -> dict:
     out = work / f"{arm}-{os.getpid()}"  # a fresh run folder for every round
     sets = {"sft.init": work / "imported", "tokenizer.dir": work / "imported", "sft.data": work / "chats.jsonl",
             "data.seq_len": a.seq_len, "sft.micro_batch_size": a.batch, "sft.steps": a.steps,
-            "sft.val_examples": a.val, "train.checkpoint_every": 0, "train.keep_last": 1, "train.seed": a.seed,
-            **PINNED}
-    if arm.endswith("lora"):
-        sets.update({"lora.rank": LORA_RANK, "lora.alpha": LORA_ALPHA})
+            "sft.val_examples": a.val, "train.checkpoint_every": 0, "train.keep_last": 1, "train.seed": a.seed}
+    kind = arm.split("-")[1]
+    sets.update({"lora.rank": LORA_RANK, "lora.alpha": LORA_ALPHA} if kind == "lora" else PINNED_FULL)
+    if arm.endswith("-ac"):
+        sets.update(RECOMPUTE)
     argv = ["sft", "--out", str(out), "--no-progress"]
     for k, v in sets.items():
         argv += ["--set", f"{k}={v}"]
@@ -172,7 +194,7 @@ def run_trl(work: Path, arm: str, a, val: list) -> dict:
                                  task_type="CAUSAL_LM")
     args = SFTConfig(output_dir=str(work / f"{arm}-{os.getpid()}"), max_length=a.seq_len, packing=True, per_device_train_batch_size=a.batch,
                      gradient_accumulation_steps=1, max_steps=a.steps, learning_rate=h["lr"],
-                     lr_scheduler_type="cosine_with_min_lr", lr_scheduler_kwargs={"min_lr_rate": h["min_lr_ratio"]},
+                     lr_scheduler_type="warmup_stable_decay", lr_scheduler_kwargs=wsd_kwargs(h, a.steps),
                      warmup_steps=h["warmup"], adam_beta1=h["beta1"], adam_beta2=h["beta2"],
                      weight_decay=h["weight_decay"], max_grad_norm=h["clip"], optim="adamw_torch", bf16=bf16,
                      use_cpu=True, logging_steps=1, save_strategy="no", report_to=[], seed=a.seed,
@@ -284,7 +306,7 @@ def main(argv=None) -> dict:
     common.smoke_flag(ap)
     a = ap.parse_args(argv)
     if a.smoke:  # LoRA's two arms only: every child process imports torch, transformers and TRL
-        a.steps, a.warmup, a.seq_len, a.batch, a.val, a.arms = 3, 1, 512, 2, 4, "lmforge-lora,trl-lora"
+        a.steps, a.warmup, a.seq_len, a.batch, a.val, a.arms = 3, 1, 512, 2, 4, "lmforge-lora,lmforge-lora-ac,trl-lora"
     if a.arm:
         child(a)
         return {}
@@ -309,8 +331,7 @@ def main(argv=None) -> dict:
         tps = statistics.median(x["tokens_per_s"] for x in ok)
         rss = statistics.median(x["peak_rss_mb"] for x in ok)
         loss = statistics.mean(x["val_loss"] for x in ok)
-        other = ("trl" if arm.startswith("lmforge") else "lmforge") + arm[arm.index("-"):]
-        ref = [x for x in results.get(other, []) if "failed" not in x]
+        ref = [x for x in results.get("trl-" + arm.split("-")[1], []) if "failed" not in x]
         ratio = (f"{tps / statistics.median(x['tokens_per_s'] for x in ref):.2f}x / "
                  f"{rss / statistics.median(x['peak_rss_mb'] for x in ref):.2f}x") if ref and arm.startswith("lm") else ""
         rows.append([arm, f"{tps:,.0f}", f"{rss:,.0f}", f"{loss:.4f}", ok[0]["steps"], ratio])

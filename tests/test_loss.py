@@ -264,3 +264,31 @@ def test_one_cross_entropy_and_one_training_loop_in_the_source_tree():
     # SFT builds no optimizer and calls no backward: it hands its rows to the same Trainer
     for name in ("stages/sft.py", "data/conversations.py"):
         assert "backward(" not in src[name] and "torch.optim" not in src[name], name
+
+
+@pytest.mark.parametrize("frozen_weight", [False, True], ids=["trained-head", "frozen-head"])
+def test_ungrouped_loss_keeps_no_vocab_sized_tensor_and_skips_a_frozen_heads_product(frozen_weight):
+    """The ungrouped loss (every training step's) runs the backward's products in its forward,
+    chunk by chunk: what it keeps for backward is (N, D) and (V, D), never (N, V); with a frozen
+    head (LoRA) no (V, D) either, and no weight gradient. Gradients equal float64's."""
+    from lmforge.model.loss import linear_cross_entropy_sum
+
+    g = torch.Generator().manual_seed(3)
+    N, D, V = 40, 8, 97
+    hidden = torch.randn(N, D, generator=g, requires_grad=True)
+    weight = torch.randn(V, D, generator=g, requires_grad=not frozen_weight)
+    targets = torch.randint(0, V, (N,), generator=g)
+    mask = torch.rand(N, generator=g) < 0.7
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(tuple(t.shape)) or t, lambda t: t):
+        total = linear_cross_entropy_sum(hidden, weight, targets, mask, chunk_rows=7)
+    kept = saved[2:]  # after hidden and weight themselves
+    assert (N, V) not in kept and ((V, D) in kept) == (not frozen_weight), kept
+    (total * 0.25).backward()
+    h64, w64 = hidden.detach().double().requires_grad_(), weight.detach().double().requires_grad_()
+    (F.cross_entropy(h64 @ w64.t(), targets, reduction="none") * mask * 0.25).sum().backward()
+    assert torch.allclose(hidden.grad.double(), h64.grad, rtol=1e-5, atol=1e-6)
+    if frozen_weight:
+        assert weight.grad is None
+    else:
+        assert torch.allclose(weight.grad.double(), w64.grad, rtol=1e-5, atol=1e-6)

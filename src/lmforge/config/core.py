@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from lmforge.config.sources import check_sources
 from lmforge.config.fields import BOTH, PRE, TUNE, allowed, choice, flag, items, num, refused, text
 from lmforge.errors import ConfigError
 
@@ -68,54 +69,6 @@ class TokenizerConfig:
     derived: the declared eos_token, or <|endoftext|>, <|end_of_text|>, </s>, <eos>)."""
 
 
-#: The keys of a data.sources entry.
-SOURCE_KEYS = ("source", "weight", "text_field", "name")
-#: The most sources a mixture may have.
-MAX_SOURCES = 256
-
-
-def _check_sources(name: str, sources: list[dict]) -> None:
-    """Each data.sources entry: a table of SOURCE_KEYS with a non-empty `source`, a finite
-    weight > 0, a non-empty text_field and a folder-safe name; no source twice, no name twice."""
-    import re
-
-    example = '[{source = "corpus/*.parquet", weight = 3}, {source = "code.jsonl.zst", text_field = "content"}]'
-    if len(sources) > MAX_SOURCES:
-        raise ConfigError(f"{name} lists {len(sources)} sources; at most {MAX_SOURCES}. Merge some into one folder.")
-    seen: dict[tuple, int] = {}
-    names: dict[str, int] = {}
-    for i, entry in enumerate(sources):
-        where = f"{name}[{i}]"
-        unknown = sorted(set(entry) - set(SOURCE_KEYS))
-        if unknown:
-            raise ConfigError(f"{where} has the key {unknown[0]!r}; a source takes {', '.join(SOURCE_KEYS)} "
-                              f"(e.g. {name} = {example}).")
-        src = entry.get("source")
-        if not isinstance(src, str) or not src:
-            raise ConfigError(f"{where} = {entry!r}: `source` must be a non-empty text (what data.source takes), "
-                              f"e.g. {name} = {example}.")
-        weight = entry.get("weight", 1)
-        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight) or weight <= 0:
-            raise ConfigError(f"{where}.weight = {weight!r}: expected a finite number > 0 (its share of the rows is "
-                              f"weight / the sum of the weights; default 1).")
-        field = entry.get("text_field", "text")
-        if not isinstance(field, str) or not field:
-            raise ConfigError(f"{where}.text_field = {field!r}: expected a non-empty text (default \"text\").")
-        own = entry.get("name")
-        if own is not None and (not isinstance(own, str) or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}", own)):
-            raise ConfigError(f"{where}.name = {own!r}: expected 1 to 64 letters, digits, '.', '_' or '-' (it names "
-                              f"the source's folder in data.dir), or no name (derived from the source).")
-        key = (src, field)
-        if key in seen:
-            raise ConfigError(f"{where} repeats {name}[{seen[key]}] (source {src!r}, text_field {field!r}); list a "
-                              f"source once and give it the summed weight.")
-        seen[key] = i
-        if own is not None:
-            if own in names:
-                raise ConfigError(f"{where}.name = {own!r} is also {name}[{names[own]}]'s; give each a name of its own.")
-            names[own] = i
-
-
 @dataclass
 class DataConfig:
     source: str = text("stdlib", allowed(
@@ -132,7 +85,7 @@ class DataConfig:
     """The field (JSONL) or column (Parquet, Arrow) of a record that holds its text."""
     sources: list[dict] = items((), refused(
         PRE, "which source each training row is drawn from (the rows' order and proportions)",
-        "SFT and DPO do not read it"), check=_check_sources)
+        "SFT and DPO do not read it"), check=check_sources)
     """A weighted mixture instead of data.source: a list of tables {source, weight = 1,
     text_field = "text", name}, each `source` anything data.source takes. `lmforge prepare`
     prepares each into data.dir/NAME once (a source already prepared with the same files and
@@ -362,6 +315,12 @@ class TrainConfig:
     is then an error that says which grad_accum_steps keeps it."""
     compile: bool = flag(False, refused(
         BOTH, "compiled kernels fuse and reorder float operations: the steps differ in the last bits"))
+    activation_checkpointing: bool = flag(False, allowed(
+        "the blocks' forward runs again during backward on the same inputs: the same gradients bit for bit"))
+    """Keep only each block's input for backward and recompute the block then (torch.utils.checkpoint):
+    the activations of one block instead of all of them, for one more forward of the blocks a step
+    (LoRA: about a third more compute; full: about a quarter). What TRL's SFTTrainer does by default
+    (`gradient_checkpointing=True`); bench/RESULTS.md ("Fine-tuning a user's model") has both ways."""
     checkpoint_every: int = num(0, 0, MAX_STEPS, allowed("when checkpoints are written, not what is computed"))
     """Write a checkpoint every N steps (0 = only at the end)."""
     keep_last: int = num(2, 0, 10**6, allowed("how many checkpoints are kept, not what is computed"))

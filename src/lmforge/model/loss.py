@@ -48,9 +48,16 @@ class _LinearCrossEntropySum(torch.autograd.Function):
 
     Forward computes, chunk by chunk, the float32 logits, their log-sum-exp, the loss, and
     the gradient of the loss with respect to the logits (softmax - one-hot, zero for ignored
-    rows), kept in the compute dtype; backward only scales it and runs two matmuls. The full
-    float32 logits and log-softmax are never materialised (the "Liger kernel" fused linear
-    cross-entropy, Hsu et al. 2024, done in plain PyTorch).
+    rows). The full float32 logits and log-softmax are never materialised (the "Liger kernel"
+    fused linear cross-entropy, Hsu et al. 2024, done in plain PyTorch).
+
+    Ungrouped (one sum: every training step's loss), the loss is linear in its upstream scalar,
+    so the forward also runs the backward's two matrix products chunk by chunk and keeps their
+    results: d/dhidden (N, D) and, only when the weight takes a gradient, d/dweight (V, D), both
+    float32; backward scales them. Nothing of size N x V outlives a chunk (for SmolLM2's 49,152
+    tokens at 4 x 256 rows: 192 MB fewer), and a frozen head (LoRA) costs no weight product.
+    Grouped (DPO's and RL's per-sequence sums, each group with its own upstream gradient), the
+    gradient of the logits is kept (N, V) in the compute dtype and backward runs the products.
     """
 
     @staticmethod
@@ -59,82 +66,127 @@ class _LinearCrossEntropySum(torch.autograd.Function):
         h = hidden.to(compute_dtype)  # (N, D)
         w = weight.to(compute_dtype)  # (V, D)
         n = h.shape[0]
-        # d(sum CE)/d(logits) is all the backward needs: keep it (N, V) in the compute dtype
-        # (half the bytes of the float32 logits in bf16) instead of the logits themselves.
-        # Eager, it is written chunk by chunk in place (1.2-1.4x faster than fresh tensors on a
+        # Eager, buffers are written chunk by chunk in place (1.2-1.4x faster than fresh tensors on a
         # 2-core CPU); traced by torch.compile, only out-of-place ops: torch 2.11 on CUDA dropped
-        # the in-place writes into the saved buffer (every gradient 0, a frozen run; 2026-11-26 (an H100)),
+        # the in-place writes into a saved buffer (every gradient 0, a frozen run; 2026-11-26 (an H100)),
         # and inductor fuses the out-of-place form as well (0.8-0.9x the in-place time here).
         traced = torch.compiler.is_compiling()
-        # no gradient wanted (evaluation, a reference model): the loss only, no (N, V) buffer
-        # (traced: always, as the compiled training step has been measured)
-        wants_grad = traced or ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
-        grad_logits = None if traced or not wants_grad else torch.empty(n, w.shape[0], dtype=compute_dtype,
-                                                                        device=h.device)
-        # one sum, or one per group (groups: (N,) int64 in [0, n_groups))
+        want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        # no gradient wanted (evaluation, a reference model): the loss only
+        # (traced: the gradients always, as the compiled training step has been measured)
+        want_h, want_w = want_h or traced, want_w or traced
+        wants_grad = want_h or want_w
+        grads = _Grads(n, w, compute_dtype, groups is not None, want_h, want_w, traced) if wants_grad else None
         total = torch.zeros(() if groups is None else (n_groups,), dtype=torch.float32, device=h.device)
-        parts, sums = [], [total]
+        sums = [total]
         for s in range(0, n, chunk_rows):  # chunk_rows rows of float32 logits at a time stay in cache
             e = min(n, s + chunk_rows)
-            logits = torch.mm(h[s:e], w.t()).float()  # (rows, V), float32 for the log-sum-exp
-            # the chain factor of dCE/dlogits from what is applied to the matmul's output
-            chain = None
-            if softcap:  # Gemma 2's final soft-cap: the loss is of c tanh(z / c), its gradient times 1 - tanh^2
-                tanh = torch.tanh(logits / softcap)
-                logits, chain = tanh * softcap, 1.0 - tanh * tanh
-            if temperature != 1.0:  # the sampler's temperature (RL's log-probabilities): z / t, gradient / t
-                logits = logits / temperature
-                chain = 1.0 / temperature if chain is None else chain / temperature
-            lab = labels[s:e]  # (rows,)
-            valid = lab != IGNORE_INDEX  # (rows,) bool: supervised rows
-            safe = torch.where(valid, lab, 0)[:, None]  # (rows, 1): any in-range index for ignored rows
-            lse = torch.logsumexp(logits, dim=-1)  # (rows,)
-            # CE = logsumexp - logit of the label; ignored rows add exactly 0
-            ce = torch.where(valid, lse - logits.gather(1, safe).squeeze(1), 0.0)  # (rows,)
-            # dCE/dlogits = softmax - one_hot(label), zero on the ignored rows: exp(logits - lse)
-            # is the softmax; subtract 1 at the label
-            one_hot = -valid[:, None].to(torch.float32)  # (rows, 1)
+            ce, probs = _chunk_loss(torch.mm(h[s:e], w.t()).float(), labels[s:e], softcap, temperature,
+                                    wants_grad, traced)
             if traced:
                 sums.append(ce.sum() if groups is None else torch.zeros_like(total).index_add(0, groups[s:e], ce))
-                if not wants_grad:
-                    continue
-                probs = torch.exp(logits - lse[:, None]).scatter_add(1, safe, one_hot)
-                if chain is not None:
-                    probs = probs * chain
-                parts.append((probs * valid[:, None]).to(compute_dtype))
+            elif groups is None:
+                total += ce.sum()
             else:
-                if groups is None:
-                    total += ce.sum()
-                else:
-                    total.index_add_(0, groups[s:e], ce)
-                if not wants_grad:
-                    continue
-                probs = logits.sub_(lse[:, None]).exp_()  # in the logits buffer
-                probs.scatter_add_(1, safe, one_hot)
-                probs.mul_(valid[:, None])
-                if chain is not None:
-                    probs.mul_(chain)
-                grad_logits[s:e] = probs
-        if traced:
+                total.index_add_(0, groups[s:e], ce)
             if wants_grad:
-                grad_logits = torch.cat(parts) if parts else torch.zeros(0, w.shape[0], dtype=compute_dtype,
-                                                                         device=h.device)
+                grads.add(s, e, probs, h, w)
+        if traced:
             total = torch.stack(sums).sum(0)
-        ctx.save_for_backward(h, w, grad_logits, groups)
+        ctx.save_for_backward(h, w, *(grads.saved() if wants_grad else (None, None, None)), groups)
         ctx.dtypes = (hidden.dtype, weight.dtype)
         return total
 
     @staticmethod
     def backward(ctx, grad_total):
-        h, w, grad_logits, groups = ctx.saved_tensors
-        # the loss is linear in grad_total (the upstream scale: 1 / supervised count, etc.),
-        # so the saved dCE/dlogits only needs scaling (each row by its group's upstream
-        # gradient, when grouped); then logits = h @ w.T gives the two matmuls
-        scale = grad_total if groups is None else grad_total[groups][:, None]  # () or (N, 1)
-        g = grad_logits * scale.to(grad_logits.dtype)  # (N, V)
-        grad_hidden = torch.mm(g, w).to(ctx.dtypes[0])  # (N, V) @ (V, D) -> (N, D)
-        grad_weight = torch.mm(g.t(), h).to(ctx.dtypes[1])  # (V, N) @ (N, D) -> (V, D)
+        h, w, grad_logits, grad_h, grad_w, groups = ctx.saved_tensors
+        want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        if grad_logits is None:  # ungrouped: the products were run in the forward; the upstream scalar scales them
+            return ((grad_h * grad_total).to(ctx.dtypes[0]) if want_h else None,
+                    (grad_w * grad_total).to(ctx.dtypes[1]) if want_w else None, None, None, None, None, None, None,
+                    None)
+        # grouped: each row by its group's upstream gradient, then logits = h @ w.T gives the two products
+        g = grad_logits * grad_total[groups][:, None].to(grad_logits.dtype)  # (N, V)
+        grad_hidden = torch.mm(g, w).to(ctx.dtypes[0]) if want_h else None  # (N, V) @ (V, D) -> (N, D)
+        grad_weight = torch.mm(g.t(), h).to(ctx.dtypes[1]) if want_w else None  # (V, N) @ (N, D) -> (V, D)
         return grad_hidden, grad_weight, None, None, None, None, None, None, None
+
+
+def _chunk_loss(logits: torch.Tensor, lab: torch.Tensor, softcap: float, temperature: float, wants_grad: bool,
+                traced: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One chunk of `_LinearCrossEntropySum`: logits (rows, V) float32 (eager: reused as the
+    gradient's buffer), labels (rows,) -> (CE (rows,) float32 with 0 on ignored rows,
+    dCE/dlogits (rows, V) float32 or None when no gradient is wanted)."""
+    chain = None  # the chain factor of dCE/dlogits from what is applied to the matmul's output
+    if softcap:  # Gemma 2's final soft-cap: the loss is of c tanh(z / c), its gradient times 1 - tanh^2
+        tanh = torch.tanh(logits / softcap)
+        logits, chain = tanh * softcap, 1.0 - tanh * tanh
+    if temperature != 1.0:  # the sampler's temperature (RL's log-probabilities): z / t, gradient / t
+        logits = logits / temperature
+        chain = 1.0 / temperature if chain is None else chain / temperature
+    valid = lab != IGNORE_INDEX  # (rows,) bool: supervised rows
+    safe = torch.where(valid, lab, 0)[:, None]  # (rows, 1): any in-range index for ignored rows
+    lse = torch.logsumexp(logits, dim=-1)  # (rows,)
+    # CE = logsumexp - logit of the label; ignored rows add exactly 0
+    ce = torch.where(valid, lse - logits.gather(1, safe).squeeze(1), 0.0)  # (rows,)
+    if not wants_grad:
+        return ce, None
+    # dCE/dlogits = softmax - one_hot(label), zero on the ignored rows: exp(logits - lse) is the
+    # softmax; subtract 1 at the label
+    one_hot = -valid[:, None].to(torch.float32)  # (rows, 1)
+    if traced:
+        probs = torch.exp(logits - lse[:, None]).scatter_add(1, safe, one_hot) * valid[:, None]
+        return ce, probs if chain is None else probs * chain
+    probs = logits.sub_(lse[:, None]).exp_()  # in the logits buffer
+    probs.scatter_add_(1, safe, one_hot)
+    probs.mul_(valid[:, None])
+    return ce, probs if chain is None else probs.mul_(chain)
+
+
+class _Grads:
+    """What `_LinearCrossEntropySum`'s forward keeps of each chunk's dCE/dlogits `probs` (rows, V)
+    float32: grouped, the rows themselves in the compute dtype ((N, V), for backward's products);
+    ungrouped, their products with the weight (d/dhidden, (N, D)) and with the hidden states
+    (d/dweight summed over the chunks, (V, D)), float32, each only when wanted."""
+
+    def __init__(self, n: int, w: torch.Tensor, dtype: torch.dtype, grouped: bool, want_h: bool, want_w: bool,
+                 traced: bool):
+        self.grouped, self.want_h, self.want_w, self.traced, self.dtype = grouped, want_h, want_w, traced, dtype
+        self.V, self.D = w.shape
+        self.device = w.device
+        f32 = dict(dtype=torch.float32, device=w.device)
+        self.parts: list[torch.Tensor] = []  # traced: the chunks' rows, joined at the end
+        self.logits = None if traced or not grouped else torch.empty(n, self.V, dtype=dtype, device=w.device)
+        self.gh = None if traced or grouped or not want_h else torch.empty(n, self.D, **f32)
+        self.gw = torch.zeros(self.V, self.D, **f32) if not grouped and want_w else None
+
+    def add(self, s: int, e: int, probs: torch.Tensor, h: torch.Tensor, w: torch.Tensor) -> None:
+        g = probs.to(self.dtype)  # (rows, V): the products in the compute dtype, as the forward's
+        if self.grouped:
+            if self.traced:
+                self.parts.append(g)
+            else:
+                self.logits[s:e] = g
+            return
+        if self.want_h:
+            gh = torch.mm(g, w).float()  # (rows, D)
+            if self.traced:
+                self.parts.append(gh)
+            else:
+                self.gh[s:e] = gh
+        if self.want_w:
+            gw = torch.mm(g.t(), h[s:e])  # (V, D)
+            self.gw = self.gw + gw.float() if self.traced else self.gw.add_(gw)
+
+    def saved(self) -> tuple:
+        """(dCE/dlogits (N, V) or None, d/dhidden (N, D) or None, d/dweight (V, D) or None)."""
+        if not self.traced:
+            return self.logits, self.gh, self.gw
+        if self.grouped:
+            joined = torch.cat(self.parts) if self.parts else torch.zeros(0, self.V, dtype=self.dtype, device=self.device)
+            return joined, None, None
+        joined = torch.cat(self.parts) if self.parts else torch.zeros(0, self.D, device=self.device)
+        return None, joined, self.gw
 
 
 def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,

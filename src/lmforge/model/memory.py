@@ -48,15 +48,17 @@ def rope_bytes(cfg: ModelConfig) -> int:
 LOSS_CHUNK_ROWS = 256
 
 
-def activation_bytes(cfg: ModelConfig, tokens: int, compute_bytes: int = 4) -> int:
+def activation_bytes(cfg: ModelConfig, tokens: int, compute_bytes: int = 4, recompute: bool = False) -> int:
     """Bytes autograd keeps for backward over `tokens` trained tokens: tokens x n_layers x
     (12 dim + 4 ffn) elements of the compute dtype (`compute_bytes` each) — roughly the tensors
     kept per block (the norms' inputs and outputs, q, k, v, the attention output, the MLP's
     projections and activation; the fused attention kernels keep no T x T matrix) — plus the
     loss's float32 chunk (LOSS_CHUNK_ROWS x vocab, logits and their gradient). Measured on this
     project's CPU: the steps added 1.0-1.3 x (gradients + optimizer state + this), 2.1 x for a
-    2-layer dim-128 model (lmforge.train.plan)."""
-    per_token = cfg.n_layers * (12 * cfg.dim + 4 * cfg.resolved_ffn_dim()) * compute_bytes
+    2-layer dim-128 model (lmforge.train.plan). `recompute` (train.activation_checkpointing): each
+    block's input (dim elements a token a layer) and one block's tensors while it is recomputed."""
+    block = 12 * cfg.dim + 4 * cfg.resolved_ffn_dim()
+    per_token = (cfg.n_layers * cfg.dim + block if recompute else cfg.n_layers * block) * compute_bytes
     return tokens * per_token + LOSS_CHUNK_ROWS * padded_vocab_size(max(cfg.vocab_size, 1)) * 4 * 2
 
 

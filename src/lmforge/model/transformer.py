@@ -35,6 +35,7 @@ from dataclasses import replace
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from lmforge.config import ModelConfig
 from lmforge.contract import Contract, padded_vocab_size
@@ -255,6 +256,9 @@ class Transformer(nn.Module):
             self.register_buffer("rope_cos_sliding", cos, persistent=False)
             self.register_buffer("rope_sin_sliding", sin, persistent=False)
         self.set_attention("eager" if config.attn_softcap else "sdpa")  # sdpa cannot soft-cap
+        #: train.activation_checkpointing (the Trainer sets it): a training forward keeps each block's
+        #: input only and recomputes the block during backward (`hidden`)
+        self.activation_checkpointing = False
         self.reset_parameters()
 
     def set_attention(self, backend: str) -> None:
@@ -324,8 +328,12 @@ class Transformer(nn.Module):
                 masks[window] = prepare_mask(backend, T, device, dtype, None, cache.length, cache.key_mask,
                                              cache.length + T, window=window)
         x = self.embed(tokens)  # (B, T, dim)
+        # activation checkpointing (Chen et al. 2016, arXiv 1604.06174): autograd keeps each block's input
+        # (B, T, dim) and runs the block's forward again during backward (torch.utils.checkpoint,
+        # non-reentrant: the same kernels on the same inputs, so the same gradients bit for bit)
+        recompute = self.activation_checkpointing and cache is None and torch.is_grad_enabled()
         for block in self.layers:
-            x = block(x, ropes, masks, cache)
+            x = checkpoint(block, x, ropes, masks, use_reentrant=False) if recompute else block(x, ropes, masks, cache)
         if cache is not None:
             cache.length += T
         return self.norm(x)

@@ -76,7 +76,8 @@ def memory_estimate(model: torch.nn.Module, optimizer: torch.optim.Optimizer, cf
         n = sum(p.numel() for p in g["params"])
         state += n * 4 * (1 if group_kind(g) == "muon" else 2)
     rows = cfg.train.micro_batch_size * rows_per_sample
-    activations = activation_bytes(model.config, rows * cfg.data.seq_len, compute_bytes)
+    activations = activation_bytes(model.config, rows * cfg.data.seq_len, compute_bytes,
+                                   cfg.train.activation_checkpointing)
     out = {"weights_mib": weights / MIB, "gradients_mib": grads / MIB, "optimizer_state_mib": state / MIB,
            "activations_mib": activations / MIB}
     out = {k: round(v, 1) for k, v in out.items()}

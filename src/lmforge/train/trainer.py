@@ -110,6 +110,7 @@ class Trainer:
         self.runtime.check_model(self.model)  # no float16 compute for (offset + w) norms
         self.device = self.runtime.device
         self.raw_model = self.model.to(self.device)
+        self.raw_model.activation_checkpointing = self.cfg.train.activation_checkpointing
         self.model = wrap_model(self.raw_model, self.cfg.train.data_parallel, self.dist)
         # validation runs this one, never the compiled graph: under no_grad torch.compile builds a
         # second graph, 20 s of the speedrun's pretraining for 4 batches of validation
