@@ -64,12 +64,12 @@ def models(ref, smoke: bool):
     """(this tree's model, the commit's) with identical float32 weights, in eval mode."""
     from lmforge.config import ModelConfig
     from lmforge.model import Transformer
-    shape = bench_decode.SMOKE_SHAPE if smoke else bench_decode.SHAPE
-    vocab = bench_decode.SMOKE_VOCAB if smoke else bench_decode.VOCAB
-    ours = Transformer(ModelConfig(**shape, vocab_size=vocab, max_seq_len=512))
+    shape = dict(bench_decode.SMOKE_SHAPE, vocab_size=bench_decode.SMOKE_VOCAB) if smoke else common.SHAPES["speedrun"]
+    vocab = shape["vocab_size"]
+    ours = Transformer(ModelConfig(**shape, max_seq_len=512))
     ours.reset_parameters(seed=0)
     theirs = importlib.import_module("lmforge_ref.model").Transformer(
-        importlib.import_module("lmforge_ref.config").ModelConfig(**shape, vocab_size=vocab, max_seq_len=512))
+        importlib.import_module("lmforge_ref.config").ModelConfig(**shape, max_seq_len=512))
     theirs.load_state_dict(ours.state_dict())
     return ours.eval(), theirs.eval(), vocab
 

@@ -9,7 +9,7 @@ from the same prompts, batch 1 and batch 8. Reported: median new tokens per seco
 a few repeats (prefill included), the ratio, and whether both produced the same ids.
 transformers is a library that raises rather than crashes: it runs in this process.
 
-    python bench/bench_decode.py [--new-tokens 64] [--repeats 3] [--threads 1]
+    python bench/bench_decode.py [--new-tokens 64] [--repeats 3] [--threads 1] [--shape smollm2-135m]
     python bench/bench_decode.py --smoke     # seconds, a tiny model: proves it runs
 """
 
@@ -31,16 +31,15 @@ from lmforge.export import require_transformers  # noqa: E402
 from lmforge.generate import SamplingConfig, generate  # noqa: E402
 from lmforge.model import Transformer  # noqa: E402
 
-VOCAB = 8192
-SHAPE = dict(dim=256, n_layers=4, n_heads=8, n_kv_heads=4)
 SMOKE_VOCAB = 512
 SMOKE_SHAPE = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2)
 
 
-def build_models(seed: int = 0, max_seq_len: int = 512, smoke: bool = False):
-    """(lmforge model, its transformers twin) with identical float32 weights."""
-    vocab = SMOKE_VOCAB if smoke else VOCAB
-    cfg = ModelConfig(**(SMOKE_SHAPE if smoke else SHAPE), vocab_size=vocab, max_seq_len=max_seq_len)
+def build_models(seed: int = 0, max_seq_len: int = 512, smoke: bool = False, shape: str = "speedrun"):
+    """(lmforge model, its transformers twin) with identical float32 weights, of `common.SHAPES[shape]`."""
+    dims = dict(SMOKE_SHAPE, vocab_size=SMOKE_VOCAB) if smoke else common.SHAPES[shape]
+    vocab = dims["vocab_size"]
+    cfg = ModelConfig(**dims, max_seq_len=max_seq_len)
     ours = Transformer(cfg)
     ours.reset_parameters(seed=seed)
     contract = common.synthetic_contract(vocab)
@@ -111,6 +110,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--threads", type=int, default=1,
                     help="torch intra-op threads for both (default 1: several threads on a busy 2-core "
                          "machine spend most of their time waiting for each other)")
+    common.shape_flag(ap)
     common.smoke_flag(ap)
     args = ap.parse_args([] if argv is None else argv)
     if args.smoke:
@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> dict:
 def _run(args) -> dict:
     torch.manual_seed(0)
     t0 = time.perf_counter()
-    ours, theirs, contract = build_models(smoke=args.smoke)
+    ours, theirs, contract = build_models(smoke=args.smoke, shape=args.shape)
     results: dict = {"threads": torch.get_num_threads(), "new_tokens": args.new_tokens, "repeats": args.repeats,
                      "reference": type(theirs).__name__, "smoke": args.smoke}
     for batch in args.batches:

@@ -2,7 +2,8 @@
 (eager, and with `generate.compile = true`: the decode step through torch.compile).
 
 A speedrun-sized model (dim 256, 4 layers, 8 query / 4 KV heads, the stdlib tokenizer of
-8192 ids, random weights) is saved as an lmforge checkpoint and exported with
+8192 ids, random weights; `--shape smollm2-135m`: a user's SmolLM2-135M shape, `common.SHAPES`, with a
+stdlib tokenizer of 49,152 ids) is saved as an lmforge checkpoint and exported with
 `export_gguf` as f32 and q8_0. Each backend then decodes greedily a fixed number of new
 tokens (stopping disabled) from the same prompts (held-out standard-library code, 32
 tokens, <|bos|> first), batch 1, interleaved round by round. Reported: median new tokens
@@ -18,7 +19,7 @@ the end of the benchmark. The llama.cpp timings include the request to that chil
 round trip, well under a millisecond). Without llama_cpp the llama.cpp rows say
 "llama.cpp not installed"; lmforge's decode and the export still run.
 
-    python bench/bench_gguf.py [--new-tokens 64] [--repeats 3] [--threads 1]
+    python bench/bench_gguf.py [--new-tokens 64] [--repeats 3] [--threads 1] [--shape smollm2-135m]
     python bench/bench_gguf.py --smoke     # seconds, a tiny model and tokenizer: proves it runs
 """
 
@@ -88,14 +89,15 @@ def serve_llama(gguf: str, threads: int, kv_f32: bool) -> None:
     common.serve_requests(setup)
 
 
-def build_checkpoint(tmp: Path, tok, smoke: bool = False):
-    """(checkpoint folder, the model) of random weights: the speedrun's shape, or a tiny one in a smoke run."""
+def build_checkpoint(tmp: Path, tok, smoke: bool = False, shape_name: str = "speedrun"):
+    """(checkpoint folder, the model) of random weights: `common.SHAPES[shape_name]` (its vocabulary is
+    `tok`'s), or a tiny one in a smoke run."""
     from lmforge.config import load_config
     from lmforge.model import Transformer, resolve_model_config
     from lmforge.train.checkpoint import save_checkpoint
 
-    shape = (["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2"] if smoke else
-             ["model.dim=256", "model.n_layers=4", "model.n_heads=8", "model.n_kv_heads=4"])
+    dims = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2) if smoke else common.SHAPES[shape_name]
+    shape = [f"model.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in dims.items() if k != "vocab_size"]
     cfg = load_config(None, [f"tokenizer.dir={tok.folder}", *shape, "model.max_seq_len=512",
                              "train.precision=fp32"])
     model = Transformer(resolve_model_config(cfg.model, tok.contract))
@@ -135,6 +137,7 @@ def main(argv: list[str] | None = None) -> dict:
                     help="seconds a llama.cpp child may take to answer one round before its row says it timed out")
     ap.add_argument("--serve-llama", metavar="GGUF", help=argparse.SUPPRESS)  # the child process
     ap.add_argument("--kv-f32", action="store_true", help=argparse.SUPPRESS)
+    common.shape_flag(ap)
     common.smoke_flag(ap)
     args = ap.parse_args([] if argv is None else argv)
     if args.serve_llama:
@@ -158,8 +161,8 @@ def _run(args, tmp: Path) -> dict:
     from lmforge.generate import SamplingConfig, generate
 
     t0 = time.perf_counter()
-    tok = common.bench_tokenizer(args.smoke, tmp, 8192)
-    ckpt, model = build_checkpoint(tmp, tok, args.smoke)
+    tok = common.bench_tokenizer(args.smoke, tmp, common.SHAPES[args.shape]["vocab_size"])
+    ckpt, model = build_checkpoint(tmp, tok, args.smoke, args.shape)
     prompts = prompts_for(tok, args.prompts)
     n_new = args.new_tokens
     sampling = SamplingConfig(max_new_tokens=n_new, greedy=True)

@@ -144,22 +144,11 @@ def reset_peak_rss() -> bool:
 
 
 def release_free_memory() -> None:
-    """Hand freed heap pages back to the kernel (glibc `malloc_trim`), so that RSS measures
-    live memory rather than what the allocator keeps cached. A no-op elsewhere."""
-    global _libc
-    if _libc is None:
-        try:
-            import ctypes
+    """Hand freed heap pages back to the kernel (`lmforge.model.memory.release_free_memory`: glibc's
+    `malloc_trim`), so that RSS measures live memory rather than what the allocator keeps cached."""
+    from lmforge.model.memory import release_free_memory as release
 
-            _libc = ctypes.CDLL("libc.so.6")
-            _libc.malloc_trim.argtypes = [ctypes.c_size_t]
-        except (OSError, AttributeError):
-            _libc = False
-    if _libc:
-        _libc.malloc_trim(0)
-
-
-_libc = None
+    release()
 
 
 class PeakRSS:
@@ -333,6 +322,23 @@ def bench_tokenizer(smoke: bool, tmp: Path, vocab_size: int = 8192, log: Callabl
     if smoke:
         return smoke_tokenizer(tmp / "smoke-tokenizer")
     return stdlib_tokenizer(vocab_size, log)[0]
+
+
+#: Model shapes the decode benchmarks take (`--shape`), in lmforge's [model] names with the vocabulary:
+#: the speedrun's (lmforge's defaults: QK-norm, so a Qwen3 in transformers and llama.cpp), and the
+#: SmolLM2-135M shape a user brings (a Llama: 576 x 30 layers, 9 / 3 heads, MLP 1,536, tied head,
+#: RoPE base 100,000; bench_finetune.SMOLLM2_135M in transformers' names).
+SHAPES = {
+    "speedrun": dict(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, vocab_size=8192),
+    "smollm2-135m": dict(dim=576, n_layers=30, n_heads=9, n_kv_heads=3, ffn_dim=1536, qk_norm=False,
+                         tie_embeddings=True, rope_theta=100_000.0, norm_eps=1e-5, vocab_size=49_152),
+}
+
+
+def shape_flag(ap) -> None:
+    """--shape: one of SHAPES (default "speedrun")."""
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="speedrun",
+                    help="the model's shape: the speedrun's, or a user's SmolLM2-135M (random weights either way)")
 
 
 # -- the transformers twin of an lmforge model ------------------------------------------------------

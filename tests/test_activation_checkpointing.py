@@ -12,6 +12,7 @@ import torch
 from lmforge.config import LoRAConfig
 from lmforge.data.conversations import Conversation, render_samples, sft_stream
 from lmforge.model import Transformer, lora, resolve_model_config
+from lmforge.model.memory import release_free_memory
 from lmforge.train.distributed import DistInfo
 from lmforge.train.trainer import Trainer
 
@@ -83,6 +84,7 @@ def test_the_config_key_reaches_the_model_and_the_step_is_unchanged(tiny_run, tm
         trainer = Trainer(c, tmp_path / str(on), tok.folder, model, stream, None, DistInfo(), progress=False,
                           log=lambda m: None)
         assert trainer.raw_model.activation_checkpointing is on
+        assert (trainer._trim is release_free_memory) is on  # the heap trimmed around each forward and backward
         trainer.train_step()
         after[on] = {n: p.detach().clone() for n, p in trainer.raw_model.named_parameters()}
     for name, w in after[False].items():

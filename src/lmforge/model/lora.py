@@ -86,7 +86,11 @@ class LoRALinear(nn.Linear):
         a, b = self.lora_a, self.lora_b
         if a.dtype != x.dtype and not torch.is_autocast_enabled(x.device.type):
             a, b = a.to(x.dtype), b.to(x.dtype)
-        return y + F.linear(F.linear(self.dropout(x), a), b) * self.scale
+        # y + scale * (x A^T) B^T as one addmm into a fresh output: no (..., out) temporaries for the
+        # adapter's product, its scaling and the sum (three passes over the output before)
+        xa = F.linear(self.dropout(x), a)  # (..., rank)
+        out = torch.addmm(y.reshape(-1, y.shape[-1]), xa.reshape(-1, xa.shape[-1]), b.t(), alpha=self.scale)
+        return out.view(y.shape)
 
     @torch.no_grad()
     def merge(self) -> None:

@@ -76,6 +76,28 @@ def available_memory(device: torch.device) -> int:
     return memory_bytes()
 
 
+_libc = None
+
+
+def release_free_memory() -> None:
+    """Hand the heap's free pages back to the kernel (glibc's `malloc_trim(0)`; a no-op where the C
+    library is another). glibc keeps what a step frees for its next allocations: after a forward's
+    temporaries, about 1 GB of a LoRA step of the SmolLM2-135M shape at 4 x 256 rows that the
+    resident memory counts (bench/RESULTS.md, 2026-11-29); the Trainer trims after each forward and
+    backward under train.activation_checkpointing on CPU."""
+    global _libc
+    if _libc is None:
+        try:
+            import ctypes
+
+            _libc = ctypes.CDLL("libc.so.6")
+            _libc.malloc_trim.argtypes = [ctypes.c_size_t]
+        except (OSError, AttributeError):
+            _libc = False
+    if _libc:
+        _libc.malloc_trim(0)
+
+
 def memory_need(cfg: ModelConfig, training: bool = True) -> tuple[int, int]:
     """(fixed bytes, bytes per trained token) of the estimate `check_fits_in_memory` explains,
     before any model is built: float32 weights (x4 when training: gradients and AdamW's two
@@ -114,4 +136,5 @@ def check_fits_in_memory(cfg: ModelConfig, training_tokens: int = 0) -> None:
 
 
 __all__ = ["LOSS_CHUNK_ROWS", "ROPE_BLOCK_ELEMENTS", "activation_bytes", "available_memory", "parameter_count",
+           "release_free_memory",
            "memory_bytes", "memory_need", "rope_bytes", "check_fits_in_memory"]

@@ -1,22 +1,21 @@
-"""The one training loop. Pretraining, SFT, DPO and RL differ only in their data (a RowStream),
-their initial weights and their objective (lmforge.train.objective; train/dpo.py, train/rl.py);
-all run `Trainer.fit`: the loop, with each step's record in lmforge.train.record, the clock of
-train.time_budget_s in lmforge.train.budget and SIGINT/SIGTERM in lmforge.signals.
+"""The one training loop. Pretraining, SFT, DPO and RL differ only in their data (a RowStream), their initial
+weights and their objective (lmforge.train.objective; train/dpo.py, train/rl.py); all run `Trainer.fit`: the
+loop (step records: lmforge.train.record; train.time_budget_s: lmforge.train.budget; SIGINT: lmforge.signals).
 
 One optimizer step:
-  1. draw `grad_accum_steps` micro-batches and count their supervised targets;
-     all-reduce that count over data-parallel ranks (count first, then backward);
+  1. draw `grad_accum_steps` micro-batches, count their supervised targets, all-reduce that count
+     over data-parallel ranks (count first, then backward);
   2. for each micro-batch: loss = summed nats (model(..., targets=, loss_mask=), i.e.
      lmforge.model.loss.linear_cross_entropy_sum) / global_count (* world_size, since
      DDP/FSDP average gradients over ranks), backward;
-  3. clip the gradient norm, an optimizer step (Muon + AdamW by default, or AdamW:
-     lmforge.train.optim) with the schedule's learning rate.
+  3. clip the gradient norm, an optimizer step (Muon + AdamW by default, or AdamW: lmforge.train.optim)
+     with the schedule's learning rate.
 The logged `loss` is the same per-token mean (nats), whatever the accumulation (P3).
 
-Data parallel (torchrun): each rank draws its own rows (`RowStream`: W ranks x A
-micro-batches use the rows one process with W x A micro-batches uses), so N ranks give the
-loss and the gradients of one process with N times the accumulation. `raw_model` is the
-module itself (FSDP2 shards it in place; DDP wraps it), `model` what runs forward.
+Data parallel (torchrun): each rank draws its own rows (`RowStream`: W ranks x A micro-batches use the
+rows one process with W x A micro-batches uses), so N ranks give the loss and the gradients of one
+process with N times the accumulation. `raw_model` is the module itself (FSDP2 shards it in place; DDP
+wraps it), `model` what runs forward (its blocks recomputed in backward: train.activation_checkpointing).
 
 A checkpoint (every `checkpoint_every` steps, at the end, and on SIGINT/SIGTERM after the
 current step) holds full weights, the optimizer state, the data position and every rank's
@@ -40,6 +39,7 @@ from lmforge.config import Config
 from lmforge.contract import CONTRACT_FILE, Contract, check_match
 from lmforge.data.packing import Batch, RowStream
 from lmforge.errors import CheckpointError, LmforgeError
+from lmforge.model.memory import release_free_memory
 from lmforge.model.io import (MODEL_FILE, OPTIMIZER_FILE, RNG_FILE, STEP_RE, is_sharded, latest_checkpoint,
                               load_weights, read_checkpoint_meta, step_dir_name)
 from lmforge.runtime import Runtime, compiler_available, deterministic_kernels, training_runtime
@@ -60,11 +60,10 @@ from lmforge.train.schedule import lr_at
 class Trainer:
     """Runs `cfg.train.steps` optimizer steps of `model` over `stream` into `run_dir`.
 
-    `contract_dir` holds contract.json + tokenizer files copied into each checkpoint.
-    `val_batches()` returns the validation micro-batches (or None to skip validation).
-    `dist` comes from `init_distributed(cfg)`, which validated the parallel degrees against the
-    world size; `runtime` (the device and the autocast dtype of the steps, the validation and
-    Muon's Newton-Schulz) is the command's, default `training_runtime(train.precision, dist.device)`.
+    `contract_dir` holds contract.json + tokenizer files copied into each checkpoint. `val_batches()` returns
+    the validation micro-batches (or None to skip validation). `dist` comes from `init_distributed(cfg)`,
+    which validated the parallel degrees against the world size; `runtime` (the device and the autocast
+    dtype of the steps, the validation, Newton-Schulz) is the command's, by default `training_runtime(...)`.
 
     Three steps of a one-layer model on a document that repeats 0..7 (`fit()` would also validate,
     record and checkpoint into `run_dir`; a step alone writes nothing):
@@ -98,9 +97,9 @@ class Trainer:
     log: Callable[[str], None] = print
     runtime: Runtime | None = None
     objective: TokenObjective = field(default_factory=TokenObjective)
-    #: train.time_budget_s's costs, deadline and clock (lmforge.train.budget.StepBudget, not imported:
-    #: its probe builds a Trainer): the step count is revised after step `budget.revise_at` (wsd: once
-    #: more before the decay); `on_steps(cfg)` then rewrites the run folder's files
+    #: train.time_budget_s's costs, deadline and clock (lmforge.train.budget.StepBudget, not imported: its probe
+    #: builds a Trainer): the step count is revised after step `budget.revise_at` (wsd: once more before the
+    #: decay); `on_steps(cfg)` then rewrites the run folder's files
     budget: "StepBudget | None" = None
     on_steps: Callable[[Config], None] | None = None
 
@@ -112,8 +111,7 @@ class Trainer:
         self.raw_model = self.model.to(self.device)
         self.raw_model.activation_checkpointing = self.cfg.train.activation_checkpointing
         self.model = wrap_model(self.raw_model, self.cfg.train.data_parallel, self.dist)
-        # validation runs this one, never the compiled graph: under no_grad torch.compile builds a
-        # second graph, 20 s of the speedrun's pretraining for 4 batches of validation
+        # validation runs this one, never the compiled graph (a second graph: 20 s of the speedrun's pretraining)
         self.eval_model = self.model
         # a compiled CPU step runs with deterministic kernels (runtime.deterministic_kernels says why)
         self._deterministic = False
@@ -121,6 +119,9 @@ class Trainer:
             self.model = torch.compile(self.model)
             self._deterministic = self.device.type == "cpu"
         self.optimizer = build_optimizer(self.raw_model, self.cfg.train, self.runtime)
+        # train.activation_checkpointing on CPU: free heap pages back to the kernel after each forward and backward
+        recompute = self.cfg.train.activation_checkpointing and self.device.type == "cpu"
+        self._trim = release_free_memory if recompute else lambda: None
         self.step = 0
         self.tokens = 0
         self.supervised = 0
@@ -305,7 +306,9 @@ class Trainer:
             with ctx, deterministic_kernels(self._deterministic):  # compiled and run (backward too) under it
                 with self.runtime.autocast():
                     nats, stats = self.objective.loss(self.model, b)
+                self._trim()
                 (nats * scale).backward()
+                self._trim()
             loss_sum += nats.detach().double().cpu()
             if stats is not None:  # an objective with figures of its own (DPO's rewards)
                 stat_sums += stats.double().cpu()
