@@ -368,8 +368,17 @@ def hf_twin(model, contract, **config_overrides):
     arch = cfg["architectures"][0]
     hf_cfg = transformers.AutoConfig.for_model(cfg.pop("model_type"), **cfg)
     twin = getattr(transformers, arch)(hf_cfg)
-    twin.load_state_dict(to_hf_state(model_state(model), contract.vocab_size, model.config.tie_embeddings),
-                         strict=True)
+    result = twin.load_state_dict(to_hf_state(model_state(model), contract.vocab_size, model.config.tie_embeddings),
+                                  strict=False)
+    # a tied head is the embedding: transformers lists it as a key of its own, which the export leaves out
+    tied = {"lm_head.weight"} if model.config.tie_embeddings else set()
+    if set(result.missing_keys) - tied or result.unexpected_keys:
+        raise RuntimeError(f"the transformers twin's weights differ: missing {result.missing_keys}, "
+                           f"unexpected {result.unexpected_keys}")
+    if tied:
+        twin.tie_weights()
+        if twin.lm_head.weight.data_ptr() != twin.model.embed_tokens.weight.data_ptr():
+            raise RuntimeError("the transformers twin's head is not tied to its embedding")
     return twin.float().eval()
 
 
