@@ -71,10 +71,9 @@ class _LinearCrossEntropySum(torch.autograd.Function):
         # the in-place writes into a saved buffer (every gradient 0, a frozen run; 2026-11-26 (an H100)),
         # and inductor fuses the out-of-place form as well (0.8-0.9x the in-place time here).
         traced = torch.compiler.is_compiling()
-        want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         # no gradient wanted (evaluation, a reference model): the loss only
         # (traced: the gradients always, as the compiled training step has been measured)
-        want_h, want_w = want_h or traced, want_w or traced
+        want_h, want_w = ctx.needs_input_grad[0] or traced, ctx.needs_input_grad[1] or traced
         wants_grad = want_h or want_w
         grads = _Grads(n, w, compute_dtype, groups is not None, want_h, want_w, traced) if wants_grad else None
         total = torch.zeros(() if groups is None else (n_groups,), dtype=torch.float32, device=h.device)
