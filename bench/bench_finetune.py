@@ -3,8 +3,13 @@
 The model is a `transformers` folder as a user brings it, built here with random weights (nothing is
 downloaded): the SmolLM2-135M shape (`LlamaForCausalLM`: hidden 576, 30 layers, 9 query / 3 KV
 heads, MLP 1,536, vocabulary 49,152, tied head) with a byte-level BPE of 49,152 tokens trained on
-the standard library (`common.stdlib_tokenizer`) and SmolLM2's chat template. lmforge reads it with
-`lmforge import-hf`; TRL loads it with `AutoModelForCausalLM.from_pretrained`.
+the standard library (`common.stdlib_tokenizer`) and SmolLM2's chat template; or, `--shape
+gemma3-270m`, Gemma 3 270M's (`Gemma3ForCausalLM`: hidden 640, 18 layers, five sliding-window layers
+to one full, 4 query / 1 KV head of head_dim 256, GeGLU 2,048, a tied head of 262,144 rows) with the
+same BPE dressed as Gemma's (`gemma_tokenizer`: Gemma's specials, <bos> prepended, Gemma's chat
+template, the vocabulary filled to 262,144 ids with <unusedN> pieces as Gemma's has them, so both
+sides carry the real model's 262,144-row head). lmforge reads it with `lmforge import-hf`; TRL
+loads it with `AutoModelForCausalLM.from_pretrained`.
 
 The same work on both sides:
 - the conversations: the speedrun's SFT set (standard-library functions: a user turn with the
@@ -37,7 +42,7 @@ and the held-out loss after the run (nats per reply token, reply tokens summed o
 conversations; each side's own scorer: lmforge's `val_loss`, and for TRL the same sum computed
 with the trained model on the rendered conversations).
 
-    python bench/bench_finetune.py [--steps 12] [--warmup 3] [--repeat 1] [--arms lmforge-lora,trl-lora,...]
+    python bench/bench_finetune.py [--shape gemma3-270m] [--steps 12] [--warmup 3] [--repeat 1] [--arms ...]
     python bench/bench_finetune.py --smoke     # a tiny Llama, seconds: proves the benchmark runs
 
 Needs `trl` and `peft` (`pip install -e ".[bench]"`; `make bench` installs them); without TRL the
@@ -61,8 +66,29 @@ import common  # noqa: E402
 SMOLLM2_135M = dict(vocab_size=49_152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                     num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192, rope_theta=100_000.0,
                     rms_norm_eps=1e-5, tie_word_embeddings=True)
+#: Gemma 3 270M's config.json (google/gemma-3-270m; the GGUF header of the real file agrees:
+#: ../shared research, MODEL-FAMILIES 2.2): 18 layers, five sliding (window 512) to one full,
+#: head_dim 256 != 640 / 4, GeGLU, embedding x sqrt(640), a tied 262,144-row head (~60% of the
+#: FLOPs of a token)
+GEMMA3_270M = dict(vocab_size=262_144, hidden_size=640, intermediate_size=2048, num_hidden_layers=18,
+                   num_attention_heads=4, num_key_value_heads=1, head_dim=256, query_pre_attn_scalar=256,
+                   sliding_window=512, max_position_embeddings=32_768, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                   hidden_activation="gelu_pytorch_tanh",
+                   layer_types=["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(18)],
+                   rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                                    "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
 SMOKE = dict(SMOLLM2_135M, vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2)
+SMOKE_GEMMA = dict(GEMMA3_270M, vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                   num_attention_heads=2, head_dim=32, query_pre_attn_scalar=32,
+                   layer_types=["sliding_attention", "full_attention"])
+#: --shape: the user's model (transformers class, config class, its config, --smoke's) and the
+#: token that ends a turn
+USER_SHAPES = {"smollm2-135m": ("LlamaForCausalLM", "LlamaConfig", SMOLLM2_135M, SMOKE, "<|im_end|>"),
+               "gemma3-270m": ("Gemma3ForCausalLM", "Gemma3TextConfig", GEMMA3_270M, SMOKE_GEMMA, "<end_of_turn>")}
+#: the stdlib BPE's specials renamed to Gemma's (ids as lmforge's tokenizer has them)
+GEMMA_SPECIALS = {"<|pad|>": "<pad>", "<|bos|>": "<bos>", "<|eos|>": "<eos>", "<|im_start|>": "<start_of_turn>",
+                  "<|im_end|>": "<end_of_turn>"}
 #: SmolLM2-Instruct's chat template (the public text), with its default system prompt
 SMOLLM2_TEMPLATE = (
     "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
@@ -103,29 +129,59 @@ def wsd_kwargs(h: dict, steps: int) -> dict:
             "decay_type": "linear", "min_lr_ratio": h["min_lr_ratio"]}
 
 
-def build_user_folder(folder: Path, smoke: bool) -> None:
-    """A SmolLM2-135M-shaped transformers folder (random weights, seed 0) with a 49,152-token BPE."""
+def build_user_folder(folder: Path, smoke: bool, shape: str = "smollm2-135m") -> None:
+    """A transformers folder of `shape` (random weights, seed 0) with a 49,152-token byte-level BPE
+    trained on the standard library: SmolLM2's specials and template, or for Gemma 3 Gemma's
+    specials, template and prepended <bos>, its vocabulary filled to 262,144 with <unusedN> pieces
+    (as Gemma's has them), so that the head has the real model's rows on both sides."""
     import torch
     import transformers
-    from tokenizers import Tokenizer, processors
+    from tokenizers import Tokenizer
 
-    shape = SMOKE if smoke else SMOLLM2_135M
+    arch, config_class, dims, smoke_dims, _ = USER_SHAPES[shape]
+    dims = smoke_dims if smoke else dims
     if smoke:
-        common.smoke_tokenizer(folder.parent / "smoke-tok", shape["vocab_size"])
+        common.smoke_tokenizer(folder.parent / "smoke-tok", dims["vocab_size"])
         tok_file = folder.parent / "smoke-tok" / "tokenizer.json"
     else:
-        common.stdlib_tokenizer(shape["vocab_size"])
-        tok_file = common.CACHE / f"tokenizer-stdlib-{shape['vocab_size']}" / "tokenizer.json"
-    # SmolLM2's document terminator is <|endoftext|>, lmforge's tokenizer calls it <|eos|>
-    tok = Tokenizer.from_str(tok_file.read_text().replace('"<|eos|>"', '"<|endoftext|>"'))
-    tok.post_processor = processors.ByteLevel(trim_offsets=False)  # SmolLM2 prepends nothing
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, chat_template=SMOLLM2_TEMPLATE,
-                                                bos_token="<|im_start|>", eos_token="<|im_end|>", pad_token="<|pad|>")
+        common.stdlib_tokenizer(SMOLLM2_135M["vocab_size"])
+        tok_file = common.CACHE / f"tokenizer-stdlib-{SMOLLM2_135M['vocab_size']}" / "tokenizer.json"
+    if shape == "gemma3-270m":
+        tok, kwargs = gemma_tokenizer(tok_file.read_text(), dims["vocab_size"])
+    else:  # SmolLM2's document terminator is <|endoftext|>, lmforge's tokenizer calls it <|eos|>; nothing prepended
+        from tokenizers import processors
+
+        tok = Tokenizer.from_str(tok_file.read_text().replace('"<|eos|>"', '"<|endoftext|>"'))
+        tok.post_processor = processors.ByteLevel(trim_offsets=False)
+        kwargs = dict(chat_template=SMOLLM2_TEMPLATE, bos_token="<|im_start|>", eos_token="<|im_end|>",
+                      pad_token="<|pad|>")
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, **kwargs)
     fast.save_pretrained(str(folder))
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(**shape, bos_token_id=fast.bos_token_id, eos_token_id=fast.eos_token_id,
-                                   pad_token_id=fast.pad_token_id)
-    transformers.LlamaForCausalLM(cfg).save_pretrained(str(folder))
+    cfg = getattr(transformers, config_class)(**dims, bos_token_id=fast.bos_token_id, eos_token_id=fast.eos_token_id,
+                                              pad_token_id=fast.pad_token_id)
+    getattr(transformers, arch)(cfg).save_pretrained(str(folder))
+
+
+def gemma_tokenizer(text: str, vocab_size: int):
+    """lmforge's byte-level BPE (tokenizer.json `text`) dressed as Gemma 3's: its specials renamed
+    (GEMMA_SPECIALS), <bos> prepended, <unusedN> pieces up to `vocab_size` ids (plain vocabulary
+    entries no merge reaches), Gemma's chat template. Returns (Tokenizer, PreTrainedTokenizerFast kwargs)."""
+    from tokenizers import Tokenizer, processors
+
+    from lmforge.export.families.gemma import GEMMA_CHAT_TEMPLATE
+
+    spec = json.loads(text)
+    for t in spec["added_tokens"]:
+        t["content"] = GEMMA_SPECIALS.get(t["content"], t["content"])
+    vocab = {GEMMA_SPECIALS.get(k, k): i for k, i in spec["model"]["vocab"].items()}
+    vocab.update({f"<unused{i}>": n for i, n in enumerate(range(len(vocab), vocab_size))})
+    spec["model"]["vocab"] = vocab
+    tok = Tokenizer.from_str(json.dumps(spec))
+    tok.post_processor = processors.TemplateProcessing(single="<bos> $A", pair="<bos> $A <bos> $B",
+                                                       special_tokens=[("<bos>", tok.token_to_id("<bos>"))])
+    return tok, dict(chat_template=GEMMA_CHAT_TEMPLATE, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
+                     add_bos_token=True, add_eos_token=False)
 
 
 def conversations(work: Path, smoke: bool, val_examples: int) -> tuple[list, list]:
@@ -215,13 +271,14 @@ def run_trl(work: Path, arm: str, a, val: list) -> dict:
     if not sum(n for _, n in timed):
         raise SystemExit(f"TRL counted no input tokens: {marks}")
     tps = sum(n for _, n in timed) / sum(t for t, _ in timed)
-    return {"tokens_per_s": tps, "val_loss": held_out_loss(trainer.model, trainer.processing_class, val, a.seq_len),
+    end = USER_SHAPES[a.shape][-1]
+    return {"tokens_per_s": tps, "val_loss": held_out_loss(trainer.model, trainer.processing_class, val, a.seq_len, end),
             "steps": len(marks)}
 
 
-def held_out_loss(model, tok, val: list, seq_len: int) -> float:
+def held_out_loss(model, tok, val: list, seq_len: int, end_of_turn: str) -> float:
     """Nats per reply token over the held-out conversations: -log p of each reply's tokens (its
-    end-of-turn included), summed, over their count (lmforge's val_loss, computed on TRL's model)."""
+    `end_of_turn` token included), summed, over their count (lmforge's val_loss, computed on TRL's model)."""
     import torch
 
     model.eval()
@@ -235,8 +292,9 @@ def held_out_loss(model, tok, val: list, seq_len: int) -> float:
             ids = ids[:seq_len]  # cut as both sides cut a conversation longer than a row
             if len(ids) <= len(p_ids):  # nothing of the reply left (lmforge drops these too)
                 continue
-            # the reply and its <|im_end|>; the template's trailing newline is not learned
-            end = ids.index(tok.eos_token_id, len(p_ids)) + 1 if tok.eos_token_id in ids[len(p_ids):] else len(ids)
+            # the reply and its end of turn; the template's trailing newline is not learned
+            stop = tok.convert_tokens_to_ids(end_of_turn)
+            end = ids.index(stop, len(p_ids)) + 1 if stop in ids[len(p_ids):] else len(ids)
             x = torch.tensor([ids[:end]])
             logp = model(input_ids=x).logits[0, :-1].float().log_softmax(-1)
             target = x[0, 1:]
@@ -262,7 +320,7 @@ def prepare(work: Path, a) -> None:
     """The user's folder, its import, and the conversations (train and held-out) for both sides."""
     from lmforge.cli import main as cli
 
-    build_user_folder(work / "user", a.smoke)
+    build_user_folder(work / "user", a.smoke, a.shape)
     if cli(["import-hf", str(work / "user"), "--out", str(work / "imported")]):
         raise SystemExit("lmforge import-hf failed")
     train, val = conversations(work, a.smoke, a.val)
@@ -273,7 +331,7 @@ def prepare(work: Path, a) -> None:
 def arm_process(work: Path, arm: str, a) -> dict:
     argv = [sys.executable, __file__, "--arm", arm, "--work", str(work), "--steps", str(a.steps), "--warmup",
             str(a.warmup), "--seq-len", str(a.seq_len), "--batch", str(a.batch), "--val", str(a.val), "--seed",
-            str(a.seed)] + (["--smoke"] if a.smoke else [])
+            str(a.seed), "--shape", a.shape] + (["--smoke"] if a.smoke else [])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(common.ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
     res = subprocess.run(argv, capture_output=True, text=True, env=env)
     if res.returncode:
@@ -301,6 +359,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--repeat", type=int, default=1, help="rounds of every arm, alternating")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--arms", default=",".join(ARMS))
+    ap.add_argument("--shape", choices=sorted(USER_SHAPES), default="smollm2-135m",
+                    help="the user's model: SmolLM2-135M's shape or Gemma 3 270M's (random weights either way)")
     ap.add_argument("--arm", help=argparse.SUPPRESS)
     ap.add_argument("--work", type=Path, help=argparse.SUPPRESS)
     common.smoke_flag(ap)
@@ -335,7 +395,7 @@ def main(argv=None) -> dict:
         ratio = (f"{tps / statistics.median(x['tokens_per_s'] for x in ref):.2f}x / "
                  f"{rss / statistics.median(x['peak_rss_mb'] for x in ref):.2f}x") if ref and arm.startswith("lm") else ""
         rows.append([arm, f"{tps:,.0f}", f"{rss:,.0f}", f"{loss:.4f}", ok[0]["steps"], ratio])
-    shape = "tiny Llama (SMOKE)" if a.smoke else "SmolLM2-135M shape"
+    shape = f"tiny {USER_SHAPES[a.shape][0]} (SMOKE)" if a.smoke else f"{a.shape} shape"
     print(common.table(["arm", "tokens/s", "peak RSS MB", "held-out loss (nats/reply token)", "steps",
                         "lmforge / TRL: tokens/s, memory"], rows,
                        title=f"SFT of a user's {shape}, {a.batch} x {a.seq_len} packed, {a.steps} steps "
