@@ -26,10 +26,22 @@ def rows(lengths, seed=0):
     return [torch.randint(1, VOCAB, (n,), generator=g).tolist() for n in lengths]
 
 
+#: the head's layouts in the decode step (DecodeWeights): oneDNN-prepacked with the layers; a
+#: (dim, V) copy for batch 1 and F.linear on the weight for more rows (the head over PACK_LIMIT:
+#: a large vocabulary's); F.linear on the weight at every batch (over HEAD_COPY_LIMIT)
+HEAD_LAYOUTS = {"packed": {}, "copied": {"PACK_LIMIT": 0}, "weight": {"PACK_LIMIT": 0, "HEAD_COPY_LIMIT": 0}}
+
+
+@pytest.mark.parametrize("layout", sorted(HEAD_LAYOUTS))
+@pytest.mark.parametrize("batch", [1, 4])
 @torch.inference_mode()
-def test_shared_slot_decode_equals_full_recompute():
+def test_shared_slot_decode_equals_full_recompute(layout, batch, monkeypatch):
+    from lmforge.model.decode import DecodeWeights
+
+    for name, limit in HEAD_LAYOUTS[layout].items():
+        monkeypatch.setattr(DecodeWeights, name, limit)
     m = model(1)
-    seqs = rows([9, 3, 1, 6], seed=2)
+    seqs = rows([9, 3, 1, 6][:batch], seed=2)
     steps = 8
     tokens, positions, key_mask = left_pad(seqs, PAD, steps)
     cache = m.new_cache(len(seqs), tokens.shape[1] + steps, key_mask)
@@ -43,6 +55,9 @@ def test_shared_slot_decode_equals_full_recompute():
         pos = pos + 1
         for i, s in enumerate(seqs):
             torch.testing.assert_close(logits[i], m(torch.tensor([s]))[0, -1], rtol=1e-5, atol=1e-5)
+    w = cache.weights  # the layout asked for was the one used
+    assert (w.packed is not None, w.head_t) == {"packed": (True, True), "copied": (False, True),
+                                                "weight": (False, False)}[layout]
 
 
 @torch.inference_mode()

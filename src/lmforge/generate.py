@@ -24,7 +24,7 @@ import torch
 from lmforge.config import SamplingConfig
 from lmforge.errors import LmforgeError
 from lmforge.model import Transformer
-from lmforge.model.decode import compiled_decode_step
+from lmforge.model.decode import DecodeWeights, compiled_decode_step
 from lmforge.runtime import Runtime, compiler_available, compute_dtype, decode_runtime
 
 
@@ -203,8 +203,9 @@ def check_prompts(prompts: Sequence[Sequence[int]], vocab_size: int, max_seq_len
     return rows
 
 
-#: Largest output matrix (bytes) that `generate` copies into a decode-friendly layout.
-HEAD_COPY_LIMIT = 64 << 20
+#: Largest output matrix (bytes) that `generate` multiplies in the decode layout's (dim, V) copy
+#: (`DecodeWeights.HEAD_COPY_LIMIT`, the copy the decode steps read).
+HEAD_COPY_LIMIT = DecodeWeights.HEAD_COPY_LIMIT
 
 
 def output_projection(model: Transformer):

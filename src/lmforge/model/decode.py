@@ -146,7 +146,8 @@ class DecodeWeights:
     pre-norm's gain folded into its rows (`FoldedNorm`: the norm is then one per-row scale);
     `wo` (H*hd, dim), `w2` (ffn, dim); biases alongside (Qwen2's q/k/v: cat(bq, bk, bv)).
     `head` is (dim, vocab_size) likewise when its copy is at most HEAD_COPY_LIMIT bytes, else the
-    sliced output weight (vocab_size, dim) used with F.linear; `norm` the final norm. `tables`: each
+    sliced output weight (vocab_size, dim) used with F.linear (`out_head`: that slice, never a copy);
+    `norm` the final norm. `tables`: each
     rotary kind's (cos, sin_signed), (max_seq_len, 1, hd), rotate_half's minus sign folded into the
     sine (`SignedRope`). Matrices are in the compute dtype (the autocast dtype under autocast); the
     residual stream's norm weights stay as they are.
@@ -155,14 +156,21 @@ class DecodeWeights:
     linear (`torch.ops.mkldnn._reorder_linear_weight`, the layout Inductor's CPU path uses):
     MKL's small-batch matmul re-packs the weight on every call (the batch-8 head product costs
     about 4x its batch-4 oneDNN one here), and oneDNN's result for a row does not depend on the
-    batch size at all, which the server needs (see `decode_step`). None where unavailable.
+    batch size at all, which the server needs (see `decode_step`). None where unavailable, and
+    where the head's copy would pass PACK_LIMIT bytes (a third copy of a large vocabulary's head:
+    a batch of several rows then takes F.linear on the output weight itself, which reads the
+    weight once for the batch).
 
     Made once per parameter version (`Transformer.decode_weights`): copies of the weights, valid
     while the parameters do not change.
     """
 
-    #: Largest output matrix (bytes) copied into the (dim, V) layout.
-    HEAD_COPY_LIMIT = 64 << 20
+    #: Largest output matrix (bytes) copied into the (dim, V) layout: the batch-1 product reads
+    #: it at 13.5 GB/s against F.linear's 8.1 on the transposed weight (SmolLM2-135M's 113 MB head,
+    #: one thread, AMD EPYC; bench/RESULTS.md 2026-11-29). The layers are copied whatever their size.
+    HEAD_COPY_LIMIT = 1 << 30
+    #: Largest output matrix (bytes) prepacked for oneDNN, with the layers (see `packed`).
+    PACK_LIMIT = 256 << 20
 
     def __init__(self, model: "Transformer", dtype: torch.dtype):
         live = [n for n, m in lora.lora_layers(model) if not (m.merged or m.disabled)]
@@ -176,7 +184,8 @@ class DecodeWeights:
             self.windows = {L.window for L in self.layers} | {0}  # 0: full attention
             w = model.output.weight[: model.vocab_size]
             self.head_t = w.numel() * dtype.itemsize <= self.HEAD_COPY_LIMIT
-            self.head = w.t().to(dtype).contiguous() if self.head_t else w.to(dtype)
+            self.out_head = w.to(dtype)  # (V, dim): the weight itself in its own dtype
+            self.head = w.t().to(dtype).contiguous() if self.head_t else self.out_head
             hd = model.config.resolved_head_dim()
             sign = torch.ones(hd, device=w.device)
             sign[: hd // 2] = -1
@@ -187,7 +196,7 @@ class DecodeWeights:
                                           (model.rope_sin_sliding * sign).to(dtype)[:, None])
             self.dtype = dtype
             self.packed = self.packed_head = None
-            if w.device.type == "cpu" and dtype == torch.float32 and self.head_t:
+            if w.device.type == "cpu" and dtype == torch.float32 and w.numel() * dtype.itemsize <= self.PACK_LIMIT:
                 self.packed, self.packed_head = _onednn_pack([L.mats for L in self.layers], self.head)
 
 
@@ -287,9 +296,11 @@ class Step:
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """(B, dim) -> (B, vocab_size): h @ output.weight[:vocab_size].T (`Transformer.logits`' product)."""
-        if not self.w.head_t:
-            return F.linear(h, self.w.head)
-        return self.mm(h, self.w.packed_head if self.packed else self.w.head)
+        if self.packed:
+            return self.mm(h, self.w.packed_head)
+        if not self.w.head_t or self.B > 1:  # several rows: F.linear reads the (V, dim) weight once for all
+            return F.linear(h, self.w.out_head)
+        return h @ self.w.head
 
     def layer(self, x: torch.Tensor, L: DecodeLayer, layer: int) -> torch.Tensor:
         """One layer on the residual stream x (B, dim): `functional.sublayer` twice, as `Block.forward`.
