@@ -203,8 +203,7 @@ def check_prompts(prompts: Sequence[Sequence[int]], vocab_size: int, max_seq_len
     return rows
 
 
-#: Largest output matrix (bytes) that `generate` multiplies in the decode layout's (dim, V) copy
-#: (`DecodeWeights.HEAD_COPY_LIMIT`, the copy the decode steps read).
+#: Largest output matrix (bytes) multiplied in the decode layout's (dim, V) copy (the steps' own)
 HEAD_COPY_LIMIT = DecodeWeights.HEAD_COPY_LIMIT
 
 

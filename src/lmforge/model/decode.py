@@ -1,5 +1,4 @@
 """The decode path: generation's KV cache, the fused T = 1 decode step and the weights it computes from.
-
 The model (`transformer.py`) computes any T with `forward`/`hidden`, writing into a `KVCache`
 when it is given one (the prefill). The steps after it, one token per row, go through
 `decode_step`: the same model computed from `DecodeWeights` (the parameters laid out for small
@@ -145,9 +144,8 @@ class DecodeWeights:
     cat(w1, w3).T, so one matmul gives q, k and v and one the MLP's two inputs, each with the
     pre-norm's gain folded into its rows (`FoldedNorm`: the norm is then one per-row scale);
     `wo` (H*hd, dim), `w2` (ffn, dim); biases alongside (Qwen2's q/k/v: cat(bq, bk, bv)).
-    `head` is (dim, vocab_size) likewise when its copy is at most HEAD_COPY_LIMIT bytes, else the
-    sliced output weight (vocab_size, dim) used with F.linear (`out_head`: that slice, never a copy);
-    `norm` the final norm. `tables`: each
+    `head` is (dim, vocab_size) likewise when its copy is at most HEAD_COPY_LIMIT bytes, else
+    `out_head`, the sliced output weight (vocab_size, dim) for F.linear; `norm` the final norm. `tables`: each
     rotary kind's (cos, sin_signed), (max_seq_len, 1, hd), rotate_half's minus sign folded into the
     sine (`SignedRope`). Matrices are in the compute dtype (the autocast dtype under autocast); the
     residual stream's norm weights stay as they are.
@@ -156,21 +154,16 @@ class DecodeWeights:
     linear (`torch.ops.mkldnn._reorder_linear_weight`, the layout Inductor's CPU path uses):
     MKL's small-batch matmul re-packs the weight on every call (the batch-8 head product costs
     about 4x its batch-4 oneDNN one here), and oneDNN's result for a row does not depend on the
-    batch size at all, which the server needs (see `decode_step`). None where unavailable, and
-    where the head's copy would pass PACK_LIMIT bytes (a third copy of a large vocabulary's head:
-    a batch of several rows then takes F.linear on the output weight itself, which reads the
-    weight once for the batch).
+    batch size at all, which the server needs (see `decode_step`). None where unavailable or the
+    head passes PACK_LIMIT bytes (several rows then take F.linear on the output weight itself).
 
     Made once per parameter version (`Transformer.decode_weights`): copies of the weights, valid
     while the parameters do not change.
     """
 
-    #: Largest output matrix (bytes) copied into the (dim, V) layout: the batch-1 product reads
-    #: it at 13.5 GB/s against F.linear's 8.1 on the transposed weight (SmolLM2-135M's 113 MB head,
-    #: one thread, AMD EPYC; bench/RESULTS.md 2026-11-29). The layers are copied whatever their size.
+    #: Largest output matrix (bytes) copied into the (dim, V) layout (batch 1 reads it at 13.5 GB/s, F.linear at 8.1)
     HEAD_COPY_LIMIT = 1 << 30
-    #: Largest output matrix (bytes) prepacked for oneDNN, with the layers (see `packed`).
-    PACK_LIMIT = 256 << 20
+    PACK_LIMIT = 256 << 20  #: largest output matrix (bytes) prepacked for oneDNN with the layers
 
     def __init__(self, model: "Transformer", dtype: torch.dtype):
         live = [n for n, m in lora.lora_layers(model) if not (m.merged or m.disabled)]
@@ -196,7 +189,7 @@ class DecodeWeights:
                                           (model.rope_sin_sliding * sign).to(dtype)[:, None])
             self.dtype = dtype
             self.packed = self.packed_head = None
-            if w.device.type == "cpu" and dtype == torch.float32 and w.numel() * dtype.itemsize <= self.PACK_LIMIT:
+            if w.device.type == "cpu" and dtype == torch.float32 and self.head_t and w.numel() * 4 <= self.PACK_LIMIT:
                 self.packed, self.packed_head = _onednn_pack([L.mats for L in self.layers], self.head)
 
 
@@ -296,11 +289,9 @@ class Step:
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """(B, dim) -> (B, vocab_size): h @ output.weight[:vocab_size].T (`Transformer.logits`' product)."""
-        if self.packed:
-            return self.mm(h, self.w.packed_head)
-        if not self.w.head_t or self.B > 1:  # several rows: F.linear reads the (V, dim) weight once for all
-            return F.linear(h, self.w.out_head)
-        return h @ self.w.head
+        if self.packed or (self.w.head_t and self.B == 1):  # (several rows: F.linear reads the weight once for all)
+            return self.mm(h, self.w.packed_head) if self.packed else h @ self.w.head
+        return F.linear(h, self.w.out_head)
 
     def layer(self, x: torch.Tensor, L: DecodeLayer, layer: int) -> torch.Tensor:
         """One layer on the residual stream x (B, dim): `functional.sublayer` twice, as `Block.forward`.
