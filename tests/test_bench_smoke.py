@@ -113,8 +113,33 @@ def check_quality(out: str) -> None:
     assert [float(x) for x in re.findall(row, over.split("###")[0], re.M)] == bpb, out  # 1 seed: mean = it
 
 
+def check_align(out: str) -> None:
+    """DPO and RL of the same tiny model on both sides: every arm has a row with its figures; the first
+    DPO step's loss is ln 2 on both sides (policy = reference before the first update), and its mean
+    log p of the chosen replies agrees (the same pairs in the same order, the same weights); the RL
+    arms' rewards are in [0, 1] and their completions within the 12-token budget."""
+    num = r"[\d,]+(?:\.\d+)?"
+    dpo = dict((arm, (float(first), float(logp))) for arm, first, logp in re.findall(
+        rf"^\| (lmforge-dpo|trl-dpo) +\| {num} +\| {num} +\| {num} +\| loss ([\d.]+) -> [\d.]+, step 1 log p\(chosen\) "
+        r"(-?[\d.]+) +\|", out, re.M))
+    rl = dict((arm, (float(r), float(n))) for arm, r, n in re.findall(
+        rf"^\| (lmforge-rl|trl-grpo) +\| {num} +\| {num} +\| {num} +\| reward ([\d.]+), ([\d.]+) tokens a completion",
+        out, re.M))
+    if not __import__("bench_finetune").trl_installed():  # lmforge's rows only; TRL's say it is not installed
+        assert set(dpo) == {"lmforge-dpo"} and set(rl) == {"lmforge-rl"} and "trl/peft not installed" in out, out
+        return
+    assert set(dpo) == {"lmforge-dpo", "trl-dpo"} and set(rl) == {"lmforge-rl", "trl-grpo"}, out
+    for arm, (first, _) in dpo.items():
+        assert abs(first - 0.6931) < 2e-3, (arm, first)
+    ours, theirs = dpo["lmforge-dpo"][1], dpo["trl-dpo"][1]
+    assert abs(ours - theirs) < 0.01 * abs(theirs), (ours, theirs)
+    for arm, (reward, length) in rl.items():
+        assert 0 <= reward <= 1 and 0 < length <= 12, (arm, reward, length)
+    assert re.search(r"^\| lmforge-dpo .*\| [\d.]+x faster / [\d.]+x memory +\|$", out, re.M), out
+
+
 CHECKS = {"decode": check_decode, "train": check_train, "gguf": check_gguf, "quality": check_quality,
-          "finetune": check_finetune}
+          "finetune": check_finetune, "align": check_align}
 
 
 @pytest.mark.slow
