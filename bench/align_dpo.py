@@ -12,7 +12,7 @@ import os
 import time
 from pathlib import Path
 
-from bench_finetune import HF_TARGETS, LORA_ALPHA, LORA_RANK
+from bench_finetune import HF_TARGETS, LORA_ALPHA, LORA_RANK, RECOMPUTE
 
 #: lmforge's DPO loss both sides run (dpo.loss's default; TRL's loss_type)
 DPO_LOSS = "sigmoid"
@@ -169,6 +169,8 @@ def run_lmforge_dpo(work: Path, a) -> dict:
     sets = {"dpo.init": work / "imported", "tokenizer.dir": work / "imported", "dpo.data": work / "pairs.jsonl",
             "data.seq_len": a.seq_len, "dpo.micro_batch_size": a.pairs, "dpo.steps": a.steps,
             "dpo.val_examples": a.val, "train.checkpoint_every": 0, "train.seed": a.seed, "lora.rank": LORA_RANK}
+    if a.arm.endswith("-ac"):  # lmforge with activation checkpointing, as TRL's DPOConfig comes
+        sets.update(RECOMPUTE)
     rows = [r for r in lmforge_rows(work, "dpo", sets) if "loss" in r]
     tokens = json.loads((work / "dpo_tokens.json").read_text())
     res = summary(step_seconds(rows), tokens, a.warmup)

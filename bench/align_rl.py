@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 
 from align_dpo import lmforge_rows, make_clock, peft_lora, stage_hyper, step_seconds, summary, trl_common
-from bench_finetune import LORA_RANK
+from bench_finetune import LORA_RANK, RECOMPUTE
 
 
 def prepare_rl(work: Path, a) -> None:
@@ -70,6 +70,8 @@ def run_lmforge_rl(work: Path, a) -> dict:
     h = stage_hyper("rl")["section"]
     if (a.group, a.new_tokens) != (h.group_size, h.max_new_tokens):  # only --smoke changes them
         sets.update({"rl.group_size": a.group, "rl.max_new_tokens": a.new_tokens})
+    if a.arm.endswith("-ac"):  # lmforge with activation checkpointing, as TRL's GRPOConfig comes
+        sets.update(RECOMPUTE)
     rows = [r for r in lmforge_rows(work, "rl", sets) if "loss" in r]
     prompt_tokens = json.loads((work / "rl_prompt_tokens.json").read_text())
     tokens = rollout_tokens(prompt_tokens, a.prompts * a.group, [r["completions/mean_length"] for r in rows])

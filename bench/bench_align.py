@@ -42,7 +42,8 @@ length) only shows that both sides did the same work.
 
 Where the two sides still differ (unavoidable or TRL as it comes):
 - TRL turns activation checkpointing on by default (`gradient_checkpointing=True`, also in
-  DPOConfig and GRPOConfig): each decoder layer recomputed in backward; lmforge's is off by default;
+  DPOConfig and GRPOConfig): each decoder layer recomputed in backward; lmforge's is off by default,
+  and on in the `-ac` arms (`--set train.activation_checkpointing=true`: the same gradients bit for bit);
 - lmforge packs a DPO step's sides into rows with per-segment attention (`dpo.packing`), and a RL
   step's rollouts likewise (`rl.packing`); TRL pads (its DPO `padding_free` is disabled in this
   version), so it computes on padding the step does not count;
@@ -64,7 +65,7 @@ Where the two sides still differ (unavoidable or TRL as it comes):
 Each arm is its own process (`--arm`), so its peak resident memory is its own, and the arms
 alternate round by round (`--repeat`).
 
-    python bench/bench_align.py [--steps 8] [--warmup 2] [--repeat 1] [--arms lmforge-dpo,trl-dpo,lmforge-rl,trl-grpo]
+    python bench/bench_align.py [--steps 8] [--warmup 2] [--repeat 1] [--arms lmforge-dpo,trl-dpo,...]
     python bench/bench_align.py --smoke     # a tiny Llama, about a minute: proves the benchmark runs
 
 Needs `trl` and `peft` (`pip install -e ".[bench]"`); without TRL the TRL arms are rows saying so.
@@ -87,13 +88,15 @@ from align_dpo import prepare_dpo, run_lmforge_dpo, run_trl_dpo  # noqa: E402
 from align_rl import prepare_rl, run_lmforge_rl, run_trl_grpo  # noqa: E402
 from bench_finetune import build_user_folder, trl_installed  # noqa: E402
 
-ARMS = ("lmforge-dpo", "trl-dpo", "lmforge-rl", "trl-grpo")
-RUNNERS = {"lmforge-dpo": run_lmforge_dpo, "trl-dpo": run_trl_dpo, "lmforge-rl": run_lmforge_rl,
-           "trl-grpo": run_trl_grpo}
+ARMS = ("lmforge-dpo", "lmforge-dpo-ac", "trl-dpo", "lmforge-rl", "lmforge-rl-ac", "trl-grpo")
+#: the `-ac` arms: lmforge with `--set train.activation_checkpointing=true` (TRL's configs have it on)
+RUNNERS = {"lmforge-dpo": run_lmforge_dpo, "lmforge-dpo-ac": run_lmforge_dpo, "trl-dpo": run_trl_dpo,
+           "lmforge-rl": run_lmforge_rl, "lmforge-rl-ac": run_lmforge_rl, "trl-grpo": run_trl_grpo}
 #: each lmforge arm's TRL counterpart (the ratio column)
-TWIN = {"lmforge-dpo": "trl-dpo", "lmforge-rl": "trl-grpo"}
+TWIN = {"lmforge-dpo": "trl-dpo", "lmforge-dpo-ac": "trl-dpo", "lmforge-rl": "trl-grpo", "lmforge-rl-ac": "trl-grpo"}
 #: --smoke: a tiny Llama, 3 steps, small steps (figures mean nothing)
-SMOKE_SIZES = dict(steps=3, warmup=1, seq_len=384, pairs=2, prompts=2, group=2, new_tokens=12, val=2)
+SMOKE_SIZES = dict(steps=3, warmup=1, seq_len=384, pairs=2, prompts=2, group=2, new_tokens=12, val=2,
+                   arms="lmforge-dpo,lmforge-dpo-ac,trl-dpo,lmforge-rl,trl-grpo")
 
 
 def defaults() -> dict:

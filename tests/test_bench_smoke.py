@@ -117,7 +117,8 @@ def check_align(out: str) -> None:
     """DPO and RL of the same tiny model on both sides: every arm has a row with its figures; the first
     DPO step's loss is ln 2 on both sides (policy = reference before the first update), and its mean
     log p of the chosen replies agrees (the same pairs in the same order, the same weights); the RL
-    arms' rewards are in [0, 1] and their completions within the 12-token budget."""
+    arms' rewards are in [0, 1] and their completions within the 12-token budget; lmforge with
+    activation checkpointing (`lmforge-dpo-ac`) ends at the same loss to the last digit shown."""
     num = r"[\d,]+(?:\.\d+)?"
     dpo = dict((arm, (float(first), float(logp))) for arm, first, logp in re.findall(
         rf"^\| (lmforge-dpo|trl-dpo) +\| {num} +\| {num} +\| {num} +\| loss ([\d.]+) -> [\d.]+, step 1 log p\(chosen\) "
@@ -136,6 +137,10 @@ def check_align(out: str) -> None:
     for arm, (reward, length) in rl.items():
         assert 0 <= reward <= 1 and 0 < length <= 12, (arm, reward, length)
     assert re.search(r"^\| lmforge-dpo .*\| [\d.]+x faster / [\d.]+x memory +\|$", out, re.M), out
+    # with activation checkpointing: the same gradients bit for bit, so the same losses and log p to the digit
+    ac = re.search(r"^\| lmforge-dpo-ac .*\| (loss [\d.]+ -> [\d.]+, step 1 log p\(chosen\) -?[\d.]+) +\|", out, re.M)
+    plain = re.search(r"^\| lmforge-dpo .*\| (loss [\d.]+ -> [\d.]+, step 1 log p\(chosen\) -?[\d.]+) +\|", out, re.M)
+    assert ac and plain and ac.group(1) == plain.group(1), out
 
 
 CHECKS = {"decode": check_decode, "train": check_train, "gguf": check_gguf, "quality": check_quality,
