@@ -161,8 +161,8 @@ class DecodeWeights:
     while the parameters do not change.
     """
 
-    #: Largest output matrix (bytes) copied into the (dim, V) layout (batch 1 reads it at 13.5 GB/s, F.linear at 8.1)
-    HEAD_COPY_LIMIT = 1 << 30
+    #: Largest output matrix (bytes) copied into the (dim, V) layout (SmolLM2-135M's: 15.3 against 14.9 tok/s)
+    HEAD_COPY_LIMIT = 256 << 20
     PACK_LIMIT = 256 << 20  #: largest output matrix (bytes) prepacked for oneDNN with the layers
 
     def __init__(self, model: "Transformer", dtype: torch.dtype):
