@@ -86,7 +86,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 from align_dpo import prepare_dpo, run_lmforge_dpo, run_trl_dpo  # noqa: E402
 from align_rl import prepare_rl, run_lmforge_rl, run_trl_grpo  # noqa: E402
-from bench_finetune import build_user_folder, trl_installed  # noqa: E402
+from bench_finetune import build_user_folder, run_rounds  # noqa: E402
 
 ARMS = ("lmforge-dpo", "lmforge-dpo-ac", "trl-dpo", "lmforge-rl", "lmforge-rl-ac", "trl-grpo")
 #: the `-ac` arms: lmforge with `--set train.activation_checkpointing=true` (TRL's configs have it on)
@@ -213,17 +213,10 @@ def main(argv=None) -> dict:
         child(a)
         return {}
     arms = [x for x in a.arms.split(",") if x]
-    results: dict[str, list[dict]] = {arm: [] for arm in arms}
-    have_trl = trl_installed()
     with tempfile.TemporaryDirectory(prefix="lmforge-bench-align-") as tmp:
         work = Path(tmp)
         prepare(work, a, arms)
-        for r in range(a.repeat):
-            for arm in (arms if r % 2 == 0 else arms[::-1]):
-                if arm.startswith("trl") and not have_trl:
-                    results[arm].append({"failed": "trl/peft not installed (pip install -e '.[bench]')"})
-                    continue
-                results[arm].append(arm_process(work, arm, a))
+        results = run_rounds(arms, a.repeat, lambda arm: arm_process(work, arm, a))
     for arm, runs in results.items():
         for x in runs:
             if "stderr" in x:

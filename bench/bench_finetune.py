@@ -349,6 +349,20 @@ def trl_installed() -> bool:
         return False
 
 
+def run_rounds(arms: list[str], repeat: int, run_arm) -> dict[str, list[dict]]:
+    """Each arm's results over `repeat` rounds, the order reversed every other round (`run_arm(arm)`:
+    its result dict); a TRL arm without TRL installed is a result saying so."""
+    results: dict[str, list[dict]] = {arm: [] for arm in arms}
+    have_trl = trl_installed()
+    for r in range(repeat):
+        for arm in (arms if r % 2 == 0 else arms[::-1]):
+            if arm.startswith("trl") and not have_trl:
+                results[arm].append({"failed": "trl/peft not installed (pip install -e '.[bench]')"})
+                continue
+            results[arm].append(run_arm(arm))
+    return results
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=12, help="optimizer steps a run")
@@ -374,14 +388,7 @@ def main(argv=None) -> dict:
     with tempfile.TemporaryDirectory(prefix="lmforge-bench-finetune-") as tmp:
         work = Path(tmp)
         prepare(work, a)
-        results: dict[str, list[dict]] = {arm: [] for arm in arms}
-        have_trl = trl_installed()
-        for r in range(a.repeat):
-            for arm in (arms if r % 2 == 0 else arms[::-1]):
-                if arm.startswith("trl") and not have_trl:
-                    results[arm].append({"failed": "trl/peft not installed (pip install -e '.[bench]')"})
-                    continue
-                results[arm].append(arm_process(work, arm, a))
+        results = run_rounds(arms, a.repeat, lambda arm: arm_process(work, arm, a))
     rows = []
     for arm, runs in results.items():
         ok = [x for x in runs if "failed" not in x]
