@@ -65,7 +65,7 @@ Where the two sides still differ (unavoidable or TRL as it comes):
 Each arm is its own process (`--arm`), so its peak resident memory is its own, and the arms
 alternate round by round (`--repeat`).
 
-    python bench/bench_align.py [--steps 8] [--warmup 2] [--repeat 1] [--arms lmforge-dpo,trl-dpo,...]
+    python bench/bench_align.py [--steps 3] [--warmup 1] [--repeat 1] [--arms lmforge-dpo,trl-dpo,...]
     python bench/bench_align.py --smoke     # a tiny Llama, about a minute: proves the benchmark runs
 
 Needs `trl` and `peft` (`pip install -e ".[bench]"`); without TRL the TRL arms are rows saying so.
@@ -181,8 +181,8 @@ def table_rows(results: dict[str, list[dict]]) -> list[list]:
 def parse(argv) -> argparse.Namespace:
     d = defaults()
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=8, help="optimizer steps a run")
-    ap.add_argument("--warmup", type=int, default=2, help="first steps left out of s/step and tokens/s")
+    ap.add_argument("--steps", type=int, default=3, help="optimizer steps a run (3 x 6 arms: ~35 min on 2 cores)")
+    ap.add_argument("--warmup", type=int, default=1, help="first steps left out of s/step and tokens/s")
     ap.add_argument("--seq-len", type=int, default=512, help="data.seq_len: a DPO side's or a rollout's row, tokens")
     ap.add_argument("--pairs", type=int, default=d["pairs"], help="preference pairs a DPO step (dpo.micro_batch_size)")
     ap.add_argument("--prompts", type=int, default=d["prompts"], help="prompts a RL step (rl.micro_batch_size)")
