@@ -86,7 +86,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 from align_dpo import prepare_dpo, run_lmforge_dpo, run_trl_dpo  # noqa: E402
 from align_rl import prepare_rl, run_lmforge_rl, run_trl_grpo  # noqa: E402
-from bench_finetune import build_user_folder, run_rounds  # noqa: E402
+from bench_finetune import import_user_folder, run_rounds  # noqa: E402
 
 ARMS = ("lmforge-dpo", "lmforge-dpo-ac", "trl-dpo", "lmforge-rl", "lmforge-rl-ac", "trl-grpo")
 #: the `-ac` arms: lmforge with `--set train.activation_checkpointing=true` (TRL's configs have it on)
@@ -110,15 +110,11 @@ def defaults() -> dict:
 
 
 def prepare(work: Path, a, arms: list[str]) -> None:
-    """The user's folder, its import, and the data of the arms asked for."""
-    from lmforge.cli import main as cli
-
-    build_user_folder(work / "user", a.smoke)
-    if cli(["import-hf", str(work / "user"), "--out", str(work / "imported")]):
-        raise SystemExit("lmforge import-hf failed")
-    if any(x.endswith("dpo") for x in arms):
+    """The user's folder, its import, and the data of the arms asked for (an `-ac` arm's included)."""
+    import_user_folder(work, a.smoke)
+    if any("-dpo" in x for x in arms):
         prepare_dpo(work, a)
-    if any(x.endswith(("-rl", "grpo")) for x in arms):
+    if any("-rl" in x or "-grpo" in x for x in arms):
         prepare_rl(work, a)
 
 

@@ -316,13 +316,19 @@ def child(a) -> None:
     print(json.dumps(res))
 
 
-def prepare(work: Path, a) -> None:
-    """The user's folder, its import, and the conversations (train and held-out) for both sides."""
+def import_user_folder(work: Path, smoke: bool, shape: str = "smollm2-135m") -> None:
+    """The user's folder of `shape` (work/user, `build_user_folder`) and `lmforge import-hf` of it
+    (work/imported): what both sides of every arm start from."""
     from lmforge.cli import main as cli
 
-    build_user_folder(work / "user", a.smoke, a.shape)
+    build_user_folder(work / "user", smoke, shape)
     if cli(["import-hf", str(work / "user"), "--out", str(work / "imported")]):
         raise SystemExit("lmforge import-hf failed")
+
+
+def prepare(work: Path, a) -> None:
+    """The user's folder, its import, and the conversations (train and held-out) for both sides."""
+    import_user_folder(work, a.smoke, a.shape)
     train, val = conversations(work, a.smoke, a.val)
     for name, convs in (("train", train), ("val", val)):
         (work / f"{name}.jsonl").write_text("".join(json.dumps({"messages": list(c.messages)}) + "\n" for c in convs))
