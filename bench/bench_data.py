@@ -239,37 +239,40 @@ from lmforge.data.prepare import prepare
 from lmforge.tokenizer import Tokenizer
 tok = Tokenizer.load({tok!r})
 t0 = time.perf_counter()
-meta = prepare({corpus!r}, tok, {out!r}, val_fraction=0.02, progress=False)
+meta = prepare({corpus!r}, tok, {out!r}, val_fraction=0.02, progress=False, workers={workers})
 print(json.dumps({{"seconds": time.perf_counter() - t0,
                    "tokens": sum(m["tokens"] for m in meta["splits"].values())}}))
 """
 
 
-def _tree_rss_mb(pid: int) -> float:
-    """Resident set of a process and all its descendants (MB), from /proc."""
-    total, todo = 0, [pid]
+def _process_rss_mb(pid: int) -> list[float]:
+    """Resident set of a process and of each of its descendants (MB, one entry a process)."""
+    out, todo = [], [pid]
     while todo:
         p = todo.pop()
         try:
-            total += int(open(f"/proc/{p}/status").read().split("VmRSS:")[1].split()[0])
+            out.append(int(open(f"/proc/{p}/status").read().split("VmRSS:")[1].split()[0]) / 1024)
             for task in Path(f"/proc/{p}/task").iterdir():
                 todo += [int(c) for c in (task / "children").read_text().split()]
         except (OSError, IndexError, ValueError):
             continue
-    return total / 1024
+    return out
 
 
 def run_child(code: str) -> dict:
     """Run `code` in a fresh interpreter; its last line of output (JSON) with the peak resident
-    set of its whole process tree (polled every 50 ms: worker processes count too)."""
+    set of its whole process tree (polled every 50 ms: worker processes count too) and of its
+    largest process."""
     import threading
 
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    peak = [0.0]
+    peak = [0.0, 0.0]
 
     def poll():
         while proc.poll() is None:
-            peak[0] = max(peak[0], _tree_rss_mb(proc.pid))
+            each = _process_rss_mb(proc.pid)
+            peak[0] = max(peak[0], sum(each))
+            peak[1] = max([peak[1], *each])
             time.sleep(0.05)
 
     t = threading.Thread(target=poll, daemon=True)
@@ -279,7 +282,7 @@ def run_child(code: str) -> dict:
     if proc.returncode != 0:
         raise RuntimeError(f"a benchmark child failed:\n{err[-2000:]}")
     res = json.loads(out.strip().splitlines()[-1])
-    res["peak_rss_mb"] = peak[0]
+    res["peak_rss_mb"], res["peak_process_rss_mb"] = peak
     return res
 
 
@@ -291,7 +294,7 @@ def corpus_goal(tok, sizes: list[float], workdir: Path, texts: list[str], log, b
         corpus = workdir / f"corpus-{mb:g}mb.jsonl.zst"
         info = zst_corpus(corpus, mb, texts)
         arms = {"lmforge prepare": _LMFORGE_CHILD.format(src=str(common.ROOT / "src"), tok=str(tok.folder),
-                                                         corpus=str(corpus), out=str(workdir / "lmf-out"))}
+                                                         corpus=str(corpus), out=str(workdir / "lmf-out"), workers=1)}
         if baseline:
             arms["datasets.map + memmap"] = _NANOGPT_CHILD.format(
                 src=str(common.ROOT / "src"), tok=str(tok.folder), corpus=str(corpus),
@@ -342,11 +345,17 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--corpus-sizes", default="10,100",
                     help="sizes (MB, compressed) of the .jsonl.zst corpora of section 5 (issue 33's goal)")
     ap.add_argument("--only-corpus", action="store_true", help="run section 5 only")
+    ap.add_argument("--only-workers", action="store_true", help="run section 6 only (data.workers)")
+    ap.add_argument("--workers", default="1,2", help="section 6: the data.workers values compared")
+    ap.add_argument("--workers-mb", type=float, default=1000, help="section 6: MB of .jsonl.zst")
+    ap.add_argument("--workers-rounds", type=int, default=1, help="section 6: alternated rounds")
     ap.add_argument("--no-baseline", action="store_true", help="section 5 without the datasets.map arm")
     common.smoke_flag(ap)
     args = ap.parse_args([] if argv is None else argv)
     if args.smoke:
         args.warmup, args.repeat, args.prepare_repeat, args.sizes, args.corpus_sizes = 0, 1, 1, "0.1,0.5", "0.05"
+    if args.only_workers:
+        return _workers_only(args)
     if args.only_corpus:
         return _corpus_only(args)
 
@@ -424,6 +433,19 @@ def main(argv: list[str] | None = None) -> dict:
             "seconds": round(time.perf_counter() - t_start, 1)}
 
 
+def _workers_only(args) -> dict:
+    t_start = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        tok = common.bench_tokenizer(args.smoke, work, 8192, lambda m: print(m, file=sys.stderr, flush=True))
+        texts = common.smoke_texts() if args.smoke else common.stdlib_texts()
+        rows = workers_section(tok, 0.2 if args.smoke else args.workers_mb, [int(x) for x in args.workers.split(",")],
+                               args.workers_rounds, work, texts, lambda m: print(m, file=sys.stderr, flush=True))
+    print(workers_table(rows, args.smoke), flush=True)
+    return {"benchmark": "data-workers", "rows": rows, "cpu": common.cpu_name() if hasattr(common, "cpu_name") else "",
+            "seconds": round(time.perf_counter() - t_start, 1)}
+
+
 def _corpus_only(args) -> dict:
     t_start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
@@ -433,6 +455,56 @@ def _corpus_only(args) -> dict:
         rows = corpus_section(args, tok, work, texts)
     print(corpus_table(rows, args.smoke), flush=True)
     return {"benchmark": "data-corpus", "corpus": rows, "seconds": round(time.perf_counter() - t_start, 1)}
+
+
+def workers_section(tok, mb: float, workers: list[int], rounds: int, workdir: Path, texts: list[str], log) -> list[dict]:
+    """Section 6 (issue 56): `lmforge prepare`'s code on one `.jsonl.zst` of `mb` MB at each
+    `data.workers` (1: one process, no executor; N > 1: lmforge.data.parallel's tasks on
+    datatrove's local executor), each a fresh process, the arms alternated for `rounds` rounds;
+    the folders each writes compared to the byte."""
+    import hashlib
+
+    corpus = workdir / f"workers-{mb:g}mb.jsonl.zst"
+    info = zst_corpus(corpus, mb, texts)
+    rows, digests = [], {}
+    for rnd in range(rounds):
+        for n in workers:
+            out = workdir / f"workers-out-{n}"
+            res = run_child(_LMFORGE_CHILD.format(src=str(common.ROOT / "src"), tok=str(tok.folder),
+                                                  corpus=str(corpus), out=str(out), workers=n))
+            res.update(info, workers=n, round=rnd)
+            res["jsonl_mb_per_s"] = info["jsonl_mb"] / res["seconds"]
+            digests[n] = {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(out.iterdir())
+                          if f.name != "meta.json"}
+            log(f"  round {rnd + 1}, data.workers = {n}: {res['seconds']:.1f} s, {res['jsonl_mb_per_s']:.2f} MB/s of "
+                f"JSONL, peak RSS {res['peak_rss_mb']:.0f} MB (tree), {res['peak_process_rss_mb']:.0f} MB (largest "
+                f"process)")
+            rows.append(res)
+            shutil.rmtree(out)
+    corpus.unlink()
+    same = all(d == digests[workers[0]] for d in digests.values())
+    for r in rows:
+        r["same_files"] = same
+    return rows
+
+
+def workers_table(rows: list[dict], smoke: bool) -> str:
+    first = min(r["workers"] for r in rows)
+    best = {}
+    for r in rows:  # each arm's fastest round
+        if r["workers"] not in best or r["seconds"] < best[r["workers"]]["seconds"]:
+            best[r["workers"]] = r
+    base = best[first]
+    out = [(str(n), f"{r['seconds']:.1f}", f"{r['jsonl_mb_per_s']:.2f}", f"{base['seconds'] / r['seconds']:.2f}x",
+            f"{r['peak_rss_mb']:.0f}", f"{r['peak_process_rss_mb']:.0f}", "yes" if r["same_files"] else "NO")
+           for n, r in sorted(best.items())]
+    r0 = rows[0]
+    return common.table(
+        ["data.workers", "seconds", "MB/s JSONL", f"vs workers={first}", "peak RSS MB (tree)",
+         "peak RSS MB (largest process)", "same files"], out,
+        title=f"lmforge prepare on {r0['zst_mb']:.0f} MB .jsonl.zst ({r0['jsonl_mb']:.0f} MB JSONL, "
+              f"{r0['records']:,} records) by data.workers, best of {max(r['round'] for r in rows) + 1} alternated "
+              f"round(s)" + (" (SMOKE RUN: figures mean nothing)" if smoke else ""))
 
 
 def corpus_section(args, tok, work: Path, texts: list[str]) -> list[dict]:

@@ -111,6 +111,11 @@ class DataConfig:
     """stdlib only: keep `test`/`tests` folders (excluded by default)."""
     on_bad_utf8: str = choice("skip", ("skip", "error"), allowed("read by prepare only"))
     """A file that is not UTF-8: "skip" (counted and reported) or "error"."""
+    workers: int = num(0, 0, 1024, allowed("read by prepare only (the shards are the same for any number)"))
+    """Tasks `lmforge prepare` runs at once (datatrove's local executor, lmforge.data.parallel),
+    each on its share of the one stream of records; 0 = the machine's cores, 1 = one process (no
+    executor). The data folder is the same to the byte for any number; a stopped prepare
+    resumes with the tasks it had not finished."""
 
 
 #: model.layer_types' entries.

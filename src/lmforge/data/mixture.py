@@ -300,9 +300,10 @@ def _link_tree(src: Path, dst: Path) -> None:
 
 def prepare_mixture(sources: Sequence[MixSource], tokenizer, out_dir: str | Path, val_fraction: float = 0.02,
                     include_tests: bool = False, on_bad_utf8: str = "skip", progress: bool = True,
-                    extra_files: dict[str, str] | None = None, seq_len: int = 0, log=print) -> dict:
+                    extra_files: dict[str, str] | None = None, seq_len: int = 0, log=print, workers: int = 1) -> dict:
     """Prepare every source into `out_dir`/NAME and write mixture.json (module docstring);
-    sources prepared before with the same input are reused. Returns {name: meta} (each with
+    sources prepared before with the same input are reused; `workers`: tasks at once for each
+    (`lmforge.data.parallel`; a stopped run does not resume them). Returns {name: meta} (each with
     its "report" and "reused": True/False).
 
     Raises:
@@ -331,8 +332,8 @@ def prepare_mixture(sources: Sequence[MixSource], tokenizer, out_dir: str | Path
                 log(f"prepare: source {n}/{len(sources)} {src.name} ({src.source}, field {src.text_field!r})")
                 folder.mkdir()
                 try:
-                    meta = prepare_into(folder, src.source, tokenizer, val_fraction, include_tests, on_bad_utf8,
-                                         progress, seq_len, src.text_field, input=want)
+                    meta = prepare_into(folder, src.source, tokenizer, val_fraction, include_tests, on_bad_utf8, progress,
+                                        seq_len, src.text_field, input=want, workers=workers, work=tmp / f".{src.name}.tasks")
                 except DataError as exc:
                     raise DataError(f"data.sources[{n - 1}] ({src.name}): {exc}") from None
                 meta["reused"] = False

@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 from lmforge.data.fast_encode import batch_encoder
 from lmforge.data.inputs import SourceStats, source_path
-from lmforge.data.reports import DataReport
+from lmforge.data.data_report import DataReport
 from lmforge.data.sources import SPLITS, iter_documents
 from lmforge.errors import DataError
 from lmforge.fileio import atomic_dir
@@ -30,6 +30,8 @@ PREPARE_OUTPUT = "prepare"
 #: `{split}.hashes`: every document's content hash (`hash64`), uint64 little-endian, in shard order.
 HASHES_SUFFIX = ".hashes"
 BATCH_DOCS = 64
+#: The folder beside the data folder where `workers` > 1 keep their tasks' files until it is written.
+TASKS_SUFFIX = ".prepare-tasks"
 
 
 def prepare(
@@ -43,6 +45,7 @@ def prepare(
     extra_files: dict[str, str] | None = None,
     seq_len: int = 0,
     text_field: str = "text",
+    workers: int = 1,
 ) -> dict:
     """Tokenize every document of `source` (`text_field`: the records' text) into
     `out_dir`/{train,val}.{bin,idx}.
@@ -53,7 +56,10 @@ def prepare(
     report (`lmforge.data.reports.DataReport`, measured against `seq_len`) goes into the folder as
     report.json and is returned under "report" (not in meta.json).
     Written through `lmforge.fileio.atomic_dir`: `out_dir` must be absent, empty or an
-    earlier prepare's folder, and is replaced only once the new one is complete.
+    earlier prepare's folder, and is replaced only once the new one is complete. `workers` > 1:
+    that many tasks at once (`lmforge.data.parallel`), the same folder to the byte; their files
+    are kept in `out_dir`.prepare-tasks until it is written, so a stopped run resumes with the
+    tasks it had not finished.
     Raises:
         DataError: missing/empty source, or a split left with no documents.
         OutputError: `out_dir` holds something else (a run, a tokenizer, a file...).
@@ -61,7 +67,7 @@ def prepare(
     out = Path(out_dir)
     with atomic_dir(out, PREPARE_OUTPUT, what="`lmforge prepare`", inputs=[("data.source", source_path(source))]) as tmp:
         meta = prepare_into(tmp, source, tokenizer, val_fraction, include_tests, on_bad_utf8, progress, seq_len,
-                            text_field)
+                            text_field, workers=workers, work=out.parent / f"{out.name}{TASKS_SUFFIX}")
         for name, text in (extra_files or {}).items():
             (tmp / name).write_text(text, encoding="utf-8")
     return meta
@@ -107,64 +113,94 @@ def hash64(data: bytes) -> int:
 
 def prepare_into(tmp: Path, source: str, tokenizer: Tokenizer, val_fraction: float, include_tests: bool,
                   on_bad_utf8: str, progress: bool, seq_len: int = 0, text_field: str = "text",
-                  input: dict | None = None) -> dict:
+                  input: dict | None = None, workers: int = 1, work: Path | None = None) -> dict:
     """`prepare`'s work in `tmp`, a folder its caller writes (`prepare`, a mixture's sources): shards,
     `{split}.hashes`, meta.json (with `input`, what a mixture compares to reuse it, when given),
     report.json, contract.json. Returns the meta dict with the data report under "report".
+    `workers` > 1: that many tasks (`lmforge.data.parallel`, their files in `work`, kept for a
+    resumed run until the folder is written), the same files as one process writes.
     Raises:
         DataError: missing/empty source, or a split left with no documents.
     """
     contract = tokenizer.contract
-    dtype = contract.dtype
     meta: dict = {"source": source, "val_fraction": val_fraction, "splits": {}}
     if input is not None:
         meta["input"] = input
-    stats = SourceStats()
     t0 = time.perf_counter()
-    files = {s: open(tmp / f"{s}.bin", "wb") for s in SPLITS}
-    idx_files = {s: open(tmp / f"{s}.idx", "wb") for s in SPLITS}
-    hash_files = {s: open(tmp / f"{s}{HASHES_SUFFIX}", "wb") for s in SPLITS}
-    bar = None
-    try:
-        ends = {s: 0 for s in SPLITS}
-        for s in SPLITS:
-            idx_files[s].write(np.zeros(1, dtype=np.int64).tobytes())
-        split_meta = {s: {"documents": 0, "tokens": 0, "bytes": 0, "max_id": -1} for s in SPLITS}
-        report = DataReport()
-        # progress in bytes of the input files on disk (compressed as they are), so the ETA holds for
-        # any format; the total is known once the source is listed (at its first document)
+    if workers > 1:
+        from lmforge.data.parallel import task_count
+
+        workers = task_count(source, include_tests, workers)
+    if workers > 1:
+        from lmforge.data.parallel import prepare_tasks
+
+        split_meta, stats, duplicates, report = prepare_tasks(
+            tmp, work if work is not None else tmp / ".tasks", source, tokenizer, val_fraction, include_tests,
+            on_bad_utf8, text_field, workers, progress)
+    else:
+        stats, report = SourceStats(), DataReport()
         bar = tqdm(desc="prepare", unit="B", unit_scale=True, disable=not progress, mininterval=1.0)
-        # tiktoken from the same merges when installed (ids proven identical), else HF tokenizers
-        encode_batch = batch_encoder(tokenizer)
-
-        def write(batch: list) -> None:
-            for (doc, split, h, nbytes), ids in zip(batch, encode_batch([doc.text for doc, *_ in batch])):
-                arr = np.array([*contract.document_start, *ids, contract.eos_id], dtype=np.int64)
-                files[split].write(arr.astype(dtype).tobytes())
-                ends[split] += len(arr)
-                idx_files[split].write(np.int64(ends[split]).tobytes())
-                hash_files[split].write(np.uint64(h).astype("<u8").tobytes())
-                m = split_meta[split]
-                m["documents"] += 1
-                m["tokens"] += len(arr)
-                m["bytes"] += nbytes
-                m["max_id"] = max(m["max_id"], int(arr.max()))
-                report.add(doc.name, split, ids, len(arr), nbytes)
-            _show_progress(bar, stats, report, split_meta)
-
-        duplicates = _write_unique(source, val_fraction, include_tests, on_bad_utf8, stats, text_field, report, write)
-        _close(bar, files, idx_files, hash_files)
-        _check_splits(source, split_meta, stats, val_fraction)
-        meta["splits"] = split_meta
-        meta.update(_skipped(stats, duplicates))
-        meta["seconds"] = round(time.perf_counter() - t0, 2)
-        (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
-        data_report = report.finish(seq_len)
-        (tmp / REPORT_FILE).write_text(json.dumps(data_report, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-        contract.save(tmp)
-    finally:
-        _close(bar, files, idx_files, hash_files)  # the bar's last state ends with a newline before any error line
+        writer = ShardWriter(tmp, contract, report, batch_encoder(tokenizer), lambda: _show_progress(bar, stats, report, writer.split_meta))
+        try:
+            duplicates = _write_unique(source, val_fraction, include_tests, on_bad_utf8, stats, text_field, report,
+                                       writer.write)
+        finally:
+            bar.close()  # the bar's last state ends with a newline before any error line
+            writer.close()
+        split_meta = writer.split_meta
+    check_splits(source, split_meta, stats, val_fraction)
+    meta["splits"] = split_meta
+    meta.update(skipped(stats, duplicates))
+    meta["seconds"] = round(time.perf_counter() - t0, 2)
+    (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+    data_report = report.finish(seq_len)
+    (tmp / REPORT_FILE).write_text(json.dumps(data_report, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    contract.save(tmp)
     return {**meta, "report": data_report}
+
+
+class ShardWriter:
+    """`{split}.bin` / `.idx` / `.hashes` of `folder`, written document by document (`write`), with
+    each split's counts in `split_meta` and every document added to `report`; `chunks[split]`,
+    the chunk (`lmforge.data.parallel`) each document written came from. `close` when done."""
+
+    def __init__(self, folder: Path, contract, report: DataReport, encode_batch, shown=lambda: None):
+        self.contract, self.report, self.encode_batch, self.shown = contract, report, encode_batch, shown
+        self.files = {s: open(folder / f"{s}.bin", "wb") for s in SPLITS}
+        self.idx_files = {s: open(folder / f"{s}.idx", "wb") for s in SPLITS}
+        self.hash_files = {s: open(folder / f"{s}{HASHES_SUFFIX}", "wb") for s in SPLITS}
+        self.ends = {s: 0 for s in SPLITS}
+        for s in SPLITS:
+            self.idx_files[s].write(np.zeros(1, dtype=np.int64).tobytes())
+        self.split_meta = {s: {"documents": 0, "tokens": 0, "bytes": 0, "max_id": -1} for s in SPLITS}
+        self.chunks: dict[str, list[int]] = {s: [] for s in SPLITS}
+
+    def write(self, batch: list) -> None:
+        """`batch`: (document, split, hash64, UTF-8 bytes[, chunk, index in the stream]) tuples."""
+        contract, dtype = self.contract, self.contract.dtype
+        encoded = [np.array(ids, dtype=np.int64) for ids in self.encode_batch([b[0].text for b in batch])]
+        start, end = np.array(contract.document_start, dtype=np.int64), np.array([contract.eos_id], dtype=np.int64)
+        signatures = self.report.signatures_of(encoded)
+        for (doc, split, h, nbytes, *place), ids, signature in zip(batch, encoded, signatures):
+            arr = np.concatenate([start, ids, end])
+            self.files[split].write(arr.astype(dtype).tobytes())
+            self.ends[split] += len(arr)
+            self.idx_files[split].write(np.int64(self.ends[split]).tobytes())
+            self.hash_files[split].write(np.uint64(h).astype("<u8").tobytes())
+            m = self.split_meta[split]
+            m["documents"] += 1
+            m["tokens"] += len(arr)
+            m["bytes"] += nbytes
+            m["max_id"] = max(m["max_id"], int(arr.max()))
+            self.report.add(doc.name, split, ids, len(arr), nbytes, place[1] if place else None, signature)
+            if place:
+                self.chunks[split].append(place[0])
+        self.shown()
+
+    def close(self) -> None:
+        for group in (self.files, self.idx_files, self.hash_files):
+            for f in group.values():
+                f.close()
 
 
 def _show_progress(bar, stats: SourceStats, report: DataReport, split_meta: dict) -> None:
@@ -205,16 +241,7 @@ def _write_unique(source: str, val_fraction: float, include_tests: bool, on_bad_
     return duplicates
 
 
-def _close(bar, *groups: dict) -> None:
-    """Close the progress bar (when made; stderr not a terminal: its last state ends with a
-    newline) and every file of `groups` ({split: open file})."""
-    if bar is not None:
-        bar.close()
-    for f in (f for group in groups for f in group.values()):
-        f.close()
-
-
-def _check_splits(source: str, split_meta: dict, stats: SourceStats, val_fraction: float) -> None:
+def check_splits(source: str, split_meta: dict, stats: SourceStats, val_fraction: float) -> None:
     """DataError when the source gave no document at all, or a split none."""
     total = sum(m["documents"] for m in split_meta.values())
     if total == 0:
@@ -235,12 +262,12 @@ def _check_splits(source: str, split_meta: dict, stats: SourceStats, val_fractio
             )
 
 
-def _skipped(stats: SourceStats, duplicates: int) -> dict:
+def skipped(stats: SourceStats, duplicates: int) -> dict:
     """meta.json's counts of what was not kept (and the first 20 names skipped), in its order."""
     return {"skipped_bad_utf8": stats.bad_utf8, "skipped_empty": stats.empty,
             "skipped_not_regular": stats.not_regular, "skipped_other": stats.other,
             "skipped_names": stats.skipped_names[:20], "skipped_duplicates": duplicates}
 
 
-__all__ = ["BATCH_DOCS", "HASHES_SUFFIX", "META_FILE", "PREPARE_OUTPUT", "REPORT_FILE", "SeenHashes", "hash64", "prepare",
+__all__ = ["BATCH_DOCS", "TASKS_SUFFIX", "ShardWriter", "check_splits", "skipped", "HASHES_SUFFIX", "META_FILE", "PREPARE_OUTPUT", "REPORT_FILE", "SeenHashes", "hash64", "prepare",
            "prepare_into"]

@@ -99,12 +99,15 @@ def _not_regular(path: Path) -> str | None:
 
 
 def iter_records(path: str | Path, columns: list[str] | None = None,
-                 on_open: Callable[[Callable[[], int]], None] | None = None) -> Iterator[tuple[str, object]]:
+                 on_open: Callable[[Callable[[], int]], None] | None = None,
+                 take: Callable[[], bool] | None = None) -> Iterator[tuple[str, object]]:
     """(where, record) for every record of a `.jsonl` or `.parquet` file, in file order.
     `columns` (Parquet only) reads just those columns; a missing one is an error. `on_open`,
     when given, is called once the file is open with a function that says how many bytes of
     the file on disk are read so far (JSONL, compressed or not: the file's position; Parquet
-    and Arrow: its size x the share of rows read), for progress.
+    and Arrow: its size x the share of rows read), for progress. `take`, when given, is called once
+    a record (a non-blank line, a row) in file order, before the record is decoded: a record it
+    answers False to is passed over unread (`lmforge.data.parallel`: the records of other tasks).
 
     Raises:
         DataError: the file is missing or not a regular file, has another suffix, or a
@@ -117,16 +120,16 @@ def iter_records(path: str | Path, columns: list[str] | None = None,
     kind = record_suffix(path)
     on_open = on_open or (lambda position: None)
     if kind in JSONL_SUFFIXES:
-        yield from _jsonl(path, kind, on_open)
+        yield from _jsonl(path, kind, on_open, take)
     elif kind == ".parquet":
-        yield from _parquet(path, columns, on_open)
+        yield from _rows(*_parquet(path, columns), on_open, take)
     elif kind == ".arrow":
-        yield from _arrow(path, columns, on_open)
+        yield from _rows(*_arrow(path, columns), on_open, take)
     else:
         raise DataError(f"{path}: unsupported file type {path.suffix!r}; expected one of {RECORD_SUFFIXES}.")
 
 
-def _jsonl(path: Path, kind: str, on_open: Callable) -> Iterator[tuple[str, object]]:
+def _jsonl(path: Path, kind: str, on_open: Callable, take: Callable[[], bool] | None) -> Iterator[tuple[str, object]]:
     try:
         f, position = open_lines(path, kind)
     except OSError as exc:
@@ -145,7 +148,7 @@ def _jsonl(path: Path, kind: str, on_open: Callable) -> Iterator[tuple[str, obje
                                 f"Its documents after that line would be lost: re-write the file (or restore it "
                                 f"from its source).") from None
             lineno += 1
-            if not raw.strip():
+            if not raw.strip() or (take is not None and not take()):
                 continue
             where = f"{shown_path(path)}:{lineno}"
             try:
@@ -159,7 +162,7 @@ def _jsonl(path: Path, kind: str, on_open: Callable) -> Iterator[tuple[str, obje
             yield where, record
 
 
-def _parquet(path: Path, columns: list[str] | None, on_open: Callable) -> Iterator[tuple[str, object]]:
+def _parquet(path: Path, columns: list[str] | None) -> tuple:
     pq = require_package("pyarrow.parquet", "parquet", f"{path}: reading Parquet", DataError)
     try:
         pf = pq.ParquetFile(path)
@@ -168,11 +171,12 @@ def _parquet(path: Path, columns: list[str] | None, on_open: Callable) -> Iterat
     except Exception as exc:  # pyarrow raises ArrowInvalid, OSError, ... for a damaged file
         raise DataError(f"{path}: not a readable Parquet file ({_first_line(exc)}). Re-write the file.") from None
     _check_columns(path, names, columns)
-    return _rows(path, pf.iter_batches(columns=columns, batch_size=1024), total, on_open)
+    return path, pf.iter_batches(columns=columns, batch_size=1024), total
 
 
-def _arrow(path: Path, columns: list[str] | None, on_open: Callable) -> Iterator[tuple[str, object]]:
-    """An Arrow IPC file (stream format, as `datasets` writes, or file format), batch by batch."""
+def _arrow(path: Path, columns: list[str] | None) -> tuple:
+    """An Arrow IPC file (stream format, as `datasets` writes, or file format): (path, its record
+    batches, its rows or 0 when unknown), for `_rows`."""
     pa = require_package("pyarrow", "parquet", f"{shown_path(path)}: reading Arrow", DataError)
     import pyarrow.ipc as ipc
 
@@ -192,7 +196,7 @@ def _arrow(path: Path, columns: list[str] | None, on_open: Callable) -> Iterator
     _check_columns(path, names, columns)
     if columns:
         batches = (batch.select(columns) for batch in batches)  # selected as each is read
-    return _rows(path, batches, total, on_open)
+    return path, batches, total
 
 
 #: The end of an Arrow IPC stream (a continuation marker and a length of 0): every writer puts it
@@ -217,23 +221,33 @@ def _check_columns(path: Path, names: list[str], columns: list[str] | None) -> N
         raise MissingColumn(f"{shown_path(path)}: no {', '.join(repr(c) for c in missing)} column (columns: {names}).")
 
 
-def _rows(path: Path, batches, total: int, on_open: Callable) -> Iterator[tuple[str, object]]:
+def _rows(path: Path, batches, total: int, on_open: Callable,
+          take: Callable[[], bool] | None = None) -> Iterator[tuple[str, object]]:
     """(where, record) for every row of a Parquet or Arrow file's record `batches` (`total`
-    rows, 0 when unknown); a batch that cannot be read is a DataError naming the last good row."""
+    rows, 0 when unknown) that `take` takes; a batch that cannot be read is a DataError naming the
+    last good row."""
     row = 0
     size = path.stat().st_size
     on_open(lambda: size * row // total if total else 0)
     while True:
         try:
-            records = next(batches).to_pylist()
+            batch = next(batches)
+            owned = [take is None or take() for _ in range(batch.num_rows)]
+            # the rows of other tasks are not made Python objects
+            if all(owned):
+                records = batch.to_pylist()
+            else:  # the rows of other tasks are not made Python objects
+                mine = iter(batch.filter(owned).to_pylist() if any(owned) else ())
+                records = [next(mine) if own else None for own in owned]
         except StopIteration:
             return
         except Exception as exc:  # pyarrow raises ArrowInvalid, OSError, ... for a damaged file
             raise DataError(f"{shown_path(path)}: damaged or cut short after row {row} ({_first_line(exc)}). Its "
                             f"rows after that one would be lost: re-write the file.") from None
-        for record in records:
+        for record, own in zip(records, owned):
             row += 1
-            yield f"{shown_path(path)} row {row}", record
+            if own:
+                yield f"{shown_path(path)} row {row}", record
 
 
 def _first_line(exc: BaseException) -> str:

@@ -10,7 +10,7 @@ are listed in `inputs.py` (`list_inputs`); this module reads the documents out o
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -74,6 +74,7 @@ def iter_documents(
     on_bad_utf8: str = "skip",
     stats: SourceStats | None = None,
     text_field: str = "text",
+    take: Callable[[], bool] | None = None,
 ) -> Iterator[Document]:
     """Yield the documents of `source` (all of them, or only those of `split`).
 
@@ -84,6 +85,9 @@ def iter_documents(
             Hugging Face cache (`hf_snapshot`; never downloaded). Files are read in sorted path order.
         split: "train", "val" or None (both).
         text_field: the field / column of a record that holds its text.
+        take: called once a record of the source (a text file, a JSONL line, a row), in reading
+            order, before it is read: a record it answers False to is passed over (not read, not
+            counted): `lmforge.data.parallel`'s tasks each read their own records of one stream.
     Raises:
         DataError: missing or empty source, a glob that matches nothing, a malformed record
         (naming the file and line or row), a record without `text_field` (naming the fields
@@ -92,7 +96,7 @@ def iter_documents(
     if split is not None and split not in SPLITS:
         raise DataError(f"split {split!r}: expected one of {SPLITS}.")
     stats = stats if stats is not None else SourceStats()
-    for doc in _iter_all(source, include_tests, on_bad_utf8, stats, text_field):
+    for doc in _iter_all(source, include_tests, on_bad_utf8, stats, text_field, take):
         if not doc.text:
             stats.empty += 1
             continue
@@ -113,13 +117,13 @@ def capped(documents: Iterable[Document], max_bytes: float) -> Iterator[Document
 
 
 def _iter_all(source: str, include_tests: bool, on_bad_utf8: str, stats: SourceStats,
-              text_field: str = "text") -> Iterator[Document]:
+              text_field: str = "text", take: Callable[[], bool] | None = None) -> Iterator[Document]:
     files = list_inputs(source, include_tests, stats)
     stats.input_bytes, stats.input_done = sum(f.size for f in files), 0
     for f in files:
         if f.kind == "records":
-            yield from _iter_records(f.path, text_field, stats)
-        else:
+            yield from _iter_records(f.path, text_field, stats, take)
+        elif take is None or take():
             text = _read_text(f.path, stats, on_bad_utf8)
             if text is not None:
                 yield Document(f.rel, text, key=module_name(Path(f.rel)) if f.kind == "module" else f.rel)
@@ -143,14 +147,16 @@ def _check_unchanged(f: InputFile) -> None:
                         f"again once it stays put.")
 
 
-def _iter_records(path: Path, text_field: str = "text", stats: SourceStats | None = None) -> Iterator[Document]:
+def _iter_records(path: Path, text_field: str = "text", stats: SourceStats | None = None,
+                  take: Callable[[], bool] | None = None) -> Iterator[Document]:
     """Records with a string `text_field` field (JSONL) or column (Parquet, Arrow); a null cell
     of a column is no document. `stats.position` follows the read."""
     columnar = record_suffix(path) in (".parquet", ".arrow")
     field = f'"{text_field}"'
     on_open = None if stats is None else (lambda position: setattr(stats, "position", position))
     try:
-        for where, record in iter_records(path, columns=[text_field] if columnar else None, on_open=on_open):
+        for where, record in iter_records(path, columns=[text_field] if columnar else None, on_open=on_open,
+                                          take=take):
             text = record.get(text_field) if isinstance(record, dict) else None
             if columnar and text is None:
                 continue

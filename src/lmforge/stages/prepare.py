@@ -35,16 +35,25 @@ def prepare_stage(cfg: Config, out: str | Path | None = None, progress: bool = T
     if d.sources:
         sources = mixture_sources(d.sources)
         metas = prepare_mixture(sources, tok, out, d.val_fraction, d.include_tests, d.on_bad_utf8, progress,
-                                extra_files=extra, seq_len=d.seq_len, log=log)
+                                extra_files=extra, seq_len=d.seq_len, log=log, workers=data_workers(d.workers))
         for name, meta in metas.items():
             _summary(meta, f"prepare: {name}: ")
         log(f"prepare: a mixture of {len(metas)} sources in {out} ({sum(m['reused'] for m in metas.values())} "
             f"reused); pretraining draws rows by data.sources' weights")
         return metas
     meta = prepare(d.source, tok, out, d.val_fraction, d.include_tests, d.on_bad_utf8, progress,
-                   extra_files=extra, seq_len=d.seq_len, text_field=d.text_field)
+                   extra_files=extra, seq_len=d.seq_len, text_field=d.text_field, workers=data_workers(d.workers))
     _summary(meta, "prepare: ")
     return meta
+
+
+def data_workers(workers: int) -> int:
+    """data.workers as a number of tasks: 0 = the cores this process may run on."""
+    import os
+
+    if workers:
+        return workers
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def _summary(meta: dict, prefix: str) -> None:

@@ -1,0 +1,275 @@
+"""`lmforge prepare` on N tasks at once (`data.workers`), run by datatrove's executors, writing the
+same data folder as one process, to the byte.
+
+The one stream. A source's records (a text file, a JSONL line, a Parquet or Arrow row), in the
+order one process reads them, are cut into chunks of CHUNK_RECORDS; task r of N reads chunks
+r, r + N, r + 2N, ... (`Owner`). Every task skims the other records without decoding them (a
+compressed file is decompressed by each task: cheap beside tokenizing), so one large file is
+shared as well as many small ones. Which documents there are, their order, their split (by each
+document's key) and their tokens do not depend on N.
+
+Three stages, each a datatrove pipeline run `workers` tasks at a time; a finished task is recorded
+by datatrove's completion markers in the work folder and not run again by a resumed prepare:
+1. "hash": each task's documents' content hashes (`hash64`) and chunks.
+2. "plan" (one task): the hashes in stream order; the first copy of each is kept (exact
+   deduplication across tasks, as one process keeps it), and each task is given its documents'
+   places among those kept (-1: dropped) and the names the report's examples need.
+3. "tokenize": each task writes the documents it keeps as shards (`ShardWriter`), with each
+   document's chunk, and its part of the data report.
+Then `join` concatenates the tasks' shards in stream order into the data folder, merges the
+reports (`DataReport.merged`) and sums the counts. A task writes into a folder of its own,
+renamed into place when complete: a stopped task leaves nothing that a resumed one reads.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pickle
+import shutil
+import signal
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from lmforge import errors
+from lmforge.data.data_report import DataReport
+from lmforge.data.inputs import SKIPPED_NAMES, SourceStats, list_inputs
+from lmforge.data.prepare import HASHES_SUFFIX
+from lmforge.data.sources import SPLITS
+from lmforge.data.stream_tasks import CHUNK_RECORDS, OWN_FILE, STAGES, TASKS, Job, listing_digest
+from lmforge.errors import DataError
+from lmforge.fileio import OutputError, shown_path
+
+
+
+def _executor_class():
+    """datatrove's LocalPipelineExecutor, its log lines kept in the work folder (a task's
+    LmforgeError reaches the user as lmforge's one error line, not a logged traceback)."""
+    from datatrove.executor.local import LocalPipelineExecutor
+
+    class QuietLocalExecutor(LocalPipelineExecutor):
+        def _run_for_rank(self, rank: int, local_rank: int = 0, node_rank: int = -1):
+            import contextlib
+
+            from datatrove.utils.logging import logger
+
+            with open(os.devnull, "w") as null, contextlib.redirect_stderr(null):
+                try:
+                    return super()._run_for_rank(rank, local_rank, node_rank)
+                finally:
+                    logger.remove()  # its sinks: the task's log file, and the null stream
+
+    return QuietLocalExecutor
+
+
+_RUNNING = threading.Event()
+
+
+def _child_signals() -> None:
+    """In a process the executor forks (a task, its Manager): SIGTERM ends it at once (the pool
+    ends its workers with SIGTERM; lmforge's command handler would unwind each with a
+    traceback) and SIGINT is left to the parent, which stops the stage (Ctrl-C reaches the
+    whole process group)."""
+    if _RUNNING.is_set():
+        try:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+        except ValueError:  # forked from a thread: no handlers to set there
+            pass
+
+
+os.register_at_fork(after_in_child=_child_signals)
+
+#: How the local executor starts its processes: fork where there is one (Linux: a task starts in a
+#: tenth of a second with lmforge already imported; forkserver takes seconds a stage), else spawn.
+START_METHOD = "fork" if sys.platform.startswith("linux") else "spawn"
+
+
+def run_stage(job: Job, stage: str, workers: int, progress: bool, input_bytes: int) -> None:
+    """Run `stage`'s tasks not yet complete, `workers` at a time (datatrove's local executor, its
+    completion markers and logs under the work folder), with one bar of the input read.
+
+    Raises:
+        the LmforgeError a task raised (the lowest rank's), as lmforge raises it.
+    """
+    from datatrove.utils.logging import logger
+
+    tasks = 1 if stage == "plan" else job.tasks
+    logger.remove()  # datatrove's console lines: in the work folder's logs
+    executor = _executor_class()(pipeline=[TASKS[stage](job)], tasks=tasks, workers=min(workers, tasks),
+                                 logging_dir=str(Path(job.work) / "logs" / stage), skip_completed=True,
+                                 start_method=START_METHOD)
+    progress_dir = Path(job.work) / "progress"
+    progress_dir.mkdir(exist_ok=True)
+    bar = tqdm(desc=f"prepare ({stage}, {tasks} task{'s' if tasks > 1 else ''})", unit="B", unit_scale=True,
+               total=input_bytes if stage != "plan" else None, disable=not progress or stage == "plan",
+               mininterval=1.0)
+    stop = threading.Event()
+
+    def show() -> None:
+        while not stop.wait(1.0):
+            read = 0
+            for r in range(tasks):
+                try:
+                    read += min(int((progress_dir / f"{stage}-{r:05d}").read_text() or 0), input_bytes)
+                except (OSError, ValueError):
+                    pass
+            bar.update(max(0, read // tasks - bar.n))
+
+    watcher = threading.Thread(target=show, daemon=True)
+    watcher.start()
+    _RUNNING.set()
+    try:
+        executor.run()
+    except Exception:
+        _raise_task_error(job, stage)
+        raise
+    finally:
+        _RUNNING.clear()
+        stop.set()
+        watcher.join()
+        bar.close()
+    if not all(executor.is_rank_completed(r) for r in range(tasks)):
+        _raise_task_error(job, stage)
+        raise DataError(f"prepare: the {stage} stage did not finish every task (logs in "
+                        f"{shown_path(Path(job.work) / 'logs' / stage)}). Run the same command again to resume.")
+
+
+def _raise_task_error(job: Job, stage: str) -> None:
+    """Raise the LmforgeError a task of `stage` recorded (the lowest rank's), if any."""
+    found = sorted((Path(job.work) / "errors").glob(f"{stage}-*.json"))
+    if found:
+        error = json.loads(found[0].read_text())
+        for path in found:
+            path.unlink()
+        kind = getattr(errors, error["type"], DataError)
+        raise (kind if isinstance(kind, type) and issubclass(kind, errors.LmforgeError) else DataError)(
+            error["message"])
+
+
+#: Bytes of input (on disk) a task is given at least: a smaller source runs in fewer tasks (one
+#: process below twice this), as the tasks' start and the hash pass cost about a second.
+MIN_TASK_BYTES = 8 << 20
+
+
+def task_count(source: str, include_tests: bool, workers: int) -> int:
+    """The tasks a prepare of `source` runs with `workers`: at most one per MIN_TASK_BYTES of its
+    files (the data folder is the same for any count)."""
+    size = sum(f.size for f in list_inputs(source, include_tests, SourceStats()))
+    return max(1, min(workers, size // MIN_TASK_BYTES))
+
+
+def open_work(work: Path, fingerprint: dict) -> bool:
+    """Make `work` the tasks' folder for `fingerprint`: kept when it holds tasks of the same
+    prepare (True: a resumed run), else made anew (an earlier prepare's, of other inputs or
+    settings, removed: lmforge wrote it).
+
+    Raises:
+        OutputError: `work` exists and lmforge did not write it.
+    """
+    own = work / OWN_FILE
+    if work.exists() or work.is_symlink():
+        if not own.is_file() or work.is_symlink():
+            raise OutputError(f"{shown_path(work)} exists and is not the tasks' folder `lmforge prepare` writes (no "
+                              f"{OWN_FILE}). Move it away or choose another --out; lmforge never deletes what it did "
+                              f"not write.")
+        try:
+            if json.loads(own.read_text(encoding="utf-8")) == fingerprint:
+                return True
+        except (OSError, ValueError):
+            pass
+        shutil.rmtree(work)
+    work.mkdir(parents=True)
+    own.write_text(json.dumps(fingerprint, indent=2) + "\n", encoding="utf-8")
+    return False
+
+
+def prepare_tasks(tmp: Path, work: Path, source: str, tokenizer, val_fraction: float, include_tests: bool,
+                  on_bad_utf8: str, text_field: str, workers: int, progress: bool) -> tuple:
+    """`prepare`'s shards written into `tmp` by `workers` tasks (module docstring), their files in
+    `work` (removed once `tmp` is complete). Returns (split_meta, stats, duplicates, report) as
+    `lmforge.data.prepare.prepare_into` uses them."""
+    listing_stats = SourceStats()
+    files = list_inputs(source, include_tests, listing_stats)
+    digest = listing_digest(source, include_tests)
+    tokenizer_json = Path(tokenizer.folder) / "tokenizer.json"
+    fingerprint = {"version": 1, "source": source, "listing": digest, "tokenizer": hashlib.sha256(
+        tokenizer_json.read_bytes()).hexdigest(), "val_fraction": val_fraction, "include_tests": include_tests,
+        "on_bad_utf8": on_bad_utf8, "text_field": text_field, "tasks": workers, "chunk_records": CHUNK_RECORDS}
+    open_work(work, fingerprint)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    job = Job(str(work), source, str(tokenizer.folder), val_fraction, include_tests, on_bad_utf8, text_field, workers,
+              digest, str(tokenizer.contract.dtype), threads=max(1, cores // workers))
+    input_bytes = sum(f.size for f in files)
+    try:
+        for stage in STAGES:
+            run_stage(job, stage, workers, progress, input_bytes)
+    except errors.LmforgeError:  # bad input: a run with it fixed has other inputs, nothing to resume
+        shutil.rmtree(work, ignore_errors=True)
+        raise
+    split_meta, stats, duplicates, report = join(job, tmp)
+    shutil.rmtree(work)
+    return split_meta, stats, duplicates, report
+
+
+def join(job: Job, tmp: Path) -> tuple:
+    """The tasks' shards concatenated in stream order into `tmp` ({split}.bin/.idx/.hashes), their
+    counts summed and reports merged: (split_meta, stats, duplicates, report)."""
+    n = job.tasks
+    folders = [job.folder("tokenize", r) for r in range(n)]
+    infos = [json.loads((f / "task.json").read_text()) for f in folders]
+    plan = json.loads((job.folder("plan", 0) / "plan.json").read_text())
+    split_meta = {}
+    for split in SPLITS:
+        chunks = [np.load(f / f"{split}.chunks.npy") for f in folders]
+        order = np.argsort(np.concatenate(chunks), kind="stable")
+        task = np.concatenate([np.full(len(c), r, dtype=np.int64) for r, c in enumerate(chunks)])[order]
+        local = np.concatenate([np.arange(len(c), dtype=np.int64) for c in chunks])[order]
+        offsets = [np.fromfile(f / f"{split}.idx", dtype=np.int64) for f in folders]
+        lengths = np.concatenate([np.diff(o) for o in offsets])[order]
+        with open(tmp / f"{split}.bin", "wb") as out:
+            breaks = np.flatnonzero((task[1:] != task[:-1]) | (local[1:] != local[:-1] + 1)) + 1
+            starts, ends = np.concatenate([[0], breaks]), np.concatenate([breaks, [len(task)]])
+            sources = [open(f / f"{split}.bin", "rb") for f in folders]
+            size = np.dtype(job.dtype).itemsize
+            try:
+                for s, e in zip(starts.tolist(), ends.tolist()):
+                    if s == e:
+                        continue
+                    r, a, b = int(task[s]), int(local[s]), int(local[e - 1]) + 1
+                    src = sources[r]
+                    src.seek(int(offsets[r][a]) * size)
+                    out.write(src.read(int(offsets[r][b] - offsets[r][a]) * size))
+            finally:
+                for src in sources:
+                    src.close()
+        np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64).tofile(tmp / f"{split}.idx")
+        hashes = np.concatenate([np.fromfile(f / f"{split}{HASHES_SUFFIX}", dtype="<u8") for f in folders])
+        hashes[order].astype("<u8").tofile(tmp / f"{split}{HASHES_SUFFIX}")
+        metas = [i["splits"][split] for i in infos]
+        split_meta[split] = {"documents": sum(m["documents"] for m in metas), "tokens": sum(m["tokens"] for m in metas),
+                             "bytes": sum(m["bytes"] for m in metas), "max_id": max(m["max_id"] for m in metas)}
+    stats = SourceStats()
+    for key in ("documents", "bad_utf8", "empty"):
+        setattr(stats, key, sum(i["stats"][key] for i in infos))
+    stats.not_regular, stats.other = infos[0]["stats"]["not_regular"], infos[0]["stats"]["other"]
+    listed = [name for at, name in infos[0]["skipped_at"] if at < 0]
+    read = sorted((at, name) for i in infos for at, name in i["skipped_at"] if at >= 0)
+    stats.skipped_names = (listed + [name for _, name in read])[:SKIPPED_NAMES]
+    name_of = {(r, int(k)): v for r, i in enumerate(infos) for k, v in i["names"].items()}
+    examples = [(name_of[tuple(kept)] if kept else "an earlier document", name_of[tuple(dropped)])
+                for kept, dropped in plan["examples"]]
+    parts = []
+    for f in folders:
+        with open(f / "report.pkl", "rb") as fh:
+            parts.append(pickle.load(fh))
+    report = DataReport.merged(parts, plan["duplicates"], examples)
+    return split_meta, stats, plan["duplicates"], report
+
+
+__all__ = ["MIN_TASK_BYTES", "START_METHOD", "join", "open_work", "prepare_tasks", "run_stage", "task_count"]

@@ -1,0 +1,243 @@
+"""The tasks of a parallel `lmforge prepare` (`lmforge.data.parallel` runs them): which records
+of the one stream a task owns (`Owner`), what every task is given (`Job`), and the three stages'
+tasks (`HashTask`, `PlanTask`, `TokenizeTask`; `lmforge.data.parallel`'s docstring tells what each
+does). Each is a datatrove pipeline step: a callable `(data, rank, world_size)`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pickle
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from lmforge import errors
+from lmforge.data.data_report import EXAMPLES, DataReport
+from lmforge.data.fast_encode import batch_encoder
+from lmforge.data.inputs import SKIPPED_NAMES, SourceStats, list_inputs
+from lmforge.data.prepare import BATCH_DOCS, NAMED_DOCUMENTS, ShardWriter, hash64
+from lmforge.data.sources import SPLITS, iter_documents, split_of
+from lmforge.errors import DataError
+
+#: Records a chunk: the unit of the stream a task owns (a few hundred kB of text for typical records).
+CHUNK_RECORDS = 64
+#: The file that marks a work folder as lmforge's, with what its tasks were run for.
+OWN_FILE = "lmforge-prepare-tasks.json"
+STAGES = ("hash", "plan", "tokenize")
+
+
+class Owner:
+    """`take()` for `iter_documents`: True for the records of task `rank` of `tasks` (chunks of
+    CHUNK_RECORDS records dealt in turn); `chunk` is the chunk of the record last asked about."""
+
+    def __init__(self, rank: int, tasks: int):
+        self.rank, self.tasks, self.record = rank, tasks, -1
+
+    def __call__(self) -> bool:
+        self.record += 1
+        return (self.record // CHUNK_RECORDS) % self.tasks == self.rank
+
+    @property
+    def chunk(self) -> int:
+        return self.record // CHUNK_RECORDS
+
+
+class TaskStats(SourceStats):
+    """SourceStats that also keep, for each name skipped, the record it was skipped at (-1: by the
+    listing, the same in every task), so the names of all tasks come out in stream order."""
+
+    owner: Owner | None = None
+    skipped_at: list | None = None
+
+    def skip(self, name: str) -> None:
+        if self.skipped_at is None:
+            self.skipped_at = []
+        if len(self.skipped_at) < SKIPPED_NAMES:
+            self.skipped_at.append((self.owner.record if self.owner is not None else -1, name))
+        super().skip(name)
+
+
+@dataclass
+class Job:
+    """What every task of one prepare needs (it travels to the executor's processes)."""
+
+    work: str
+    source: str
+    tokenizer_dir: str
+    val_fraction: float
+    include_tests: bool
+    on_bad_utf8: str
+    text_field: str
+    tasks: int
+    listing: str
+    dtype: str
+    """The shards' token dtype (the tokenizer's contract)."""
+    threads: int = 1
+
+    def folder(self, stage: str, rank: int) -> Path:
+        return Path(self.work) / stage / f"{rank:05d}"
+
+    def documents(self, rank: int, stats: TaskStats, stage: str):
+        """(document, chunk) of the records task `rank` owns, in stream order; its progress (bytes
+        of the input read) in the work folder about once a second, for the bar of `run_stage`.
+        Raises DataError when the source lists other files than when the prepare began."""
+        import time
+
+        if listing_digest(self.source, self.include_tests) != self.listing:
+            raise DataError(f"data.source = {self.source!r}: its files changed while it was prepared (files added, "
+                            f"removed or rewritten). Nothing is written from a corpus that changes; run again once "
+                            f"it stays put.")
+        owner = stats.owner = Owner(rank, self.tasks)
+        progress = Path(self.work) / "progress" / f"{stage}-{rank:05d}"
+        shown = 0.0
+        for doc in iter_documents(self.source, None, self.val_fraction, self.include_tests, self.on_bad_utf8, stats,
+                                  self.text_field, owner):
+            yield doc, owner.chunk
+            if time.monotonic() - shown > 1.0:
+                shown = time.monotonic()
+                progress.write_text(str(stats.input_read()))
+        progress.write_text(str(stats.input_bytes))
+
+
+def listing_digest(source: str, include_tests: bool) -> str:
+    """sha256 of the files `source` lists (paths, sizes, modification times), in order."""
+    files = list_inputs(source, include_tests, SourceStats())
+    text = "\n".join(f"{f.rel}\t{f.kind}\t{f.size}\t{f.mtime_ns}" for f in files)
+    return hashlib.sha256(text.encode("utf-8", "surrogateescape")).hexdigest()
+
+
+class StageTask:
+    """A stage's task: `run(rank)` into a fresh folder, renamed into place when done; an
+    LmforgeError is kept in the work folder for the parent to raise in its own words."""
+
+    stage = ""
+
+    def __init__(self, job: Job):
+        self.job = job
+
+    def __call__(self, data, rank: int = 0, world_size: int = 1):
+        final = self.job.folder(self.stage, rank)
+        tmp = final.with_name(final.name + ".partial")
+        for old in (tmp, final):  # a task stopped before its completion marker: its files are redone
+            shutil.rmtree(old, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        try:
+            self.run(rank, tmp)
+        except errors.LmforgeError as exc:
+            error = Path(self.job.work) / "errors" / f"{self.stage}-{rank:05d}.json"
+            error.parent.mkdir(exist_ok=True)
+            error.write_text(json.dumps({"type": type(exc).__name__, "message": str(exc)}))
+            raise
+        os.replace(tmp, final)
+
+    def run(self, rank: int, out: Path) -> None:
+        raise NotImplementedError
+
+
+class HashTask(StageTask):
+    stage = "hash"
+
+    def run(self, rank: int, out: Path) -> None:
+        stats = TaskStats()
+        hashes, chunks = [], []
+        for doc, chunk in self.job.documents(rank, stats, self.stage):
+            hashes.append(hash64(doc.text.encode("utf-8")))
+            chunks.append(chunk)
+        np.save(out / "hashes.npy", np.array(hashes, dtype=np.uint64))
+        np.save(out / "chunks.npy", np.array(chunks, dtype=np.int64))
+
+
+class PlanTask(StageTask):
+    """One task: which documents are kept, and their places in the stream (module docstring)."""
+
+    stage = "plan"
+
+    def run(self, rank: int, out: Path) -> None:
+        n = self.job.tasks
+        parts = [(np.load(self.job.folder("hash", r) / "hashes.npy"), np.load(self.job.folder("hash", r) / "chunks.npy"))
+                 for r in range(n)]
+        task = np.concatenate([np.full(len(h), r, dtype=np.int64) for r, (h, _) in enumerate(parts)])
+        local = np.concatenate([np.arange(len(h), dtype=np.int64) for h, _ in parts])
+        order = np.argsort(np.concatenate([c for _, c in parts]), kind="stable")  # stream order
+        stream = np.concatenate([h for h, _ in parts])[order]
+        _, first, inverse = np.unique(stream, return_index=True, return_inverse=True)
+        keep = np.zeros(len(stream), dtype=bool)
+        keep[first] = True
+        kept_index = np.cumsum(keep) - 1
+        kept_index[~keep] = -1
+        place = np.empty(len(stream), dtype=np.int64)
+        place[order] = kept_index
+        names: list[list[int]] = [[] for _ in range(n)]
+        examples = []
+        for p in np.flatnonzero(~keep)[:EXAMPLES].tolist():  # (kept, dropped) as one process names them
+            orig = int(first[inverse[p]])
+            ref = [int(task[order[orig]]), int(local[order[orig]])] if kept_index[orig] < NAMED_DOCUMENTS else None
+            dropped = [int(task[order[p]]), int(local[order[p]])]
+            for r in (ref, dropped):
+                if r is not None:
+                    names[r[0]].append(r[1])
+            examples.append([ref, dropped])
+        start = 0
+        for r, (h, _) in enumerate(parts):
+            np.save(out / f"{r:05d}.npy", place[start: start + len(h)])
+            start += len(h)
+        (out / "plan.json").write_text(json.dumps({"duplicates": int((~keep).sum()), "examples": examples,
+                                                   "names": names}))
+
+
+class TokenizeTask(StageTask):
+    stage = "tokenize"
+
+    def run(self, rank: int, out: Path) -> None:
+        from lmforge.tokenizer import Tokenizer
+
+        job = self.job
+        place = np.load(job.folder("plan", 0) / f"{rank:05d}.npy")
+        hashes = np.load(job.folder("hash", rank) / "hashes.npy")
+        wanted = set(json.loads((job.folder("plan", 0) / "plan.json").read_text())["names"][rank])
+        tok = Tokenizer.load(job.tokenizer_dir)
+        stats, report = TaskStats(), DataReport()
+        writer = ShardWriter(out, tok.contract, report, batch_encoder(tok, threads=job.threads))
+        names: dict[int, str] = {}
+        batch: list = []
+        i = -1
+        changed = DataError(f"data.source = {job.source!r}: its documents changed while it was prepared. Nothing is "
+                            f"written from a corpus that changes; run again once it stays put.")
+        try:
+            for i, (doc, chunk) in enumerate(job.documents(rank, stats, self.stage)):
+                data = doc.text.encode("utf-8")
+                h = hash64(data)
+                if i >= len(place) or int(hashes[i]) != h:
+                    raise changed
+                if i in wanted:
+                    names[i] = doc.name
+                if place[i] >= 0:
+                    batch.append((doc, split_of(doc.key, job.val_fraction), h, len(data), chunk, int(place[i])))
+                if len(batch) >= BATCH_DOCS:
+                    writer.write(batch)
+                    batch = []
+            if batch:
+                writer.write(batch)
+        finally:
+            writer.close()
+        if i + 1 != len(place):
+            raise changed
+        for split in SPLITS:
+            np.save(out / f"{split}.chunks.npy", np.array(writer.chunks[split], dtype=np.int64))
+        with open(out / "report.pkl", "wb") as f:
+            pickle.dump(report.part(), f)
+        counts = {k: getattr(stats, k) for k in ("documents", "bad_utf8", "empty", "not_regular", "other")}
+        (out / "task.json").write_text(json.dumps({"splits": writer.split_meta, "stats": counts,
+                                                   "skipped_at": stats.skipped_at or [],
+                                                   "names": {str(k): v for k, v in names.items()}}))
+
+
+TASKS = {"hash": HashTask, "plan": PlanTask, "tokenize": TokenizeTask}
+
+__all__ = ["CHUNK_RECORDS", "HashTask", "Job", "OWN_FILE", "Owner", "PlanTask", "STAGES", "StageTask", "TASKS",
+           "TaskStats", "TokenizeTask", "listing_digest"]
