@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 OUT ?= runs/speedrun
 
-.PHONY: eval-interop setup speedrun test test-fast sandbox interop test-browser bench gpu-check clean help
+.PHONY: eval-interop setup speedrun test test-fast sandbox interop test-browser test-ray bench gpu-check clean help
 
 help:
 	@echo "make speedrun   train tokenizer, prepare, pretrain and sample on the Python standard library ($(OUT))"
@@ -13,6 +13,7 @@ help:
 	@echo "make sandbox    install bubblewrap (apt), the boundary RL's generated code runs inside"
 	@echo "make interop    build llama.cpp (llama-cpp-python, several minutes once) and prove the GGUF export in it"
 	@echo "make test-browser  install Chromium (apt) and Playwright, run the chat-page tests"
+	@echo "make test-ray   install Ray, run lmforge prepare on a local Ray cluster against the local executor"
 	@echo "make bench      run the benchmarks in bench/ and append to bench/RESULTS.md"
 	@echo "make gpu-check  the CUDA path in one table on one H100/H200, under 8 minutes (bench/gpu_check.py)"
 
@@ -55,6 +56,11 @@ test-browser: $(STAMP)
 		|| (sudo apt-get update && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y chromium)
 	$(PY) -m pip install -q -e ".[dev,browser]"
 	$(PY) -m pytest -q tests/test_serve_browser.py
+
+# lmforge prepare on a real local Ray cluster (ray.init here, 2 workers): the shards of the local executor.
+test-ray: $(STAMP)
+	$(PY) -c "import ray" 2>/dev/null || $(PY) -m pip install -q -e ".[ray]"
+	$(PY) -m pytest -q -rs tests/test_prepare_ray.py
 
 bench: $(STAMP)
 	$(PY) -c "import trl, peft" 2>/dev/null || $(PY) -m pip install -q -e ".[bench]"

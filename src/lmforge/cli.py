@@ -21,7 +21,7 @@ from pathlib import Path
 
 from lmforge import signals
 from lmforge.cli_args import (chat_args, check_path_args, common_args, eval_args, export_args, generate_args,
-                              import_gguf_args, import_hf_args, import_tokenizer_args, progress_args, serve_args,
+                              import_gguf_args, import_hf_args, import_tokenizer_args, prepare_args, progress_args, serve_args,
                               speedrun_args, training_args)
 from lmforge.errors import Interrupted, LmforgeError, os_error
 
@@ -135,7 +135,17 @@ def _prepare(args) -> int:
     out = Path(args.out or cfg.data.dir)
     _not_settings(out, args, own_check=lambda: check_output(out, PREPARE_OUTPUT, "`lmforge prepare`",
                                                             replace_whole=True))
-    prepare_stage(cfg, args.out, progress=not args.no_progress)
+    if args.executor == "slurm":
+        from lmforge.data.cluster import submit_slurm
+        from lmforge.tokenizer import Tokenizer
+
+        sub = submit_slurm(cfg, out, Tokenizer.load(cfg.tokenizer.dir))
+        print(f"prepare: {sub['tasks']} tasks submitted to Slurm: " + ", ".join(
+            f"{stage} job {job}" for stage, job in sub["jobs"].items()) + f"; {out} is written when the finish job "
+            f"ends (scripts and logs in {sub['work']}/logs; the same command again submits what is not done)",
+            file=sys.stderr)
+        return 0
+    prepare_stage(cfg, args.out, progress=not args.no_progress, executor=args.executor)
     return 0
 
 
@@ -276,7 +286,7 @@ COMMANDS: dict[str, tuple[str, str | None, Callable, Callable]] = {
                          "where to write the lmforge tokenizer folder (default: tokenizer.dir)",
                          import_tokenizer_args, _import_tokenizer),
     "prepare": ("pretokenize data.source into .bin/.idx shards",
-                "where to write the shards (default: data.dir)", progress_args, _prepare),
+                "where to write the shards (default: data.dir)", prepare_args, _prepare),
     "pretrain": ("pretrain a model on the prepared shards",
                  "run folder (metrics.jsonl, config.toml, step_NNNNNN/ checkpoints)", training_args,
                  _train("pretrain_stage", budgeted=True)),

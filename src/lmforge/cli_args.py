@@ -20,6 +20,15 @@ def progress_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
+def prepare_args(p: argparse.ArgumentParser) -> None:
+    progress_args(p)
+    p.add_argument("--executor", choices=("local", "slurm", "ray"), default="local",
+                   help="local: data.workers tasks on this machine (default); slurm: the tasks as Slurm job "
+                        "arrays (options in [data.executor]: partition, time, cpus_per_task, ...), the command "
+                        "returning once they are queued: the last job writes the data folder; ray: the tasks on "
+                        "a Ray cluster (data.executor.address, else one started here). The same shards for each")
+
+
 def training_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in --out")
     p.add_argument("--dry-run", action="store_true",

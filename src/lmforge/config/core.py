@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass
 
 from lmforge.config.sources import check_sources
-from lmforge.config.fields import BOTH, PRE, TUNE, allowed, choice, flag, items, num, refused, text
+from lmforge.config.fields import BOTH, PRE, TUNE, allowed, choice, flag, items, num, refused, table, text
 from lmforge.errors import ConfigError
 
 #: The most tokens one optimizer step may take on one data-parallel rank (micro-batch x accumulation
@@ -116,10 +116,35 @@ class DataConfig:
     each on its share of the one stream of records; 0 = the machine's cores, 1 = one process (no
     executor). The data folder is the same to the byte for any number; a stopped prepare
     resumes with the tasks it had not finished."""
+    executor: dict = table(allowed("read by prepare --executor slurm|ray only"),
+                           check=lambda name, v: _check_executor(name, v))
+    """`lmforge prepare --executor slurm|ray`'s options (datatrove's executors): `tasks` (default
+    data.workers, else 64 on Slurm, the cores on Ray); Slurm: `partition` (required), `time`
+    ("HH:MM:SS", default "04:00:00"), `cpus_per_task` (2), `mem_per_cpu_gb` (2), `qos` (""),
+    `venv_path` (a venv's activate script sourced first), each stage a job array, the last job
+    writing data.dir; Ray: `address` (a running cluster; default: one started on this machine)."""
+
 
 
 #: model.layer_types' entries.
 LAYER_TYPES = ("full", "sliding")
+
+
+#: data.executor's options and the Python types each takes.
+EXECUTOR_OPTIONS = {"tasks": int, "partition": str, "time": str, "cpus_per_task": int, "mem_per_cpu_gb": int,
+                    "qos": str, "venv_path": str, "address": str}
+
+
+def _check_executor(name: str, value: dict) -> None:
+    import datetime
+
+    for key, v in value.items():
+        if key not in EXECUTOR_OPTIONS:
+            raise ConfigError(f"{name}.{key}: unknown option; expected one of {', '.join(EXECUTOR_OPTIONS)}.")
+        want = EXECUTOR_OPTIONS[key]
+        ok = isinstance(v, want) and not isinstance(v, bool) or (key == "time" and isinstance(v, datetime.time))
+        if not ok or (want is int and v < 1):
+            raise ConfigError(f"{name}.{key} = {v!r}: expected {'an integer >= 1' if want is int else 'a text'}.")
 
 
 def _check_layer_types(name: str, value) -> None:

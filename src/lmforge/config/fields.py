@@ -1,7 +1,8 @@
 """How a config field declares itself: once, beside its default and its docstring.
 
 Each field of a section is written as `name: type = num(...)` (a number and its range),
-`choice(...)` (a text with a fixed set of values), `text(...)`, `flag(...)` or `items(...)`,
+`choice(...)` (a text with a fixed set of values), `text(...)`, `flag(...)`, `items(...)` or
+`table(...)` (a TOML table of options, `[data.executor]`),
 each taking the field's `--resume` rule (`refused(...)` / `allowed(...)`) and, where a field
 has one, its own extra check. The field's docstring below it is its help. Everything else is
 derived from these declarations: `config.BOUNDS`, `config.CHOICES`, the single-field checks of
@@ -98,6 +99,11 @@ def flag(default: bool, resume: ResumeRule):
 def items(default: tuple[str, ...], resume: ResumeRule, *, check: Callable[[str, Any], None] | None = None):
     """A list of texts (default: a copy of `default`)."""
     return _declare(None, resume, factory=lambda: list(default), check=check)
+
+
+def table(resume: ResumeRule, *, check: Callable[[str, Any], None] | None = None):
+    """A TOML table of options (default: empty), each checked by `check`."""
+    return _declare(None, resume, factory=dict, check=check)
 
 
 def declared(cls: type) -> dict[str, dict[str, Any]]:

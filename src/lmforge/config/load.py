@@ -60,11 +60,16 @@ def coerce(section: str, key: str, value: Any, typ: type, where: str) -> Any:
         (item,) = typing.get_args(typ)
         if isinstance(value, list) and all(isinstance(v, item) for v in value):
             return list(value)
+    elif typ is dict:
+        if isinstance(value, dict):
+            return dict(value)
     shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
     expected = getattr(typ, "__name__", typ)
     if typing.get_origin(typ) is list:
         (item,) = typing.get_args(typ)
         expected = f"a list of {'tables' if item is dict else 'texts' if item is str else item.__name__}"
+    if typ is dict:
+        expected = "a table"
     raise ConfigError(
         f"{where}: {name} = {shown} has type {type(value).__name__}, expected {expected}. "
         f"Fix the value (for example {name}={default_of(section, key)!r}, the default)."
@@ -120,11 +125,18 @@ def apply_overrides(cfg: Config, overrides: list[str] | None) -> Config:
             raise ConfigError(
                 f"--set {item!r}: unknown section {section!r}.{suggest(section, list(raw))}"
             )
+        key, _, option = key.partition(".")  # data.executor.partition: an option of a table
         if key not in raw[section]:
             raise ConfigError(
                 f"--set {item!r}: unknown key {section}.{key}.{suggest(key, list(raw[section]))}"
             )
         value = _parse_override_value(text.strip())
+        if option:
+            if field_types(type(getattr(cfg, section)))[key] is not dict:
+                raise ConfigError(f"--set {item!r}: {section}.{key} is not a table; expected --set {section}.{key}=VALUE.")
+            raw[section][key] = {**raw[section][key], option: value}
+            names.append(f"{section}.{key}")
+            continue
         typ = field_types(type(getattr(cfg, section)))[key]
         if typ is str and isinstance(value, (list, dict)):
             kind = "a list" if isinstance(value, list) else "a table"

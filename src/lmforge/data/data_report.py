@@ -64,7 +64,7 @@ class DataReport:
         n-gram), by one-permutation hashing with rotation (module comment above SHINGLE)."""
         return self.signatures_of([ids])[0]
 
-    def signatures_of(self, docs: list) -> "np.ndarray":
+    def signatures_of(self, docs: list):
         """(len(docs), 64) uint32: `signature` of each of `docs` (token id sequences), computed
         for all of them at once. Per document: each 5-gram hashed to 64 bits (h), a bucket the
         top 6 bits, its value the bucket's smallest h (57 bits); an empty bucket takes the next

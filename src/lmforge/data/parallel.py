@@ -90,9 +90,10 @@ os.register_at_fork(after_in_child=_child_signals)
 START_METHOD = "fork" if sys.platform.startswith("linux") else "spawn"
 
 
-def run_stage(job: Job, stage: str, workers: int, progress: bool, input_bytes: int) -> None:
-    """Run `stage`'s tasks not yet complete, `workers` at a time (datatrove's local executor, its
-    completion markers and logs under the work folder), with one bar of the input read.
+def run_stage(job: Job, stage: str, workers: int, progress: bool, input_bytes: int, executor: str = "local") -> None:
+    """Run `stage`'s tasks not yet complete, `workers` at a time (datatrove's local executor, or its
+    Ray executor on the cluster `ray.init` joined; completion markers and logs under the work
+    folder), with one bar of the input read.
 
     Raises:
         the LmforgeError a task raised (the lowest rank's), as lmforge raises it.
@@ -101,9 +102,14 @@ def run_stage(job: Job, stage: str, workers: int, progress: bool, input_bytes: i
 
     tasks = 1 if stage == "plan" else job.tasks
     logger.remove()  # datatrove's console lines: in the work folder's logs
-    executor = _executor_class()(pipeline=[TASKS[stage](job)], tasks=tasks, workers=min(workers, tasks),
-                                 logging_dir=str(Path(job.work) / "logs" / stage), skip_completed=True,
-                                 start_method=START_METHOD)
+    common = {"pipeline": [TASKS[stage](job)], "tasks": tasks, "workers": min(workers, tasks),
+              "logging_dir": str(Path(job.work) / "logs" / stage), "skip_completed": True}
+    if executor == "ray":
+        from datatrove.executor.ray import RayPipelineExecutor
+
+        executor = RayPipelineExecutor(**common, cpus_per_task=job.threads, mem_per_cpu_gb=1)
+    else:
+        executor = _executor_class()(**common, start_method=START_METHOD)
     progress_dir = Path(job.work) / "progress"
     progress_dir.mkdir(exist_ok=True)
     bar = tqdm(desc=f"prepare ({stage}, {tasks} task{'s' if tasks > 1 else ''})", unit="B", unit_scale=True,
@@ -126,6 +132,10 @@ def run_stage(job: Job, stage: str, workers: int, progress: bool, input_bytes: i
     _RUNNING.set()
     try:
         executor.run()
+        if bar.total and all(executor.is_rank_completed(r) for r in range(tasks)):
+            stop.set()
+            watcher.join()
+            bar.update(bar.total - bar.n)  # the bar ends full: the last progress files may not have been read
     except Exception:
         _raise_task_error(job, stage)
         raise
@@ -157,11 +167,16 @@ def _raise_task_error(job: Job, stage: str) -> None:
 MIN_TASK_BYTES = 8 << 20
 
 
-def task_count(source: str, include_tests: bool, workers: int) -> int:
-    """The tasks a prepare of `source` runs with `workers`: at most one per MIN_TASK_BYTES of its
-    files (the data folder is the same for any count)."""
+def cores() -> int:
+    """The cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def task_count(source: str, include_tests: bool, most: int = 0) -> int:
+    """The tasks of data.workers = 0 (`most` = 0: the cores): at most one per MIN_TASK_BYTES of the
+    source's files (the data folder is the same for any count)."""
     size = sum(f.size for f in list_inputs(source, include_tests, SourceStats()))
-    return max(1, min(workers, size // MIN_TASK_BYTES))
+    return max(1, min(most or cores(), size // MIN_TASK_BYTES))
 
 
 def open_work(work: Path, fingerprint: dict) -> bool:
@@ -189,26 +204,40 @@ def open_work(work: Path, fingerprint: dict) -> bool:
     return False
 
 
-def prepare_tasks(tmp: Path, work: Path, source: str, tokenizer, val_fraction: float, include_tests: bool,
-                  on_bad_utf8: str, text_field: str, workers: int, progress: bool) -> tuple:
-    """`prepare`'s shards written into `tmp` by `workers` tasks (module docstring), their files in
-    `work` (removed once `tmp` is complete). Returns (split_meta, stats, duplicates, report) as
-    `lmforge.data.prepare.prepare_into` uses them."""
-    listing_stats = SourceStats()
-    files = list_inputs(source, include_tests, listing_stats)
+def make_job(work: Path, source: str, tokenizer, val_fraction: float, include_tests: bool, on_bad_utf8: str,
+             text_field: str, tasks: int, threads: int) -> tuple[Job, int]:
+    """The `Job` of a prepare of `source` in `tasks` tasks, its work folder opened (`open_work`:
+    kept when it holds the same prepare's tasks); and the bytes of its input files."""
+    files = list_inputs(source, include_tests, SourceStats())
     digest = listing_digest(source, include_tests)
     tokenizer_json = Path(tokenizer.folder) / "tokenizer.json"
     fingerprint = {"version": 1, "source": source, "listing": digest, "tokenizer": hashlib.sha256(
         tokenizer_json.read_bytes()).hexdigest(), "val_fraction": val_fraction, "include_tests": include_tests,
-        "on_bad_utf8": on_bad_utf8, "text_field": text_field, "tasks": workers, "chunk_records": CHUNK_RECORDS}
+        "on_bad_utf8": on_bad_utf8, "text_field": text_field, "tasks": tasks, "chunk_records": CHUNK_RECORDS}
     open_work(work, fingerprint)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    job = Job(str(work), source, str(tokenizer.folder), val_fraction, include_tests, on_bad_utf8, text_field, workers,
-              digest, str(tokenizer.contract.dtype), threads=max(1, cores // workers))
-    input_bytes = sum(f.size for f in files)
+    job = Job(str(work), source, str(tokenizer.folder), val_fraction, include_tests, on_bad_utf8, text_field, tasks,
+              digest, str(tokenizer.contract.dtype), threads=threads)
+    return job, sum(f.size for f in files)
+
+
+def prepare_tasks(tmp: Path, work: Path, source: str, tokenizer, val_fraction: float, include_tests: bool,
+                  on_bad_utf8: str, text_field: str, workers: int, progress: bool, executor: str = "local",
+                  address: str = "") -> tuple:
+    """`prepare`'s shards written into `tmp` by `workers` tasks (module docstring), their files in
+    `work` (removed once `tmp` is complete); `executor` "ray": the tasks on a Ray cluster (`address`,
+    or a local one `ray.init` starts; `work` must be on a file system its nodes share). Returns
+    (split_meta, stats, duplicates, report) as `lmforge.data.prepare.prepare_into` uses them."""
+    threads = max(1, cores() // workers)
+    if executor == "ray":
+        ray = errors.require_package("ray", "ray", "lmforge prepare --executor ray", errors.ConfigError)
+        if not ray.is_initialized():
+            ray.init(address=address or None, include_dashboard=False, log_to_driver=False)
+        threads = 1
+    job, input_bytes = make_job(work, source, tokenizer, val_fraction, include_tests, on_bad_utf8, text_field, workers,
+                                threads)
     try:
         for stage in STAGES:
-            run_stage(job, stage, workers, progress, input_bytes)
+            run_stage(job, stage, workers, progress, input_bytes, executor)
     except errors.LmforgeError:  # bad input: a run with it fixed has other inputs, nothing to resume
         shutil.rmtree(work, ignore_errors=True)
         raise
@@ -272,4 +301,4 @@ def join(job: Job, tmp: Path) -> tuple:
     return split_meta, stats, plan["duplicates"], report
 
 
-__all__ = ["MIN_TASK_BYTES", "START_METHOD", "join", "open_work", "prepare_tasks", "run_stage", "task_count"]
+__all__ = ["MIN_TASK_BYTES", "START_METHOD", "cores", "join", "make_job", "open_work", "prepare_tasks", "run_stage", "task_count"]

@@ -46,6 +46,8 @@ def prepare(
     seq_len: int = 0,
     text_field: str = "text",
     workers: int = 1,
+    executor: str = "local",
+    address: str = "",
 ) -> dict:
     """Tokenize every document of `source` (`text_field`: the records' text) into
     `out_dir`/{train,val}.{bin,idx}.
@@ -59,7 +61,8 @@ def prepare(
     earlier prepare's folder, and is replaced only once the new one is complete. `workers` > 1:
     that many tasks at once (`lmforge.data.parallel`), the same folder to the byte; their files
     are kept in `out_dir`.prepare-tasks until it is written, so a stopped run resumes with the
-    tasks it had not finished.
+    tasks it had not finished; `executor` "ray" runs them on a Ray cluster (`address`, else one
+    started on this machine).
     Raises:
         DataError: missing/empty source, or a split left with no documents.
         OutputError: `out_dir` holds something else (a run, a tokenizer, a file...).
@@ -67,7 +70,8 @@ def prepare(
     out = Path(out_dir)
     with atomic_dir(out, PREPARE_OUTPUT, what="`lmforge prepare`", inputs=[("data.source", source_path(source))]) as tmp:
         meta = prepare_into(tmp, source, tokenizer, val_fraction, include_tests, on_bad_utf8, progress, seq_len,
-                            text_field, workers=workers, work=out.parent / f"{out.name}{TASKS_SUFFIX}")
+                            text_field, workers=workers, work=out.parent / f"{out.name}{TASKS_SUFFIX}",
+                            executor=executor, address=address)
         for name, text in (extra_files or {}).items():
             (tmp / name).write_text(text, encoding="utf-8")
     return meta
@@ -113,12 +117,14 @@ def hash64(data: bytes) -> int:
 
 def prepare_into(tmp: Path, source: str, tokenizer: Tokenizer, val_fraction: float, include_tests: bool,
                   on_bad_utf8: str, progress: bool, seq_len: int = 0, text_field: str = "text",
-                  input: dict | None = None, workers: int = 1, work: Path | None = None) -> dict:
+                  input: dict | None = None, workers: int = 1, work: Path | None = None,
+                  executor: str = "local", address: str = "") -> dict:
     """`prepare`'s work in `tmp`, a folder its caller writes (`prepare`, a mixture's sources): shards,
     `{split}.hashes`, meta.json (with `input`, what a mixture compares to reuse it, when given),
     report.json, contract.json. Returns the meta dict with the data report under "report".
     `workers` > 1: that many tasks (`lmforge.data.parallel`, their files in `work`, kept for a
-    resumed run until the folder is written), the same files as one process writes.
+    resumed run until the folder is written), the same files as one process writes; 0: as many as
+    the cores, fewer for a small input (`lmforge.data.parallel.task_count`).
     Raises:
         DataError: missing/empty source, or a split left with no documents.
     """
@@ -127,16 +133,16 @@ def prepare_into(tmp: Path, source: str, tokenizer: Tokenizer, val_fraction: flo
     if input is not None:
         meta["input"] = input
     t0 = time.perf_counter()
-    if workers > 1:
+    if workers == 0:  # as many as the cores, one per MIN_TASK_BYTES of input at most
         from lmforge.data.parallel import task_count
 
-        workers = task_count(source, include_tests, workers)
+        workers = task_count(source, include_tests)
     if workers > 1:
         from lmforge.data.parallel import prepare_tasks
 
         split_meta, stats, duplicates, report = prepare_tasks(
             tmp, work if work is not None else tmp / ".tasks", source, tokenizer, val_fraction, include_tests,
-            on_bad_utf8, text_field, workers, progress)
+            on_bad_utf8, text_field, workers, progress, executor, address)
     else:
         stats, report = SourceStats(), DataReport()
         bar = tqdm(desc="prepare", unit="B", unit_scale=True, disable=not progress, mininterval=1.0)

@@ -94,6 +94,7 @@ class Job:
                             f"it stays put.")
         owner = stats.owner = Owner(rank, self.tasks)
         progress = Path(self.work) / "progress" / f"{stage}-{rank:05d}"
+        progress.parent.mkdir(exist_ok=True)
         shown = 0.0
         for doc in iter_documents(self.source, None, self.val_fraction, self.include_tests, self.on_bad_utf8, stats,
                                   self.text_field, owner):

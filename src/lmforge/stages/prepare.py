@@ -15,10 +15,11 @@ from lmforge.stages.common import log
 from lmforge.tokenizer import Tokenizer
 
 
-def prepare_stage(cfg: Config, out: str | Path | None = None, progress: bool = True) -> dict:
+def prepare_stage(cfg: Config, out: str | Path | None = None, progress: bool = True, executor: str = "local") -> dict:
     """Pretokenize `data.source` with the tokenizer in tokenizer.dir into `out` (or data.dir);
     with `data.sources`, each source into `out`/NAME (a source prepared before from the same
-    files and settings is reused). Returns the meta dict (a mixture: {name: meta})."""
+    files and settings is reused). `executor` "ray": data.source's tasks on a Ray cluster
+    (data.executor.address, else one started here). Returns the meta dict (a mixture: {name: meta})."""
     out = Path(out or cfg.data.dir)
     tok = Tokenizer.load(cfg.tokenizer.dir)
     d = cfg.data
@@ -35,25 +36,22 @@ def prepare_stage(cfg: Config, out: str | Path | None = None, progress: bool = T
     if d.sources:
         sources = mixture_sources(d.sources)
         metas = prepare_mixture(sources, tok, out, d.val_fraction, d.include_tests, d.on_bad_utf8, progress,
-                                extra_files=extra, seq_len=d.seq_len, log=log, workers=data_workers(d.workers))
+                                extra_files=extra, seq_len=d.seq_len, log=log, workers=d.workers)
         for name, meta in metas.items():
             _summary(meta, f"prepare: {name}: ")
         log(f"prepare: a mixture of {len(metas)} sources in {out} ({sum(m['reused'] for m in metas.values())} "
             f"reused); pretraining draws rows by data.sources' weights")
         return metas
+    workers = d.workers
+    if executor == "ray":  # the tasks asked for, on the cluster's cores (never fewer for a small input)
+        from lmforge.data.parallel import cores
+
+        workers = d.executor.get("tasks") or d.workers or cores()
     meta = prepare(d.source, tok, out, d.val_fraction, d.include_tests, d.on_bad_utf8, progress,
-                   extra_files=extra, seq_len=d.seq_len, text_field=d.text_field, workers=data_workers(d.workers))
+                   extra_files=extra, seq_len=d.seq_len, text_field=d.text_field, workers=workers, executor=executor,
+                   address=d.executor.get("address", ""))
     _summary(meta, "prepare: ")
     return meta
-
-
-def data_workers(workers: int) -> int:
-    """data.workers as a number of tasks: 0 = the cores this process may run on."""
-    import os
-
-    if workers:
-        return workers
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def _summary(meta: dict, prefix: str) -> None:

@@ -1,0 +1,89 @@
+"""`lmforge prepare --executor slurm`: the stages of a parallel prepare (`lmforge.data.parallel`) as
+Slurm job arrays, submitted by datatrove's `SlurmPipelineExecutor` and chained `afterok`: "hash"
+(an array of `tasks`), "plan" (one job), "tokenize" (an array), then "finish" (one job, its log beside
+data.dir), which runs `lmforge prepare` itself with the config as submitted: it finds every task complete
+(datatrove's completion markers, in the tasks' folder beside data.dir) and joins their shards into
+data.dir as on one machine. The folder is the same, to the byte, as one process writes.
+
+The submitting command returns once the jobs are queued (their ids and scripts printed); the
+tasks' folder and data.dir must be on a file system every node sees. A job that fails leaves the
+later ones pending (`afterok`); the same command again submits only the tasks not complete.
+"""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from pathlib import Path
+
+from datatrove.executor.slurm import SlurmPipelineExecutor, launch_slurm_job
+
+from lmforge.data.parallel import make_job, task_count
+from lmforge.data.prepare import TASKS_SUFFIX
+from lmforge.data.stream_tasks import HashTask, PlanTask, TokenizeTask
+from lmforge.errors import ConfigError
+
+#: data.executor's defaults (lmforge.config.core.EXECUTOR_OPTIONS); `tasks`: data.workers when
+#: set, else DEFAULT_TASKS.
+DEFAULTS = {"time": "04:00:00", "cpus_per_task": 2, "mem_per_cpu_gb": 2, "qos": "", "venv_path": ""}
+DEFAULT_TASKS = 64
+
+
+class LmforgeSlurmExecutor(SlurmPipelineExecutor):
+    """datatrove's SlurmPipelineExecutor without its stats-merging job (lmforge's report is in data.dir)."""
+
+    def launch_merge_stats(self):
+        pass
+
+
+def submit_slurm(cfg, out: Path, tokenizer) -> dict:
+    """Submit the prepare of `cfg.data.source` into `out` as Slurm jobs (module docstring).
+    Returns {"tasks", "jobs": {stage: job id}, "scripts": {stage: launch script path}, "work"}.
+
+    Raises:
+        ConfigError: data.executor.partition not set.
+        DataError / OutputError: as `lmforge prepare` (the source listed, the tasks' folder).
+    """
+    from datatrove.utils.logging import logger
+
+    d = cfg.data
+    opts = {**DEFAULTS, **d.executor}
+    if not opts.get("partition"):
+        raise ConfigError("data.executor.partition is not set: `lmforge prepare --executor slurm` needs the Slurm "
+                          "partition to run on (--set data.executor.partition=NAME, or [data.executor] partition = "
+                          "\"NAME\" in the config).")
+    tasks = opts.get("tasks") or d.workers or task_count(d.source, d.include_tests, DEFAULT_TASKS)
+    work = out.parent / f"{out.name}{TASKS_SUFFIX}"
+    job, _ = make_job(work, d.source, tokenizer, d.val_fraction, d.include_tests, d.on_bad_utf8, d.text_field, tasks,
+                      int(opts["cpus_per_task"]))
+    from lmforge.config import apply_overrides
+
+    final = apply_overrides(cfg, [f"data.workers={tasks}", f"data.dir={out}"])
+    config_path = work / "config.toml"
+    final.save(config_path)
+    logger.remove()  # datatrove's lines: in the tasks' folder; lmforge prints the jobs itself
+    common = {"time": str(opts["time"]), "partition": opts["partition"], "cpus_per_task": int(opts["cpus_per_task"]),
+              "mem_per_cpu_gb": int(opts["mem_per_cpu_gb"]), "qos": opts["qos"] or None,
+              "venv_path": opts["venv_path"] or None, "skip_completed": True}
+    previous, executors = None, {}
+    for stage, step, n in (("hash", HashTask(job), tasks), ("plan", PlanTask(job), 1), ("tokenize", TokenizeTask(job), tasks)):
+        previous = executors[stage] = LmforgeSlurmExecutor(
+            pipeline=[step], tasks=n, job_name=f"lmforge-prepare-{stage}", logging_dir=str(work / "logs" / stage),
+            depends=previous, **common)
+    previous.run()  # submits its dependencies first, each afterok the one before
+    jobs = {stage: ex.job_id for stage, ex in executors.items()}
+    # the last job: `lmforge prepare` itself (every task found complete, the folder joined), its log beside data.dir
+    log = out.parent / f"{out.name}.prepare-finish.log"
+    args = {**previous.get_sbatch_args(1), "job-name": "lmforge-prepare-finish", "output": str(log), "error": str(log)}
+    args.pop("array")
+    script = previous.get_launch_file_contents(args, shlex.join(
+        [sys.executable, "-m", "lmforge", "prepare", "--config", str(config_path), "--out", str(out), "--no-progress"]))
+    (work / "finish.slurm").write_text(script)
+    after = [f"--dependency=afterok:{jobs['tokenize']}"] if jobs["tokenize"] not in (None, -1) else []
+    jobs["finish"] = launch_slurm_job(script, previous.job_id_retriever, *after)
+    return {"tasks": tasks, "work": str(work), "jobs": jobs, "log": str(log),
+            "scripts": {**{stage: str(work / "logs" / stage / "launch_script.slurm") for stage in executors},
+                        "finish": str(work / "finish.slurm")}}
+
+
+__all__ = ["DEFAULTS", "DEFAULT_TASKS", "LmforgeSlurmExecutor", "submit_slurm"]
