@@ -136,6 +136,7 @@ def _jsonl(path: Path, kind: str, on_open: Callable, take: Callable[[], bool] | 
         raise DataError(f"{shown_path(path)}: cannot be read ({exc.strerror}).") from None
     on_open(position)
     lineno = 0
+    shown = shown_path(path)  # once a file: a record's `where` is made for every line
     with f:
         lines = iter(f)
         while True:
@@ -150,7 +151,7 @@ def _jsonl(path: Path, kind: str, on_open: Callable, take: Callable[[], bool] | 
             lineno += 1
             if not raw.strip() or (take is not None and not take()):
                 continue
-            where = f"{shown_path(path)}:{lineno}"
+            where = f"{shown}:{lineno}"
             try:
                 record = json.loads(raw)
             except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -227,6 +228,7 @@ def _rows(path: Path, batches, total: int, on_open: Callable,
     rows, 0 when unknown) that `take` takes; a batch that cannot be read is a DataError naming the
     last good row."""
     row = 0
+    shown = shown_path(path)
     size = path.stat().st_size
     on_open(lambda: size * row // total if total else 0)
     while True:
@@ -247,7 +249,7 @@ def _rows(path: Path, batches, total: int, on_open: Callable,
         for record, own in zip(records, owned):
             row += 1
             if own:
-                yield f"{shown_path(path)} row {row}", record
+                yield f"{shown} row {row}", record
 
 
 def _first_line(exc: BaseException) -> str:

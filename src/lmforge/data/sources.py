@@ -153,6 +153,7 @@ def _iter_records(path: Path, text_field: str = "text", stats: SourceStats | Non
     of a column is no document. `stats.position` follows the read."""
     columnar = record_suffix(path) in (".parquet", ".arrow")
     field = f'"{text_field}"'
+    cut = len(shown_path(path))  # "/data/f.jsonl:12" -> "f.jsonl:12"
     on_open = None if stats is None else (lambda position: setattr(stats, "position", position))
     try:
         for where, record in iter_records(path, columns=[text_field] if columnar else None, on_open=on_open,
@@ -167,7 +168,7 @@ def _iter_records(path: Path, text_field: str = "text", stats: SourceStats | Non
                 whose = f" whose {field} is {short(text)}" if isinstance(record, dict) else ""
                 raise DataError(f"{where}: expected an object with a string {field} field, got "
                                 f"{type(record).__name__}{whose}.")
-            name = path.name + where[len(shown_path(path)):]  # "f.jsonl:12", "f.parquet row 7"
+            name = path.name + where[cut:]  # "f.jsonl:12", "f.parquet row 7"
             yield Document(name, check_text(text, where, field), key=content_key(text))
     except MissingColumn as exc:
         raise DataError(f"{exc} Set data.text_field to the column that holds the text.") from None

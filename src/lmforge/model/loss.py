@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from lmforge.config import DPO_LOSS_CHOICES, RL_LOSS_TYPES
 from lmforge.runtime import compute_dtype
-from lmforge.model.memory import loss_chunk_rows
+from lmforge.model.memory import LOSS_CHUNK_ROWS
 
 #: The label of positions outside the loss mask, for F.cross_entropy (defined once, here).
 IGNORE_INDEX = -100
@@ -189,7 +189,7 @@ class _Grads:
 
 
 def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                             loss_mask: torch.Tensor, chunk_rows: int | None = None,
+                             loss_mask: torch.Tensor, chunk_rows: int = LOSS_CHUNK_ROWS,
                              groups: torch.Tensor | None = None, n_groups: int = 0,
                              softcap: float = 0.0, temperature: float = 1.0) -> torch.Tensor:
     """`cross_entropy_sum(hidden @ weight.T, targets, loss_mask)`, without materialising the
@@ -199,8 +199,7 @@ def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, targets
         hidden: (B, T, D) or (N, D) float, the final-norm hidden states.
         weight: (V, D) float, the output projection (V = the tokenizer's vocab).
         targets: (B, T) / (N,) int64; loss_mask: same shape, bool.
-        chunk_rows: rows of logits computed at a time (float32 work stays in cache); None:
-            `lmforge.model.memory.loss_chunk_rows(V)` (256, fewer above 65,536 ids).
+        chunk_rows: rows of logits computed at a time (float32 work stays in cache).
         groups: None, or (B, T) / (N,) int64 in [0, n_groups): sum each group's positions
             apart (a row, or one document of a packed row: DPO's sequence log-probabilities).
             Positions outside the loss mask add nothing to any group.
@@ -214,7 +213,6 @@ def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, targets
     """
     D = hidden.shape[-1]
     h = hidden.reshape(-1, D)
-    chunk_rows = chunk_rows or loss_chunk_rows(weight.shape[0])
     labels = torch.where(loss_mask.reshape(-1), targets.reshape(-1), IGNORE_INDEX)
     dtype = compute_dtype(h.device, torch.promote_types(h.dtype, weight.dtype))
     if groups is not None:

@@ -44,17 +44,8 @@ def rope_bytes(cfg: ModelConfig) -> int:
     return tables * 2 * 4 * cfg.max_seq_len * cfg.resolved_head_dim() + 3 * 8 * ROPE_BLOCK_ELEMENTS
 
 
-#: Rows of float32 logits the fused loss (lmforge.model.loss.linear_cross_entropy) holds at a time,
-#: at most; a vocabulary above 65,536 ids gets fewer (`loss_chunk_rows`).
+#: Rows of float32 logits the fused loss (lmforge.model.loss.linear_cross_entropy) holds at a time.
 LOSS_CHUNK_ROWS = 256
-#: float32 logits the fused loss holds at a time, at most (64 MB, and as much again for their gradient).
-LOSS_CHUNK_ELEMENTS = LOSS_CHUNK_ROWS * 65_536
-
-
-def loss_chunk_rows(vocab_size: int) -> int:
-    """Rows of logits a chunk of the fused loss: LOSS_CHUNK_ROWS, fewer for a vocabulary above
-    65,536 ids (64 for Gemma 3's 262,144), at least 16 (a matmul of a few rows wastes the kernel)."""
-    return max(16, min(LOSS_CHUNK_ROWS, LOSS_CHUNK_ELEMENTS // max(vocab_size, 1)))
 
 
 def activation_bytes(cfg: ModelConfig, tokens: int, compute_bytes: int = 4, recompute: bool = False) -> int:
@@ -62,14 +53,13 @@ def activation_bytes(cfg: ModelConfig, tokens: int, compute_bytes: int = 4, reco
     (12 dim + 4 ffn) elements of the compute dtype (`compute_bytes` each) — roughly the tensors
     kept per block (the norms' inputs and outputs, q, k, v, the attention output, the MLP's
     projections and activation; the fused attention kernels keep no T x T matrix) — plus the
-    loss's float32 chunk (`loss_chunk_rows` x vocab, logits and their gradient). Measured on this
+    loss's float32 chunk (LOSS_CHUNK_ROWS x vocab, logits and their gradient). Measured on this
     project's CPU: the steps added 1.0-1.3 x (gradients + optimizer state + this), 2.1 x for a
     2-layer dim-128 model (lmforge.train.plan). `recompute` (train.activation_checkpointing): each
     block's input (dim elements a token a layer) and one block's tensors while it is recomputed."""
     block = 12 * cfg.dim + 4 * cfg.resolved_ffn_dim()
     per_token = (cfg.n_layers * cfg.dim + block if recompute else cfg.n_layers * block) * compute_bytes
-    vocab = padded_vocab_size(max(cfg.vocab_size, 1))
-    return tokens * per_token + loss_chunk_rows(vocab) * vocab * 4 * 2
+    return tokens * per_token + LOSS_CHUNK_ROWS * padded_vocab_size(max(cfg.vocab_size, 1)) * 4 * 2
 
 
 def available_memory(device: torch.device) -> int:
@@ -145,6 +135,6 @@ def check_fits_in_memory(cfg: ModelConfig, training_tokens: int = 0) -> None:
             + (", train.micro_batch_size or data.seq_len." if training_tokens else "."))
 
 
-__all__ = ["LOSS_CHUNK_ELEMENTS", "LOSS_CHUNK_ROWS", "ROPE_BLOCK_ELEMENTS", "loss_chunk_rows", "activation_bytes", "available_memory", "parameter_count",
+__all__ = ["LOSS_CHUNK_ROWS", "ROPE_BLOCK_ELEMENTS", "activation_bytes", "available_memory", "parameter_count",
            "release_free_memory",
            "memory_bytes", "memory_need", "rope_bytes", "check_fits_in_memory"]
