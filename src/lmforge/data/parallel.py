@@ -46,7 +46,6 @@ from lmforge.errors import DataError
 from lmforge.fileio import OutputError, shown_path
 
 
-
 def _executor_class():
     """datatrove's LocalPipelineExecutor, its log lines kept in the work folder (a task's
     LmforgeError reaches the user as lmforge's one error line, not a logged traceback)."""
@@ -151,12 +150,12 @@ def run_stage(job: Job, stage: str, workers: int, progress: bool, input_bytes: i
 
 
 def _raise_task_error(job: Job, stage: str) -> None:
-    """Raise the LmforgeError a task of `stage` recorded (the lowest rank's), if any."""
+    """Raise the LmforgeError a task of `stage` recorded (the lowest rank's), if any, the work
+    folder removed first: bad input, so a run with it fixed has other inputs and nothing to resume."""
     found = sorted((Path(job.work) / "errors").glob(f"{stage}-*.json"))
     if found:
         error = json.loads(found[0].read_text())
-        for path in found:
-            path.unlink()
+        shutil.rmtree(job.work, ignore_errors=True)
         kind = getattr(errors, error["type"], DataError)
         raise (kind if isinstance(kind, type) and issubclass(kind, errors.LmforgeError) else DataError)(
             error["message"])
@@ -235,12 +234,8 @@ def prepare_tasks(tmp: Path, work: Path, source: str, tokenizer, val_fraction: f
         threads = 1
     job, input_bytes = make_job(work, source, tokenizer, val_fraction, include_tests, on_bad_utf8, text_field, workers,
                                 threads)
-    try:
-        for stage in STAGES:
-            run_stage(job, stage, workers, progress, input_bytes, executor)
-    except errors.LmforgeError:  # bad input: a run with it fixed has other inputs, nothing to resume
-        shutil.rmtree(work, ignore_errors=True)
-        raise
+    for stage in STAGES:
+        run_stage(job, stage, workers, progress, input_bytes, executor)
     split_meta, stats, duplicates, report = join(job, tmp)
     shutil.rmtree(work)
     return split_meta, stats, duplicates, report
