@@ -70,7 +70,8 @@ def mixed_corpus(root: Path, texts: list[str]) -> Path:
         "".join(json.dumps({"text": t}) + "\n" for t in texts[28:34]).encode()))
     (folder / "f.jsonl.bz2").write_bytes(bz2.compress(
         "".join(json.dumps({"text": t}) + "\n" for t in texts[34:38] + texts[20:22]).encode()))
-    pq.write_table(pa.table({"text": texts[38:] + [None, texts[30]]}), folder / "g.parquet")
+    rows = [f"{t}# row {i}\n" for i, t in enumerate(texts[:20])]  # one batch of many chunks: rows in order
+    pq.write_table(pa.table({"text": texts[38:] + [None, texts[30]] + rows + [rows[5]]}), folder / "g.parquet")
     return folder
 
 
@@ -117,8 +118,8 @@ def test_every_format_with_duplicates_across_tasks_gives_the_one_process_folder(
         digests[n] = folder_digest(tmp_path / f"n{n}")
     assert digests[2] == digests[1] and digests[3] == digests[1]
     meta = metas[3]
-    assert meta["skipped_duplicates"] == 6 and meta["skipped_bad_utf8"] == 1 and meta["skipped_empty"] == 1
-    assert meta["report"]["exact_duplicates_dropped"]["count"] == 6
+    assert meta["skipped_duplicates"] == 7 and meta["skipped_bad_utf8"] == 1 and meta["skipped_empty"] == 1
+    assert meta["report"]["exact_duplicates_dropped"]["count"] == 7
     assert meta["report"]["exact_duplicates_dropped"]["examples"][0] == ["a0.py", "b_dup.txt"]
     want = reference(source, tiny_tokenizer, 0.2)
     for split in ("train", "val"):

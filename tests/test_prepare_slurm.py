@@ -95,3 +95,23 @@ def test_slurm_jobs_are_the_stages_chained_and_write_the_one_process_folder(tiny
     mine, one = folder_digest(out), folder_digest(tmp_path / "one")
     mine.pop("config.toml"), one.pop("config.toml")
     assert mine == one
+
+
+@pytest.mark.parametrize("sets, expected", [
+    (["data.executor.tasks=1"], r"data\.executor\.tasks = 1 \(or data\.workers\): one task needs no cluster"),
+    ([], r"data\.executor\.partition is not set"),
+    (["data.source=stdlib", "data.sources=[{source=\"stdlib\"}]"],
+     r"data\.sources: a mixture of 1 sources; `lmforge prepare --executor slurm`"),
+])
+def test_what_slurm_cannot_run_is_refused_before_anything_is_submitted(tiny_run, tiny_corpus, tmp_path, sets, expected):
+    cfg, _ = tiny_run
+    cfg.save(tmp_path / "cfg.toml")
+    partition = [] if not sets else ["--set", "data.executor.partition=debug"]
+    args = [a for s in sets for a in ("--set", s)]
+    res = subprocess.run([sys.executable, "-m", "lmforge", "prepare", "--config", str(tmp_path / "cfg.toml"),
+                          "--executor", "slurm", "--set", f"data.source={tiny_corpus}", *partition, *args, "--out",
+                          str(tmp_path / "data")], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PATH": "/usr/bin:/bin"})
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert re.search(expected, res.stderr), res.stderr[-2000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cfg.toml"]  # no tasks' folder, no data folder

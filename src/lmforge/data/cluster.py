@@ -48,17 +48,25 @@ def submit_slurm(cfg, out: Path, tokenizer) -> dict:
 
     d = cfg.data
     opts = {**DEFAULTS, **d.executor}
+    if d.sources:
+        raise ConfigError(f"data.sources: a mixture of {len(d.sources)} sources; `lmforge prepare --executor slurm` "
+                          f"prepares one data.source. Prepare each source into its own folder with it, or the mixture "
+                          f"on one machine (without --executor).")
     if not opts.get("partition"):
         raise ConfigError("data.executor.partition is not set: `lmforge prepare --executor slurm` needs the Slurm "
                           "partition to run on (--set data.executor.partition=NAME, or [data.executor] partition = "
                           "\"NAME\" in the config).")
-    tasks = opts.get("tasks") or d.workers or task_count(d.source, d.include_tests, DEFAULT_TASKS)
+    tasks = opts.get("tasks") or d.workers or max(2, task_count(d.source, d.include_tests, DEFAULT_TASKS))
+    if tasks < 2:
+        raise ConfigError(f"data.executor.tasks = {tasks} (or data.workers): one task needs no cluster. Run `lmforge "
+                          f"prepare` without --executor, or ask for 2 tasks or more.")
     work = out.parent / f"{out.name}{TASKS_SUFFIX}"
     job, _ = make_job(work, d.source, tokenizer, d.val_fraction, d.include_tests, d.on_bad_utf8, d.text_field, tasks,
                       int(opts["cpus_per_task"]))
-    from lmforge.config import apply_overrides
+    import copy
 
-    final = apply_overrides(cfg, [f"data.workers={tasks}", f"data.dir={out}"])
+    final = copy.deepcopy(cfg)  # the finish job's config: these tasks, this folder (set as values, never parsed)
+    final.data.workers, final.data.dir = tasks, str(out)
     config_path = work / "config.toml"
     final.save(config_path)
     logger.remove()  # datatrove's lines: in the tasks' folder; lmforge prints the jobs itself

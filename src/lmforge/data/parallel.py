@@ -41,7 +41,8 @@ from lmforge.data.data_report import DataReport
 from lmforge.data.inputs import SKIPPED_NAMES, SourceStats, list_inputs
 from lmforge.data.prepare import HASHES_SUFFIX
 from lmforge.data.sources import SPLITS
-from lmforge.data.stream_tasks import CHUNK_RECORDS, OWN_FILE, STAGES, TASKS, Job, listing_digest
+from lmforge.data import stream_tasks
+from lmforge.data.stream_tasks import OWN_FILE, STAGES, TASKS, Job, listing_digest
 from lmforge.errors import DataError
 from lmforge.fileio import OutputError, shown_path
 
@@ -150,11 +151,12 @@ def run_stage(job: Job, stage: str, workers: int, progress: bool, input_bytes: i
 
 
 def _raise_task_error(job: Job, stage: str) -> None:
-    """Raise the LmforgeError a task of `stage` recorded (the lowest rank's), if any, the work
-    folder removed first: bad input, so a run with it fixed has other inputs and nothing to resume."""
-    found = sorted((Path(job.work) / "errors").glob(f"{stage}-*.json"))
+    """Raise the LmforgeError a task of `stage` recorded (the one earliest in the stream, as one
+    process would have met it first among those met), if any, the work folder removed first: bad
+    input, so a run with it fixed has other inputs and nothing to resume."""
+    found = [json.loads(p.read_text()) for p in sorted((Path(job.work) / "errors").glob(f"{stage}-*.json"))]
     if found:
-        error = json.loads(found[0].read_text())
+        error = min(found, key=lambda e: e.get("record", -1))
         shutil.rmtree(job.work, ignore_errors=True)
         kind = getattr(errors, error["type"], DataError)
         raise (kind if isinstance(kind, type) and issubclass(kind, errors.LmforgeError) else DataError)(
@@ -209,10 +211,13 @@ def make_job(work: Path, source: str, tokenizer, val_fraction: float, include_te
     kept when it holds the same prepare's tasks); and the bytes of its input files."""
     files = list_inputs(source, include_tests, SourceStats())
     digest = listing_digest(source, include_tests)
-    tokenizer_json = Path(tokenizer.folder) / "tokenizer.json"
-    fingerprint = {"version": 1, "source": source, "listing": digest, "tokenizer": hashlib.sha256(
-        tokenizer_json.read_bytes()).hexdigest(), "val_fraction": val_fraction, "include_tests": include_tests,
-        "on_bad_utf8": on_bad_utf8, "text_field": text_field, "tasks": tasks, "chunk_records": CHUNK_RECORDS}
+    tok = hashlib.sha256()
+    for name in ("tokenizer.json", "tokenizer_config.json", "contract.json"):  # the ids and the specials
+        path = Path(tokenizer.folder) / name
+        tok.update(name.encode() + (path.read_bytes() if path.is_file() else b"-"))
+    fingerprint = {"version": 1, "source": source, "listing": digest, "tokenizer": tok.hexdigest(),
+                   "val_fraction": val_fraction, "include_tests": include_tests, "on_bad_utf8": on_bad_utf8,
+                   "text_field": text_field, "tasks": tasks, "chunk_records": stream_tasks.CHUNK_RECORDS}
     open_work(work, fingerprint)
     job = Job(str(work), source, str(tokenizer.folder), val_fraction, include_tests, on_bad_utf8, text_field, tasks,
               digest, str(tokenizer.contract.dtype), threads=threads)
@@ -223,7 +228,7 @@ def prepare_tasks(tmp: Path, work: Path, source: str, tokenizer, val_fraction: f
                   on_bad_utf8: str, text_field: str, workers: int, progress: bool, executor: str = "local",
                   address: str = "") -> tuple:
     """`prepare`'s shards written into `tmp` by `workers` tasks (module docstring), their files in
-    `work` (removed once `tmp` is complete); `executor` "ray": the tasks on a Ray cluster (`address`,
+    `work` (removed here when inside `tmp`; `prepare` removes it once the data folder is in place); `executor` "ray": the tasks on a Ray cluster (`address`,
     or a local one `ray.init` starts; `work` must be on a file system its nodes share). Returns
     (split_meta, stats, duplicates, report) as `lmforge.data.prepare.prepare_into` uses them."""
     threads = max(1, cores() // workers)
@@ -237,7 +242,8 @@ def prepare_tasks(tmp: Path, work: Path, source: str, tokenizer, val_fraction: f
     for stage in STAGES:
         run_stage(job, stage, workers, progress, input_bytes, executor)
     split_meta, stats, duplicates, report = join(job, tmp)
-    shutil.rmtree(work)
+    if tmp in work.parents:  # else `prepare` removes it once the data folder is in place
+        shutil.rmtree(work)
     return split_meta, stats, duplicates, report
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 import time
 from pathlib import Path
 
@@ -32,6 +33,8 @@ HASHES_SUFFIX = ".hashes"
 BATCH_DOCS = 64
 #: The folder beside the data folder where `workers` > 1 keep their tasks' files until it is written.
 TASKS_SUFFIX = ".prepare-tasks"
+#: The file that marks such a folder as lmforge's, with what its tasks were run for.
+TASKS_MARKER = "lmforge-prepare-tasks.json"
 
 
 def prepare(
@@ -74,6 +77,9 @@ def prepare(
                             executor=executor, address=address)
         for name, text in (extra_files or {}).items():
             (tmp / name).write_text(text, encoding="utf-8")
+    work = out.parent / f"{out.name}{TASKS_SUFFIX}"
+    if workers != 1 and (work / TASKS_MARKER).is_file():  # the tasks' files, joined into `out`
+        shutil.rmtree(work)
     return meta
 
 
@@ -275,5 +281,5 @@ def skipped(stats: SourceStats, duplicates: int) -> dict:
             "skipped_names": stats.skipped_names[:20], "skipped_duplicates": duplicates}
 
 
-__all__ = ["BATCH_DOCS", "TASKS_SUFFIX", "ShardWriter", "check_splits", "skipped", "HASHES_SUFFIX", "META_FILE", "PREPARE_OUTPUT", "REPORT_FILE", "SeenHashes", "hash64", "prepare",
+__all__ = ["BATCH_DOCS", "TASKS_MARKER", "TASKS_SUFFIX", "ShardWriter", "check_splits", "skipped", "HASHES_SUFFIX", "META_FILE", "PREPARE_OUTPUT", "REPORT_FILE", "SeenHashes", "hash64", "prepare",
            "prepare_into"]

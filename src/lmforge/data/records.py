@@ -106,8 +106,10 @@ def iter_records(path: str | Path, columns: list[str] | None = None,
     when given, is called once the file is open with a function that says how many bytes of
     the file on disk are read so far (JSONL, compressed or not: the file's position; Parquet
     and Arrow: its size x the share of rows read), for progress. `take`, when given, is called once
-    a record (a non-blank line, a row) in file order, before the record is decoded: a record it
-    answers False to is passed over unread (`lmforge.data.parallel`: the records of other tasks).
+    a record (a non-blank line, a row) in file order, as the record is reached and before it is
+    given: a record it answers False to is passed over unread (`lmforge.data.parallel`: the
+    records of other tasks); a `take` with `peek(n)` (its next n answers, none taken) spares the
+    Parquet and Arrow rows it will not take their conversion.
 
     Raises:
         DataError: the file is missing or not a regular file, has another suffix, or a
@@ -234,21 +236,22 @@ def _rows(path: Path, batches, total: int, on_open: Callable,
     while True:
         try:
             batch = next(batches)
-            owned = [take is None or take() for _ in range(batch.num_rows)]
-            # the rows of other tasks are not made Python objects
-            if all(owned):
+            # which rows `take` will take, asked ahead without taking them (an Owner's `peek`), so that
+            # the rows of other tasks are not made Python objects; `take` itself is asked row by row below
+            ahead = take.peek(batch.num_rows) if take is not None and hasattr(take, "peek") else None
+            if ahead is None or all(ahead):
                 records = batch.to_pylist()
-            else:  # the rows of other tasks are not made Python objects
-                mine = iter(batch.filter(owned).to_pylist() if any(owned) else ())
-                records = [next(mine) if own else None for own in owned]
+            else:
+                mine = iter(batch.filter(ahead).to_pylist() if any(ahead) else ())
+                records = [next(mine) if own else None for own in ahead]
         except StopIteration:
             return
         except Exception as exc:  # pyarrow raises ArrowInvalid, OSError, ... for a damaged file
             raise DataError(f"{shown_path(path)}: damaged or cut short after row {row} ({_first_line(exc)}). Its "
                             f"rows after that one would be lost: re-write the file.") from None
-        for record, own in zip(records, owned):
+        for record in records:
             row += 1
-            if own:
+            if take is None or take():  # asked as the row is reached: the caller sees where the stream is
                 yield f"{shown} row {row}", record
 
 

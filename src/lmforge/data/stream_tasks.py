@@ -20,14 +20,14 @@ from lmforge import errors
 from lmforge.data.data_report import EXAMPLES, DataReport
 from lmforge.data.fast_encode import batch_encoder
 from lmforge.data.inputs import SKIPPED_NAMES, SourceStats, list_inputs
-from lmforge.data.prepare import BATCH_DOCS, NAMED_DOCUMENTS, ShardWriter, hash64
+from lmforge.data.prepare import BATCH_DOCS, NAMED_DOCUMENTS, TASKS_MARKER, ShardWriter, hash64
 from lmforge.data.sources import SPLITS, iter_documents, split_of
 from lmforge.errors import DataError
 
 #: Records a chunk: the unit of the stream a task owns (a few hundred kB of text for typical records).
 CHUNK_RECORDS = 64
 #: The file that marks a work folder as lmforge's, with what its tasks were run for.
-OWN_FILE = "lmforge-prepare-tasks.json"
+OWN_FILE = TASKS_MARKER
 STAGES = ("hash", "plan", "tokenize")
 
 
@@ -41,6 +41,10 @@ class Owner:
     def __call__(self) -> bool:
         self.record += 1
         return (self.record // CHUNK_RECORDS) % self.tasks == self.rank
+
+    def peek(self, n: int) -> list[bool]:
+        """What the next `n` calls will answer, none of them made."""
+        return [((self.record + i) // CHUNK_RECORDS) % self.tasks == self.rank for i in range(1, n + 1)]
 
     @property
     def chunk(self) -> int:
@@ -92,7 +96,7 @@ class Job:
             raise DataError(f"data.source = {self.source!r}: its files changed while it was prepared (files added, "
                             f"removed or rewritten). Nothing is written from a corpus that changes; run again once "
                             f"it stays put.")
-        owner = stats.owner = Owner(rank, self.tasks)
+        owner = stats.owner = self.owner = Owner(rank, self.tasks)  # self.owner: where an error stopped the task
         progress = Path(self.work) / "progress" / f"{stage}-{rank:05d}"
         progress.parent.mkdir(exist_ok=True)
         shown = 0.0
@@ -127,12 +131,15 @@ class StageTask:
         for old in (tmp, final):  # a task stopped before its completion marker: its files are redone
             shutil.rmtree(old, ignore_errors=True)
         tmp.mkdir(parents=True)
+        error = Path(self.job.work) / "errors" / f"{self.stage}-{rank:05d}.json"
+        error.unlink(missing_ok=True)  # an earlier run's
         try:
             self.run(rank, tmp)
         except errors.LmforgeError as exc:
-            error = Path(self.job.work) / "errors" / f"{self.stage}-{rank:05d}.json"
             error.parent.mkdir(exist_ok=True)
-            error.write_text(json.dumps({"type": type(exc).__name__, "message": str(exc)}))
+            owner = getattr(self.job, "owner", None)
+            error.write_text(json.dumps({"type": type(exc).__name__, "message": str(exc),
+                                         "record": owner.record if owner is not None else -1}))
             raise
         os.replace(tmp, final)
 

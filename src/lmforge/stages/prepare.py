@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from lmforge.config import CONFIG_FILE, Config
+from lmforge.errors import ConfigError
 from lmforge.data.mixture import mixture_sources, prepare_mixture
 from lmforge.data.reports import data_report_lines
 from lmforge.data.inputs import source_path
@@ -33,6 +34,9 @@ def prepare_stage(cfg: Config, out: str | Path | None = None, progress: bool = T
     check_not_input(out, inputs, own_check=lambda: check_output(out, PREPARE_OUTPUT, "`lmforge prepare`",
                                                                 replace_whole=True))
     extra = {CONFIG_FILE: cfg.to_toml()}
+    if d.sources and executor != "local":
+        raise ConfigError(f"data.sources: a mixture of {len(d.sources)} sources; `lmforge prepare --executor "
+                          f"{executor}` prepares one data.source. Prepare the mixture without --executor.")
     if d.sources:
         sources = mixture_sources(d.sources)
         metas = prepare_mixture(sources, tok, out, d.val_fraction, d.include_tests, d.on_bad_utf8, progress,
