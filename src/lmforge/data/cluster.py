@@ -19,7 +19,7 @@ from pathlib import Path
 from datatrove.executor.slurm import SlurmPipelineExecutor, launch_slurm_job
 
 from lmforge.data.parallel import make_job, task_count
-from lmforge.data.prepare import TASKS_SUFFIX
+from lmforge.data.shard_writer import TASKS_SUFFIX
 from lmforge.data.stream_tasks import HashTask, PlanTask, TokenizeTask
 from lmforge.errors import ConfigError
 

@@ -39,7 +39,7 @@ from tqdm import tqdm
 from lmforge import errors
 from lmforge.data.data_report import DataReport
 from lmforge.data.inputs import SKIPPED_NAMES, SourceStats, list_inputs
-from lmforge.data.prepare import HASHES_SUFFIX
+from lmforge.data.shard_writer import HASHES_SUFFIX
 from lmforge.data.sources import SPLITS
 from lmforge.data import stream_tasks
 from lmforge.data.stream_tasks import OWN_FILE, STAGES, TASKS, Job, listing_digest

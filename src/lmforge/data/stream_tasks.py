@@ -20,7 +20,7 @@ from lmforge import errors
 from lmforge.data.data_report import EXAMPLES, DataReport
 from lmforge.data.fast_encode import batch_encoder
 from lmforge.data.inputs import SKIPPED_NAMES, SourceStats, list_inputs
-from lmforge.data.prepare import BATCH_DOCS, NAMED_DOCUMENTS, TASKS_MARKER, ShardWriter, hash64
+from lmforge.data.shard_writer import BATCH_DOCS, NAMED_DOCUMENTS, TASKS_MARKER, ShardWriter, hash64
 from lmforge.data.sources import SPLITS, iter_documents, split_of
 from lmforge.errors import DataError
 
