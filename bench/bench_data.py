@@ -433,28 +433,30 @@ def main(argv: list[str] | None = None) -> dict:
             "seconds": round(time.perf_counter() - t_start, 1)}
 
 
-def _workers_only(args) -> dict:
+def _section_only(args, name: str, run, table, key: str = "rows") -> dict:
+    """One section alone (`--only-workers`, `--only-corpus`): its rows from `run(tok, work, texts, log)`
+    with the benchmark's tokenizer and texts, its table printed."""
     t_start = time.perf_counter()
+    log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        tok = common.bench_tokenizer(args.smoke, work, 8192, lambda m: print(m, file=sys.stderr, flush=True))
+        tok = common.bench_tokenizer(args.smoke, work, 8192, log)
         texts = common.smoke_texts() if args.smoke else common.stdlib_texts()
-        rows = workers_section(tok, 0.2 if args.smoke else args.workers_mb, [int(x) for x in args.workers.split(",")],
-                               args.workers_rounds, work, texts, lambda m: print(m, file=sys.stderr, flush=True))
-    print(workers_table(rows, args.smoke), flush=True)
-    return {"benchmark": "data-workers", "rows": rows, "cpu": common.cpu_name() if hasattr(common, "cpu_name") else "",
+        rows = run(tok, work, texts, log)
+    print(table(rows, args.smoke), flush=True)
+    return {"benchmark": f"data-{name}", key: rows, "cpu": common.cpu_model(),
             "seconds": round(time.perf_counter() - t_start, 1)}
 
 
+def _workers_only(args) -> dict:
+    return _section_only(args, "workers", lambda tok, work, texts, log: workers_section(
+        tok, 0.2 if args.smoke else args.workers_mb, [int(x) for x in args.workers.split(",")], args.workers_rounds,
+        work, texts, log), workers_table)
+
+
 def _corpus_only(args) -> dict:
-    t_start = time.perf_counter()
-    with tempfile.TemporaryDirectory() as tmp:
-        work = Path(tmp)
-        tok = common.bench_tokenizer(args.smoke, work, 8192, lambda m: print(m, file=sys.stderr, flush=True))
-        texts = common.smoke_texts() if args.smoke else common.stdlib_texts()
-        rows = corpus_section(args, tok, work, texts)
-    print(corpus_table(rows, args.smoke), flush=True)
-    return {"benchmark": "data-corpus", "corpus": rows, "seconds": round(time.perf_counter() - t_start, 1)}
+    return _section_only(args, "corpus", lambda tok, work, texts, log: corpus_section(args, tok, work, texts),
+                         corpus_table, key="corpus")
 
 
 def workers_section(tok, mb: float, workers: list[int], rounds: int, workdir: Path, texts: list[str], log) -> list[dict]:

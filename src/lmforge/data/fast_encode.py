@@ -166,7 +166,7 @@ class FastEncoder:
     def __init__(self, encoding, fallback: BatchEncoder | None = None, threads: int | None = None):
         self.encoding = encoding
         self.fallback = fallback
-        self.threads = threads or _cores()
+        self.threads = threads or cores()
         self._pool: ThreadPoolExecutor | None = None
 
     def _one(self, text: str) -> list[int]:
@@ -191,7 +191,8 @@ class FastEncoder:
             self._pool = None
 
 
-def _cores() -> int:
+def cores() -> int:
+    """The cores this process may run on."""
     try:
         return max(1, len(os.sched_getaffinity(0)))
     except AttributeError:
@@ -210,5 +211,5 @@ def batch_encoder(tokenizer, threads: int | None = None) -> BatchEncoder:
     return FastEncoder(enc, fallback=tokenizer.encode_batch, threads=threads)
 
 
-__all__ = ["FastEncodeUnsupported", "FastEncoder", "batch_encoder", "byte_decoder", "mergeable_ranks",
+__all__ = ["FastEncodeUnsupported", "FastEncoder", "batch_encoder", "cores", "byte_decoder", "mergeable_ranks",
            "tiktoken_encoding", "token_bytes"]

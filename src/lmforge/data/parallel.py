@@ -38,6 +38,7 @@ from tqdm import tqdm
 
 from lmforge import errors
 from lmforge.data.data_report import DataReport
+from lmforge.data.fast_encode import cores
 from lmforge.data.inputs import SKIPPED_NAMES, SourceStats, list_inputs
 from lmforge.data.shard_writer import HASHES_SUFFIX
 from lmforge.data.sources import SPLITS
@@ -130,12 +131,10 @@ def run_stage(job: Job, stage: str, workers: int, progress: bool, input_bytes: i
     watcher = threading.Thread(target=show, daemon=True)
     watcher.start()
     _RUNNING.set()
+    done = False
     try:
         executor.run()
-        if bar.total and all(executor.is_rank_completed(r) for r in range(tasks)):
-            stop.set()
-            watcher.join()
-            bar.update(bar.total - bar.n)  # the bar ends full: the last progress files may not have been read
+        done = all(executor.is_rank_completed(r) for r in range(tasks))
     except Exception:
         _raise_task_error(job, stage)
         raise
@@ -143,8 +142,10 @@ def run_stage(job: Job, stage: str, workers: int, progress: bool, input_bytes: i
         _RUNNING.clear()
         stop.set()
         watcher.join()
+        if done and bar.total:
+            bar.update(bar.total - bar.n)  # the bar ends full: the last progress files may not have been read
         bar.close()
-    if not all(executor.is_rank_completed(r) for r in range(tasks)):
+    if not done:
         _raise_task_error(job, stage)
         raise DataError(f"prepare: the {stage} stage did not finish every task (logs in "
                         f"{shown_path(Path(job.work) / 'logs' / stage)}). Run the same command again to resume.")
@@ -166,11 +167,6 @@ def _raise_task_error(job: Job, stage: str) -> None:
 #: Bytes of input (on disk) a task is given at least: a smaller source runs in fewer tasks (one
 #: process below twice this), as the tasks' start and the hash pass cost about a second.
 MIN_TASK_BYTES = 8 << 20
-
-
-def cores() -> int:
-    """The cores this process may run on."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def task_count(source: str, include_tests: bool, most: int = 0) -> int:
@@ -210,7 +206,7 @@ def make_job(work: Path, source: str, tokenizer, val_fraction: float, include_te
     """The `Job` of a prepare of `source` in `tasks` tasks, its work folder opened (`open_work`:
     kept when it holds the same prepare's tasks); and the bytes of its input files."""
     files = list_inputs(source, include_tests, SourceStats())
-    digest = listing_digest(source, include_tests)
+    digest = listing_digest(source, include_tests, files)
     tok = hashlib.sha256()
     for name in ("tokenizer.json", "tokenizer_config.json", "contract.json"):  # the ids and the specials
         path = Path(tokenizer.folder) / name
@@ -302,4 +298,4 @@ def join(job: Job, tmp: Path) -> tuple:
     return split_meta, stats, plan["duplicates"], report
 
 
-__all__ = ["MIN_TASK_BYTES", "START_METHOD", "cores", "join", "make_job", "open_work", "prepare_tasks", "run_stage", "task_count"]
+__all__ = ["MIN_TASK_BYTES", "START_METHOD", "join", "make_job", "open_work", "prepare_tasks", "run_stage", "task_count"]

@@ -109,9 +109,10 @@ class Job:
         progress.write_text(str(stats.input_bytes))
 
 
-def listing_digest(source: str, include_tests: bool) -> str:
-    """sha256 of the files `source` lists (paths, sizes, modification times), in order."""
-    files = list_inputs(source, include_tests, SourceStats())
+def listing_digest(source: str, include_tests: bool, files: list | None = None) -> str:
+    """sha256 of the files `source` lists (paths, sizes, modification times), in order (`files`:
+    that listing, when made already)."""
+    files = files if files is not None else list_inputs(source, include_tests, SourceStats())
     text = "\n".join(f"{f.rel}\t{f.kind}\t{f.size}\t{f.mtime_ns}" for f in files)
     return hashlib.sha256(text.encode("utf-8", "surrogateescape")).hexdigest()
 

@@ -48,7 +48,7 @@ def prepare_stage(cfg: Config, out: str | Path | None = None, progress: bool = T
         return metas
     workers = d.workers
     if executor == "ray":  # the tasks asked for, on the cluster's cores (never fewer for a small input)
-        from lmforge.data.parallel import cores
+        from lmforge.data.fast_encode import cores
 
         workers = d.executor.get("tasks") or d.workers or cores()
     meta = prepare(d.source, tok, out, d.val_fraction, d.include_tests, d.on_bad_utf8, progress,
