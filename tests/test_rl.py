@@ -513,7 +513,10 @@ def test_packed_and_padded_rl_runs_take_the_same_steps(tiny_run, init_ckpt, tmp_
     assert any(y["padding"] < x["padding"] for x, y in zip(a, b)), [(x["padding"], y["padding"]) for x, y in zip(a, b)]
     wa = load_file(str(latest_checkpoint(tmp_path / "False") / MODEL_FILE))
     wb = load_file(str(latest_checkpoint(tmp_path / "True") / MODEL_FILE))
-    assert max((wa[k] - wb[k]).abs().max().item() for k in wa) < 1e-5
+    # three AdamW steps at lr 1e-2 move a weight by up to ~3e-2; Adam's division by sqrt(v) carries the
+    # float32 rounding of the two row layouts' sums into the weights at ~1e-5 (6e-6 and 1.3e-5 seen
+    # with two formulas of the same softmax): equal to 1e-3 of the update, not to the last bits
+    assert max((wa[k] - wb[k]).abs().max().item() for k in wa) < 5e-5
 
 
 @pytest.mark.parametrize("softcap", [0.0, 3.0])

@@ -29,7 +29,7 @@ from lmforge.export.hf_config_in import family_of_hf_config, model_config_from_h
 from lmforge.export.hf_rope_in import number
 from lmforge.export.options import ExportError
 from lmforge.fileio import atomic_dir, check_readable, load_hf_tokenizer, loads_json, load_safetensors
-from lmforge.model.io import MODEL_FILE, load_weights, write_model_files
+from lmforge.model.io import MODEL_FILE, all_finite, load_weights, write_model_files
 from lmforge.tokenizer import TOKENIZER_CONFIG_FILE, TOKENIZER_FILE
 
 
@@ -123,7 +123,7 @@ def read_hf_weights(folder: Path) -> dict[str, torch.Tensor]:
         raise ExportError(f"{folder}: the weights file does not hold a dictionary of tensors.")
     for name, t in state.items():
         if t.is_floating_point() and t.dtype in (torch.float32, torch.bfloat16, torch.float16) \
-                and not bool(torch.isfinite(t).all()):
+                and not all_finite(t):
             raise ExportError(f"{folder}: weight {name} holds NaN or infinite values; no model computes with them. "
                               f"The weights are damaged: download or copy them again.")
         if t.is_floating_point() and t.dtype not in (torch.float32, torch.bfloat16, torch.float16):

@@ -30,8 +30,8 @@ from lmforge.fileio.durable import exchange_paths, check_removable, fsync_path, 
 from lmforge.fileio.failures import NEARLY_FULL, write_failure
 from lmforge.fileio.writers import (AppendFile, atomic_dir, atomic_file, check_user_file, copy_file, make_folder,
                                     open_append, open_run_dir, user_file, write_json, write_marker, write_text)
-from lmforge.fileio.native import (load_hf_tokenizer, load_safetensors, safetensors_metadata, save_hf_tokenizer,
-                                   save_safetensors)
+from lmforge.fileio.native import (SafetensorsReader, load_hf_tokenizer, load_safetensors, safetensors_metadata,
+                                   save_hf_tokenizer, save_safetensors)
 
 __all__ = ["MARKER_FILE", "OutputError", "AppendFile", "open_append", "copy_file", "check_path_text", "check_readable", "make_folder", "special_kind", "mode_kind", "read_capped", "SpecialFile",
            "write_failure", "atomic_dir", "atomic_file", "check_output", "check_not_input", "check_not_inside_output",
@@ -40,6 +40,6 @@ __all__ = ["MARKER_FILE", "OutputError", "AppendFile", "open_append", "copy_file
 #: Also reached as `fileio.X` when it was one module: path text and input checks, the native readers
 #: and writers, the marker tables, fsync; `exchange_paths` and `NEARLY_FULL` to read only (a patch here
 #: changes nothing: patch them in `durable` and `failures`, where they are read).
-__all__ += ["FS_BYTES_PREFIX", "KINDS", "NESTING", "check_removable", "fsync_path", "load_hf_tokenizer",
+__all__ += ["SafetensorsReader", "FS_BYTES_PREFIX", "KINDS", "NESTING", "check_removable", "fsync_path", "load_hf_tokenizer",
             "load_safetensors", "loads_json", "path_from_text", "path_text", "safetensors_metadata",
             "save_hf_tokenizer", "save_safetensors", "shown_path", "NEARLY_FULL", "exchange_paths"]

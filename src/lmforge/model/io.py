@@ -31,7 +31,7 @@ from lmforge.config import CONFIG_FILE, Config, load_config
 from lmforge.contract import (CONTRACT_FILE, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, Contract,
                               check_tokenizer_hash)
 from lmforge.errors import CheckpointError, LmforgeError
-from lmforge.fileio import check_readable, load_safetensors, save_safetensors
+from lmforge.fileio import SafetensorsReader, check_readable, load_safetensors, save_safetensors
 from lmforge.model import lora
 
 MODEL_FILE = "model.safetensors"
@@ -148,6 +148,48 @@ def read_checkpoint_meta(folder: Path) -> tuple[Config, Contract]:
         raise CheckpointError(f"checkpoint {folder}: its {CONFIG_FILE} does not load ({exc})") from None
 
 
+def _check_file(path: Path) -> None:
+    if not path.is_file():
+        raise CheckpointError(f"{path} is not a regular file (a folder, a link to nothing, a pipe); the checkpoint "
+                              f"is damaged. Use another checkpoint (or delete this step folder).")
+    check_readable(path)  # the operating system's refusal in its own words (safetensors says "not found")
+
+
+def _check_names_and_shapes(model: torch.nn.Module, own: dict[str, torch.Tensor], path: Path,
+                            shapes: dict[str, tuple[int, ...]]) -> None:
+    """The file's tensors (`shapes`: name -> shape) are exactly what a checkpoint of `model` holds."""
+    expected = set(saved_state(model, {k: v for k, v in own.items() if not (is_tied(model) and k == "output.weight")}))
+    missing, unexpected = expected - set(shapes), set(shapes) - expected
+    if missing or unexpected:
+        raise CheckpointError(
+            f"{path}: weights do not match the model built from its {CONFIG_FILE}: missing "
+            f"{sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}. The config and weights come "
+            f"from different runs; no key is ever skipped."
+        )
+    for k, shape in shapes.items():
+        if tuple(own[k].shape) != tuple(shape):
+            raise CheckpointError(f"{path}: {k} has shape {tuple(shape)}, the config expects {tuple(own[k].shape)}.")
+
+
+_FINITE_SLICE = 1 << 22  # elements checked at once: the check's temporaries stay a few MB
+
+
+def all_finite(t: torch.Tensor) -> bool:
+    """No NaN or infinity in `t` (any dtype; an integer tensor is finite), checked a slice of
+    4M elements at a time: `torch.isfinite(t)` on a CPU builds temporaries of t's size (a float
+    copy and a mask: ~1 GB for a 262k-token embedding)."""
+    if not t.is_floating_point():
+        return True
+    flat = t.detach().reshape(-1)
+    return all(bool(torch.isfinite(flat[i:i + _FINITE_SLICE]).all()) for i in range(0, flat.numel(), _FINITE_SLICE))
+
+
+def _check_finite(path: Path, k: str, v: torch.Tensor) -> None:
+    if not all_finite(v):
+        raise CheckpointError(f"{path}: {k} holds NaN or infinite values; this checkpoint cannot be used. "
+                              f"Use an earlier checkpoint of the run.")
+
+
 def read_weights(model: torch.nn.Module, path: Path) -> dict[str, torch.Tensor]:
     """Weights of `path`, checked against `model` (full shapes, also for FSDP2 modules).
 
@@ -155,29 +197,14 @@ def read_weights(model: torch.nn.Module, path: Path) -> dict[str, torch.Tensor]:
         CheckpointError: unreadable file, a missing or unexpected key, a shape that differs,
         or a non-finite value (a checkpoint is never trusted to be finite).
     """
-    if not path.is_file():
-        raise CheckpointError(f"{path} is not a regular file (a folder, a link to nothing, a pipe); the checkpoint "
-                              f"is damaged. Use another checkpoint (or delete this step folder).")
-    check_readable(path)  # the operating system's refusal in its own words (safetensors says "not found")
+    _check_file(path)
     try:
         state = load_safetensors(path)
     except (SafetensorError, OSError, ValueError) as exc:
         raise CheckpointError(f"{path}: cannot read weights ({exc}). The file is damaged; use another checkpoint.") from None
-    own = model.state_dict()  # DTensor shapes are the full shapes
-    expected = set(saved_state(model, {k: v for k, v in own.items() if not (is_tied(model) and k == "output.weight")}))
-    missing, unexpected = expected - set(state), set(state) - expected
-    if missing or unexpected:
-        raise CheckpointError(
-            f"{path}: weights do not match the model built from its {CONFIG_FILE}: missing "
-            f"{sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}. The config and weights come "
-            f"from different runs; no key is ever skipped."
-        )
+    _check_names_and_shapes(model, model.state_dict(), path, {k: tuple(v.shape) for k, v in state.items()})
     for k, v in state.items():
-        if tuple(own[k].shape) != tuple(v.shape):
-            raise CheckpointError(f"{path}: {k} has shape {tuple(v.shape)}, the config expects {tuple(own[k].shape)}.")
-        if v.is_floating_point() and not bool(torch.isfinite(v).all()):
-            raise CheckpointError(f"{path}: {k} holds NaN or infinite values; this checkpoint cannot be used. "
-                                  f"Use an earlier checkpoint of the run.")
+        _check_finite(path, k, v)
     return state
 
 
@@ -185,22 +212,38 @@ def load_weights(model: torch.nn.Module, path: Path) -> None:
     """Load safetensors weights strictly into `model` (plain, or FSDP2-sharded: then every rank
     calls this and takes its shard): missing or unexpected keys are errors, never skipped.
 
+    A plain model's tensors are read from the file straight into its own storage
+    (`fileio.SafetensorsReader`): the load's peak memory is the model's, not twice it; a tensor
+    of another dtype than the file's goes through one temporary of its size.
+
     Raises:
         CheckpointError: see `read_weights`.
     """
-    state = read_weights(model, path)
     if is_sharded(model):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
+        state = read_weights(model, path)
         if is_tied(model):
             state["output.weight"] = state["tok_embeddings.weight"]
         set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True,
                                                                     strict=not lora.has_adapters(model)))
         return
+    _check_file(path)
     own = model.state_dict()
-    with torch.no_grad():
-        for k, v in state.items():
-            own[k].copy_(v)
+    try:
+        with SafetensorsReader(path) as reader:
+            _check_names_and_shapes(model, own, path, {k: e[1] for k, e in reader.entries.items()})
+            with torch.no_grad():
+                for k, (dtype, _, _, _) in reader.entries.items():
+                    dest = own[k]
+                    direct = dest.dtype == dtype and dest.device.type == "cpu" and dest.is_contiguous()
+                    buf = dest if direct else torch.empty(dest.shape, dtype=dtype)
+                    reader.read_into(k, buf)
+                    _check_finite(path, k, buf)
+                    if not direct:
+                        dest.copy_(buf)
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{path}: cannot read weights ({exc}). The file is damaged; use another checkpoint.") from None
 
 
 def write_model_files(folder: Path, weights: dict[str, torch.Tensor], config: Config, contract_dir: Path,
@@ -214,5 +257,5 @@ def write_model_files(folder: Path, weights: dict[str, torch.Tensor], config: Co
 
 
 __all__ = ["model_state", "MODEL_FILE", "OPTIMIZER_FILE", "RNG_FILE", "STATE_FILE", "CONTRACT_FILES", "step_dir_name",
-           "list_checkpoints", "latest_checkpoint", "resolve_checkpoint", "read_checkpoint_meta", "read_weights",
+           "all_finite", "list_checkpoints", "latest_checkpoint", "resolve_checkpoint", "read_checkpoint_meta", "read_weights",
            "load_weights", "write_model_files", "is_tied", "is_sharded", "saved_state", "weights_metadata"]

@@ -35,7 +35,8 @@ def load_model(folder: str | Path, device: str | torch.device = "cpu", contract:
     config, own = read_checkpoint_meta(path)
     if contract is not None:
         check_match(contract, contract_path, own, path / CONTRACT_FILE)
-    model = Transformer(resolve_model_config(config.model, own, where=f"{path}/{CONFIG_FILE} model.vocab_size"))
+    model = Transformer(resolve_model_config(config.model, own, where=f"{path}/{CONFIG_FILE} model.vocab_size"),
+                        init_weights=False)  # every weight is read next (strictly): no random draw
     if config.lora.rank > 0:
         model = _load_lora(model, config, own, path)
     else:

@@ -90,6 +90,7 @@ class _LinearCrossEntropySum(torch.autograd.Function):
                 total.index_add_(0, groups[s:e], ce)
             if wants_grad:
                 grads.add(s, e, probs, h, w)
+            del probs  # freed before the next chunk's logits are made: one (rows, V) buffer at a time
         if traced:
             total = torch.stack(sums).sum(0)
         ctx.save_for_backward(h, w, *(grads.saved() if wants_grad else (None, None, None)), groups)
@@ -101,9 +102,16 @@ class _LinearCrossEntropySum(torch.autograd.Function):
         h, w, grad_logits, grad_h, grad_w, groups = ctx.saved_tensors
         want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if grad_logits is None:  # ungrouped: the products were run in the forward; the upstream scalar scales them
-            return ((grad_h * grad_total).to(ctx.dtypes[0]) if want_h else None,
-                    (grad_w * grad_total).to(ctx.dtypes[1]) if want_w else None, None, None, None, None, None, None,
-                    None)
+            if want_w and not torch.compiler.is_compiling() and grad_w.dtype == ctx.dtypes[1]:
+                if getattr(ctx, "weight_grad_taken", False):  # retain_graph and a second backward
+                    raise RuntimeError("linear_cross_entropy_sum: a second backward through one forward; its "
+                                       "weight gradient was handed over by the first (scaled in place)")
+                ctx.weight_grad_taken = True
+                grad_w = grad_w.mul_(grad_total)  # in place: the (V, D) buffer becomes the gradient itself
+            elif want_w:
+                grad_w = (grad_w * grad_total).to(ctx.dtypes[1])
+            return ((grad_h * grad_total).to(ctx.dtypes[0]) if want_h else None, grad_w if want_w else None,
+                    None, None, None, None, None, None, None)
         # grouped: each row by its group's upstream gradient, then logits = h @ w.T gives the two products
         g = grad_logits * grad_total[groups][:, None].to(grad_logits.dtype)  # (N, V)
         grad_hidden = torch.mm(g, w).to(ctx.dtypes[0]) if want_h else None  # (N, V) @ (V, D) -> (N, D)
@@ -125,20 +133,30 @@ def _chunk_loss(logits: torch.Tensor, lab: torch.Tensor, softcap: float, tempera
         chain = 1.0 / temperature if chain is None else chain / temperature
     valid = lab != IGNORE_INDEX  # (rows,) bool: supervised rows
     safe = torch.where(valid, lab, 0)[:, None]  # (rows, 1): any in-range index for ignored rows
-    lse = torch.logsumexp(logits, dim=-1)  # (rows,)
-    # CE = logsumexp - logit of the label; ignored rows add exactly 0
-    ce = torch.where(valid, lse - logits.gather(1, safe).squeeze(1), 0.0)  # (rows,)
-    if not wants_grad:
-        return ce, None
-    # dCE/dlogits = softmax - one_hot(label), zero on the ignored rows: exp(logits - lse) is the
-    # softmax; subtract 1 at the label
     one_hot = -valid[:, None].to(torch.float32)  # (rows, 1)
     if traced:
+        lse = torch.logsumexp(logits, dim=-1)  # (rows,)
+        # CE = logsumexp - logit of the label; ignored rows add exactly 0
+        ce = torch.where(valid, lse - logits.gather(1, safe).squeeze(1), 0.0)  # (rows,)
+        if not wants_grad:
+            return ce, None
+        # dCE/dlogits = softmax - one_hot(label), zero on the ignored rows
         probs = torch.exp(logits - lse[:, None]).scatter_add(1, safe, one_hot) * valid[:, None]
         return ce, probs if chain is None else probs * chain
-    probs = logits.sub_(lse[:, None]).exp_()  # in the logits buffer
-    probs.scatter_add_(1, safe, one_hot)
-    probs.mul_(valid[:, None])
+    # eager: log-sum-exp as torch.logsumexp computes it (max + log sum exp(z - max)), its
+    # exponentials in the logits buffer itself (logsumexp would take a second (rows, V) buffer),
+    # which then becomes the softmax (exp(z - max) / sum) and the gradient
+    label_logit = logits.gather(1, safe).squeeze(1)  # (rows,), read before the buffer is overwritten
+    top = logits.amax(dim=-1)  # (rows,)
+    top = torch.where(torch.isfinite(top), top, 0.0)  # a row of -inf: logsumexp's own guard
+    exps = logits.sub_(top[:, None]).exp_()  # (rows, V) in the logits buffer
+    total = exps.sum(dim=-1)  # (rows,)
+    ce = torch.where(valid, total.log() + top - label_logit, 0.0)  # CE = logsumexp - logit of the label
+    if not wants_grad:
+        return ce, None
+    probs = exps.div_(total[:, None])  # the softmax, in place
+    probs.scatter_add_(1, safe, one_hot)  # minus one at the label
+    probs.mul_(valid[:, None])  # ignored rows: zero
     return ce, probs if chain is None else probs.mul_(chain)
 
 
@@ -174,8 +192,12 @@ class _Grads:
             else:
                 self.gh[s:e] = gh
         if self.want_w:
-            gw = torch.mm(g.t(), h[s:e])  # (V, D)
-            self.gw = self.gw + gw.float() if self.traced else self.gw.add_(gw)
+            if self.traced:
+                self.gw = self.gw + torch.mm(g.t(), h[s:e]).float()  # (V, D)
+            elif self.dtype == torch.float32:
+                self.gw.addmm_(g.t(), h[s:e])  # accumulated in place: no second (V, D) buffer
+            else:
+                self.gw.add_(torch.mm(g.t(), h[s:e]))
 
     def saved(self) -> tuple:
         """(dCE/dlogits (N, V) or None, d/dhidden (N, D) or None, d/dweight (V, D) or None)."""

@@ -228,9 +228,11 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
-    """The lmforge model. `config.vocab_size` must be the tokenizer's (see resolve_model_config)."""
+    """The lmforge model. `config.vocab_size` must be the tokenizer's (see resolve_model_config).
+    `init_weights=False` leaves the weights as torch's layers make them, for a caller that loads
+    every weight next (`load_model`: its strict load overwrites each): no draw, no temporary."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, init_weights: bool = True):
         super().__init__()
         if config.vocab_size <= 0:
             raise ConfigError(
@@ -244,7 +246,10 @@ class Transformer(nn.Module):
         self.tok_embeddings = nn.Embedding(self.model_vocab_size, config.dim)
         self.layers = nn.ModuleList(Block(config, i) for i in range(config.n_layers))
         self.norm = RMSNorm(config.dim, config.norm_eps, config.norm_offset)
-        self.output = nn.Linear(config.dim, self.model_vocab_size, bias=False)
+        # a tied head about to be loaded is never allocated (its (V, dim) weight is the embedding's);
+        # built for training from scratch, its own draws keep the random stream of every seed as it was
+        tied_load = config.tie_embeddings and not init_weights
+        self.output = nn.Linear(config.dim, self.model_vocab_size, bias=False, device="meta" if tied_load else None)
         if config.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         hd = config.resolved_head_dim()
@@ -259,7 +264,8 @@ class Transformer(nn.Module):
         #: train.activation_checkpointing (the Trainer sets it): a training forward keeps each block's
         #: input only and recomputes the block during backward (`hidden`)
         self.activation_checkpointing = False
-        self.reset_parameters()
+        if init_weights:
+            self.reset_parameters()
 
     def set_attention(self, backend: str) -> None:
         """Choose the attention backend ("sdpa", "flex" or "eager"; resolve "auto" first).
@@ -293,7 +299,10 @@ class Transformer(nn.Module):
                 p.zero_()
             else:
                 s = std / math.sqrt(2 * self.config.n_layers) if name.endswith(("wo.weight", "w2.weight")) else std
-                p.copy_(torch.randn(p.shape, generator=gen) * s)
+                if p.dtype == torch.float32 and p.is_contiguous():  # drawn in place: no temporary of p's size
+                    torch.randn(p.shape, generator=gen, out=p.detach()).mul_(s)  # the same values as randn(...) * s
+                else:
+                    p.copy_(torch.randn(p.shape, generator=gen).mul_(s))
 
     def num_parameters(self, non_embedding: bool = False) -> int:
         n = sum(p.numel() for p in self.parameters())

@@ -26,7 +26,7 @@ import torch
 from lmforge.config import Config
 from lmforge.errors import CheckpointError
 from lmforge.fileio import atomic_dir, loads_json
-from lmforge.model.io import (OPTIMIZER_FILE, RNG_FILE, STATE_FILE, is_sharded, is_tied, model_state,
+from lmforge.model.io import (OPTIMIZER_FILE, all_finite, RNG_FILE, STATE_FILE, is_sharded, is_tied, model_state,
                               list_checkpoints, saved_state, step_dir_name, weights_metadata,
                               write_model_files)
 from lmforge.train.resume import check_optimizer_state
@@ -143,7 +143,7 @@ def save_checkpoint(
     run_dir = Path(run_dir)
     final = run_dir / step_dir_name(step)
     weights = model_weights if model_weights is not None else model_state(model)
-    bad = [k for k, v in weights.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
+    bad = [k for k, v in weights.items() if not all_finite(v)]
     if bad:
         raise CheckpointError(f"step {step}: {bad[0]} holds NaN or infinite values; no checkpoint is written "
                               f"for it. The newest finite checkpoint of {run_dir} is kept.")

@@ -34,6 +34,7 @@ from lmforge.config import OVERLAY_ENV, SECTIONS, Config
 from lmforge.config.fields import STAGES, ResumeRule, resume_rules
 from lmforge.errors import CheckpointError
 from lmforge.fileio import write_text
+from lmforge.model.io import all_finite
 from lmforge.train.optim import STATE_KEYS, group_kind
 from lmforge.train.schedule import lr_at
 
@@ -255,7 +256,7 @@ def _check_param_states(saved_state: dict, built_groups: list[dict], params: dic
                 if tuple(t.shape) != shape or (dtype is not None and t.dtype != dtype) or not t.is_floating_point():
                     raise bad(f"{name!r} {key} has shape {tuple(t.shape)} and dtype {t.dtype}, expected shape {shape} "
                               f"and dtype {dtype or 'a float'} (the parameter's)")
-                if not bool(torch.isfinite(t).all()) or (key == "step" and float(t) < 0):
+                if not all_finite(t) or (key == "step" and float(t) < 0):
                     what = "a negative step" if key == "step" else "NaN or infinite values"
                     raise bad(f"{name!r} {key} holds {what}")
 
