@@ -103,11 +103,9 @@ class _LinearCrossEntropySum(torch.autograd.Function):
         want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if grad_logits is None:  # ungrouped: the products were run in the forward; the upstream scalar scales them
             if want_w and not torch.compiler.is_compiling() and grad_w.dtype == ctx.dtypes[1]:
-                if getattr(ctx, "weight_grad_taken", False):  # retain_graph and a second backward
-                    raise RuntimeError("linear_cross_entropy_sum: a second backward through one forward; its "
-                                       "weight gradient was handed over by the first (scaled in place)")
-                ctx.weight_grad_taken = True
-                grad_w = grad_w.mul_(grad_total)  # in place: the (V, D) buffer becomes the gradient itself
+                # in place: the (V, D) buffer becomes the gradient itself (a second backward through the
+                # same forward, retain_graph, is refused by autograd: the saved tensor's version moved)
+                grad_w = grad_w.mul_(grad_total)
             elif want_w:
                 grad_w = (grad_w * grad_total).to(ctx.dtypes[1])
             return ((grad_h * grad_total).to(ctx.dtypes[0]) if want_h else None, grad_w if want_w else None,
