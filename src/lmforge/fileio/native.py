@@ -18,11 +18,21 @@ def _native(path: str | Path) -> str | None:
 
 
 def load_safetensors(path: str | Path) -> dict:
-    """`safetensors.torch.load_file`, also for a path whose bytes are not UTF-8 (read by Python)."""
-    from safetensors.torch import load, load_file
+    """Every tensor of the safetensors file `path` (name -> CPU tensor, in the file's dtypes), as
+    `safetensors.torch.load_file` gives them, read through `SafetensorsReader`: the process holds
+    the tensors once (load_file's mapping of the file counts in resident memory beside its copy:
+    twice the weights at its peak), and any path works, also one whose bytes are not UTF-8.
 
-    native = _native(path)
-    return load_file(native) if native is not None else load(Path(path).read_bytes())
+    Raises:
+        OSError, ValueError: see `SafetensorsReader`."""
+    import torch
+
+    with SafetensorsReader(path) as reader:
+        out = {}
+        for name, (dtype, shape, _, _) in reader.entries.items():
+            out[name] = torch.empty(shape, dtype=dtype)
+            reader.read_into(name, out[name])
+        return out
 
 
 def save_safetensors(tensors: dict, path: str | Path, metadata: dict[str, str] | None = None) -> None:

@@ -25,7 +25,6 @@ import shutil
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
 
 from lmforge.config import CONFIG_FILE, Config, load_config
 from lmforge.contract import (CONTRACT_FILE, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, Contract,
@@ -200,7 +199,7 @@ def read_weights(model: torch.nn.Module, path: Path) -> dict[str, torch.Tensor]:
     _check_file(path)
     try:
         state = load_safetensors(path)
-    except (SafetensorError, OSError, ValueError) as exc:
+    except (OSError, ValueError) as exc:
         raise CheckpointError(f"{path}: cannot read weights ({exc}). The file is damaged; use another checkpoint.") from None
     _check_names_and_shapes(model, model.state_dict(), path, {k: tuple(v.shape) for k, v in state.items()})
     for k, v in state.items():
