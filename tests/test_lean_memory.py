@@ -190,37 +190,6 @@ def test_the_fused_losss_weight_gradient_is_handed_over_once():
         loss.backward()
 
 
-def test_adamw_on_a_cpu_bumps_the_versions_and_steps_as_torchs_fused_kernel():
-    """train.optimizer = "adamw" on a CPU: torch's fused kernel (no sqrt(v) copy of every weight), the
-    parameters' version counters bumped (caches keyed on them, as decode's prepacked weights are,
-    see the update), the values torch's own."""
-    from types import SimpleNamespace
-
-    from lmforge.runtime import CPU_FP32
-    from lmforge.train.optim import CpuAdamW, build_optimizer
-
-    torch.manual_seed(0)
-    a, b = Transformer(tiny()), Transformer(tiny())
-    b.load_state_dict(a.state_dict())
-    t = SimpleNamespace(optimizer="adamw", lr=1e-2, beta1=0.9, beta2=0.95, weight_decay=0.1)
-    opt = build_optimizer(a, t, CPU_FP32)
-    assert isinstance(opt, CpuAdamW)
-    ref = torch.optim.AdamW([{"params": g["params"], "weight_decay": g["weight_decay"]} for g in
-                             build_optimizer(b, t, CPU_FP32).param_groups], lr=1e-2, betas=(0.9, 0.95), eps=1e-8,
-                            fused=True)
-    x = torch.randint(0, 96, (2, 9))
-    for _ in range(3):
-        for m, o in ((a, opt), (b, ref)):
-            o.zero_grad()
-            m(x).float().square().mean().backward()
-        versions = [p._version for p in a.parameters()]
-        opt.step()
-        ref.step()
-        assert all(p._version > v for p, v in zip(a.parameters(), versions))
-    for (n, p), q in zip(a.named_parameters(), b.parameters()):
-        assert torch.equal(p, q), n
-
-
 def test_muon_adamws_adam_groups_step_slice_by_slice_as_in_one_piece(monkeypatch):
     import lmforge.train.optim as optim
 

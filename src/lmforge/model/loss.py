@@ -103,9 +103,7 @@ class _LinearCrossEntropySum(torch.autograd.Function):
         want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if grad_logits is None:  # ungrouped: the products were run in the forward; the upstream scalar scales them
             if want_w and not torch.compiler.is_compiling() and grad_w.dtype == ctx.dtypes[1]:
-                # in place: the (V, D) buffer becomes the gradient itself (a second backward through the
-                # same forward, retain_graph, is refused by autograd: the saved tensor's version moved)
-                grad_w = grad_w.mul_(grad_total)
+                grad_w = grad_w.mul_(grad_total)  # in place (autograd refuses a second backward: version moved)
             elif want_w:
                 grad_w = (grad_w * grad_total).to(ctx.dtypes[1])
             return ((grad_h * grad_total).to(ctx.dtypes[0]) if want_h else None, grad_w if want_w else None,
@@ -141,20 +139,13 @@ def _chunk_loss(logits: torch.Tensor, lab: torch.Tensor, softcap: float, tempera
         # dCE/dlogits = softmax - one_hot(label), zero on the ignored rows
         probs = torch.exp(logits - lse[:, None]).scatter_add(1, safe, one_hot) * valid[:, None]
         return ce, probs if chain is None else probs * chain
-    # eager: log-sum-exp as torch.logsumexp computes it (max + log sum exp(z - max)), its
-    # exponentials in the logits buffer itself (logsumexp would take a second (rows, V) buffer),
-    # which then becomes the softmax (exp(z - max) / sum) and the gradient
-    label_logit = logits.gather(1, safe).squeeze(1)  # (rows,), read before the buffer is overwritten
-    top = logits.amax(dim=-1)  # (rows,)
-    top = torch.where(torch.isfinite(top), top, 0.0)  # a row of -inf: logsumexp's own guard
-    exps = logits.sub_(top[:, None]).exp_()  # (rows, V) in the logits buffer
-    total = exps.sum(dim=-1)  # (rows,)
-    ce = torch.where(valid, total.log() + top - label_logit, 0.0)  # CE = logsumexp - logit of the label
+    lse = torch.logsumexp(logits, dim=-1)  # (rows,)
+    ce = torch.where(valid, lse - logits.gather(1, safe).squeeze(1), 0.0)  # CE = logsumexp - label's logit
     if not wants_grad:
         return ce, None
-    probs = exps.div_(total[:, None])  # the softmax, in place
-    probs.scatter_add_(1, safe, one_hot)  # minus one at the label
-    probs.mul_(valid[:, None])  # ignored rows: zero
+    probs = logits.sub_(lse[:, None]).exp_()  # in the logits buffer: softmax, then minus one at the label
+    probs.scatter_add_(1, safe, one_hot)
+    probs.mul_(valid[:, None])
     return ce, probs if chain is None else probs.mul_(chain)
 
 
@@ -192,8 +183,6 @@ class _Grads:
         if self.want_w:
             if self.traced:
                 self.gw = self.gw + torch.mm(g.t(), h[s:e]).float()  # (V, D)
-            elif self.dtype == torch.float32:
-                self.gw.addmm_(g.t(), h[s:e])  # accumulated in place: no second (V, D) buffer
             else:
                 self.gw.add_(torch.mm(g.t(), h[s:e]))
 

@@ -229,8 +229,7 @@ class Block(nn.Module):
 
 class Transformer(nn.Module):
     """The lmforge model. `config.vocab_size` must be the tokenizer's (see resolve_model_config).
-    `init_weights=False` leaves the weights as torch's layers make them, for a caller that loads
-    every weight next (`load_model`: its strict load overwrites each): no draw, no temporary."""
+    `init_weights=False`: no draw, for a caller that loads every weight next (`load_model`)."""
 
     def __init__(self, config: ModelConfig, init_weights: bool = True):
         super().__init__()
@@ -246,10 +245,9 @@ class Transformer(nn.Module):
         self.tok_embeddings = nn.Embedding(self.model_vocab_size, config.dim)
         self.layers = nn.ModuleList(Block(config, i) for i in range(config.n_layers))
         self.norm = RMSNorm(config.dim, config.norm_eps, config.norm_offset)
-        # a tied head about to be loaded is never allocated (its (V, dim) weight is the embedding's);
-        # built for training from scratch, its own draws keep the random stream of every seed as it was
-        tied_load = config.tie_embeddings and not init_weights
-        self.output = nn.Linear(config.dim, self.model_vocab_size, bias=False, device="meta" if tied_load else None)
+        # a tied head to be loaded is never allocated; from scratch, its draws keep every seed's stream
+        meta = config.tie_embeddings and not init_weights
+        self.output = nn.Linear(config.dim, self.model_vocab_size, bias=False, device="meta" if meta else None)
         if config.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         hd = config.resolved_head_dim()
@@ -261,8 +259,7 @@ class Transformer(nn.Module):
             self.register_buffer("rope_cos_sliding", cos, persistent=False)
             self.register_buffer("rope_sin_sliding", sin, persistent=False)
         self.set_attention("eager" if config.attn_softcap else "sdpa")  # sdpa cannot soft-cap
-        #: train.activation_checkpointing (the Trainer sets it): a training forward keeps each block's
-        #: input only and recomputes the block during backward (`hidden`)
+        #: train.activation_checkpointing (set by the Trainer): keep each block's input, recompute in backward
         self.activation_checkpointing = False
         if init_weights:
             self.reset_parameters()
@@ -299,18 +296,12 @@ class Transformer(nn.Module):
                 p.zero_()
             else:
                 s = std / math.sqrt(2 * self.config.n_layers) if name.endswith(("wo.weight", "w2.weight")) else std
-                if p.dtype == torch.float32 and p.is_contiguous():  # drawn in place: no temporary of p's size
-                    torch.randn(p.shape, generator=gen, out=p.detach()).mul_(s)  # the same values as randn(...) * s
-                else:
-                    p.copy_(torch.randn(p.shape, generator=gen).mul_(s))
+                p.copy_(torch.randn(p.shape, generator=gen).mul_(s))  # one temporary: randn(...) * s's values
 
     def num_parameters(self, non_embedding: bool = False) -> int:
         n = sum(p.numel() for p in self.parameters())
-        if non_embedding:
-            n -= self.tok_embeddings.weight.numel()
-            if not self.config.tie_embeddings:
-                n -= self.output.weight.numel()
-        return n
+        heads = (self.tok_embeddings,) + (() if self.config.tie_embeddings else (self.output,))
+        return n - sum(m.weight.numel() for m in heads) if non_embedding else n
 
     def hidden(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
                document_ids: torch.Tensor | None = None, cache: KVCache | None = None) -> torch.Tensor:

@@ -214,25 +214,7 @@ def build_optimizer(model: torch.nn.Module, t, runtime: Runtime) -> torch.optim.
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     groups = [{"params": [p for n, p in named if decays(n, p, "adamw")], "weight_decay": t.weight_decay},
               {"params": [p for n, p in named if not decays(n, p, "adamw")], "weight_decay": 0.0}]
-    # on a CPU torch's fused kernel: no temporaries (foreach's sqrt(v) is a copy of every parameter:
-    # 1 GB for a 270M model) and 1.2x faster; an accelerator or FSDP2's shards keep foreach
-    cpu = all(p.device.type == "cpu" and not hasattr(p, "to_local") for _, p in named)
-    if cpu:
-        return CpuAdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8, fused=True)
     return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8, foreach=True)
-
-
-class CpuAdamW(torch.optim.AdamW):
-    """torch's AdamW on its fused CPU kernel, with the parameters' version counters bumped after
-    each step: the kernel writes them in place without bumping them (torch 2.13), and a cache keyed
-    on them (`model.decode`'s prepacked weights, RL's rollouts) would otherwise read stale weights."""
-
-    def step(self, closure=None):
-        loss = super().step(closure)
-        for group in self.param_groups:
-            for p in group["params"]:
-                torch.autograd.graph.increment_version(p)
-        return loss
 
 
 def build_muon_adamw(model: torch.nn.Module, t, ns_dtype: str = "bfloat16") -> MuonAdamW:
@@ -261,5 +243,5 @@ def build_muon_adamw(model: torch.nn.Module, t, ns_dtype: str = "bfloat16") -> M
     return MuonAdamW([g for g in groups if g["params"]], lr=t.lr)
 
 
-__all__ = ["CpuAdamW", "MuonAdamW", "newton_schulz", "is_hidden_matrix", "decays", "build_optimizer", "build_muon_adamw",
+__all__ = ["MuonAdamW", "newton_schulz", "is_hidden_matrix", "decays", "build_optimizer", "build_muon_adamw",
            "NS_COEFFS", "STATE_KEYS", "group_kind"]
