@@ -129,20 +129,15 @@ def _chunk_loss(logits: torch.Tensor, lab: torch.Tensor, softcap: float, tempera
         chain = 1.0 / temperature if chain is None else chain / temperature
     valid = lab != IGNORE_INDEX  # (rows,) bool: supervised rows
     safe = torch.where(valid, lab, 0)[:, None]  # (rows, 1): any in-range index for ignored rows
-    one_hot = -valid[:, None].to(torch.float32)  # (rows, 1)
-    if traced:
-        lse = torch.logsumexp(logits, dim=-1)  # (rows,)
-        # CE = logsumexp - logit of the label; ignored rows add exactly 0
-        ce = torch.where(valid, lse - logits.gather(1, safe).squeeze(1), 0.0)  # (rows,)
-        if not wants_grad:
-            return ce, None
-        # dCE/dlogits = softmax - one_hot(label), zero on the ignored rows
-        probs = torch.exp(logits - lse[:, None]).scatter_add(1, safe, one_hot) * valid[:, None]
-        return ce, probs if chain is None else probs * chain
     lse = torch.logsumexp(logits, dim=-1)  # (rows,)
     ce = torch.where(valid, lse - logits.gather(1, safe).squeeze(1), 0.0)  # CE = logsumexp - label's logit
     if not wants_grad:
         return ce, None
+    # dCE/dlogits = softmax - one_hot(label), zero on the ignored rows
+    one_hot = -valid[:, None].to(torch.float32)  # (rows, 1)
+    if traced:
+        probs = torch.exp(logits - lse[:, None]).scatter_add(1, safe, one_hot) * valid[:, None]
+        return ce, probs if chain is None else probs * chain
     probs = logits.sub_(lse[:, None]).exp_()  # in the logits buffer: softmax, then minus one at the label
     probs.scatter_add_(1, safe, one_hot)
     probs.mul_(valid[:, None])
