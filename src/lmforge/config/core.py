@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from lmforge.config.sources import check_sources
+from lmforge.config.sources import DEDUP, check_executor, check_filters, check_sources
 from lmforge.config.fields import BOTH, PRE, TUNE, allowed, choice, flag, items, num, refused, table, text
 from lmforge.errors import ConfigError
 
@@ -117,34 +117,27 @@ class DataConfig:
     executor). The data folder is the same to the byte for any number; a stopped prepare
     resumes with the tasks it had not finished."""
     executor: dict = table(allowed("read by prepare --executor slurm|ray only"),
-                           check=lambda name, v: _check_executor(name, v))
+                           check=check_executor)
     """`lmforge prepare --executor slurm|ray`'s options (datatrove's executors): `tasks` (default
     data.workers, else 64 on Slurm, the cores on Ray); Slurm: `partition` (required), `time`
     ("HH:MM:SS", default "04:00:00"), `cpus_per_task` (2), `mem_per_cpu_gb` (2), `qos` (""),
     `venv_path` (a venv's activate script sourced first), each stage a job array, the last job
     writing data.dir; Ray: `address` (a running cluster; default: one started on this machine)."""
+    filters: list[str] = items((), allowed("read by prepare only (the documents kept are in the shards)"),
+                               check=check_filters)
+    """datatrove's quality filters every document goes through, in order (lmforge.data.quality):
+    "gopher_quality", "gopher_repetition", "c4_quality", "fineweb_quality"; what each removed
+    (documents, bytes, names) in report.json. Tuned for English prose: code fails them. Needs
+    the `filters` extra (spaCy's word tokenizer; no download). [] = no filter."""
+    dedup: str = choice("exact", DEDUP, allowed("read by prepare only (the documents kept are in the shards)"))
+    """"exact": a document whose text equals an earlier one's is dropped; "minhash": near-duplicates
+    too (datatrove's MinHash stages, word 5-grams: Jaccard 0.8 found 92% of the time), the first in
+    the stream kept, the same folder at any data.workers; needs the `filters` extra."""
 
 
 
 #: model.layer_types' entries.
 LAYER_TYPES = ("full", "sliding")
-
-
-#: data.executor's options and the Python types each takes.
-EXECUTOR_OPTIONS = {"tasks": int, "partition": str, "time": str, "cpus_per_task": int, "mem_per_cpu_gb": int,
-                    "qos": str, "venv_path": str, "address": str}
-
-
-def _check_executor(name: str, value: dict) -> None:
-    import datetime
-
-    for key, v in value.items():
-        if key not in EXECUTOR_OPTIONS:
-            raise ConfigError(f"{name}.{key}: unknown option; expected one of {', '.join(EXECUTOR_OPTIONS)}.")
-        want = EXECUTOR_OPTIONS[key]
-        ok = isinstance(v, want) and not isinstance(v, bool) or (key == "time" and isinstance(v, datetime.time))
-        if not ok or (want is int and v < 1):
-            raise ConfigError(f"{name}.{key} = {v!r}: expected {'an integer >= 1' if want is int else 'a text'}.")
 
 
 def _check_layer_types(name: str, value) -> None:

@@ -1,4 +1,5 @@
-"""The check of `data.sources` (a mixture's entries), which [data] runs on the value it is given."""
+"""The checks of `data.sources` (a mixture's entries), `data.executor` (its options) and
+`data.filters`, which [data] runs on the value it is given."""
 
 from __future__ import annotations
 
@@ -51,3 +52,34 @@ def check_sources(name: str, sources: list[dict]) -> None:
             if own in names:
                 raise ConfigError(f"{where}.name = {own!r} is also {name}[{names[own]}]'s; give each a name of its own.")
             names[own] = i
+
+
+#: data.executor's options and the Python types each takes.
+EXECUTOR_OPTIONS = {"tasks": int, "partition": str, "time": str, "cpus_per_task": int, "mem_per_cpu_gb": int,
+                    "qos": str, "venv_path": str, "address": str}
+
+
+def check_executor(name: str, value: dict) -> None:
+    import datetime
+
+    for key, v in value.items():
+        if key not in EXECUTOR_OPTIONS:
+            raise ConfigError(f"{name}.{key}: unknown option; expected one of {', '.join(EXECUTOR_OPTIONS)}.")
+        want = EXECUTOR_OPTIONS[key]
+        ok = isinstance(v, want) and not isinstance(v, bool) or (key == "time" and isinstance(v, datetime.time))
+        if not ok or (want is int and v < 1):
+            raise ConfigError(f"{name}.{key} = {v!r}: expected {'an integer >= 1' if want is int else 'a text'}.")
+
+
+#: data.filters' names (lmforge.data.quality.FILTERS: datatrove's filter of each) and data.dedup's values.
+FILTER_NAMES = ("gopher_quality", "gopher_repetition", "c4_quality", "fineweb_quality")
+DEDUP = ("exact", "minhash")
+
+
+def check_filters(name: str, value) -> None:
+    """ConfigError unless `value` is a list of distinct FILTER_NAMES."""
+    if not isinstance(value, list) or any(not isinstance(v, str) or v not in FILTER_NAMES for v in value) \
+            or len(set(value)) != len(value):
+        raise ConfigError(f"{name} = {value!r}: expected a list of distinct filter names among "
+                          f"{', '.join(map(repr, FILTER_NAMES))} (datatrove's, applied in the order listed), or [] "
+                          f"(no filter).")

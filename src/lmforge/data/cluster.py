@@ -1,6 +1,6 @@
 """`lmforge prepare --executor slurm`: the stages of a parallel prepare (`lmforge.data.parallel`) as
 Slurm job arrays, submitted by datatrove's `SlurmPipelineExecutor` and chained `afterok`: "hash"
-(an array of `tasks`), "plan" (one job), "tokenize" (an array), then "finish" (one job, its log beside
+(an array of `tasks`), with data.dedup = "minhash" "buckets" (an array of 14), "plan" (one job), "tokenize" (an array), then "finish" (one job, its log beside
 data.dir), which runs `lmforge prepare` itself with the config as submitted: it finds every task complete
 (datatrove's completion markers, in the tasks' folder beside data.dir) and joins their shards into
 data.dir as on one machine. The folder is the same, to the byte, as one process writes.
@@ -20,10 +20,11 @@ from datatrove.executor.slurm import SlurmPipelineExecutor, launch_slurm_job
 
 from lmforge.data.parallel import make_job, task_count
 from lmforge.data.shard_writer import TASKS_SUFFIX
-from lmforge.data.stream_tasks import HashTask, PlanTask, TokenizeTask
+from lmforge.data.quality import Quality
+from lmforge.data.stream_tasks import TASKS
 from lmforge.errors import ConfigError
 
-#: data.executor's defaults (lmforge.config.core.EXECUTOR_OPTIONS); `tasks`: data.workers when
+#: data.executor's defaults (lmforge.config.sources.EXECUTOR_OPTIONS); `tasks`: data.workers when
 #: set, else DEFAULT_TASKS.
 DEFAULTS = {"time": "04:00:00", "cpus_per_task": 2, "mem_per_cpu_gb": 2, "qos": "", "venv_path": ""}
 DEFAULT_TASKS = 64
@@ -61,8 +62,10 @@ def submit_slurm(cfg, out: Path, tokenizer) -> dict:
         raise ConfigError(f"data.executor.tasks = {tasks} (or data.workers): one task needs no cluster. Run `lmforge "
                           f"prepare` without --executor, or ask for 2 tasks or more.")
     work = out.parent / f"{out.name}{TASKS_SUFFIX}"
+    quality = Quality(tuple(d.filters), d.dedup)
+    quality.require()
     job, _ = make_job(work, d.source, tokenizer, d.val_fraction, d.include_tests, d.on_bad_utf8, d.text_field, tasks,
-                      int(opts["cpus_per_task"]))
+                      int(opts["cpus_per_task"]), quality)
     import copy
 
     final = copy.deepcopy(cfg)  # the finish job's config: these tasks, this folder (set as values, never parsed)
@@ -74,9 +77,9 @@ def submit_slurm(cfg, out: Path, tokenizer) -> dict:
               "mem_per_cpu_gb": int(opts["mem_per_cpu_gb"]), "qos": opts["qos"] or None,
               "venv_path": opts["venv_path"] or None, "skip_completed": True}
     previous, executors = None, {}
-    for stage, step, n in (("hash", HashTask(job), tasks), ("plan", PlanTask(job), 1), ("tokenize", TokenizeTask(job), tasks)):
+    for stage in job.stages:
         previous = executors[stage] = LmforgeSlurmExecutor(
-            pipeline=[step], tasks=n, job_name=f"lmforge-prepare-{stage}", logging_dir=str(work / "logs" / stage),
+            pipeline=[TASKS[stage](job)], tasks=job.stage_tasks(stage), job_name=f"lmforge-prepare-{stage}", logging_dir=str(work / "logs" / stage),
             depends=previous, **common)
     previous.run()  # submits its dependencies first, each afterok the one before
     jobs = {stage: ex.job_id for stage, ex in executors.items()}

@@ -58,6 +58,8 @@ class DataReport:
         self._kept = 0
         self.exact_count = 0
         self.exact: list[tuple[str, str]] = []  # (kept, dropped) names: the first EXAMPLES
+        self.filtered: list[dict] | None = None  # data.filters: per filter documents, bytes, examples
+        self.near_removed: dict | None = None  # data.dedup = "minhash": documents, bytes, examples
 
     def signature(self, ids):
         """64 uint32 MinHash values of the document's token 5-grams (a short document: its one
@@ -240,7 +242,8 @@ class DataReport:
         """The report: per split documents, tokens, bytes per token, length quartiles (tokens)
         and the share of tokens in documents longer than `seq_len`; exact duplicates (dropped by
         prepare) and near-duplicates within train, within val and between them (counts and up
-        to 5 example name pairs); the 10 largest documents."""
+        to 5 example name pairs); what data.filters and data.dedup = "minhash" removed, when set
+        (`filters`, `near_duplicates_removed`); the 10 largest documents."""
         np = self._np
         report: dict = {"seq_len": seq_len, "splits": {}}
         for split in ("train", "val"):
@@ -276,6 +279,10 @@ class DataReport:
             "how": ("every document" if not self.sampling else
                     f"the documents whose first MinHash value is a multiple of {1 << self.sampling} (signatures "
                     f"capped at {self.max_signatures:,}): the pairs counted are those of that sample")}
+        if self.filtered is not None:
+            report["filters"] = self.filtered
+        if self.near_removed is not None:
+            report["near_duplicates_removed"] = self.near_removed
         report["largest_documents"] = [{"name": name, "split": split, "tokens": int(n)}
                                        for n, _, name, split in sorted(self._largest, reverse=True)]
         return report
@@ -313,6 +320,12 @@ def data_report_lines(report: dict) -> str:
                  + (f"; counted on a sample of {nd['sample']['with_signature']:,} of {nd['sample']['documents']:,} "
                     f"documents (1/{round(1 / nd['sample']['share'])}: signatures capped at "
                     f"{nd['sample']['max_signatures']:,})" if nd.get("sample", {}).get("share", 1.0) < 1.0 else ""))
+    for f in report.get("filters", []):
+        lines.append(f"data report: filter {f['name']} removed {f['documents']:,} documents ({f['bytes']:,} bytes)")
+    if "near_duplicates_removed" in report:
+        near = report["near_duplicates_removed"]
+        lines.append(f"data report: near-duplicates removed (MinHash) {near['documents']:,} documents "
+                     f"({near['bytes']:,} bytes)")
     big = report["largest_documents"][:3]
     lines.append("data report: largest documents: " + ", ".join(f"{d['name']} ({d['tokens']:,} tokens)" for d in big))
     return "\n".join(lines)

@@ -1,27 +1,24 @@
 """Weighted mixtures of corpora (`data.sources`): each source prepared once, rows drawn by weight.
 
-`data.sources` lists tables {source, weight = 1, text_field = "text", name}; `source` is
-anything `data.source` takes (lmforge.data.sources).
+`data.sources` lists tables {source, weight = 1, text_field = "text", name}; `source` is anything
+`data.source` takes (lmforge.data.sources).
 
-Preparing (`prepare_mixture`) writes data.dir as one folder (through `fileio.atomic_dir`, so
-an interrupted prepare leaves the previous folder as it was) holding a prepared folder per
-source, `data.dir/NAME/` ({train,val}.{bin,idx}, contract.json, meta.json, report.json, as
-`lmforge.data.prepare.prepare` writes them), and `mixture.json` (the sources, in order). A
-source whose folder in the previous data.dir was prepared from the same files (path, size
-and modification time of each, `listing_fingerprint`) with the same settings and tokenizer
-is reused as it is (hard links), so changing the weights, or adding a source, tokenizes
-nothing twice. Weights are not part of the prepared folder: pretraining reads them.
+Preparing (`prepare_mixture`) writes data.dir as one folder (through `fileio.atomic_dir`, so an interrupted
+prepare leaves the previous folder as it was) holding a prepared folder per source, `data.dir/NAME/`
+({train,val}.{bin,idx}, contract.json, meta.json, report.json, as `lmforge.data.prepare.prepare` writes them),
+and `mixture.json` (the sources, in order). A source whose folder in the previous data.dir was prepared from
+the same files (path, size and modification time of each, `listing_fingerprint`) with the same settings and
+tokenizer is reused as it is (hard links), so changing the weights, or adding a source, tokenizes nothing
+twice. Weights are not part of the prepared folder: pretraining reads them.
 
-Drawing (`MixtureStream`): every source has its own `RowStream` (its documents packed into
-rows, epoch after epoch, shuffled by its own seed), and the global row sequence takes its
-k-th row from the source with the largest deficit (k + 1) * p_i - n_i(k), p_i = weight_i /
-sum of weights and n_i(k) the rows source i gave to the first k (ties: the first listed). It
-is deterministic, a pure function of the weights, and exact: every source's deficit stays
-above -1, so with two sources |n_i(k) - k p_i| < 1 at every k (3:1 gives 3 rows of the one
-and 1 of the other in every 4), and with integer weights the pattern repeats every
-sum-of-weights rows (the weights in lowest terms). The state is the row count and each
-source's count, so `--resume` continues exactly, on any number of ranks (the k-th global
-row is the same one whatever the world size, as for `RowStream`).
+Drawing (`MixtureStream`): every source has its own `RowStream` (its documents packed into rows, epoch after
+epoch, shuffled by its own seed), and the global row sequence takes its k-th row from the source with the largest
+deficit (k + 1) * p_i - n_i(k), p_i = weight_i / sum of weights and n_i(k) the rows source i gave to the first k
+(ties: the first listed). It is deterministic, a pure function of the weights, and exact: every source's deficit
+stays above -1, so with two sources |n_i(k) - k p_i| < 1 at every k (3:1 gives 3 rows of the one and 1 of the
+other in every 4), and with integer weights the pattern repeats every sum-of-weights rows (the weights in lowest
+terms). The state is the row count and each source's count, so `--resume` continues exactly, on any number of
+ranks (the k-th global row is the same one whatever the world size, as for `RowStream`).
 """
 
 from __future__ import annotations
@@ -45,6 +42,7 @@ from lmforge.data.packing import Batch, RowStream, collate
 from lmforge.data.records import record_suffix
 from lmforge.data.inputs import HF_PREFIX, TEXT_SUFFIXES, SourceStats, hf_snapshot, is_glob, stdlib_root
 from lmforge.data.prepare import PREPARE_OUTPUT, prepare_into
+from lmforge.data.quality import Quality
 from lmforge.data.shards import MIXTURE_FILE, read_hashes, read_mixture
 from lmforge.data.sources import Document, capped, iter_documents
 from lmforge.errors import DataError
@@ -262,11 +260,12 @@ def listing_fingerprint(source: str) -> str:
     return h.hexdigest()
 
 
-def source_input(src: MixSource, val_fraction: float, include_tests: bool, on_bad_utf8: str) -> dict:
-    """What a source's prepared folder was made from (its meta.json "input"): a folder whose
-    input equals this one (and whose tokenizer is the same) is reused."""
+def source_input(src: MixSource, val_fraction: float, include_tests: bool, on_bad_utf8: str, quality=Quality()) -> dict:
+    """What a source's prepared folder was made from (its meta.json "input"; `quality`'s settings
+    when any): a folder whose input equals this one (and whose tokenizer is the same) is reused."""
     return {"source": src.source, "text_field": src.text_field, "val_fraction": val_fraction,
-            "include_tests": include_tests, "on_bad_utf8": on_bad_utf8, "files": listing_fingerprint(src.source)}
+            "include_tests": include_tests, "on_bad_utf8": on_bad_utf8, "files": listing_fingerprint(src.source),
+            **quality.settings()}
 
 
 def _reusable(old: Path, want: dict, contract_text: str) -> Path | None:
@@ -300,11 +299,12 @@ def _link_tree(src: Path, dst: Path) -> None:
 
 def prepare_mixture(sources: Sequence[MixSource], tokenizer, out_dir: str | Path, val_fraction: float = 0.02,
                     include_tests: bool = False, on_bad_utf8: str = "skip", progress: bool = True,
-                    extra_files: dict[str, str] | None = None, seq_len: int = 0, log=print, workers: int = 1) -> dict:
+                    extra_files: dict[str, str] | None = None, seq_len: int = 0, log=print, workers: int = 1,
+                    quality: Quality = Quality()) -> dict:
     """Prepare every source into `out_dir`/NAME and write mixture.json (module docstring);
     sources prepared before with the same input are reused; `workers`: tasks at once for each
-    (`lmforge.data.parallel`; a stopped run does not resume them). Returns {name: meta} (each with
-    its "report" and "reused": True/False).
+    (`lmforge.data.parallel`; a stopped run does not resume them); `quality`: each one's filters and
+    deduplication. Returns {name: meta} (each with its "report" and "reused": True/False).
 
     Raises:
         DataError / OutputError: as `lmforge.data.prepare.prepare`, naming the source.
@@ -317,7 +317,7 @@ def prepare_mixture(sources: Sequence[MixSource], tokenizer, out_dir: str | Path
         tokenizer.contract.save(tmp)
         contract_text = (tmp / "contract.json").read_text(encoding="utf-8")
         for n, src in enumerate(sources, 1):
-            want = source_input(src, val_fraction, include_tests, on_bad_utf8)
+            want = source_input(src, val_fraction, include_tests, on_bad_utf8, quality)
             old = _reusable(out, want, contract_text)
             folder = tmp / src.name
             if old is not None:
@@ -333,7 +333,7 @@ def prepare_mixture(sources: Sequence[MixSource], tokenizer, out_dir: str | Path
                 folder.mkdir()
                 try:
                     meta = prepare_into(folder, src.source, tokenizer, val_fraction, include_tests, on_bad_utf8, progress,
-                                        seq_len, src.text_field, input=want, workers=workers, work=tmp / f".{src.name}.tasks")
+                                        seq_len, src.text_field, want, workers, tmp / f".{src.name}.tasks", quality=quality)
                 except DataError as exc:
                     raise DataError(f"data.sources[{n - 1}] ({src.name}): {exc}") from None
                 meta["reused"] = False

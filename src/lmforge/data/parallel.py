@@ -8,12 +8,16 @@ compressed file is decompressed by each task: cheap beside tokenizing), so one l
 shared as well as many small ones. Which documents there are, their order, their split (by each
 document's key) and their tokens do not depend on N.
 
-Three stages, each a datatrove pipeline run `workers` tasks at a time; a finished task is recorded
-by datatrove's completion markers in the work folder and not run again by a resumed prepare:
-1. "hash": each task's documents' content hashes (`hash64`) and chunks.
-2. "plan" (one task): the hashes in stream order; the first copy of each is kept (exact
-   deduplication across tasks, as one process keeps it), and each task is given its documents'
-   places among those kept (-1: dropped) and the names the report's examples need.
+Three stages (four with MinHash), each a datatrove pipeline run `workers` tasks at a time; a
+finished task is recorded by datatrove's completion markers in the work folder and not run again
+by a resumed prepare:
+1. "hash": each task's documents' content hashes (`hash64`), chunks, bytes and data.filters'
+   verdicts (`lmforge.data.quality`); with data.dedup = "minhash", datatrove's MinHash signatures.
+   "buckets" (MinHash only, one task a band): datatrove's bucket stage, the near-duplicate pairs.
+2. "plan" (one task): the hashes in stream order; a filtered document is dropped, the first copy
+   of each other is kept (exact deduplication across tasks, as one process keeps it), then with
+   MinHash the first of each near-duplicate component; each task is given its documents' places
+   among those kept (-1: dropped) and the names the report's examples need.
 3. "tokenize": each task writes the documents it keeps as shards (`ShardWriter`), with each
    document's chunk, and its part of the data report.
 Then `join` concatenates the tasks' shards in stream order into the data folder, merges the
@@ -40,10 +44,11 @@ from lmforge import errors
 from lmforge.data.data_report import DataReport
 from lmforge.data.fast_encode import cores
 from lmforge.data.inputs import SKIPPED_NAMES, SourceStats, list_inputs
+from lmforge.data.quality import Quality
 from lmforge.data.shard_writer import HASHES_SUFFIX
 from lmforge.data.sources import SPLITS
 from lmforge.data import stream_tasks
-from lmforge.data.stream_tasks import OWN_FILE, STAGES, TASKS, Job, listing_digest
+from lmforge.data.stream_tasks import OWN_FILE, TASKS, Job, listing_digest
 from lmforge.errors import DataError
 from lmforge.fileio import OutputError, shown_path
 
@@ -101,7 +106,8 @@ def run_stage(job: Job, stage: str, workers: int, progress: bool, input_bytes: i
     """
     from datatrove.utils.logging import logger
 
-    tasks = 1 if stage == "plan" else job.tasks
+    tasks = job.stage_tasks(stage)
+    counted = stage in ("hash", "tokenize")  # the stages that read the input: a bar of its bytes
     logger.remove()  # datatrove's console lines: in the work folder's logs
     common = {"pipeline": [TASKS[stage](job)], "tasks": tasks, "workers": min(workers, tasks),
               "logging_dir": str(Path(job.work) / "logs" / stage), "skip_completed": True}
@@ -114,7 +120,7 @@ def run_stage(job: Job, stage: str, workers: int, progress: bool, input_bytes: i
     progress_dir = Path(job.work) / "progress"
     progress_dir.mkdir(exist_ok=True)
     bar = tqdm(desc=f"prepare ({stage}, {tasks} task{'s' if tasks > 1 else ''})", unit="B", unit_scale=True,
-               total=input_bytes if stage != "plan" else None, disable=not progress or stage == "plan",
+               total=input_bytes if counted else None, disable=not progress or not counted,
                mininterval=1.0)
     stop = threading.Event()
 
@@ -202,9 +208,10 @@ def open_work(work: Path, fingerprint: dict) -> bool:
 
 
 def make_job(work: Path, source: str, tokenizer, val_fraction: float, include_tests: bool, on_bad_utf8: str,
-             text_field: str, tasks: int, threads: int) -> tuple[Job, int]:
-    """The `Job` of a prepare of `source` in `tasks` tasks, its work folder opened (`open_work`:
-    kept when it holds the same prepare's tasks); and the bytes of its input files."""
+             text_field: str, tasks: int, threads: int, quality: Quality = Quality()) -> tuple[Job, int]:
+    """The `Job` of a prepare of `source` in `tasks` tasks (`quality`: its filters and
+    deduplication), its work folder opened (`open_work`: kept when it holds the same prepare's
+    tasks); and the bytes of its input files."""
     files = list_inputs(source, include_tests, SourceStats())
     digest = listing_digest(source, include_tests, files)
     tok = hashlib.sha256()
@@ -213,16 +220,17 @@ def make_job(work: Path, source: str, tokenizer, val_fraction: float, include_te
         tok.update(name.encode() + (path.read_bytes() if path.is_file() else b"-"))
     fingerprint = {"version": 1, "source": source, "listing": digest, "tokenizer": tok.hexdigest(),
                    "val_fraction": val_fraction, "include_tests": include_tests, "on_bad_utf8": on_bad_utf8,
-                   "text_field": text_field, "tasks": tasks, "chunk_records": stream_tasks.CHUNK_RECORDS}
+                   "text_field": text_field, "tasks": tasks, "chunk_records": stream_tasks.CHUNK_RECORDS,
+                   **quality.settings()}
     open_work(work, fingerprint)
     job = Job(str(work), source, str(tokenizer.folder), val_fraction, include_tests, on_bad_utf8, text_field, tasks,
-              digest, str(tokenizer.contract.dtype), threads=threads)
+              digest, str(tokenizer.contract.dtype), threads=threads, filters=quality.filters, dedup=quality.dedup)
     return job, sum(f.size for f in files)
 
 
 def prepare_tasks(tmp: Path, work: Path, source: str, tokenizer, val_fraction: float, include_tests: bool,
                   on_bad_utf8: str, text_field: str, workers: int, progress: bool, executor: str = "local",
-                  address: str = "") -> tuple:
+                  address: str = "", quality: Quality = Quality()) -> tuple:
     """`prepare`'s shards written into `tmp` by `workers` tasks (module docstring), their files in
     `work` (removed here when inside `tmp`; `prepare` removes it once the data folder is in place); `executor` "ray": the tasks on a Ray cluster (`address`,
     or a local one `ray.init` starts; `work` must be on a file system its nodes share). Returns
@@ -234,8 +242,8 @@ def prepare_tasks(tmp: Path, work: Path, source: str, tokenizer, val_fraction: f
             ray.init(address=address or None, include_dashboard=False, log_to_driver=False)
         threads = 1
     job, input_bytes = make_job(work, source, tokenizer, val_fraction, include_tests, on_bad_utf8, text_field, workers,
-                                threads)
-    for stage in STAGES:
+                                threads, quality)
+    for stage in job.stages:
         run_stage(job, stage, workers, progress, input_bytes, executor)
     split_meta, stats, duplicates, report = join(job, tmp)
     if tmp in work.parents:  # else `prepare` removes it once the data folder is in place
@@ -295,6 +303,11 @@ def join(job: Job, tmp: Path) -> tuple:
         with open(f / "report.pkl", "rb") as fh:
             parts.append(pickle.load(fh))
     report = DataReport.merged(parts, plan["duplicates"], examples)
+    if "filtered" in plan:
+        report.filtered = [{**f, "examples": [name_of[tuple(x)] for x in f["examples"]]} for f in plan["filtered"]]
+    if "near" in plan:
+        report.near_removed = {**plan["near"], "examples": [[name_of[tuple(k)], name_of[tuple(d)]]
+                                                            for k, d in plan["near"]["examples"]]}
     return split_meta, stats, plan["duplicates"], report
 
 

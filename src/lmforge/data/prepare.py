@@ -18,6 +18,7 @@ from tqdm import tqdm
 from lmforge.data.fast_encode import batch_encoder
 from lmforge.data.inputs import SourceStats, source_path
 from lmforge.data.data_report import DataReport
+from lmforge.data.quality import DocFilters, Quality
 from lmforge.data.shard_writer import (BATCH_DOCS, HASHES_SUFFIX, NAMED_DOCUMENTS, TASKS_MARKER, TASKS_SUFFIX,
                                        SeenHashes, ShardWriter, hash64)
 from lmforge.data.sources import SPLITS, iter_documents
@@ -44,6 +45,7 @@ def prepare(
     workers: int = 1,
     executor: str = "local",
     address: str = "",
+    quality: Quality = Quality(),
 ) -> dict:
     """Tokenize every document of `source` (`text_field`: the records' text) into
     `out_dir`/{train,val}.{bin,idx}.
@@ -58,7 +60,8 @@ def prepare(
     that many tasks at once (`lmforge.data.parallel`), the same folder to the byte; their files
     are kept in `out_dir`.prepare-tasks until it is written, so a stopped run resumes with the
     tasks it had not finished; `executor` "ray" runs them on a Ray cluster (`address`, else one
-    started on this machine).
+    started on this machine). `quality`: data.filters and data.dedup (`lmforge.data.quality`);
+    "minhash" always runs as tasks (one at `workers` = 1), the same folder at any number.
     Raises:
         DataError: missing/empty source, or a split left with no documents.
         OutputError: `out_dir` holds something else (a run, a tokenizer, a file...).
@@ -67,11 +70,11 @@ def prepare(
     with atomic_dir(out, PREPARE_OUTPUT, what="`lmforge prepare`", inputs=[("data.source", source_path(source))]) as tmp:
         meta = prepare_into(tmp, source, tokenizer, val_fraction, include_tests, on_bad_utf8, progress, seq_len,
                             text_field, workers=workers, work=out.parent / f"{out.name}{TASKS_SUFFIX}",
-                            executor=executor, address=address)
+                            executor=executor, address=address, quality=quality)
         for name, text in (extra_files or {}).items():
             (tmp / name).write_text(text, encoding="utf-8")
     work = out.parent / f"{out.name}{TASKS_SUFFIX}"
-    if workers != 1 and (work / TASKS_MARKER).is_file():  # the tasks' files, joined into `out`
+    if (workers != 1 or quality.dedup == "minhash") and (work / TASKS_MARKER).is_file():  # the tasks' files, joined into `out`
         shutil.rmtree(work)
     return meta
 
@@ -79,45 +82,51 @@ def prepare(
 def prepare_into(tmp: Path, source: str, tokenizer: Tokenizer, val_fraction: float, include_tests: bool,
                   on_bad_utf8: str, progress: bool, seq_len: int = 0, text_field: str = "text",
                   input: dict | None = None, workers: int = 1, work: Path | None = None,
-                  executor: str = "local", address: str = "") -> dict:
+                  executor: str = "local", address: str = "", quality: Quality = Quality()) -> dict:
     """`prepare`'s work in `tmp`, a folder its caller writes (`prepare`, a mixture's sources): shards,
     `{split}.hashes`, meta.json (with `input`, what a mixture compares to reuse it, when given),
     report.json, contract.json. Returns the meta dict with the data report under "report".
     `workers` > 1: that many tasks (`lmforge.data.parallel`, their files in `work`, kept for a
     resumed run until the folder is written), the same files as one process writes; 0: as many as
-    the cores, fewer for a small input (`lmforge.data.parallel.task_count`).
+    the cores, fewer for a small input (`lmforge.data.parallel.task_count`). `quality`: the
+    filters and near-duplicate removal asked for (`lmforge.data.quality`; MinHash runs as tasks).
     Raises:
         DataError: missing/empty source, or a split left with no documents.
+        ConfigError: `quality` asks for filters or MinHash and spaCy is not installed.
     """
     contract = tokenizer.contract
     meta: dict = {"source": source, "val_fraction": val_fraction, "splits": {}}
     if input is not None:
         meta["input"] = input
     t0 = time.perf_counter()
+    quality.require()
     if workers == 0:  # as many as the cores, one per MIN_TASK_BYTES of input at most
         from lmforge.data.parallel import task_count
 
         workers = task_count(source, include_tests)
-    if workers > 1:
+    if workers > 1 or quality.dedup == "minhash":
         from lmforge.data.parallel import prepare_tasks
 
         split_meta, stats, duplicates, report = prepare_tasks(
             tmp, work if work is not None else tmp / ".tasks", source, tokenizer, val_fraction, include_tests,
-            on_bad_utf8, text_field, workers, progress, executor, address)
+            on_bad_utf8, text_field, max(1, workers), progress, executor, address, quality)
     else:
         stats, report = SourceStats(), DataReport()
         bar = tqdm(desc="prepare", unit="B", unit_scale=True, disable=not progress, mininterval=1.0)
         writer = ShardWriter(tmp, contract, report, batch_encoder(tokenizer), lambda: _show_progress(bar, stats, report, writer.split_meta))
+        filters = DocFilters(quality.filters) if quality.filters else None
         try:
             duplicates = _write_unique(source, val_fraction, include_tests, on_bad_utf8, stats, text_field, report,
-                                       writer.write)
+                                       writer.write, filters)
         finally:
             bar.close()  # the bar's last state ends with a newline before any error line
             writer.close()
         split_meta = writer.split_meta
+        if filters is not None:
+            report.filtered = filters.tally.report()
     check_splits(source, split_meta, stats, val_fraction)
     meta["splits"] = split_meta
-    meta.update(skipped(stats, duplicates))
+    meta.update(skipped(stats, duplicates, report))
     meta["seconds"] = round(time.perf_counter() - t0, 2)
     (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
     data_report = report.finish(seq_len)
@@ -136,10 +145,11 @@ def _show_progress(bar, stats: SourceStats, report: DataReport, split_meta: dict
 
 
 def _write_unique(source: str, val_fraction: float, include_tests: bool, on_bad_utf8: str, stats: SourceStats,
-                  text_field: str, report: DataReport, write) -> int:
+                  text_field: str, report: DataReport, write, filters: DocFilters | None = None) -> int:
     """Pass the first copy of each document of `source` to `write`, in batches of BATCH_DOCS
     (document, split, hash64, UTF-8 bytes) tuples; report the exact duplicates dropped and return
-    their count."""
+    their count. `filters`: a document one of them removes is counted in its tally, not written
+    (nor counted a duplicate)."""
     from lmforge.data.sources import split_of
 
     batch: list = []
@@ -148,6 +158,10 @@ def _write_unique(source: str, val_fraction: float, include_tests: bool, on_bad_
     duplicates = 0
     for doc in iter_documents(source, None, val_fraction, include_tests, on_bad_utf8, stats, text_field):
         data = doc.text.encode("utf-8")
+        verdict = filters.verdict(doc.text) if filters is not None else 0
+        if verdict:
+            filters.tally.add(verdict, doc.name, len(data))
+            continue
         h = hash64(data)
         if not seen.add(h):  # exact duplicates are kept once, so no val text is trained on
             duplicates += 1
@@ -185,11 +199,17 @@ def check_splits(source: str, split_meta: dict, stats: SourceStats, val_fraction
             )
 
 
-def skipped(stats: SourceStats, duplicates: int) -> dict:
-    """meta.json's counts of what was not kept (and the first 20 names skipped), in its order."""
+def skipped(stats: SourceStats, duplicates: int, report: DataReport | None = None) -> dict:
+    """meta.json's counts of what was not kept (and the first 20 names skipped), in its order;
+    with `report`'s filters and near-duplicates removed, when asked for."""
+    extra = {}
+    if report is not None and report.filtered is not None:
+        extra["skipped_filtered"] = {f["name"]: f["documents"] for f in report.filtered}
+    if report is not None and report.near_removed is not None:
+        extra["skipped_near_duplicates"] = report.near_removed["documents"]
     return {"skipped_bad_utf8": stats.bad_utf8, "skipped_empty": stats.empty,
             "skipped_not_regular": stats.not_regular, "skipped_other": stats.other,
-            "skipped_names": stats.skipped_names[:20], "skipped_duplicates": duplicates}
+            "skipped_names": stats.skipped_names[:20], "skipped_duplicates": duplicates, **extra}
 
 
 __all__ = ["BATCH_DOCS", "TASKS_MARKER", "TASKS_SUFFIX", "ShardWriter", "check_splits", "skipped", "HASHES_SUFFIX", "META_FILE", "PREPARE_OUTPUT", "REPORT_FILE", "SeenHashes", "hash64", "prepare",

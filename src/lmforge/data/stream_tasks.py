@@ -1,7 +1,8 @@
 """The tasks of a parallel `lmforge prepare` (`lmforge.data.parallel` runs them): which records
-of the one stream a task owns (`Owner`), what every task is given (`Job`), and the three stages'
-tasks (`HashTask`, `PlanTask`, `TokenizeTask`; `lmforge.data.parallel`'s docstring tells what each
-does). Each is a datatrove pipeline step: a callable `(data, rank, world_size)`.
+of the one stream a task owns (`Owner`), what every task is given (`Job`), and the stages' tasks
+(`HashTask`, `PlanTask`, `TokenizeTask`, and datatrove's MinHash bucket step for data.dedup =
+"minhash"; `lmforge.data.parallel`'s docstring tells what each does). Each is a datatrove pipeline
+step: a callable `(data, rank, world_size)`.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from lmforge import errors
 from lmforge.data.data_report import EXAMPLES, DataReport
 from lmforge.data.fast_encode import batch_encoder
 from lmforge.data.inputs import SKIPPED_NAMES, SourceStats, list_inputs
+from lmforge.data.quality import (EXAMPLES as QUALITY_EXAMPLES, DocFilters, bucket_tasks, buckets_step,
+                                  near_duplicates, read_pairs, signature_step)
 from lmforge.data.shard_writer import BATCH_DOCS, NAMED_DOCUMENTS, TASKS_MARKER, ShardWriter, hash64
 from lmforge.data.sources import SPLITS, iter_documents, split_of
 from lmforge.errors import DataError
@@ -29,6 +32,11 @@ CHUNK_RECORDS = 64
 #: The file that marks a work folder as lmforge's, with what its tasks were run for.
 OWN_FILE = TASKS_MARKER
 STAGES = ("hash", "plan", "tokenize")
+#: data.dedup = "minhash": datatrove's bucket stage between the hash and plan stages.
+MINHASH_STAGES = ("hash", "buckets", "plan", "tokenize")
+#: How the near-duplicates removed were found (report.json's near_duplicates_removed.method).
+NEAR_METHOD = ("datatrove MinHash: word 5-grams of the simplified text, 14 bands of 8 SHA-1 hashes; pairs "
+               "joined into connected components, each kept as its first document in the stream")
 
 
 class Owner:
@@ -82,9 +90,25 @@ class Job:
     dtype: str
     """The shards' token dtype (the tokenizer's contract)."""
     threads: int = 1
+    filters: tuple = ()
+    """data.filters (`lmforge.data.quality.FILTERS` names), applied in the hash stage."""
+    dedup: str = "exact"
+    """data.dedup: "minhash" adds the MinHash signatures (hash stage) and bucket stage."""
 
     def folder(self, stage: str, rank: int) -> Path:
         return Path(self.work) / stage / f"{rank:05d}"
+
+    def minhash(self, what: str) -> str:
+        """The folder of the MinHash stage's files: "signatures" or "pairs"."""
+        return str(Path(self.work) / "minhash" / what)
+
+    @property
+    def stages(self) -> tuple[str, ...]:
+        return MINHASH_STAGES if self.dedup == "minhash" else STAGES
+
+    def stage_tasks(self, stage: str) -> int:
+        """The tasks of `stage`: one plan, one per MinHash band, else one per share of the stream."""
+        return {"plan": 1, "buckets": bucket_tasks()}.get(stage, self.tasks)
 
     def documents(self, rank: int, stats: TaskStats, stage: str):
         """(document, chunk) of the records task `rank` owns, in stream order; its progress (bytes
@@ -152,51 +176,97 @@ class HashTask(StageTask):
     stage = "hash"
 
     def run(self, rank: int, out: Path) -> None:
-        stats = TaskStats()
-        hashes, chunks = [], []
-        for doc, chunk in self.job.documents(rank, stats, self.stage):
-            hashes.append(hash64(doc.text.encode("utf-8")))
-            chunks.append(chunk)
+        """Each document's hash64, chunk, UTF-8 bytes and filter verdict (`DocFilters`); with
+        MinHash, datatrove's signatures of the documents the filters keep (a removed one is given
+        as empty text: no signature, its index kept)."""
+        from datatrove.data import Document
+
+        job, stats = self.job, TaskStats()
+        filters = DocFilters(job.filters) if job.filters else None
+        hashes, chunks, sizes, verdicts = [], [], [], []
+
+        def documents():
+            for doc, chunk in job.documents(rank, stats, self.stage):
+                data = doc.text.encode("utf-8")
+                verdict = filters.verdict(doc.text) if filters is not None else 0
+                hashes.append(hash64(data))
+                chunks.append(chunk)
+                sizes.append(len(data))
+                verdicts.append(verdict)
+                yield Document(text="" if verdict else doc.text, id=str(len(hashes) - 1))
+
+        if job.dedup == "minhash":
+            signature_step(job.minhash("signatures")).run(documents(), rank, job.tasks)
+        else:
+            for _ in documents():
+                pass
         np.save(out / "hashes.npy", np.array(hashes, dtype=np.uint64))
         np.save(out / "chunks.npy", np.array(chunks, dtype=np.int64))
+        np.save(out / "sizes.npy", np.array(sizes, dtype=np.int64))
+        np.save(out / "verdicts.npy", np.array(verdicts, dtype=np.int64))
 
 
 class PlanTask(StageTask):
-    """One task: which documents are kept, and their places in the stream (module docstring)."""
+    """One task: which documents are kept, and their places in the stream (module docstring):
+    a document a filter removed is dropped (its copies with it), then each exact duplicate, then,
+    with MinHash, each document of a near-duplicate component but its first."""
 
     stage = "plan"
 
     def run(self, rank: int, out: Path) -> None:
-        n = self.job.tasks
-        parts = [(np.load(self.job.folder("hash", r) / "hashes.npy"), np.load(self.job.folder("hash", r) / "chunks.npy"))
-                 for r in range(n)]
+        job, n = self.job, self.job.tasks
+        load = lambda r, name: np.load(job.folder("hash", r) / f"{name}.npy")  # noqa: E731
+        parts = [(load(r, "hashes"), load(r, "chunks")) for r in range(n)]
         task = np.concatenate([np.full(len(h), r, dtype=np.int64) for r, (h, _) in enumerate(parts)])
         local = np.concatenate([np.arange(len(h), dtype=np.int64) for h, _ in parts])
         order = np.argsort(np.concatenate([c for _, c in parts]), kind="stable")  # stream order
         stream = np.concatenate([h for h, _ in parts])[order]
+        verdict = np.concatenate([load(r, "verdicts") for r in range(n)])[order]
+        sizes = np.concatenate([load(r, "sizes") for r in range(n)])[order]
         _, first, inverse = np.unique(stream, return_index=True, return_inverse=True)
         keep = np.zeros(len(stream), dtype=bool)
         keep[first] = True
+        exact = ~keep & (verdict == 0)  # a filtered text's copies are filtered too: not duplicates
+        keep &= verdict == 0
+        names: list[list[int]] = [[] for _ in range(n)]
+
+        def ref(p: int) -> list[int]:  # (task, index) of stream position p, its name asked for
+            r = [int(task[order[p]]), int(local[order[p]])]
+            names[r[0]].append(r[1])
+            return r
+
+        info: dict = {}
+        if job.filters:
+            info["filtered"] = [{"name": f, "documents": int((verdict == i + 1).sum()),
+                                 "bytes": int(sizes[verdict == i + 1].sum()),
+                                 "examples": [ref(p) for p in np.flatnonzero(verdict == i + 1)[:QUALITY_EXAMPLES]]}
+                                for i, f in enumerate(job.filters)]
+        if job.dedup == "minhash":
+            position = np.empty(len(stream), dtype=np.int64)
+            position[order] = np.arange(len(stream))
+            starts = np.concatenate([[0], np.cumsum([len(h) for h, _ in parts])])
+            pairs = read_pairs(job.minhash("pairs"))
+            edges = np.stack([position[starts[pairs[:, 0]] + pairs[:, 1]], position[starts[pairs[:, 2]] + pairs[:, 3]]], 1)
+            label = near_duplicates(edges, len(stream))
+            near = keep & (label != np.arange(len(stream)))
+            keep &= ~near
+            info["near"] = {"documents": int(near.sum()), "bytes": int(sizes[near].sum()),
+                            "examples": [[ref(int(label[p])), ref(p)] for p in np.flatnonzero(near)[:QUALITY_EXAMPLES]],
+                            "method": NEAR_METHOD}
         kept_index = np.cumsum(keep) - 1
         kept_index[~keep] = -1
         place = np.empty(len(stream), dtype=np.int64)
         place[order] = kept_index
-        names: list[list[int]] = [[] for _ in range(n)]
         examples = []
-        for p in np.flatnonzero(~keep)[:EXAMPLES].tolist():  # (kept, dropped) as one process names them
+        for p in np.flatnonzero(exact)[:EXAMPLES].tolist():  # (kept, dropped) as one process names them
             orig = int(first[inverse[p]])
-            ref = [int(task[order[orig]]), int(local[order[orig]])] if kept_index[orig] < NAMED_DOCUMENTS else None
-            dropped = [int(task[order[p]]), int(local[order[p]])]
-            for r in (ref, dropped):
-                if r is not None:
-                    names[r[0]].append(r[1])
-            examples.append([ref, dropped])
+            examples.append([ref(orig) if kept_index[orig] < NAMED_DOCUMENTS else None, ref(p)])
         start = 0
         for r, (h, _) in enumerate(parts):
             np.save(out / f"{r:05d}.npy", place[start: start + len(h)])
             start += len(h)
-        (out / "plan.json").write_text(json.dumps({"duplicates": int((~keep).sum()), "examples": examples,
-                                                   "names": names}))
+        (out / "plan.json").write_text(json.dumps({"duplicates": int(exact.sum()), "examples": examples,
+                                                   "names": names, **info}))
 
 
 class TokenizeTask(StageTask):
@@ -246,7 +316,8 @@ class TokenizeTask(StageTask):
                                                    "names": {str(k): v for k, v in names.items()}}))
 
 
-TASKS = {"hash": HashTask, "plan": PlanTask, "tokenize": TokenizeTask}
+TASKS = {"hash": HashTask, "plan": PlanTask, "tokenize": TokenizeTask,
+         "buckets": lambda job: buckets_step(job.minhash("signatures"), job.minhash("pairs"))}
 
-__all__ = ["CHUNK_RECORDS", "HashTask", "Job", "OWN_FILE", "Owner", "PlanTask", "STAGES", "StageTask", "TASKS",
+__all__ = ["CHUNK_RECORDS", "HashTask", "Job", "MINHASH_STAGES", "NEAR_METHOD", "OWN_FILE", "Owner", "PlanTask", "STAGES", "StageTask", "TASKS",
            "TaskStats", "TokenizeTask", "listing_digest"]

@@ -11,6 +11,7 @@ from lmforge.data.mixture import mixture_sources, prepare_mixture
 from lmforge.data.reports import data_report_lines
 from lmforge.data.inputs import source_path
 from lmforge.data.prepare import PREPARE_OUTPUT, prepare
+from lmforge.data.quality import Quality
 from lmforge.fileio import check_not_input, check_output
 from lmforge.stages.common import log
 from lmforge.tokenizer import Tokenizer
@@ -34,13 +35,15 @@ def prepare_stage(cfg: Config, out: str | Path | None = None, progress: bool = T
     check_not_input(out, inputs, own_check=lambda: check_output(out, PREPARE_OUTPUT, "`lmforge prepare`",
                                                                 replace_whole=True))
     extra = {CONFIG_FILE: cfg.to_toml()}
+    quality = Quality(tuple(d.filters), d.dedup)
     if d.sources and executor != "local":
         raise ConfigError(f"data.sources: a mixture of {len(d.sources)} sources; `lmforge prepare --executor "
                           f"{executor}` prepares one data.source. Prepare the mixture without --executor.")
     if d.sources:
         sources = mixture_sources(d.sources)
         metas = prepare_mixture(sources, tok, out, d.val_fraction, d.include_tests, d.on_bad_utf8, progress,
-                                extra_files=extra, seq_len=d.seq_len, log=log, workers=d.workers)
+                                extra_files=extra, seq_len=d.seq_len, log=log, workers=d.workers,
+                                quality=quality)
         for name, meta in metas.items():
             _summary(meta, f"prepare: {name}: ")
         log(f"prepare: a mixture of {len(metas)} sources in {out} ({sum(m['reused'] for m in metas.values())} "
@@ -53,7 +56,7 @@ def prepare_stage(cfg: Config, out: str | Path | None = None, progress: bool = T
         workers = d.executor.get("tasks") or d.workers or cores()
     meta = prepare(d.source, tok, out, d.val_fraction, d.include_tests, d.on_bad_utf8, progress,
                    extra_files=extra, seq_len=d.seq_len, text_field=d.text_field, workers=workers, executor=executor,
-                   address=d.executor.get("address", ""))
+                   address=d.executor.get("address", ""), quality=quality)
     _summary(meta, "prepare: ")
     return meta
 
@@ -63,7 +66,7 @@ def _summary(meta: dict, prefix: str) -> None:
         log(f"{prefix}{split}: {m['documents']} documents, {m['tokens']:,} tokens, {m['bytes']:,} bytes "
             f"({m['bytes'] / max(1, m['tokens'] - 2 * m['documents']):.2f} bytes/token)")
     skipped = {k: meta[k] for k in ("skipped_bad_utf8", "skipped_empty", "skipped_duplicates", "skipped_not_regular",
-                                    "skipped_other") if meta.get(k)}
+                                    "skipped_other", "skipped_filtered", "skipped_near_duplicates") if meta.get(k)}
     if skipped:
         names = meta.get("skipped_names") or []
         log(f"{prefix}skipped {skipped}" + (f" (files: {', '.join(names[:3])}{', ...' if len(names) > 3 else ''}; "
