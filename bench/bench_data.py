@@ -236,10 +236,12 @@ _LMFORGE_CHILD = """
 import json, sys, time
 sys.path.insert(0, {src!r})
 from lmforge.data.prepare import prepare
+from lmforge.data.quality import Quality
 from lmforge.tokenizer import Tokenizer
 tok = Tokenizer.load({tok!r})
 t0 = time.perf_counter()
-meta = prepare({corpus!r}, tok, {out!r}, val_fraction=0.02, progress=False, workers={workers})
+meta = prepare({corpus!r}, tok, {out!r}, val_fraction=0.02, progress=False, workers={workers},
+               quality=Quality(*{quality!r}))
 print(json.dumps({{"seconds": time.perf_counter() - t0,
                    "tokens": sum(m["tokens"] for m in meta["splits"].values())}}))
 """
@@ -349,6 +351,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--workers", default="1,2", help="section 6: the data.workers values compared")
     ap.add_argument("--workers-mb", type=float, default=1000, help="section 6: MB of .jsonl.zst")
     ap.add_argument("--workers-rounds", type=int, default=1, help="section 6: alternated rounds")
+    ap.add_argument("--quality", default="none", help="section 6: what prepare removes beyond exact duplicates, "
+                    "comma-separated: none, minhash, a data.filters name, or several joined by + "
+                    "(fineweb_quality+minhash)")
     ap.add_argument("--no-baseline", action="store_true", help="section 5 without the datasets.map arm")
     common.smoke_flag(ap)
     args = ap.parse_args([] if argv is None else argv)
@@ -451,7 +456,7 @@ def _section_only(args, name: str, run, table, key: str = "rows") -> dict:
 def _workers_only(args) -> dict:
     return _section_only(args, "workers", lambda tok, work, texts, log: workers_section(
         tok, 0.2 if args.smoke else args.workers_mb, [int(x) for x in args.workers.split(",")], args.workers_rounds,
-        work, texts, log), workers_table)
+        work, texts, log, tuple(args.quality.split(","))), workers_table)
 
 
 def _corpus_only(args) -> dict:
@@ -459,34 +464,40 @@ def _corpus_only(args) -> dict:
                          corpus_table, key="corpus")
 
 
-def workers_section(tok, mb: float, workers: list[int], rounds: int, workdir: Path, texts: list[str], log) -> list[dict]:
+def quality_of(spec: str) -> tuple[tuple[str, ...], str]:
+    """`--quality`'s "none", "minhash", a data.filters name, or several joined by "+": (filters, dedup)."""
+    parts = [] if spec == "none" else spec.split("+")
+    return tuple(p for p in parts if p != "minhash"), "minhash" if "minhash" in parts else "exact"
+
+
+def workers_section(tok, mb: float, workers: list[int], rounds: int, workdir: Path, texts: list[str], log,
+                    qualities: tuple[str, ...] = ("none",)) -> list[dict]:
     """Section 6 (issue 56): `lmforge prepare`'s code on one `.jsonl.zst` of `mb` MB at each
     `data.workers` (1: one process, no executor; N > 1: lmforge.data.parallel's tasks on
-    datatrove's local executor), each a fresh process, the arms alternated for `rounds` rounds;
-    the folders each writes compared to the byte."""
+    datatrove's local executor) and each of `qualities` (`quality_of`), each a fresh process, the
+    arms alternated for `rounds` rounds; the folders of one quality compared to the byte."""
     import hashlib
 
     corpus = workdir / f"workers-{mb:g}mb.jsonl.zst"
     info = zst_corpus(corpus, mb, texts)
     rows, digests = [], {}
     for rnd in range(rounds):
-        for n in workers:
+        for q, n in ((q, n) for q in qualities for n in workers):
             out = workdir / f"workers-out-{n}"
             res = run_child(_LMFORGE_CHILD.format(src=str(common.ROOT / "src"), tok=str(tok.folder),
-                                                  corpus=str(corpus), out=str(out), workers=n))
-            res.update(info, workers=n, round=rnd)
+                                                  corpus=str(corpus), out=str(out), workers=n, quality=quality_of(q)))
+            res.update(info, workers=n, round=rnd, quality=q)
             res["jsonl_mb_per_s"] = info["jsonl_mb"] / res["seconds"]
-            digests[n] = {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(out.iterdir())
-                          if f.name != "meta.json"}
-            log(f"  round {rnd + 1}, data.workers = {n}: {res['seconds']:.1f} s, {res['jsonl_mb_per_s']:.2f} MB/s of "
+            digests[q, n] = {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(out.iterdir())
+                             if f.name != "meta.json"}
+            log(f"  round {rnd + 1}, {q}, data.workers = {n}: {res['seconds']:.1f} s, {res['jsonl_mb_per_s']:.2f} MB/s of "
                 f"JSONL, peak RSS {res['peak_rss_mb']:.0f} MB (tree), {res['peak_process_rss_mb']:.0f} MB (largest "
                 f"process)")
             rows.append(res)
             shutil.rmtree(out)
     corpus.unlink()
-    same = all(d == digests[workers[0]] for d in digests.values())
     for r in rows:
-        r["same_files"] = same
+        r["same_files"] = all(digests[r["quality"], n] == digests[r["quality"], workers[0]] for n in workers)
     return rows
 
 
@@ -494,15 +505,16 @@ def workers_table(rows: list[dict], smoke: bool) -> str:
     first = min(r["workers"] for r in rows)
     best = {}
     for r in rows:  # each arm's fastest round
-        if r["workers"] not in best or r["seconds"] < best[r["workers"]]["seconds"]:
-            best[r["workers"]] = r
-    base = best[first]
-    out = [(str(n), f"{r['seconds']:.1f}", f"{r['jsonl_mb_per_s']:.2f}", f"{base['seconds'] / r['seconds']:.2f}x",
+        key = (r.get("quality", "none"), r["workers"])
+        if key not in best or r["seconds"] < best[key]["seconds"]:
+            best[key] = r
+    base = best[rows[0].get("quality", "none"), first]
+    out = [(q, str(n), f"{r['seconds']:.1f}", f"{r['jsonl_mb_per_s']:.2f}", f"{base['seconds'] / r['seconds']:.2f}x",
             f"{r['peak_rss_mb']:.0f}", f"{r['peak_process_rss_mb']:.0f}", "yes" if r["same_files"] else "NO")
-           for n, r in sorted(best.items())]
+           for (q, n), r in best.items()]
     r0 = rows[0]
     return common.table(
-        ["data.workers", "seconds", "MB/s JSONL", f"vs workers={first}", "peak RSS MB (tree)",
+        ["removal (--quality)", "data.workers", "seconds", "MB/s JSONL", "vs the first row", "peak RSS MB (tree)",
          "peak RSS MB (largest process)", "same files"], out,
         title=f"lmforge prepare on {r0['zst_mb']:.0f} MB .jsonl.zst ({r0['jsonl_mb']:.0f} MB JSONL, "
               f"{r0['records']:,} records) by data.workers, best of {max(r['round'] for r in rows) + 1} alternated "

@@ -20,7 +20,7 @@ Directives are HTML comments on the lines right before the fence (invisible when
                               (else listed as skipped: "needs PROG")
     fixture="PATH:KIND ..."   files the test makes before the block, standing in for the user's
                               own (KIND: hf-smollm2, hf-gemma3, chats, pairs, prompts, tasks, texts, parquet-shards,
-                              jsonl-zst, previous-block)
+                              jsonl-zst, web-jsonl, previous-block)
     background="PREFIX"       commands that start with PREFIX are servers: started in the
     ready="URL"               background, ready when URL answers 200, stopped (SIGINT) before
                               the next block that does not `use` them
@@ -307,6 +307,22 @@ def make_fixture(kind: str, path: Path, block: Block) -> None:
 
             raw = "".join(json.dumps({"text": b}) + "\n" for b in bodies).encode("utf-8")
             path.write_bytes(zstandard.ZstdCompressor().compress(raw))
+    elif kind == "web-jsonl":  # crawled prose: pages, near-copies of some, boilerplate the filters reject
+        import random
+
+        rng = random.Random(0)
+        words = ("the of and to in that is was for it with as on be at by had are but from or have an they which one "
+                 "you were all there would their we been has when who will more if out so said what up about into "
+                 "than them can only other new some could time these two may then first any now such like over even "
+                 "most made after also did many before must through back years where much way well down should "
+                 "because each just those people how little state good very make world still own see work long "
+                 "river garden winter letter music window market island doctor engine forest harbor").split()
+        pages = ["\n".join(" ".join(" ".join(rng.choice(words) for _ in range(rng.randint(8, 14))).capitalize() + "."
+                                    for _ in range(3)) for _ in range(4)) for _ in range(300)]
+        pages += [p.replace(" the ", " a ", 1) for p in pages[:30:3]]  # near-copies
+        pages += ["Subscribe to our newsletter\n" * 20, "\n".join(" ".join(rng.choice(words) for _ in range(5))
+                                                               for _ in range(30))] * 3
+        path.write_text("".join(json.dumps({"text": p}) + "\n" for p in pages), encoding="utf-8")
     elif kind == "previous-block":
         path.write_text(block.previous + "\n", encoding="utf-8")
     else:
