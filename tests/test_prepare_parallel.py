@@ -219,3 +219,41 @@ def test_batched_signatures_equal_one_document_at_a_time():
     assert batch.shape == (len(docs), 64) and batch.dtype == np.uint32
     for d, s in zip(docs, batch):
         assert np.array_equal(s, one(d))
+
+
+KILLED_TASK = """
+import os, signal, sys
+sys.path.insert(0, {tests!r})
+from lmforge.data import parallel, stream_tasks
+from lmforge.data.prepare import prepare
+from lmforge.tokenizer import Tokenizer
+parallel.MIN_TASK_BYTES, stream_tasks.CHUNK_RECORDS = 1, 3
+run = stream_tasks.TokenizeTask.run
+def killed(self, rank, folder):  # task 1's process killed as the kernel kills one out of memory
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return run(self, rank, folder)
+stream_tasks.TokenizeTask.run = killed
+prepare({source!r}, Tokenizer.load({tok!r}), {out!r}, val_fraction=0.2, progress=False, workers=2)
+"""
+
+
+def test_a_task_killed_by_the_kernel_stops_the_prepare_instead_of_hanging_it(tiny_tokenizer, tiny_corpus, tmp_path,
+                                                                             small_tasks):
+    """datatrove's pool waits for ever for a task whose process was killed (SIGKILL: the kernel's
+    out-of-memory killer); lmforge's executor watches its processes and stops the stage with an
+    error that says what happened; the same command again resumes and writes the one-process folder."""
+    import subprocess
+
+    texts = [p.read_text(encoding="utf-8") for p in sorted(tiny_corpus.glob("*.py"))]
+    source = str(mixed_corpus(tmp_path, texts))
+    out, work = tmp_path / "data", tmp_path / f"data{TASKS_SUFFIX}"
+    code = KILLED_TASK.format(tests=str(Path(__file__).parent), source=source, tok=str(tiny_tokenizer.folder),
+                              out=str(out))
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0 and "stage ended before it finished (signal SIGKILL" in done.stderr, done.stderr[-2000:]
+    assert "run the same command again to resume" in done.stderr
+    assert not out.exists() and (work / "hash" / "00001").is_dir()  # the finished stage is kept
+    prepare(source, tiny_tokenizer, out, val_fraction=0.2, progress=False, workers=2)
+    prepare(source, tiny_tokenizer, tmp_path / "one", val_fraction=0.2, progress=False, workers=1)
+    assert folder_digest(out) == folder_digest(tmp_path / "one") and not work.exists()

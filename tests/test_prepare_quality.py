@@ -155,7 +155,8 @@ def test_minhash_removes_near_duplicates_keeping_the_first_in_the_stream(tiny_to
 
 
 def test_filters_and_minhash_together_and_a_mixture_passes_them(tiny_tokenizer, corpus, tmp_path):
-    """Both at once on 2 tasks: the filtered documents are not near-duplicates' keepers."""
+    """Both at once on 2 tasks: the filtered documents are not near-duplicates' keepers; a mixture's
+    source prepared with them holds the same documents and no tasks' files."""
     path, _, near = corpus
     quality = Quality(("fineweb_quality",), "minhash")
     want, removed = reference(path, tiny_tokenizer, 0.2, quality)
@@ -165,6 +166,26 @@ def test_filters_and_minhash_together_and_a_mixture_passes_them(tiny_tokenizer, 
     assert meta["skipped_near_duplicates"] == len(removed["near"]) == len(near)
     assert meta["skipped_filtered"] == {"fineweb_quality": len(removed["filtered"][0])}
     assert len(removed["filtered"][0]) >= 1
+    from lmforge.data.mixture import mixture_sources, prepare_mixture
+
+    metas = prepare_mixture(mixture_sources([{"source": str(path), "name": "web"}]), tiny_tokenizer, tmp_path / "mix",
+                            val_fraction=0.2, progress=False, workers=2, quality=quality)
+    assert metas["web"]["skipped_near_duplicates"] == len(near) and metas["web"]["input"]["dedup"] == "minhash"
+    check_shards(tmp_path / "mix" / "web", tiny_tokenizer, want)
+    left = [p.name for p in (tmp_path / "mix").rglob("*") if "tasks" in p.name]
+    assert not left, left  # the tasks' files are gone once the folder is written
+
+
+def test_each_filter_judges_the_text_as_written():
+    """datatrove's C4 filter rewrites the text it judges (it drops lines); the filters after it
+    still judge the document lmforge writes, so the order of data.filters does not change a verdict
+    on a kept document."""
+    lines = ["The river ran past the old mill, and the children watched it all day long."] * 6
+    junk = [f"Home about contact menu item {i}" for i in range(60)]
+    text = "\n".join(lines + junk)
+    alone = DocFilters(("fineweb_quality",)).verdict(text)
+    assert alone == 1  # the menu lines fail FineWeb's rules
+    assert DocFilters(("c4_quality", "fineweb_quality")).verdict(text) == 2
 
 
 def test_bad_settings_are_config_errors():

@@ -333,7 +333,7 @@ def prepare_mixture(sources: Sequence[MixSource], tokenizer, out_dir: str | Path
                 folder.mkdir()
                 try:
                     meta = prepare_into(folder, src.source, tokenizer, val_fraction, include_tests, on_bad_utf8, progress,
-                                        seq_len, src.text_field, want, workers, tmp / f".{src.name}.tasks", quality=quality)
+                                        seq_len, src.text_field, want, workers, quality=quality)  # tasks in folder
                 except DataError as exc:
                     raise DataError(f"data.sources[{n - 1}] ({src.name}): {exc}") from None
                 meta["reused"] = False

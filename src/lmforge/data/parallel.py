@@ -53,12 +53,54 @@ from lmforge.errors import DataError
 from lmforge.fileio import OutputError, shown_path
 
 
+class TaskKilled(Exception):
+    """A task's process ended without finishing (a signal: the kernel's out-of-memory killer
+    sends SIGKILL); `code` its exit code (-N: signal N)."""
+
+    def __init__(self, code: int):
+        super().__init__(code)
+        self.code = code
+
+
 def _executor_class():
     """datatrove's LocalPipelineExecutor, its log lines kept in the work folder (a task's
-    LmforgeError reaches the user as lmforge's one error line, not a logged traceback)."""
+    LmforgeError reaches the user as lmforge's one error line, not a logged traceback), and a
+    task whose process dies (killed: out of memory) raising TaskKilled: datatrove's pool would
+    wait for its result for ever."""
     from datatrove.executor.local import LocalPipelineExecutor
 
     class QuietLocalExecutor(LocalPipelineExecutor):
+        def run(self):
+            """datatrove's run on `workers` > 1 processes, its pool's processes watched: one that
+            exits while tasks remain raises TaskKilled (the pool is then terminated)."""
+            if self.workers == 1 or all(map(self.is_rank_completed, range(self.tasks))):
+                return super().run()
+            import functools
+
+            import multiprocess
+
+            self._launched = True
+            self.save_executor_as_json()
+            manager = multiprocess.Manager()
+            try:
+                ranks = manager.Queue()
+                for i in range(self.workers):
+                    ranks.put(i)
+                todo = self.get_incomplete_ranks(range(self.tasks))
+                with multiprocess.get_context(self.start_method).Pool(self.workers) as pool:
+                    seen = list(pool._pool)  # the pool's processes (it replaces one that exits)
+                    result = pool.map_async(functools.partial(self._launch_run_for_rank, ranks_q=ranks), todo,
+                                            chunksize=1)
+                    while not result.ready():
+                        result.wait(0.2)
+                        dead = [p.exitcode for p in seen if p.exitcode not in (None, 0)]
+                        if dead:
+                            raise TaskKilled(dead[0])
+                        seen += [p for p in pool._pool if p not in seen]
+                    result.get()  # a task's exception, raised here
+            finally:
+                manager.shutdown()
+
         def _run_for_rank(self, rank: int, local_rank: int = 0, node_rank: int = -1):
             import contextlib
 
@@ -141,6 +183,13 @@ def run_stage(job: Job, stage: str, workers: int, progress: bool, input_bytes: i
     try:
         executor.run()
         done = all(executor.is_rank_completed(r) for r in range(tasks))
+    except TaskKilled as exc:
+        names = {int(sig): sig.name for sig in signal.Signals}
+        how = f"signal {names.get(-exc.code, -exc.code)}" if exc.code < 0 else f"exit code {exc.code}"
+        raise DataError(f"prepare: a task of the {stage} stage ended before it finished ({how}: on Linux the kernel's "
+                        f"out-of-memory killer sends SIGKILL when memory runs out; `dmesg` tells). The finished tasks "
+                        f"are kept in {shown_path(Path(job.work))}: run the same command again to resume, with fewer "
+                        f"data.workers if memory was short.") from None
     except Exception:
         _raise_task_error(job, stage)
         raise
@@ -218,7 +267,7 @@ def make_job(work: Path, source: str, tokenizer, val_fraction: float, include_te
     for name in ("tokenizer.json", "tokenizer_config.json", "contract.json"):  # the ids and the specials
         path = Path(tokenizer.folder) / name
         tok.update(name.encode() + (path.read_bytes() if path.is_file() else b"-"))
-    fingerprint = {"version": 1, "source": source, "listing": digest, "tokenizer": tok.hexdigest(),
+    fingerprint = {"version": 2, "source": source, "listing": digest, "tokenizer": tok.hexdigest(),
                    "val_fraction": val_fraction, "include_tests": include_tests, "on_bad_utf8": on_bad_utf8,
                    "text_field": text_field, "tasks": tasks, "chunk_records": stream_tasks.CHUNK_RECORDS,
                    **quality.settings()}

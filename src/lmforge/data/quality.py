@@ -82,9 +82,8 @@ class DocFilters:
     def verdict(self, text: str) -> int:
         from datatrove.data import Document
 
-        doc = Document(text=text, id="0")
         for i, f in enumerate(self.filters):
-            kept = f.filter(doc)
+            kept = f.filter(Document(text=text, id="0"))  # a Document each: C4's filter rewrites the text it judges
             if not (kept[0] if isinstance(kept, tuple) else kept):
                 return i + 1
         return 0

@@ -241,6 +241,7 @@ class PlanTask(StageTask):
                                  "bytes": int(sizes[verdict == i + 1].sum()),
                                  "examples": [ref(p) for p in np.flatnonzero(verdict == i + 1)[:QUALITY_EXAMPLES]]}
                                 for i, f in enumerate(job.filters)]
+        named = np.cumsum(keep) - 1  # the documents one process names (before MinHash: it has no MinHash)
         if job.dedup == "minhash":
             position = np.empty(len(stream), dtype=np.int64)
             position[order] = np.arange(len(stream))
@@ -260,7 +261,7 @@ class PlanTask(StageTask):
         examples = []
         for p in np.flatnonzero(exact)[:EXAMPLES].tolist():  # (kept, dropped) as one process names them
             orig = int(first[inverse[p]])
-            examples.append([ref(orig) if kept_index[orig] < NAMED_DOCUMENTS else None, ref(p)])
+            examples.append([ref(orig) if named[orig] < NAMED_DOCUMENTS else None, ref(p)])
         start = 0
         for r, (h, _) in enumerate(parts):
             np.save(out / f"{r:05d}.npy", place[start: start + len(h)])
