@@ -12,14 +12,16 @@ Three stages (four with MinHash), each a datatrove pipeline run `workers` tasks 
 finished task is recorded by datatrove's completion markers in the work folder and not run again
 by a resumed prepare:
 1. "hash": each task's documents' content hashes (`hash64`), chunks, bytes and data.filters'
-   verdicts (`lmforge.data.quality`); with data.dedup = "minhash", datatrove's MinHash signatures.
+   verdicts (`lmforge.data.quality`), and a copy of its documents (`stream_tasks.SPILL`: name and
+   text, zstd) for its tokenize stage; with data.dedup = "minhash", datatrove's MinHash signatures.
    "buckets" (MinHash only, one task a band): datatrove's bucket stage, the near-duplicate pairs.
 2. "plan" (one task): the hashes in stream order; a filtered document is dropped, the first copy
    of each other is kept (exact deduplication across tasks, as one process keeps it), then with
    MinHash the first of each near-duplicate component; each task is given its documents' places
    among those kept (-1: dropped) and the names the report's examples need.
 3. "tokenize": each task writes the documents it keeps as shards (`ShardWriter`), with each
-   document's chunk, and its part of the data report.
+   document's chunk, and its part of the data report, reading them from its copy (the source is
+   decompressed and decoded once, by the hash stage).
 Then `join` concatenates the tasks' shards in stream order into the data folder, merges the
 reports (`DataReport.merged`) and sums the counts. A task writes into a folder of its own,
 renamed into place when complete: a stopped task leaves nothing that a resumed one reads.
