@@ -17,7 +17,7 @@ import pytest
 
 from test_prepare_parallel import folder_digest  # noqa: E402
 
-from lmforge.data.prepare import TASKS_SUFFIX, prepare
+from lmforge.data.prepare import TASKS_MARKER, TASKS_SUFFIX, prepare
 
 SBATCH = """#!/bin/sh
 # a stand-in for Slurm's sbatch: records its arguments and script, answers a new job id
@@ -115,3 +115,56 @@ def test_what_slurm_cannot_run_is_refused_before_anything_is_submitted(tiny_run,
     assert res.returncode == 2, res.stderr[-2000:]
     assert re.search(expected, res.stderr), res.stderr[-2000:]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cfg.toml"]  # no tasks' folder, no data folder
+
+
+SQUEUE = """#!/bin/sh
+# a stand-in for Slurm's squeue: records its arguments, prints the queue the test wrote
+echo "$*" >> "{log}/squeue.log"
+if [ -s "{log}/invalid" ]; then echo "slurm_load_jobs error: Invalid job id specified" >&2; exit 1; fi
+cat "{log}/queue"
+"""
+
+
+def test_a_second_submission_is_refused_while_the_first_jobs_are_queued(tiny_run, tiny_corpus, tmp_path):
+    """Submitting again while the jobs of the first submission still run would run their tasks twice
+    at once: refused, naming the jobs and how to cancel them, nothing submitted or touched; once
+    squeue lists none of them (or has forgotten them), the submission goes ahead."""
+    sys.path.insert(0, str(Path(__file__).parent / "robustness"))
+    from test_bad_inputs import tree_hash
+
+    from lmforge.data.cluster import JOBS_FILE, still_queued
+
+    cfg, _ = tiny_run
+    bin_dir, log = tmp_path / "bin", tmp_path / "slurm"
+    bin_dir.mkdir()
+    log.mkdir()
+    for name, text in (("sbatch", SBATCH), ("scontrol", SCONTROL), ("squeue", SQUEUE)):
+        stand_in(bin_dir, name, text.format(log=log))
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    work = tmp_path / f"data{TASKS_SUFFIX}"
+    work.mkdir()
+    (work / TASKS_MARKER).write_text("{}\n")  # an earlier submission's tasks' folder (of other settings)
+    (work / JOBS_FILE).write_text('{"jobs": {"hash": "201", "plan": "202", "tokenize": "203", "finish": "204"}}\n')
+    (log / "queue").write_text("202 202\n203 203_[0-2]\n204 204\n")
+    cfg.save(tmp_path / "cfg.toml")
+    before = tree_hash(work)
+    command = [sys.executable, "-m", "lmforge", "prepare", "--config", str(tmp_path / "cfg.toml"), "--executor", "slurm",
+               "--set", f"data.source={tiny_corpus}", "--set", "data.executor.partition=debug", "--set",
+               "data.executor.tasks=2", "--out", str(tmp_path / "data"), "--no-progress"]
+    res = subprocess.run(command, capture_output=True, text=True, timeout=240, env=env)
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert "jobs 202 203 204 of the prepare submitted before" in res.stderr and "scancel 202 203 204" in res.stderr
+    assert (log / "squeue.log").read_text().split() == ["-h", "-o", "%F", "%i", "-j", "201,202,203,204"]
+    assert tree_hash(work) == before and not (log / "sbatch.log").exists() and not (tmp_path / "data").exists()
+    (log / "invalid").write_text("1")  # squeue forgets ended jobs: "Invalid job id"
+    os.environ["PATH"], old = env["PATH"], os.environ["PATH"]
+    try:
+        assert still_queued(work) == []
+    finally:
+        os.environ["PATH"] = old
+    (log / "invalid").write_text("")
+    (log / "queue").write_text("")
+    res = subprocess.run(command, capture_output=True, text=True, timeout=240, env=env)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "2 tasks submitted to Slurm: hash job 101" in res.stderr
+    assert '"hash": "101"' in (work / JOBS_FILE).read_text()

@@ -7,11 +7,14 @@ data.dir as on one machine. The folder is the same, to the byte, as one process 
 
 The submitting command returns once the jobs are queued (their ids and scripts printed); the
 tasks' folder and data.dir must be on a file system every node sees. A job that fails leaves the
-later ones pending (`afterok`); the same command again submits only the tasks not complete.
+later ones pending (`afterok`); the same command again submits only the tasks not complete, and is
+refused while a job it submitted before is still queued or running (`squeue`: the tasks' folder
+records the job ids), so no task runs twice at once.
 """
 
 from __future__ import annotations
 
+import json
 import shlex
 import sys
 from pathlib import Path
@@ -22,7 +25,11 @@ from lmforge.data.parallel import make_job, task_count
 from lmforge.data.shard_writer import TASKS_SUFFIX
 from lmforge.data.quality import Quality
 from lmforge.data.stream_tasks import TASKS
-from lmforge.errors import ConfigError
+from lmforge.errors import ConfigError, LmforgeError
+from lmforge.fileio import OutputError, shown_path
+
+#: The tasks' folder's record of the jobs submitted last (their ids), for `still_queued`.
+JOBS_FILE = "slurm-jobs.json"
 
 #: data.executor's defaults (lmforge.config.sources.EXECUTOR_OPTIONS); `tasks`: data.workers when
 #: set, else DEFAULT_TASKS.
@@ -62,6 +69,12 @@ def submit_slurm(cfg, out: Path, tokenizer) -> dict:
         raise ConfigError(f"data.executor.tasks = {tasks} (or data.workers): one task needs no cluster. Run `lmforge "
                           f"prepare` without --executor, or ask for 2 tasks or more.")
     work = out.parent / f"{out.name}{TASKS_SUFFIX}"
+    queued = still_queued(work)
+    if queued:
+        ids = " ".join(queued)
+        raise OutputError(f"jobs {ids} of the prepare submitted before into {shown_path(out)} are still queued or "
+                          f"running (squeue): a second submission would run their tasks again at the same time. Wait "
+                          f"for them to end, or cancel them (scancel {ids}) and submit again.")
     quality = Quality(tuple(d.filters), d.dedup)
     quality.require()
     job, _ = make_job(work, d.source, tokenizer, d.val_fraction, d.include_tests, d.on_bad_utf8, d.text_field, tasks,
@@ -92,9 +105,35 @@ def submit_slurm(cfg, out: Path, tokenizer) -> dict:
     (work / "finish.slurm").write_text(script)
     after = [f"--dependency=afterok:{jobs['tokenize']}"] if jobs["tokenize"] not in (None, -1) else []
     jobs["finish"] = launch_slurm_job(script, previous.job_id_retriever, *after)
+    (work / JOBS_FILE).write_text(json.dumps({"jobs": {k: str(v) for k, v in jobs.items()}}) + "\n")
     return {"tasks": tasks, "work": str(work), "jobs": jobs, "log": str(log),
             "scripts": {**{stage: str(work / "logs" / stage / "launch_script.slurm") for stage in executors},
                         "finish": str(work / "finish.slurm")}}
 
 
-__all__ = ["DEFAULTS", "DEFAULT_TASKS", "LmforgeSlurmExecutor", "submit_slurm"]
+def still_queued(work: Path) -> list[str]:
+    """The job ids recorded in `work`'s JOBS_FILE that `squeue` still lists (pending or running),
+    in order; [] when none was recorded or none is listed.
+
+    Raises:
+        LmforgeError: jobs were recorded and `squeue` cannot be run or fails.
+    """
+    import subprocess
+
+    try:
+        ids = [str(i) for i in json.loads((work / JOBS_FILE).read_text())["jobs"].values() if str(i) not in ("", "-1")]
+    except (OSError, ValueError, KeyError, AttributeError):
+        return []
+    try:
+        res = subprocess.run(["squeue", "-h", "-o", "%F %i", "-j", ",".join(ids)], capture_output=True, text=True,
+                             timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise LmforgeError(f"{shown_path(work / JOBS_FILE)} records Slurm jobs {', '.join(ids)}, and squeue cannot be "
+                           f"run to see whether they still run ({exc}). Run it where Slurm's commands are.") from None
+    if res.returncode != 0 and "invalid job id" not in res.stderr.lower():  # ended jobs may be forgotten by squeue
+        raise LmforgeError(f"squeue -j {','.join(ids)} failed (exit {res.returncode}: {res.stderr.strip()[:300]}).")
+    listed = {word.split("_")[0] for line in res.stdout.splitlines() for word in line.split()}
+    return [i for i in ids if i in listed]
+
+
+__all__ = ["DEFAULTS", "DEFAULT_TASKS", "JOBS_FILE", "LmforgeSlurmExecutor", "still_queued", "submit_slurm"]
