@@ -296,7 +296,8 @@ def corpus_goal(tok, sizes: list[float], workdir: Path, texts: list[str], log, b
         corpus = workdir / f"corpus-{mb:g}mb.jsonl.zst"
         info = zst_corpus(corpus, mb, texts)
         arms = {"lmforge prepare": _LMFORGE_CHILD.format(src=str(common.ROOT / "src"), tok=str(tok.folder),
-                                                         corpus=str(corpus), out=str(workdir / "lmf-out"), workers=1)}
+                                                         corpus=str(corpus), out=str(workdir / "lmf-out"), workers=1,
+                                                         quality=quality_of("none"))}
         if baseline:
             arms["datasets.map + memmap"] = _NANOGPT_CHILD.format(
                 src=str(common.ROOT / "src"), tok=str(tok.folder), corpus=str(corpus),

@@ -285,7 +285,8 @@ COMMANDS: dict[str, tuple[str, str | None, Callable, Callable]] = {
     "import-tokenizer": ("bring your own Hugging Face tokenizer folder (derives the contract)",
                          "where to write the lmforge tokenizer folder (default: tokenizer.dir)",
                          import_tokenizer_args, _import_tokenizer),
-    "prepare": ("pretokenize data.source into .bin/.idx shards",
+    "prepare": ("pretokenize data.source into .bin/.idx shards (exact duplicates dropped; data.filters and "
+                "data.dedup = \"minhash\" remove more, through datatrove)",
                 "where to write the shards (default: data.dir)", prepare_args, _prepare),
     "pretrain": ("pretrain a model on the prepared shards",
                  "run folder (metrics.jsonl, config.toml, step_NNNNNN/ checkpoints)", training_args,
