@@ -69,12 +69,7 @@ def submit_slurm(cfg, out: Path, tokenizer) -> dict:
         raise ConfigError(f"data.executor.tasks = {tasks} (or data.workers): one task needs no cluster. Run `lmforge "
                           f"prepare` without --executor, or ask for 2 tasks or more.")
     work = out.parent / f"{out.name}{TASKS_SUFFIX}"
-    queued = still_queued(work)
-    if queued:
-        ids = " ".join(queued)
-        raise OutputError(f"jobs {ids} of the prepare submitted before into {shown_path(out)} are still queued or "
-                          f"running (squeue): a second submission would run their tasks again at the same time. Wait "
-                          f"for them to end, or cancel them (scancel {ids}) and submit again.")
+    refuse_if_queued(work, out)
     quality = Quality(tuple(d.filters), d.dedup)
     quality.require()
     job, _ = make_job(work, d.source, tokenizer, d.val_fraction, d.include_tests, d.on_bad_utf8, d.text_field, tasks,
@@ -111,6 +106,17 @@ def submit_slurm(cfg, out: Path, tokenizer) -> dict:
                         "finish": str(work / "finish.slurm")}}
 
 
+def refuse_if_queued(work: Path, out: Path) -> None:
+    """OutputError when a job of the submission recorded in `work` is still queued or running: a
+    second submission would run its tasks again at the same time."""
+    queued = still_queued(work)
+    if queued:
+        ids = " ".join(queued)
+        raise OutputError(f"jobs {ids} of the prepare submitted before into {shown_path(out)} are still queued or "
+                          f"running (squeue): a second submission would run their tasks again at the same time. Wait "
+                          f"for them to end, or cancel them (scancel {ids}) and submit again.")
+
+
 def still_queued(work: Path) -> list[str]:
     """The job ids recorded in `work`'s JOBS_FILE that `squeue` still lists (pending or running),
     in order; [] when none was recorded or none is listed.
@@ -136,4 +142,4 @@ def still_queued(work: Path) -> list[str]:
     return [i for i in ids if i in listed]
 
 
-__all__ = ["DEFAULTS", "DEFAULT_TASKS", "JOBS_FILE", "LmforgeSlurmExecutor", "still_queued", "submit_slurm"]
+__all__ = ["DEFAULTS", "DEFAULT_TASKS", "JOBS_FILE", "LmforgeSlurmExecutor", "refuse_if_queued", "still_queued", "submit_slurm"]

@@ -186,12 +186,7 @@ def run_stage(job: Job, stage: str, workers: int, progress: bool, input_bytes: i
         executor.run()
         done = all(executor.is_rank_completed(r) for r in range(tasks))
     except TaskKilled as exc:
-        names = {int(sig): sig.name for sig in signal.Signals}
-        how = f"signal {names.get(-exc.code, -exc.code)}" if exc.code < 0 else f"exit code {exc.code}"
-        raise DataError(f"prepare: a task of the {stage} stage ended before it finished ({how}: on Linux the kernel's "
-                        f"out-of-memory killer sends SIGKILL when memory runs out; `dmesg` tells). The finished tasks "
-                        f"are kept in {shown_path(Path(job.work))}: run the same command again to resume, with fewer "
-                        f"data.workers if memory was short.") from None
+        raise _killed(job, stage, exc.code) from None
     except Exception:
         _raise_task_error(job, stage)
         raise
@@ -206,6 +201,16 @@ def run_stage(job: Job, stage: str, workers: int, progress: bool, input_bytes: i
         _raise_task_error(job, stage)
         raise DataError(f"prepare: the {stage} stage did not finish every task (logs in "
                         f"{shown_path(Path(job.work) / 'logs' / stage)}). Run the same command again to resume.")
+
+
+def _killed(job: Job, stage: str, code: int) -> DataError:
+    """The error of a task of `stage` whose process ended with exit code `code` (-N: signal N)."""
+    names = {int(sig): sig.name for sig in signal.Signals}
+    how = f"signal {names.get(-code, -code)}" if code < 0 else f"exit code {code}"
+    return DataError(f"prepare: a task of the {stage} stage ended before it finished ({how}: on Linux the kernel's "
+                     f"out-of-memory killer sends SIGKILL when memory runs out; `dmesg` tells). The finished tasks "
+                     f"are kept in {shown_path(Path(job.work))}: run the same command again to resume, with fewer "
+                     f"data.workers if memory was short.")
 
 
 def _raise_task_error(job: Job, stage: str) -> None:

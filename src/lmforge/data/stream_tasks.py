@@ -204,14 +204,16 @@ class HashTask(StageTask):
                 verdicts.append(verdict)
                 name_sizes.append(len(name))
                 splits.append(SPLITS.index(split_of(doc.key, job.val_fraction)))
-                pending.extend(name + data)
+                pending.extend(name)
+                pending.extend(data)
                 if len(pending) >= 1 << 22:
                     spill.write(pending)
                     pending.clear()
-                yield Document(text="" if verdict else doc.text, id=str(len(hashes) - 1))
+                yield Document(text="" if verdict else doc.text, id=str(len(hashes) - 1)) if minhash else None
 
+        minhash = job.dedup == "minhash"
         with spill:
-            if job.dedup == "minhash":
+            if minhash:
                 signature_step(job.minhash("signatures")).run(documents(), rank, job.tasks)
             else:
                 for _ in documents():
