@@ -164,49 +164,6 @@ def test_a_stopped_prepare_resumes_with_the_tasks_it_had_not_finished(tiny_token
     assert folder_digest(out) == folder_digest(tmp_path / "one") and fresh["splits"]["val"]["documents"] > 0
 
 
-def test_the_documents_copy_is_kept_as_is_where_the_disk_has_room_else_in_zstd_and_a_resume_reads_either(
-        tiny_tokenizer, tiny_corpus, tmp_path, small_tasks, monkeypatch):
-    """The hash stage's copy of a task's documents: as is when the disk has room for it, zstd when
-    not (SPILL_ROOM raised past any disk); the folder the same either way, and a prepare stopped
-    after zstd copies and resumed where raw ones would be written reads the copies its tasks made."""
-    from lmforge.data.inputs import SourceStats, list_inputs
-
-    texts = [p.read_text(encoding="utf-8") for p in sorted(tiny_corpus.glob("*.py"))]
-    source = str(mixed_corpus(tmp_path, texts))
-    files = list_inputs(source, False, SourceStats())
-    assert stream_tasks.spill_kind(tmp_path, files) == "raw"
-    seen_dir = tmp_path / "seen"  # the tasks run in processes of their own: what they saw, as files
-    seen_dir.mkdir()
-    run = stream_tasks.TokenizeTask.run
-
-    def kinds():
-        found = sorted(p.name.split("-", 1)[1] for p in seen_dir.iterdir())
-        for p in seen_dir.iterdir():
-            p.unlink()
-        return found
-
-    def seen(self, rank, folder):  # the copy its hash task left; the first prepare stops here once
-        for p in self.job.folder("hash", rank).glob("documents.*"):
-            (seen_dir / f"{rank}-{p.name}").touch()
-        if not (tmp_path / "stopped").exists():
-            (tmp_path / "stopped").touch()
-            raise RuntimeError("stopped after the hash stage")
-        return run(self, rank, folder)
-
-    monkeypatch.setattr(stream_tasks.TokenizeTask, "run", seen)
-    monkeypatch.setattr(stream_tasks, "SPILL_ROOM", 10**15)
-    assert stream_tasks.spill_kind(tmp_path, files) == "zstd"
-    with pytest.raises(RuntimeError, match="stopped after the hash stage"):
-        prepare(source, tiny_tokenizer, tmp_path / "resumed", val_fraction=0.2, progress=False, workers=2)
-    monkeypatch.setattr(stream_tasks, "SPILL_ROOM", 3)
-    prepare(source, tiny_tokenizer, tmp_path / "resumed", val_fraction=0.2, progress=False, workers=2)
-    assert set(kinds()) == {stream_tasks.SPILL}  # before the stop and after it: the zstd copies
-    prepare(source, tiny_tokenizer, tmp_path / "raw", val_fraction=0.2, progress=False, workers=2)
-    assert kinds() == [stream_tasks.SPILL_RAW] * 2
-    prepare(source, tiny_tokenizer, tmp_path / "one", val_fraction=0.2, progress=False, workers=1)
-    assert folder_digest(tmp_path / "resumed") == folder_digest(tmp_path / "raw") == folder_digest(tmp_path / "one")
-
-
 def test_a_bad_record_in_a_task_names_its_file_and_line_and_keeps_the_previous_folder(tiny_tokenizer, tiny_corpus,
                                                                                       tmp_path, small_tasks):
     texts = [p.read_text(encoding="utf-8") for p in sorted(tiny_corpus.glob("*.py"))]

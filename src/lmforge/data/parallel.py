@@ -12,9 +12,8 @@ Three stages (four with MinHash), each a datatrove pipeline run `workers` tasks 
 finished task is recorded by datatrove's completion markers in the work folder and not run again
 by a resumed prepare:
 1. "hash": each task's documents' content hashes (`hash64`), chunks, bytes and data.filters'
-   verdicts (`lmforge.data.quality`), and a copy of its documents (name and text: as is where the
-   disk has room, else zstd, `stream_tasks.spill_kind`) for its tokenize stage; with data.dedup =
-   "minhash", datatrove's MinHash signatures.
+   verdicts (`lmforge.data.quality`), and a copy of its documents (`stream_tasks.SPILL`: name and
+   text, zstd) for its tokenize stage; with data.dedup = "minhash", datatrove's MinHash signatures.
    "buckets" (MinHash only, one task a band): datatrove's bucket stage, the near-duplicate pairs.
 2. "plan" (one task): the hashes in stream order; a filtered document is dropped, the first copy
    of each other is kept (exact deduplication across tasks, as one process keeps it), then with
@@ -281,8 +280,7 @@ def make_job(work: Path, source: str, tokenizer, val_fraction: float, include_te
                    **quality.settings()}
     open_work(work, fingerprint)
     job = Job(str(work), source, str(tokenizer.folder), val_fraction, include_tests, on_bad_utf8, text_field, tasks,
-              digest, str(tokenizer.contract.dtype), threads=threads, filters=quality.filters, dedup=quality.dedup,
-              spill=stream_tasks.spill_kind(work, files))
+              digest, str(tokenizer.contract.dtype), threads=threads, filters=quality.filters, dedup=quality.dedup)
     return job, sum(f.size for f in files)
 
 

@@ -7,7 +7,6 @@ step: a callable `(data, rank, world_size)`.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
@@ -35,16 +34,10 @@ OWN_FILE = TASKS_MARKER
 STAGES = ("hash", "plan", "tokenize")
 #: data.dedup = "minhash": datatrove's bucket stage between the hash and plan stages.
 MINHASH_STAGES = ("hash", "buckets", "plan", "tokenize")
-#: The hash stage's copy of a task's documents (name and text of each, one after another) that its
+#: The hash stage's copy of a task's documents (name and text of each, zstd level 1) that its
 #: tokenize stage reads instead of the source: one decompression and JSON decoding of the source a
-#: prepare, not two. As is (SPILL_RAW, the size of the documents' text) where the work folder's disk
-#: has room (`spill_kind`), else zstd level 1 (SPILL, about a third of it: compressing and reading
-#: it back cost ~4% of a 2-task prepare of a 1 GB `.jsonl.zst`); kept until the data folder is written.
+#: prepare, not two. About a third of the source's text in size, until the data folder is written.
 SPILL = "documents.zst"
-SPILL_RAW = "documents.bin"
-#: `spill_kind`'s guess at the text in a compressed file (x its size) and the free disk it asks
-#: for (x that guess: the copy, then the shards, then their join).
-SPILL_EXPANSION, SPILL_ROOM = 8, 3
 #: How the near-duplicates removed were found (report.json's near_duplicates_removed.method).
 NEAR_METHOD = ("datatrove MinHash: word 5-grams of the simplified text, 14 bands of 8 SHA-1 hashes; pairs "
                "joined into connected components, each kept as its first document in the stream")
@@ -105,8 +98,6 @@ class Job:
     """data.filters (`lmforge.data.quality.FILTERS` names), applied in the hash stage."""
     dedup: str = "exact"
     """data.dedup: "minhash" adds the MinHash signatures (hash stage) and bucket stage."""
-    spill: str = "zstd"
-    """How the hash stage keeps its copy of the documents: "raw" (SPILL_RAW) or "zstd" (SPILL)."""
 
     def folder(self, stage: str, rank: int) -> Path:
         return Path(self.work) / stage / f"{rank:05d}"
@@ -144,16 +135,6 @@ class Job:
                 shown = time.monotonic()
                 progress.write_text(str(stats.input_read()))
         progress.write_text(str(stats.input_bytes))
-
-
-def spill_kind(work: Path, files: list) -> str:
-    """"raw" when the disk of `work` has SPILL_ROOM x the text `files` (InputFile) may hold free
-    (a compressed file's text guessed at SPILL_EXPANSION x its size), else "zstd"."""
-    from lmforge.data.records import record_suffix
-
-    text = sum(f.size * (SPILL_EXPANSION if f.kind == "records" and record_suffix(f.path) not in (".jsonl", ".arrow")
-                         else 1) for f in files)
-    return "raw" if shutil.disk_usage(work).free >= SPILL_ROOM * text else "zstd"
 
 
 def listing_digest(source: str, include_tests: bool, files: list | None = None) -> str:
@@ -209,10 +190,7 @@ class HashTask(StageTask):
         job, stats = self.job, TaskStats()
         filters = DocFilters(job.filters) if job.filters else None
         hashes, chunks, sizes, verdicts, name_sizes, splits = [], [], [], [], [], []
-        if job.spill == "raw":
-            spill = open(out / SPILL_RAW, "wb")
-        else:
-            spill = zstandard.ZstdCompressor(level=1).stream_writer(open(out / SPILL, "wb"))
+        spill = zstandard.ZstdCompressor(level=1).stream_writer(open(out / SPILL, "wb"))
         pending = bytearray()
 
         def documents():
@@ -317,7 +295,7 @@ class PlanTask(StageTask):
 
 
 class TokenizeTask(StageTask):
-    """A task's documents the plan keeps, read back from its hash stage's copy (not the source),
+    """A task's documents the plan keeps, read back from its hash stage's SPILL (not the source),
     written as shards with their chunks and their part of the data report."""
 
     stage = "tokenize"
@@ -342,9 +320,7 @@ class TokenizeTask(StageTask):
         batch: list = []
         progress, shown = Path(job.work) / "progress" / f"{self.stage}-{rank:05d}", 0.0
         progress.parent.mkdir(exist_ok=True)
-        raw = (hashed / SPILL_RAW).is_file()  # the kind its hash task wrote (a resumed prepare may differ)
-        with open(hashed / (SPILL_RAW if raw else SPILL), "rb") as f, \
-                (contextlib.nullcontext(f) if raw else zstandard.ZstdDecompressor().stream_reader(f)) as spill:
+        with open(hashed / SPILL, "rb") as f, zstandard.ZstdDecompressor().stream_reader(f) as spill:
             buf, at = b"", 0
             try:
                 for i, keep in enumerate(place.tolist()):
@@ -390,4 +366,4 @@ TASKS = {"hash": HashTask, "plan": PlanTask, "tokenize": TokenizeTask,
          "buckets": lambda job: buckets_step(job.minhash("signatures"), job.minhash("pairs"))}
 
 __all__ = ["CHUNK_RECORDS", "HashTask", "Job", "MINHASH_STAGES", "NEAR_METHOD", "OWN_FILE", "Owner", "PlanTask", "STAGES", "StageTask", "TASKS",
-           "SPILL", "SPILL_RAW", "Spilled", "TaskStats", "TokenizeTask", "listing_digest", "spill_kind"]
+           "SPILL", "Spilled", "TaskStats", "TokenizeTask", "listing_digest"]
