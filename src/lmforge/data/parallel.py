@@ -164,8 +164,7 @@ def run_stage(job: Job, stage: str, workers: int, progress: bool, input_bytes: i
     progress_dir = Path(job.work) / "progress"
     progress_dir.mkdir(exist_ok=True)
     bar = tqdm(desc=f"prepare ({stage}, {tasks} task{'s' if tasks > 1 else ''})", unit="B", unit_scale=True,
-               total=input_bytes if counted else None, disable=not progress or not counted,
-               mininterval=1.0)
+               total=input_bytes if counted else None, disable=not progress or not counted, mininterval=1.0)
     stop = threading.Event()
 
     def show() -> None:

@@ -192,6 +192,7 @@ class HashTask(StageTask):
         hashes, chunks, sizes, verdicts, name_sizes, splits = [], [], [], [], [], []
         spill = zstandard.ZstdCompressor(level=1).stream_writer(open(out / SPILL, "wb"))
         pending = bytearray()
+        minhash = job.dedup == "minhash"  # its signature step reads datatrove Documents; else nothing is read
 
         def documents():
             for doc, chunk in job.documents(rank, stats, self.stage):
@@ -211,7 +212,6 @@ class HashTask(StageTask):
                     pending.clear()
                 yield Document(text="" if verdict else doc.text, id=str(len(hashes) - 1)) if minhash else None
 
-        minhash = job.dedup == "minhash"
         with spill:
             if minhash:
                 signature_step(job.minhash("signatures")).run(documents(), rank, job.tasks)

@@ -137,13 +137,13 @@ class DecodeWeights:
     """The model's weights laid out for T = 1 decode steps, computed from its parameters (which
     keep their names and layout: checkpoints and export do not change).
 
-    `layers`: one `DecodeLayer` a layer, its matrices (in, out) so a step computes `x @ w`, each
-    contiguous along its longer side (MKL's batch-1 product on CPU reads it up to 3x faster: SmolLM2's
-    w13 12 against 7.6 GB/s, its w2 (1,536 in, 576 out) 11.9 against 8.0 the other way round):
+    `layers`: one `DecodeLayer` a layer, its matrices (in, out) so a step computes `x @ w`, contiguous
+    along out (MKL's batch-1 product on CPU reads a matrix up to 3x faster along its longer side:
+    SmolLM2's w13 12 against 7.6 GB/s; its w2, 1,536 in to 576 out, 11.9 against 8.0 the other way):
     `wqkv` (dim, H*hd + 2*KV*hd) = cat(wq, wk, wv).T and `w13` (dim, 2*ffn) = cat(w1, w3).T, one
     product for q, k and v and one for the MLP's inputs, the pre-norm's gain folded into their rows
-    (`FoldedNorm`: the norm is one per-row scale); `wo` (H*hd, dim), `w2` (ffn, dim), the model's own
-    weights seen transposed when in > out (no copy); biases alongside (Qwen2's: cat(bq, bk, bv)).
+    (`FoldedNorm`: the norm is one per-row scale); `wo` (H*hd, dim), `w2` (ffn, dim): when in > out and
+    in the compute dtype, the model's own weights seen transposed (no copy); biases alongside.
     `head` is (dim, vocab_size) likewise when its copy is at most HEAD_COPY_LIMIT bytes, else
     `out_head`, the sliced output weight (vocab_size, dim) for F.linear; `norm` the final norm. `tables`: each
     rotary kind's (cos, sin_signed), (max_seq_len, 1, hd), rotate_half's minus sign folded into the
