@@ -4,12 +4,14 @@ A speedrun-sized model (dim 256, 4 layers, 8 query / 4 KV heads, vocab 8192, ran
 weights, lmforge's default options: QK-norm) is built in lmforge and turned into the
 `transformers` model `lmforge export` would write (`common.hf_twin`: the exporter's own
 `hf_config` and `to_hf_state`, so a Qwen3ForCausalLM for a QK-norm model, else a
-LlamaForCausalLM). Both generate greedily a fixed number of new tokens (stopping disabled)
-from the same prompts, batch 1 and batch 8. Reported: median new tokens per second over
+LlamaForCausalLM); `--shape gemma3-270m` goes the other way, as a user's model does: transformers
+saves a Gemma3ForCausalLM of random weights, `lmforge import-hf` imports it (`common.imported_model`).
+Both generate greedily a fixed number of new tokens (stopping disabled) from the same prompts,
+batch 1 and batch 8. Reported: median new tokens per second over
 a few repeats (prefill included), the ratio, and whether both produced the same ids.
 transformers is a library that raises rather than crashes: it runs in this process.
 
-    python bench/bench_decode.py [--new-tokens 64] [--repeats 3] [--threads 1] [--shape smollm2-135m]
+    python bench/bench_decode.py [--new-tokens 64] [--repeats 3] [--threads 1] [--shape smollm2-135m|gemma3-270m]
     python bench/bench_decode.py --smoke     # seconds, a tiny model: proves it runs
 """
 
@@ -18,6 +20,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -35,8 +38,16 @@ SMOKE_VOCAB = 512
 SMOKE_SHAPE = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2)
 
 
-def build_models(seed: int = 0, max_seq_len: int = 512, smoke: bool = False, shape: str = "speedrun"):
-    """(lmforge model, its transformers twin) with identical float32 weights, of `common.SHAPES[shape]`."""
+def build_models(seed: int = 0, max_seq_len: int = 512, smoke: bool = False, shape: str = "speedrun",
+                 work: Path | None = None):
+    """(lmforge model, its transformers twin, contract) with identical float32 weights, of
+    `common.SHAPES[shape]`; for an imported shape (`common.IMPORTED_SHAPES`) the user's transformers
+    folder, saved into `work`, and lmforge's import of it."""
+    if shape in common.IMPORTED_SHAPES:
+        transformers = require_transformers()
+        _, ours, tok, folder = common.imported_model(work, smoke, shape)
+        theirs = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+        return ours.float().eval(), theirs.eval(), tok.contract
     dims = dict(SMOKE_SHAPE, vocab_size=SMOKE_VOCAB) if smoke else common.SHAPES[shape]
     vocab = dims["vocab_size"]
     cfg = ModelConfig(**dims, max_seq_len=max_seq_len)
@@ -50,7 +61,7 @@ def prompts_for(batch: int, seed: int, contract) -> list[list[int]]:
     """`batch` prompts of 16..32 tokens (different lengths: left padding is exercised)."""
     g = torch.Generator().manual_seed(seed)
     lengths = [32 - (i * 5) % 17 for i in range(batch)]
-    first = max(contract.special_tokens.values()) + 1
+    first = max(i for i in contract.special_tokens.values() if i is not None) + 1
     return [[contract.bos_id, *torch.randint(first, contract.vocab_size, (n - 1,), generator=g).tolist()]
             for n in lengths]
 
@@ -126,7 +137,8 @@ def main(argv: list[str] | None = None) -> dict:
 def _run(args) -> dict:
     torch.manual_seed(0)
     t0 = time.perf_counter()
-    ours, theirs, contract = build_models(smoke=args.smoke, shape=args.shape)
+    with tempfile.TemporaryDirectory() as work:
+        ours, theirs, contract = build_models(smoke=args.smoke, shape=args.shape, work=Path(work))
     results: dict = {"threads": torch.get_num_threads(), "new_tokens": args.new_tokens, "repeats": args.repeats,
                      "reference": type(theirs).__name__, "smoke": args.smoke}
     for batch in args.batches:

@@ -79,9 +79,10 @@ GEMMA3_270M = dict(vocab_size=262_144, hidden_size=640, intermediate_size=2048, 
                                     "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
 SMOKE = dict(SMOLLM2_135M, vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2)
-SMOKE_GEMMA = dict(GEMMA3_270M, vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+#: six layers: llama.cpp's gemma3 hard-codes the pattern (five sliding, one full), bench_gguf exports it
+SMOKE_GEMMA = dict(GEMMA3_270M, vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=6,
                    num_attention_heads=2, head_dim=32, query_pre_attn_scalar=32,
-                   layer_types=["sliding_attention", "full_attention"])
+                   layer_types=GEMMA3_270M["layer_types"][:6])
 #: --shape: the user's model (transformers class, config class, its config, --smoke's) and the
 #: token that ends a turn
 USER_SHAPES = {"smollm2-135m": ("LlamaForCausalLM", "LlamaConfig", SMOLLM2_135M, SMOKE, "<|im_end|>"),

@@ -3,7 +3,9 @@
 
 A speedrun-sized model (dim 256, 4 layers, 8 query / 4 KV heads, the stdlib tokenizer of
 8192 ids, random weights; `--shape smollm2-135m`: a user's SmolLM2-135M shape, `common.SHAPES`, with a
-stdlib tokenizer of 49,152 ids) is saved as an lmforge checkpoint and exported with
+stdlib tokenizer of 49,152 ids; `--shape gemma3-270m`: a user's Gemma 3 270M, saved by transformers with
+random weights and imported with `lmforge import-hf`, `common.imported_model`) is saved as an lmforge
+checkpoint and exported with
 `export_gguf` as f32 and q8_0. Each backend then decodes greedily a fixed number of new
 tokens (stopping disabled) from the same prompts (held-out standard-library code, 32
 tokens, <|bos|> first), batch 1, interleaved round by round. Reported: median new tokens
@@ -19,7 +21,7 @@ the end of the benchmark. The llama.cpp timings include the request to that chil
 round trip, well under a millisecond). Without llama_cpp the llama.cpp rows say
 "llama.cpp not installed"; lmforge's decode and the export still run.
 
-    python bench/bench_gguf.py [--new-tokens 64] [--repeats 3] [--threads 1] [--shape smollm2-135m]
+    python bench/bench_gguf.py [--new-tokens 64] [--repeats 3] [--threads 1] [--shape smollm2-135m|gemma3-270m]
     python bench/bench_gguf.py --smoke     # seconds, a tiny model and tokenizer: proves it runs
 """
 
@@ -161,8 +163,11 @@ def _run(args, tmp: Path) -> dict:
     from lmforge.generate import SamplingConfig, generate
 
     t0 = time.perf_counter()
-    tok = common.bench_tokenizer(args.smoke, tmp, common.SHAPES[args.shape]["vocab_size"])
-    ckpt, model = build_checkpoint(tmp, tok, args.smoke, args.shape)
+    if args.shape in common.IMPORTED_SHAPES:  # a transformers folder, imported as the user would
+        ckpt, model, tok, _ = common.imported_model(tmp, args.smoke, args.shape)
+    else:
+        tok = common.bench_tokenizer(args.smoke, tmp, common.SHAPES[args.shape]["vocab_size"])
+        ckpt, model = build_checkpoint(tmp, tok, args.smoke, args.shape)
     prompts = prompts_for(tok, args.prompts)
     n_new = args.new_tokens
     sampling = SamplingConfig(max_new_tokens=n_new, greedy=True)

@@ -335,10 +335,33 @@ SHAPES = {
 }
 
 
+#: Shapes the decode benchmarks take as a user brings them: a transformers folder (bench_finetune.USER_SHAPES,
+#: random weights, built by transformers itself) imported with `lmforge import-hf` (`imported_model`).
+#: Gemma 3 270M: 640 x 18 layers, 4 / 1 heads of 256, five sliding layers to one full, GeGLU, a tied
+#: 262,144-row head (671 MB in fp32, ~60% of the bytes a token reads).
+IMPORTED_SHAPES = ("gemma3-270m",)
+
+
 def shape_flag(ap) -> None:
-    """--shape: one of SHAPES (default "speedrun")."""
-    ap.add_argument("--shape", choices=sorted(SHAPES), default="speedrun",
-                    help="the model's shape: the speedrun's, or a user's SmolLM2-135M (random weights either way)")
+    """--shape: one of SHAPES or IMPORTED_SHAPES (default "speedrun")."""
+    ap.add_argument("--shape", choices=sorted([*SHAPES, *IMPORTED_SHAPES]), default="speedrun",
+                    help="the model's shape: the speedrun's, a user's SmolLM2-135M (built in lmforge), or a user's "
+                         "Gemma 3 270M (a transformers folder imported); random weights in each")
+
+
+def imported_model(work: Path, smoke: bool, shape: str):
+    """A user's model of `shape` (IMPORTED_SHAPES) as the user has it: transformers saves a folder of
+    random weights (`bench_finetune.build_user_folder`: its tokenizer and chat template too) into
+    work/user and `lmforge import-hf` turns it into work/imported. Returns (the checkpoint folder,
+    the lmforge model in eval mode as `lmforge generate` loads it, its Tokenizer, the transformers
+    folder); `smoke`: the shape's tiny twin."""
+    import bench_finetune
+
+    from lmforge.loading import load_checkpoint
+
+    bench_finetune.import_user_folder(work, smoke, shape)
+    cp = load_checkpoint(work / "imported")
+    return cp.path, cp.model, cp.tokenizer, work / "user"
 
 
 # -- the transformers twin of an lmforge model ------------------------------------------------------

@@ -148,6 +148,29 @@ CHECKS = {"decode": check_decode, "train": check_train, "gguf": check_gguf, "qua
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("script", ["bench_decode.py", "bench_gguf.py"])
+def test_decode_benchmarks_take_a_users_imported_gemma3(script, tmp_path):
+    """`--shape gemma3-270m` (its tiny twin in --smoke): transformers saves a Gemma3ForCausalLM folder,
+    `lmforge import-hf` imports it; lmforge's greedy ids equal transformers' own generate at batch 1
+    and left-padded batch 3, and llama.cpp's on the exported GGUF (f32) where llama.cpp is installed."""
+    res = subprocess.run([sys.executable, str(BENCH / script), "--smoke", "--shape", "gemma3-270m"],
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path, env=smoke_env())
+    assert res.returncode == 0, res.stderr[-4000:]
+    out = res.stdout
+    assert "SMOKE RUN" in out and "vocab 512" in out, out
+    if script == "bench_decode.py":
+        assert "Gemma3ForCausalLM" in out
+        assert re.findall(r"^\| (\d+) +\|.*\| (True|False) +\|$", out, re.M) == [("1", "True"), ("3", "True")], out
+        return
+    assert re.search(r"^\| lmforge +\| [\d.]+ .*\| 16/16 ", out, re.M), out
+    f32 = next(line for line in out.splitlines() if line.startswith("| llama.cpp f32 "))
+    if __import__("bench_gguf").llama_installed():
+        assert re.search(r"\| 16/16 +\|", f32), f32  # llama.cpp's greedy ids are lmforge's
+    else:
+        assert "llama.cpp not installed" in f32
+
+
+@pytest.mark.slow
 def test_gpu_check_smoke_runs_its_rows_on_a_cpu_and_a_failing_row_is_a_row(tmp_path):
     """bench/gpu_check.py (issue 48: the GPU path in one prepared check), --smoke on a CPU: rows 2a-2d
     (compiled with aot_eager against eager gradients of pretraining, SFT, DPO and RL), 3 (flex against

@@ -28,8 +28,10 @@ def rows(lengths, seed=0):
 
 #: the head's layouts in the decode step (DecodeWeights): oneDNN-prepacked with the layers; a
 #: (dim, V) copy for batch 1 and F.linear on the weight for more rows (the head over PACK_LIMIT:
-#: a large vocabulary's); F.linear on the weight at every batch (over HEAD_COPY_LIMIT)
-HEAD_LAYOUTS = {"packed": {}, "copied": {"PACK_LIMIT": 0}, "weight": {"PACK_LIMIT": 0, "HEAD_COPY_LIMIT": 0}}
+#: a large vocabulary's); F.linear on the weight at every batch (over HEAD_COPY_LIMIT); oneDNN's prepacked
+#: head for several rows and F.linear on the weight for one (over HEAD_COPY_LIMIT, under PACK_LIMIT: Gemma 3's)
+HEAD_LAYOUTS = {"packed": {}, "copied": {"PACK_LIMIT": 0}, "weight": {"PACK_LIMIT": 0, "HEAD_COPY_LIMIT": 0},
+                "packed-weight": {"HEAD_COPY_LIMIT": 0}}
 
 
 @pytest.mark.parametrize("layout", sorted(HEAD_LAYOUTS))
@@ -57,7 +59,7 @@ def test_shared_slot_decode_equals_full_recompute(layout, batch, monkeypatch):
             torch.testing.assert_close(logits[i], m(torch.tensor([s]))[0, -1], rtol=1e-5, atol=1e-5)
     w = cache.weights  # the layout asked for was the one used
     assert (w.packed is not None, w.head_t) == {"packed": (True, True), "copied": (False, True),
-                                                "weight": (False, False)}[layout]
+                                                "weight": (False, False), "packed-weight": (True, False)}[layout]
 
 
 @torch.inference_mode()
@@ -87,12 +89,18 @@ def test_per_row_slots_equal_full_recompute_and_rows_are_independent():
     torch.testing.assert_close(two, four[:2], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("layout", ["packed", "packed-weight"])
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 9, 16])
 @torch.inference_mode()
-def test_decode_step_is_batch_invariant(n):
+def test_decode_step_is_batch_invariant(n, layout, monkeypatch):
     """The first rows' logits are bit-identical whether n or 16 rows decode together, with
     `batch_invariant=True` (the server's setting): oneDNN's prepacked matmuls do not change with
-    the batch size. Without oneDNN, MKL's do not from 4 rows up (the engine then pads to 4)."""
+    the batch size, the head prepacked from its (dim, V) copy or from the weight itself (a head over
+    HEAD_COPY_LIMIT). Without oneDNN, MKL's do not from 4 rows up (the engine then pads to 4)."""
+    from lmforge.model.decode import DecodeWeights
+
+    for name, limit in HEAD_LAYOUTS[layout].items():
+        monkeypatch.setattr(DecodeWeights, name, limit)
     m = model(5)
     if m.decode_weights().packed is None and n < 4:
         pytest.skip("no oneDNN linear in this torch: batch invariance holds from 4 rows only")
