@@ -7,9 +7,9 @@ weights, lmforge's default options: QK-norm) is built in lmforge and turned into
 LlamaForCausalLM); `--shape gemma3-270m` goes the other way, as a user's model does: transformers
 saves a Gemma3ForCausalLM of random weights, `lmforge import-hf` imports it (`common.imported_model`).
 Both generate greedily a fixed number of new tokens (stopping disabled) from the same prompts,
-batch 1 and batch 8. Reported: median new tokens per second over
-a few repeats (prefill included), the ratio, and whether both produced the same ids.
-transformers is a library that raises rather than crashes: it runs in this process.
+batch 1 and batch 8. Reported: median new tokens per second over a few repeats (prefill
+included), the ratio, and whether both produced the same ids. transformers is a library that
+raises rather than crashes: it runs in this process.
 
     python bench/bench_decode.py [--new-tokens 64] [--repeats 3] [--threads 1] [--shape smollm2-135m|gemma3-270m]
     python bench/bench_decode.py --smoke     # seconds, a tiny model: proves it runs
@@ -42,7 +42,8 @@ def build_models(seed: int = 0, max_seq_len: int = 512, smoke: bool = False, sha
                  work: Path | None = None):
     """(lmforge model, its transformers twin, contract) with identical float32 weights, of
     `common.SHAPES[shape]`; for an imported shape (`common.IMPORTED_SHAPES`) the user's transformers
-    folder, saved into `work`, and lmforge's import of it."""
+    folder, saved into `work`, and lmforge's import of it (its own weights and max_seq_len: `seed` and
+    `max_seq_len` are for the shapes built here)."""
     if shape in common.IMPORTED_SHAPES:
         transformers = require_transformers()
         _, ours, tok, folder = common.imported_model(work, smoke, shape)
